@@ -1,0 +1,78 @@
+"""Exceptions raised by celery-exclusive.
+
+Every exception the package raises on purpose derives from :class:`ExclusiveError`::
+
+    ExclusiveError
+    ├── ConfigurationError        bad or missing URL, unknown scheme, bad table/prefix name
+    │   └── MissingDriverError    the provider's driver is not installed (names the pip line)
+    ├── InvalidArgumentError      bad key, duration or option; raised before any backend call
+    ├── BackendError              the lock store is down, refused, or answered nonsense
+    ├── LockedError               the key is held by someone else (``key``, ``holder``)
+    │   └── LockRetriesExceeded   a Celery task gave up waiting for the key
+    └── LockLost                  a held lease is gone or may be gone (``key``, ``fence``)
+
+A backend outage is always a :class:`BackendError`, never "not acquired": an outage must
+not look like contention. Driver exceptions are translated once, at the provider boundary,
+and chained with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery_exclusive.providers.base import LockInfo
+
+
+class ExclusiveError(Exception):
+    """Base class of every exception raised by celery-exclusive."""
+
+
+class ConfigurationError(ExclusiveError, ValueError):
+    """The lock store is not configured, or configured wrongly."""
+
+
+class MissingDriverError(ConfigurationError, ImportError):
+    """The driver a provider needs is not installed; the message names the pip line."""
+
+    def __init__(self, extra: str, module: str) -> None:
+        self.extra = extra
+        self.module = module
+        super().__init__(
+            f"the {module!r} package is required for this lock store; "
+            f"install it with: pip install 'celery-exclusive[{extra}]'"
+        )
+
+
+class InvalidArgumentError(ExclusiveError, ValueError):
+    """An argument was rejected before any backend was touched."""
+
+
+class BackendError(ExclusiveError):
+    """The lock store could not be reached or failed; the lock state is unknown."""
+
+
+class LockedError(ExclusiveError):
+    """The key is held by another owner."""
+
+    def __init__(self, key: str, holder: LockInfo | None = None, message: str | None = None) -> None:
+        self.key = key
+        self.holder = holder
+        if message is None:
+            who = f" by {holder.describe()}" if holder is not None else ""
+            message = f"lock {key!r} is held{who}"
+        super().__init__(message)
+
+
+class LockRetriesExceeded(LockedError):
+    """A task retried for its lock ``lock_max_retries`` times and gave up."""
+
+
+class LockLost(ExclusiveError):
+    """The lease was lost (or may have been): another owner may now hold the key."""
+
+    def __init__(self, key: str, fence: int, reason: str) -> None:
+        self.key = key
+        self.fence = fence
+        self.reason = reason
+        super().__init__(f"lock {key!r} (fence {fence}) was lost: {reason}")

@@ -1,0 +1,211 @@
+"""One heartbeat thread per service: it keeps every held lease alive in batched round trips.
+
+Each pass refreshes the leases that are due (and those nearly due, to share the round
+trip) with one ``provider.refresh`` call per ``batch_size`` leases, marks leases LOST
+when the store disowns them or their local deadline passes, and retries releases whose
+outcome was unknown. The thread never dies of an exception: it logs and goes on. The
+clock and thread factory are injectable, and :meth:`Heartbeat.beat` runs one pass, so
+tests can drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from celery_exclusive.lease import Lease, LeaseState
+from celery_exclusive.providers.base import LockProvider, RefreshRequest
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+logger = logging.getLogger("celery_exclusive")
+
+#: Longest the thread sleeps with nothing due, in seconds.
+IDLE_WAKE = 60.0
+#: The thread exits after this many seconds with no lease; the next lease starts a new one.
+IDLE_EXIT = 2.0
+
+
+class Heartbeat:
+    """Refreshes the registered leases; ``mutex`` guards every lease's state."""
+
+    def __init__(
+        self,
+        provider: LockProvider,
+        *,
+        clock: Callable[[], float],
+        lose: Callable[[Lease, str], None],
+        refreshed: Callable[[list[Lease], float], None],
+        batch_size: int = 1000,
+        thread_factory: Callable[..., threading.Thread] = threading.Thread,
+    ) -> None:
+        self.mutex = threading.Lock()
+        self._provider = provider
+        self._clock = clock
+        self._lose = lose
+        self._refreshed = refreshed
+        self._batch_size = batch_size
+        self._thread_factory = thread_factory
+        self._leases: dict[int, Lease] = {}
+        self._pending_release: dict[int, Lease] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: Lease) -> None:
+        """Start keeping ``lease`` alive."""
+        with self.mutex:
+            self._leases[id(lease)] = lease
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = self._thread_factory(
+                    target=self._run, name="celery-exclusive-heartbeat", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def discard(self, lease: Lease) -> None:
+        """Stop refreshing ``lease`` (caller holds ``mutex``)."""
+        self._leases.pop(id(lease), None)
+        self._pending_release.pop(id(lease), None)
+
+    def retry_release(self, lease: Lease) -> None:
+        """Keep retrying a release whose outcome was unknown until the store answers."""
+        with self.mutex:
+            self._pending_release[id(lease)] = lease
+        self._wake.set()
+
+    def held(self) -> list[Lease]:
+        """The leases currently kept alive."""
+        with self.mutex:
+            return list(self._leases.values())
+
+    @property
+    def running(self) -> bool:
+        """True while the heartbeat thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread (leases are not released: that is the service's job)."""
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        delay = 0.0
+        idle_since: float | None = None
+        while not self._stop.is_set():
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                delay = self.beat()
+            except Exception:  # the heartbeat must outlive any bug or outage
+                logger.warning("celery-exclusive heartbeat pass failed; retrying in 1 s", exc_info=True)
+                delay = 1.0
+            with self.mutex:
+                if self._leases or self._pending_release:
+                    idle_since = None
+                    continue
+                now = self._clock()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= IDLE_EXIT:
+                    self._thread = None  # add() starts a fresh thread under this mutex
+                    return
+                delay = min(delay, IDLE_EXIT - (now - idle_since) + 0.01)
+
+    def beat(self) -> float:
+        """One pass: refresh what is due, mark what is lost; returns seconds until the next."""
+        now = self._clock()
+        with self.mutex:
+            active = list(self._leases.values())
+            pending = list(self._pending_release.values())
+        due: list[Lease] = []
+        strictly_due = False
+        for lease in active:
+            if now >= lease._deadline:
+                self._lose(lease, "the lease was not confirmed before its local deadline")
+            elif not lease._final and lease._next_refresh - lease.refresh_interval / 2 <= now:
+                due.append(lease)
+                strictly_due = strictly_due or lease._next_refresh <= now
+        if strictly_due:
+            for start in range(0, len(due), self._batch_size):
+                self._refresh(due[start : start + self._batch_size])
+        for lease in pending:
+            self._retry_release(lease)
+        return self._next_delay()
+
+    def _refresh(self, leases: Sequence[Lease]) -> None:
+        sent = self._clock()
+        requests = [RefreshRequest(lease.store_key, lease.token, lease.ttl) for lease in leases]
+        try:
+            answers = self._provider.refresh(requests)
+        except Exception as exc:
+            self._jeopardy(leases, sent, exc)
+            return
+        duration = self._clock() - sent
+        shortest = min(lease.refresh_interval for lease in leases)
+        if duration > shortest / 2:
+            logger.warning(
+                "celery-exclusive heartbeat overran: refreshing %d leases took %.3f s "
+                "(shortest refresh interval %.3f s)",
+                len(leases),
+                duration,
+                shortest,
+            )
+        confirmed: list[Lease] = []
+        for lease, granted in zip(leases, answers, strict=True):
+            if granted is None:
+                self._lose(lease, "the store no longer lists this token: the lease expired or was taken over")
+                continue
+            with self.mutex:
+                if lease._state in (LeaseState.HELD, LeaseState.JEOPARDY):
+                    lease._confirm(sent, granted, clamped=granted < lease.ttl * 0.99 - 1e-3)
+                    confirmed.append(lease)
+            if lease._final:
+                logger.warning(
+                    "lock %r reached its max lifetime (%g s); it will be allowed to expire",
+                    lease.key,
+                    lease.max_lifetime,
+                )
+        self._refreshed(confirmed, duration)
+
+    def _jeopardy(self, leases: Sequence[Lease], sent: float, exc: Exception) -> None:
+        logger.warning(
+            "celery-exclusive could not refresh %d lease(s): %s; will retry before their deadlines",
+            len(leases),
+            exc,
+        )
+        with self.mutex:
+            for lease in leases:
+                if lease._state is LeaseState.HELD:
+                    lease._state = LeaseState.JEOPARDY
+                # Retry soon, several times before the local deadline, never faster than 20/s.
+                remaining = lease._deadline - sent
+                lease._next_refresh = sent + min(lease.refresh_interval, max(0.05, remaining / 4))
+
+    def _retry_release(self, lease: Lease) -> None:
+        try:
+            self._provider.release(lease.store_key, lease.token)
+        except Exception:
+            if self._clock() < lease._deadline + lease.ttl:
+                return  # still unknown; the store may still hold it, try again next pass
+        with self.mutex:
+            self._pending_release.pop(id(lease), None)
+
+    def _next_delay(self) -> float:
+        now = self._clock()
+        with self.mutex:
+            wake = [lease._deadline for lease in self._leases.values()]
+            wake += [lease._next_refresh for lease in self._leases.values() if not lease._final]
+            if self._pending_release:
+                wake.append(now + 1.0)
+        if not wake:
+            return IDLE_WAKE
+        return min(max(min(wake) - now, 0.001), IDLE_WAKE)

@@ -1,0 +1,122 @@
+"""The provider contract: single atomic operations on one lock store.
+
+A provider stores leases; it knows nothing of defaults, prefixes or heartbeats (those are
+the service's). Keys reach it already prefixed. Durations are seconds as ``float``.
+Expiry is decided by the store's own clock, never the caller's.
+
+Every method either returns its documented answer or raises
+:class:`~celery_exclusive.errors.BackendError` when the store cannot be reached or
+fails: "not acquired" and "not owned" are answers, an outage is not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A successful acquisition: the fence number and the seconds the store granted."""
+
+    fence: int
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """A live lease as the store sees it (times measured on the store's clock)."""
+
+    key: str
+    token: str
+    fence: int
+    age: float
+    expires_in: float
+    hard_expires_in: float
+    holder: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line naming the holder: host, pid, task and fence where known."""
+        parts = [f"{k}={self.holder[k]}" for k in ("host", "pid", "task_name", "task_id") if k in self.holder]
+        parts.append(f"fence={self.fence}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A failed acquisition: the key is held; ``holder`` is None if it changed mid-call."""
+
+    holder: LockInfo | None
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshRequest:
+    """One lease to extend by ``ttl`` seconds, if ``token`` still owns ``key``."""
+
+    key: str
+    token: str
+    ttl: float
+
+
+@runtime_checkable
+class LockProvider(Protocol):
+    """A lock store. All methods are thread-safe; each is one atomic operation per key."""
+
+    #: Longest key (prefix included, in characters) this store accepts.
+    max_key_length: int
+
+    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+        """Take ``key`` for ``token`` if it is free, expired, or past its hard deadline.
+
+        Atomic: of any number of concurrent callers, at most one gets a :class:`Grant`.
+        The lease expires ``min(ttl, max_lifetime)`` seconds from now on the store's clock;
+        its hard deadline, stored with it, is ``max_lifetime`` seconds from now. The grant's
+        fence is greater than that of every earlier acquisition of ``key`` in this store.
+        If ``token`` already holds ``key`` (a retried call whose reply was lost), the
+        existing lease is returned unchanged. ``holder`` is opaque JSON metadata.
+        Only this key's dead row may be removed; nothing else is touched.
+        """
+        ...
+
+    def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
+        """Extend every lease in ``requests`` in one round trip; one answer per request.
+
+        An answer is the seconds the lease now has left (``min(ttl, time to its hard
+        deadline)``), or ``None`` when the token does not own the key any more (released,
+        expired, or taken by another): such a lease is not revived and nothing changes.
+        """
+        ...
+
+    def release(self, key: str, token: str) -> bool:
+        """Delete the lease if ``token`` owns ``key``; True if it did, False if not owned."""
+        ...
+
+    def peek(self, key: str) -> LockInfo | None:
+        """The live lease on ``key``, or None if the key is free (expired counts as free)."""
+        ...
+
+    def list(self, prefix: str) -> list[LockInfo]:
+        """Every live lease whose key starts with ``prefix``, ordered by key."""
+        ...
+
+    def close(self) -> None:
+        """Release connections. Leases stay in the store until released or expired."""
+        ...
+
+
+def encode_holder(holder: dict[str, Any]) -> str:
+    """Serialise holder metadata compactly for storage."""
+    return json.dumps(holder, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def decode_holder(raw: str | bytes | None) -> dict[str, Any]:
+    """Parse stored holder metadata; anything unreadable becomes an empty mapping."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

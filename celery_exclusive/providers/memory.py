@@ -1,0 +1,109 @@
+"""In-process lock store, for tests and single-process programs (``memory://``).
+
+Public so users can unit-test their own exclusive tasks without a server. Leases live in
+this process only: it gives no exclusion across processes. Its clock is swappable so tests
+can move time without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from celery_exclusive.providers.base import Grant, Held, LockInfo, RefreshRequest, decode_holder
+
+
+@dataclass(slots=True)
+class _Row:
+    token: str
+    fence: int
+    created_at: float
+    expires_at: float
+    deadline: float
+    holder: str
+
+
+class MemoryLockProvider:
+    """Leases in a dict guarded by a mutex; ``clock`` is seconds on any monotonic scale."""
+
+    max_key_length = 1024
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._mutex = threading.Lock()
+        self._rows: dict[str, _Row] = {}
+        self._fences: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return "MemoryLockProvider()"
+
+    def _live(self, key: str, now: float) -> _Row | None:
+        row = self._rows.get(key)
+        if row is not None and (row.expires_at <= now or row.deadline <= now):
+            del self._rows[key]
+            return None
+        return row
+
+    def _info(self, key: str, row: _Row, now: float) -> LockInfo:
+        return LockInfo(
+            key=key,
+            token=row.token,
+            fence=row.fence,
+            age=now - row.created_at,
+            expires_in=row.expires_at - now,
+            hard_expires_in=row.deadline - now,
+            holder=decode_holder(row.holder),
+        )
+
+    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+        with self._mutex:
+            now = self._clock()
+            row = self._live(key, now)
+            if row is not None:
+                if row.token == token:
+                    return Grant(row.fence, row.expires_at - now)
+                return Held(self._info(key, row, now))
+            fence = self._fences.get(key, 0) + 1
+            self._fences[key] = fence
+            granted = min(ttl, max_lifetime)
+            self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
+            return Grant(fence, granted)
+
+    def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
+        answers: list[float | None] = []
+        with self._mutex:
+            now = self._clock()
+            for request in requests:
+                row = self._live(request.key, now)
+                if row is None or row.token != request.token:
+                    answers.append(None)
+                    continue
+                row.expires_at = min(now + request.ttl, row.deadline)
+                answers.append(row.expires_at - now)
+        return answers
+
+    def release(self, key: str, token: str) -> bool:
+        with self._mutex:
+            row = self._live(key, self._clock())
+            if row is None or row.token != token:
+                return False
+            del self._rows[key]
+            return True
+
+    def peek(self, key: str) -> LockInfo | None:
+        with self._mutex:
+            now = self._clock()
+            row = self._live(key, now)
+            return None if row is None else self._info(key, row, now)
+
+    def list(self, prefix: str) -> list[LockInfo]:
+        with self._mutex:
+            now = self._clock()
+            keys = sorted(k for k in self._rows if k.startswith(prefix))
+            rows = ((k, self._live(k, now)) for k in keys)
+            return [self._info(k, row, now) for k, row in rows if row is not None]
+
+    def close(self) -> None:
+        """Nothing to close; leases stay until released or expired."""

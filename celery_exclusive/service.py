@@ -1,0 +1,404 @@
+"""The lock service: policy (prefix, defaults, validation, heartbeat) over one provider.
+
+Usable without Celery::
+
+    service = LockService("postgresql://localhost/app")
+    outcome = service.run_exclusive("community-pr:42", process)   # ExclusiveResult
+    with service.lock("rollup") as lease:                           # LockedError if held
+        ...
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+from celery_exclusive import signals
+from celery_exclusive.errors import BackendError, InvalidArgumentError, LockedError
+from celery_exclusive.heartbeat import Heartbeat
+from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.providers.base import Grant, LockInfo, LockProvider, encode_holder
+from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
+from celery_exclusive.validation import (
+    MAX_LIFETIME_CAP,
+    check_key,
+    check_prefix,
+    lease_durations,
+    seconds,
+)
+
+T = TypeVar("T")
+logger = logging.getLogger("celery_exclusive")
+
+DEFAULT_PREFIX = "task-lock:"
+DEFAULT_TTL = 15 * 60.0
+DEFAULT_MAX_LIFETIME = MAX_LIFETIME_CAP
+_HOST = socket.gethostname()[:64]
+
+
+@dataclass(frozen=True, slots=True)
+class ExclusiveResult(Generic[T]):
+    """What :meth:`LockService.run_exclusive` did: ``result`` is set only when ``acquired``."""
+
+    acquired: bool
+    result: T | None = None
+    fence: int | None = None
+    holder: LockInfo | None = None
+
+
+def new_token() -> str:
+    """A fresh owner token: host, pid, wall time (for people) and 64 random bits."""
+    return f"{_HOST}:{os.getpid()}:{int(time.time() * 1000)}:{secrets.token_hex(8)}"
+
+
+class LockService:
+    """Acquires, keeps alive and releases leases on one lock store.
+
+    ``store`` is a provider or a URL; None reads ``CELERY_EXCLUSIVE_URL``. One service per
+    process is the intended use: it owns one heartbeat thread for all its leases. Safe to
+    use from several threads, and across ``fork`` (a child starts with no leases and never
+    reuses the parent's connections).
+    """
+
+    def __init__(
+        self,
+        store: LockProvider | str | None = None,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        ttl: float | timedelta = DEFAULT_TTL,
+        refresh_interval: float | timedelta | None = None,
+        max_lifetime: float | timedelta = DEFAULT_MAX_LIFETIME,
+        clock: Callable[[], float] = time.monotonic,
+        heartbeat_batch_size: int = 1000,
+        thread_factory: Callable[..., threading.Thread] = threading.Thread,
+    ) -> None:
+        self.prefix = check_prefix(prefix)
+        self.ttl, self.refresh_interval, self.max_lifetime = lease_durations(
+            seconds("ttl", ttl),
+            None if refresh_interval is None else seconds("refresh_interval", refresh_interval),
+            seconds("max_lifetime", max_lifetime),
+            ttl_explicit=True,
+        )
+        self._refresh_explicit = refresh_interval is not None
+        if not isinstance(heartbeat_batch_size, int) or heartbeat_batch_size < 1:
+            raise InvalidArgumentError("heartbeat_batch_size must be a positive int")
+        if store is None or isinstance(store, str):
+            url = resolve_url(store)
+            self._url: str | None = url
+            self.provider: LockProvider = provider_from_url(url)
+        elif isinstance(store, LockProvider):
+            self._url = None
+            self.provider = store
+        else:
+            raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
+        self.clock = clock
+        self._batch_size = heartbeat_batch_size
+        self._thread_factory = thread_factory
+        self._closed = False
+        self._heartbeat = self._new_heartbeat()
+        _live_services.add(self)
+
+    def __repr__(self) -> str:
+        where = mask_url(self._url) if self._url else repr(self.provider)
+        return f"<LockService {where} prefix={self.prefix!r}>"
+
+    def _new_heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            self.provider,
+            clock=self.clock,
+            lose=self._lose,
+            refreshed=self._refreshed,
+            batch_size=self._batch_size,
+            thread_factory=self._thread_factory,
+        )
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """The heartbeat keeping this service's leases alive."""
+        return self._heartbeat
+
+    def held(self) -> list[Lease]:
+        """The leases this process holds through this service."""
+        return self._heartbeat.held()
+
+    # -- acquiring ------------------------------------------------------------------------
+
+    def try_lock(
+        self,
+        key: str,
+        *,
+        ttl: float | timedelta | None = None,
+        refresh_interval: float | timedelta | None = None,
+        max_lifetime: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+    ) -> Lease | None:
+        """Acquire ``key`` and keep it alive; None if someone else holds it."""
+        try:
+            return self.lock(
+                key, ttl=ttl, refresh_interval=refresh_interval, max_lifetime=max_lifetime, holder=holder
+            )
+        except LockedError:
+            return None
+
+    def lock(
+        self,
+        key: str,
+        *,
+        ttl: float | timedelta | None = None,
+        refresh_interval: float | timedelta | None = None,
+        max_lifetime: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
+
+        Not re-entrant: a key this process already holds is reported as held. The lease
+        is a context manager that releases on exit; otherwise call ``lease.release()``.
+        Raises :class:`BackendError` when the store is unreachable (never LockedError).
+        """
+        self._check_open()
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        ttl_s, interval_s, lifetime_s = self._durations(ttl, refresh_interval, max_lifetime)
+        meta = {"host": _HOST, "pid": os.getpid(), **(self._check_holder(holder))}
+        store_key = self.prefix + key
+        token = new_token()
+        encoded = encode_holder(meta)
+        sent = self.clock()
+        answer = self._call("acquire", self.provider.acquire, store_key, token, ttl_s, lifetime_s, encoded)
+        if not isinstance(answer, Grant):
+            holder_info = None if answer.holder is None else self._unprefixed(answer.holder)
+            signals.send(signals.lock_contended, self, key=key, holder=holder_info)
+            raise LockedError(key, holder_info)
+        lease = Lease(
+            self,
+            key=key,
+            store_key=store_key,
+            token=token,
+            fence=answer.fence,
+            ttl=ttl_s,
+            refresh_interval=interval_s,
+            max_lifetime=lifetime_s,
+            sent_at=sent,
+            granted=answer.ttl,
+            mutex=self._heartbeat.mutex,
+        )
+        self._heartbeat.add(lease)
+        signals.send(signals.lock_acquired, self, key=key, lease=lease)
+        return lease
+
+    def run_exclusive(
+        self,
+        key: str,
+        fn: Callable[[], T],
+        *,
+        ttl: float | timedelta | None = None,
+        refresh_interval: float | timedelta | None = None,
+        max_lifetime: float | timedelta | None = None,
+        on_locked: Callable[[], object] | None = None,
+        holder: Mapping[str, Any] | None = None,
+    ) -> ExclusiveResult[T]:
+        """Run ``fn`` holding ``key``; if it is held, call ``on_locked()`` and don't run ``fn``.
+
+        The lease is released in ``finally``, whether ``fn`` returned or raised.
+        """
+        if on_locked is not None and not callable(on_locked):
+            raise InvalidArgumentError("on_locked must be callable")
+        if not callable(fn):
+            raise InvalidArgumentError("fn must be callable")
+        try:
+            lease = self.lock(
+                key, ttl=ttl, refresh_interval=refresh_interval, max_lifetime=max_lifetime, holder=holder
+            )
+        except LockedError as locked:
+            if on_locked is not None:
+                on_locked()
+            return ExclusiveResult(acquired=False, holder=locked.holder)
+        try:
+            result = fn()
+        finally:
+            lease.release()
+        return ExclusiveResult(acquired=True, result=result, fence=lease.fence)
+
+    # -- releasing ------------------------------------------------------------------------
+
+    def release(self, lease: Lease) -> ReleaseOutcome:
+        """Release ``lease`` if its token still owns the key; never raises for an outage.
+
+        Returns RELEASED, NOT_OWNED (it had expired or been taken over: the work may have
+        overlapped another holder's, so this is logged as a warning) or UNKNOWN (the store
+        did not answer; the heartbeat keeps retrying the release until it can tell).
+        """
+        with self._heartbeat.mutex:
+            if lease._state is LeaseState.RELEASED:
+                return ReleaseOutcome.NOT_OWNED
+            was_lost = lease._state is LeaseState.LOST
+            lease._state = LeaseState.RELEASED
+            self._heartbeat.discard(lease)
+        try:
+            owned = bool(self._call("release", self.provider.release, lease.store_key, lease.token))
+        except BackendError as exc:
+            logger.warning(
+                "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
+            )
+            self._heartbeat.retry_release(lease)
+            outcome = ReleaseOutcome.UNKNOWN
+        else:
+            outcome = ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
+            if not owned and not was_lost:
+                logger.warning(
+                    "lock %r (fence %d) was no longer held at release: it expired or was taken "
+                    "over, so the protected work may have overlapped another holder's",
+                    lease.key,
+                    lease.fence,
+                )
+        signals.send(
+            signals.lock_released,
+            self,
+            key=lease.key,
+            lease=lease,
+            outcome=outcome,
+            held_for=self.clock() - lease.acquired_at,
+        )
+        return outcome
+
+    def force_release(self, key: str, token: str) -> bool:
+        """Release exactly the lease ``token`` holds on ``key`` (operators, worker hooks)."""
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        if not isinstance(token, str) or not token:
+            raise InvalidArgumentError("token must be a non-empty str")
+        return bool(self._call("release", self.provider.release, self.prefix + key, token))
+
+    # -- inspecting -----------------------------------------------------------------------
+
+    def peek(self, key: str) -> LockInfo | None:
+        """The live lease on ``key`` (key shown without the prefix), or None if free."""
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        info = self._call("peek", self.provider.peek, self.prefix + key)
+        return None if info is None else self._unprefixed(info)
+
+    def locks(self, prefix: str = "") -> list[LockInfo]:
+        """Every live lease whose key (without the service prefix) starts with ``prefix``."""
+        if not isinstance(prefix, str) or "\x00" in prefix:
+            raise InvalidArgumentError("prefix must be a str without NUL characters")
+        return [
+            self._unprefixed(info) for info in self._call("list", self.provider.list, self.prefix + prefix)
+        ]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self, *, release: bool = True) -> None:
+        """Stop the heartbeat, release held leases (unless ``release=False``), close the store."""
+        if self._closed:
+            return
+        if release:
+            for lease in self.held():
+                self.release(lease)
+        self._closed = True
+        self._heartbeat.stop()
+        self.provider.close()
+
+    def __enter__(self) -> LockService:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's leases are the parent's: the child neither refreshes nor releases them.
+        self._heartbeat = self._new_heartbeat()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this LockService is closed")
+
+    def _durations(
+        self, ttl: object, refresh_interval: object, max_lifetime: object
+    ) -> tuple[float, float, float]:
+        if ttl is None and refresh_interval is None and max_lifetime is None:
+            return self.ttl, self.refresh_interval, self.max_lifetime
+        lifetime = self.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
+        interval = None if refresh_interval is None else seconds("refresh_interval", refresh_interval)
+        if ttl is None:
+            # Keep the service's explicit interval unless a shorter max_lifetime caps the ttl under it.
+            if (
+                interval is None
+                and self._refresh_explicit
+                and self.refresh_interval < min(self.ttl, lifetime)
+            ):
+                interval = self.refresh_interval
+            return lease_durations(self.ttl, interval, lifetime, ttl_explicit=False)
+        return lease_durations(seconds("ttl", ttl), interval, lifetime, ttl_explicit=True)
+
+    @staticmethod
+    def _check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        if holder is None:
+            return {}
+        if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
+            raise InvalidArgumentError("holder must be a mapping with str keys")
+        return holder
+
+    def _call(self, what: str, method: Callable[..., T], *args: Any) -> T:
+        """Call the provider; anything but a BackendError from it is still an outage, not an answer."""
+        try:
+            return method(*args)
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise BackendError(f"lock store failed during {what}: {type(exc).__name__}") from exc
+
+    def _unprefixed(self, info: LockInfo) -> LockInfo:
+        key = info.key[len(self.prefix) :] if info.key.startswith(self.prefix) else info.key
+        return LockInfo(
+            key, info.token, info.fence, info.age, info.expires_in, info.hard_expires_in, info.holder
+        )
+
+    def _lose(self, lease: Lease, reason: str) -> None:
+        with self._heartbeat.mutex:
+            if lease._state not in (LeaseState.HELD, LeaseState.JEOPARDY):
+                return
+            lease._state = LeaseState.LOST
+            self._heartbeat.discard(lease)
+            callbacks = list(lease._on_lost)
+            lease._on_lost.clear()
+        lease.lost.set()
+        logger.warning("lock %r (fence %d) LOST: %s", lease.key, lease.fence, reason)
+        signals.send(signals.lock_lost, self, key=lease.key, lease=lease, reason=reason)
+        for callback in callbacks:
+            try:
+                callback(lease, reason)
+            except Exception:
+                logger.exception("on_lost callback for lock %r failed", lease.key)
+
+    def _refreshed(self, leases: list[Lease], duration: float) -> None:
+        if leases:
+            signals.send(signals.lock_refreshed, self, leases=leases, duration=duration)
+
+
+_live_services: weakref.WeakSet[LockService] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for service in list(_live_services):
+        service._after_fork_in_child()
+
+
+def _release_at_exit() -> None:
+    for service in list(_live_services):
+        if not service._closed:
+            for lease in service.held():
+                service.release(lease)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_release_at_exit)

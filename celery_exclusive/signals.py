@@ -1,0 +1,37 @@
+"""Celery-style signals for lock events; connect with ``@lock_acquired.connect``.
+
+Every signal is sent with ``sender`` = the :class:`~celery_exclusive.LockService`.
+Receivers run synchronously in the thread that caused the event (the heartbeat thread
+for ``lock_refreshed`` and usually ``lock_lost``); an exception in a receiver is logged
+and never breaks the lock.
+
+============== ==========================================================================
+signal         keyword arguments
+============== ==========================================================================
+lock_acquired  ``key``, ``lease``
+lock_contended ``key``, ``holder`` (LockInfo or None)
+lock_refreshed ``leases`` (list of Lease), ``duration`` (seconds the round trip took)
+lock_lost      ``key``, ``lease``, ``reason``
+lock_released  ``key``, ``lease``, ``outcome`` (ReleaseOutcome), ``held_for`` (seconds)
+task_skipped   ``key``, ``task``, ``holder`` (sent by the Celery integration; sender=task)
+============== ==========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.utils.dispatch import Signal
+
+lock_acquired = Signal(name="lock_acquired", providing_args={"key", "lease"})
+lock_contended = Signal(name="lock_contended", providing_args={"key", "holder"})
+lock_refreshed = Signal(name="lock_refreshed", providing_args={"leases", "duration"})
+lock_lost = Signal(name="lock_lost", providing_args={"key", "lease", "reason"})
+lock_released = Signal(name="lock_released", providing_args={"key", "lease", "outcome", "held_for"})
+task_skipped = Signal(name="task_skipped", providing_args={"key", "task", "holder"})
+
+
+def send(signal: Signal, sender: object, **kwargs: Any) -> None:
+    """Send ``signal`` only when someone listens: the common case costs one attribute read."""
+    if signal.receivers:
+        signal.send(sender=sender, **kwargs)

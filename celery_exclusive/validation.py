@@ -1,0 +1,86 @@
+"""Argument checks shared by every public entry point; all raise InvalidArgumentError."""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+
+from celery_exclusive.errors import InvalidArgumentError
+
+Duration = float | int | timedelta
+
+#: The origin design's hard cap on a lease's lifetime, also its staleness threshold.
+MAX_LIFETIME_CAP = 24 * 60 * 60.0
+
+_PREFIX = re.compile(r"^[\x21-\x7e]{0,64}$")
+
+
+def seconds(name: str, value: object) -> float:
+    """``value`` (seconds as int/float, or a timedelta) as positive finite float seconds."""
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise InvalidArgumentError(
+            f"{name} must be seconds (int or float) or a timedelta, got {type(value).__name__}"
+        )
+    if not math.isfinite(result) or result <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return result
+
+
+def check_key(key: object, *, prefix: str = "", max_length: int | None = None) -> str:
+    """A usable lock key: a non-empty str, UTF-8 encodable, without NUL, within the store's limit."""
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"lock key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidArgumentError("lock key must not be empty")
+    if "\x00" in key:
+        raise InvalidArgumentError("lock key must not contain NUL characters")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError("lock key must be valid Unicode text (no lone surrogates)") from None
+    if max_length is not None and len(prefix) + len(key) > max_length:
+        raise InvalidArgumentError(
+            f"lock key is {len(key)} characters; with the prefix {prefix!r} this store accepts "
+            f"at most {max_length - len(prefix)}"
+        )
+    return key
+
+
+def check_prefix(prefix: object) -> str:
+    """A key prefix: at most 64 printable ASCII characters without spaces."""
+    if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+        raise InvalidArgumentError(
+            f"key prefix must be at most 64 printable ASCII characters without spaces, got {prefix!r}"
+        )
+    return prefix
+
+
+def lease_durations(
+    ttl: float, refresh_interval: float | None, max_lifetime: float, *, ttl_explicit: bool
+) -> tuple[float, float, float]:
+    """Check and complete (ttl, refresh_interval, max_lifetime).
+
+    An explicit ttl above max_lifetime is an error; the default ttl is capped by it. The
+    refresh interval defaults to ttl/3: the origin's ``max(30 s, ttl/3)`` capped at ttl/3,
+    so that a short lease (2 s) still gets several refreshes (every ~0.7 s) per ttl.
+    """
+    if max_lifetime > MAX_LIFETIME_CAP:
+        raise InvalidArgumentError(
+            f"max_lifetime is {max_lifetime:g} s; the hard cap is {MAX_LIFETIME_CAP:g} s (24 h)"
+        )
+    if ttl > max_lifetime:
+        if ttl_explicit:
+            raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({max_lifetime:g} s)")
+        ttl = max_lifetime
+    if refresh_interval is None:
+        refresh_interval = min(max(30.0, ttl / 3), ttl / 3)
+    elif refresh_interval >= ttl:
+        raise InvalidArgumentError(
+            f"refresh_interval ({refresh_interval:g} s) must be shorter than ttl ({ttl:g} s)"
+        )
+    return ttl, refresh_interval, max_lifetime

@@ -1,0 +1,136 @@
+"""Shared fixtures: real servers by URL, isolated per test, and the skip-or-fail rule.
+
+Servers come from the environment (defaults are this project's CI machine):
+``CE_TEST_POSTGRES_URL``, ``CE_TEST_REDIS_URL``, ``CE_TEST_MYSQL_URL``. A test whose
+server is unreachable skips locally with the reason, and fails when ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from celery_exclusive import LockService
+
+POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("CE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require_server(url: str) -> None:
+    """Skip (locally) or fail (in CI) unless the server behind ``url`` accepts connections."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port
+    if port is None:
+        return
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as exc:
+        message = f"server for {parts.scheme} at {host}:{port} is unreachable ({exc})"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def with_option(url: str, name: str, value: str) -> str:
+    """``url`` with a celery-exclusive query option (``ce_<name>``) added."""
+    return f"{url}{'&' if '?' in url else '?'}ce_{name}={value}"
+
+
+@dataclass
+class Store:
+    """One lock store under test: its URL (for other processes) and a service factory."""
+
+    name: str
+    url: str
+    cross_process: bool
+    make: Callable[..., LockService]
+
+    def service(self, **kwargs: Any) -> LockService:
+        """A LockService on this store with this test's unique prefix."""
+        return self.make(**kwargs)
+
+
+STORE_NAMES = ["memory", "sqlite", "postgres", "mariadb", "redis"]
+
+
+@pytest.fixture(scope="session")
+def sql_tables() -> Iterator[dict[str, str]]:
+    """One fresh table name per SQL server for the whole session, dropped afterwards."""
+    tables = {name: f"ce_contract_{uuid.uuid4().hex[:10]}" for name in ("postgres", "mariadb")}
+    yield tables
+    from sqlalchemy import create_engine, text
+
+    for name, url in (("postgres", POSTGRES_URL), ("mariadb", MYSQL_URL)):
+        table = tables[name]
+        try:
+            engine = create_engine(url)
+            with engine.begin() as conn:
+                conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+                conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
+                if name == "postgres":
+                    conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+            engine.dispose()
+        except Exception:  # noqa: S112 - an unreachable server was already reported by its tests
+            continue
+
+
+@pytest.fixture(params=STORE_NAMES)
+def store(request: pytest.FixtureRequest, tmp_path: Path, sql_tables: dict[str, str]) -> Iterator[Store]:
+    """Each lock store in turn, with a unique key prefix; everything created is cleaned up."""
+    name: str = request.param
+    prefix = f"t{uuid.uuid4().hex[:12]}:"
+    if name == "memory":
+        url = "memory://"
+    elif name == "sqlite":
+        url = f"sqlite:///{tmp_path / 'locks.sqlite3'}"
+    elif name == "postgres":
+        require_server(POSTGRES_URL)
+        url = with_option(POSTGRES_URL, "table", sql_tables["postgres"])
+    elif name == "mariadb":
+        require_server(MYSQL_URL)
+        url = with_option(MYSQL_URL, "table", sql_tables["mariadb"])
+    else:
+        require_server(REDIS_URL)
+        url = REDIS_URL
+    services: list[LockService] = []
+    shared_memory: list[LockService] = []
+
+    def make(**kwargs: Any) -> LockService:
+        kwargs.setdefault("prefix", prefix)
+        if name == "memory" and shared_memory:
+            # In-process store: every service of a test must share one provider to contend.
+            service = LockService(shared_memory[0].provider, **kwargs)
+        else:
+            service = LockService(url, **kwargs)
+            if name == "memory":
+                shared_memory.append(service)
+        services.append(service)
+        return service
+
+    yield Store(name=name, url=url, cross_process=name != "memory", make=make)
+    for service in services:
+        service.close(release=True)
+    if name == "redis":
+        _delete_redis_keys(prefix)
+
+
+def _delete_redis_keys(prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = [k for pattern in (f"{prefix}*", f"*{prefix}*") for k in client.scan_iter(match=pattern, count=1000)]
+        if keys:
+            client.delete(*set(keys))
+    finally:
+        client.close()

@@ -1,0 +1,342 @@
+"""The lock contract, run against every provider: memory, SQLite, PostgreSQL, MariaDB, Redis.
+
+Each test is one sentence of behaviour. Times are short real leases (about a second);
+expiry is always judged by the store's clock.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_exclusive import (
+    BackendError,
+    ExclusiveResult,
+    LeaseState,
+    LockedError,
+    LockLost,
+    LockService,
+    ReleaseOutcome,
+)
+from celery_exclusive.providers.base import Grant, Held, RefreshRequest
+from tests.conftest import Store
+from tests.contract import _workers
+
+
+def wait_until(predicate: object, timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(interval)
+    return bool(predicate())  # type: ignore[operator]
+
+
+def test_acquire_then_contend_then_release(store: Store) -> None:
+    """A held key is refused to a second caller, who learns the holder, until it is released."""
+    first, second = store.service(), store.service()
+    lease = first.lock("job", holder={"task_name": "demo.job"})
+    assert lease.state is LeaseState.HELD
+    with pytest.raises(LockedError) as refused:
+        second.lock("job")
+    assert refused.value.key == "job"
+    assert refused.value.holder is not None
+    assert refused.value.holder.token == lease.token
+    assert refused.value.holder.fence == lease.fence
+    assert refused.value.holder.holder["task_name"] == "demo.job"
+    assert lease.release() is ReleaseOutcome.RELEASED
+    assert lease.state is LeaseState.RELEASED
+    again = second.lock("job")
+    assert again.fence > lease.fence
+    again.release()
+
+
+def test_not_reentrant(store: Store) -> None:
+    """A second acquisition of a held key in the same process reports not acquired."""
+    service = store.service()
+    with service.lock("k"):
+        assert service.try_lock("k") is None
+        result = service.run_exclusive("k", lambda: 1)
+        assert result == ExclusiveResult(acquired=False, holder=result.holder)
+        assert result.holder is not None
+
+
+def test_thread_contention_exactly_one_wins(store: Store) -> None:
+    """Of sixteen threads racing for one key, exactly one acquires it."""
+    service = store.service()
+    barrier = threading.Barrier(16)
+    won: list[object] = []
+    errors: list[BaseException] = []
+
+    def race() -> None:
+        try:
+            barrier.wait()
+            lease = service.try_lock("race", ttl=30)
+            if lease is not None:
+                won.append(lease)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=race) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert len(won) == 1
+
+
+def test_process_contention_exactly_one_wins(store: Store) -> None:
+    """Of six processes racing for one key, exactly one acquires it."""
+    if not store.cross_process:
+        pytest.skip("the memory store is per-process by design")
+    ctx = multiprocessing.get_context("spawn")
+    racers = 6
+    start, done, results = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
+    prefix = store.service().prefix
+    procs = [
+        ctx.Process(target=_workers.race_once, args=(store.url, prefix, "race", start, done, results))
+        for _ in range(racers)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=60) for _ in range(racers)]
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    assert sorted(outcomes) == [False] * (racers - 1) + [True]
+
+
+def test_processes_lose_no_update_under_the_lock(store: Store, tmp_path: Path) -> None:
+    """Four processes doing an unprotected read-modify-write under the lock lose no update."""
+    if not store.cross_process:
+        pytest.skip("the memory store is per-process by design")
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    ctx = multiprocessing.get_context("spawn")
+    prefix = store.service().prefix
+    procs = [
+        ctx.Process(target=_workers.increment_under_lock, args=(store.url, prefix, "counter", str(counter), 25))
+        for _ in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    assert counter.read_text() == "100"
+
+
+def test_independent_keys_do_not_interfere(store: Store) -> None:
+    """Holding one key neither blocks nor releases another."""
+    service = store.service()
+    a = service.lock("a")
+    b = service.lock("b")
+    assert a.release() is ReleaseOutcome.RELEASED
+    assert service.peek("b") is not None
+    assert service.peek("a") is None
+    b.release()
+
+
+def test_expiry_reclaims_a_dead_holders_lock_after_the_ttl_and_not_before(store: Store) -> None:
+    """A holder that stops refreshing keeps the key for its ttl, then anyone may take it."""
+    service = store.service()
+    dead = service.provider.acquire(service.prefix + "dead", "dead-token", 1.0, 60.0, "{}")
+    assert isinstance(dead, Grant)
+    time.sleep(0.4)
+    assert service.try_lock("dead") is None
+    assert wait_until(lambda: service.peek("dead") is None, timeout=3.0)
+    lease = service.lock("dead")
+    assert lease.fence > dead.fence
+    lease.release()
+
+
+def test_wrong_token_refresh_and_release_change_nothing(store: Store) -> None:
+    """Refresh and release by a token that does not own the key report so and change nothing."""
+    service = store.service()
+    lease = service.lock("owned", ttl=5)
+    provider, store_key = service.provider, service.prefix + "owned"
+    assert provider.refresh([RefreshRequest(store_key, "not-the-owner", 60.0)]) == [None]
+    assert provider.release(store_key, "not-the-owner") is False
+    info = service.peek("owned")
+    assert info is not None
+    assert info.token == lease.token
+    assert info.expires_in <= 5.0
+    assert lease.release() is ReleaseOutcome.RELEASED
+
+
+def test_double_release_is_harmless(store: Store) -> None:
+    """Releasing twice releases once; the second reports not owned and frees nothing else."""
+    service = store.service()
+    lease = service.lock("twice")
+    assert lease.release() is ReleaseOutcome.RELEASED
+    successor = service.lock("twice")
+    assert lease.release() is ReleaseOutcome.NOT_OWNED
+    assert service.provider.release(service.prefix + "twice", lease.token) is False
+    info = service.peek("twice")
+    assert info is not None
+    assert info.token == successor.token
+    successor.release()
+
+
+def test_refresh_after_expiry_fails_even_when_nobody_else_holds_it(store: Store) -> None:
+    """An expired lease is not revived by a late refresh, even with the key free."""
+    service = store.service()
+    store_key = service.prefix + "late"
+    grant = service.provider.acquire(store_key, "late-token", 0.3, 60.0, "{}")
+    assert isinstance(grant, Grant)
+    time.sleep(0.6)
+    assert service.provider.refresh([RefreshRequest(store_key, "late-token", 30.0)]) == [None]
+    assert service.peek("late") is None
+
+
+def test_acquire_is_idempotent_for_its_own_token(store: Store) -> None:
+    """A retried acquire with the same token (a lost reply) gets the same lease back."""
+    service = store.service()
+    store_key = service.prefix + "retry"
+    first = service.provider.acquire(store_key, "tok", 10.0, 60.0, "{}")
+    second = service.provider.acquire(store_key, "tok", 10.0, 60.0, "{}")
+    assert isinstance(first, Grant)
+    assert isinstance(second, Grant)
+    assert second.fence == first.fence
+    other = service.provider.acquire(store_key, "other", 10.0, 60.0, "{}")
+    assert isinstance(other, Held)
+    assert service.provider.release(store_key, "tok") is True
+
+
+def test_fences_increase_across_release_and_expiry(store: Store) -> None:
+    """Every acquisition of a key gets a larger fence: after release and after expiry takeover."""
+    service = store.service()
+    store_key = service.prefix + "fence"
+    fences = []
+    for _ in range(3):
+        lease = service.lock("fence")
+        fences.append(lease.fence)
+        lease.release()
+    expiring = service.provider.acquire(store_key, "gone", 0.3, 60.0, "{}")
+    assert isinstance(expiring, Grant)
+    fences.append(expiring.fence)
+    time.sleep(0.6)
+    lease = service.lock("fence")
+    fences.append(lease.fence)
+    lease.release()
+    assert fences == sorted(set(fences))
+
+
+def test_stale_lease_past_its_max_lifetime_is_reclaimed(store: Store) -> None:
+    """A lease is never kept past its max lifetime, whatever ttl was asked for."""
+    service = store.service()
+    grant = service.provider.acquire(service.prefix + "stale", "stale", 30.0, 0.5, "{}")
+    assert isinstance(grant, Grant)
+    assert grant.ttl <= 0.5
+    refreshed = service.provider.refresh([RefreshRequest(service.prefix + "stale", "stale", 30.0)])[0]
+    assert refreshed is None or refreshed <= 0.5
+    assert wait_until(lambda: service.try_lock("stale") is not None, timeout=3.0)
+
+
+def test_heartbeat_keeps_a_lock_far_past_its_ttl(store: Store) -> None:
+    """With ttl 1 s, the heartbeat holds the key for 3.5 s while a competitor keeps failing."""
+    holder, competitor = store.service(), store.service()
+    lease = holder.lock("long", ttl=1.0)
+    deadline = time.monotonic() + 3.5
+    attempts = 0
+    while time.monotonic() < deadline:
+        assert competitor.try_lock("long", ttl=1.0) is None
+        attempts += 1
+        time.sleep(0.1)
+    assert attempts > 20
+    assert lease.state is LeaseState.HELD
+    lease.check()
+    assert lease.release() is ReleaseOutcome.RELEASED
+
+
+def test_heartbeat_stops_at_max_lifetime_and_the_lock_then_expires(store: Store) -> None:
+    """A lease refreshed by the heartbeat still ends at its max lifetime, and is then LOST."""
+    holder, competitor = store.service(), store.service()
+    started = time.monotonic()
+    lease = holder.lock("capped", ttl=0.6, max_lifetime=1.5)
+    assert wait_until(lambda: competitor.try_lock("capped") is not None, timeout=4.0)
+    elapsed = time.monotonic() - started
+    assert 1.2 <= elapsed <= 3.5
+    assert lease.state is LeaseState.LOST
+    assert lease.lost.is_set()
+    with pytest.raises(LockLost):
+        lease.check()
+    assert lease.release() is ReleaseOutcome.NOT_OWNED
+
+
+def test_release_runs_when_the_work_raises(store: Store) -> None:
+    """run_exclusive releases the key in finally when the function raises."""
+    service = store.service()
+
+    def boom() -> None:
+        raise RuntimeError("work failed")
+
+    with pytest.raises(RuntimeError, match="work failed"):
+        service.run_exclusive("raises", boom)
+    assert service.peek("raises") is None
+    assert service.held() == []
+
+
+def test_run_exclusive_reports_acquired_result_and_on_locked(store: Store) -> None:
+    """run_exclusive returns the function's result, or calls on_locked without running it."""
+    service = store.service()
+    assert service.run_exclusive("r", lambda: 42).result == 42
+    called: list[bool] = []
+    with service.lock("r"):
+        outcome = service.run_exclusive("r", lambda: called.append(True), on_locked=lambda: called.append(False))
+    assert outcome.acquired is False
+    assert outcome.result is None
+    assert called == [False]
+
+
+def test_outage_is_an_error_not_contention(store: Store) -> None:
+    """A store that cannot be reached raises BackendError instead of reporting "not acquired"."""
+    dead_urls = {
+        "sqlite": "sqlite:////nonexistent-dir/for/celery-exclusive/locks.sqlite3",
+        "postgres": "postgresql+psycopg://postgres:pw-SECRET@127.0.0.1:1/test",
+        "mariadb": "mysql+pymysql://root:pw-SECRET@127.0.0.1:1/test",
+        "redis": "redis://:pw-SECRET@127.0.0.1:1/0",
+    }
+    if store.name not in dead_urls:
+        pytest.skip("the memory store cannot be unreachable")
+    service = LockService(dead_urls[store.name])
+    try:
+        for call in (lambda: service.try_lock("k"), lambda: service.run_exclusive("k", lambda: 1)):
+            with pytest.raises(BackendError) as raised:
+                call()
+            assert "pw-SECRET" not in str(raised.value)
+        assert "pw-SECRET" not in repr(service)
+    finally:
+        service.close()
+
+
+def test_a_skewed_worker_clock_changes_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With this process's wall clock an hour off either way, leases expire on the store's time."""
+    service = store.service()
+    real_time = time.time
+    for skew in (3600.0, -3600.0):
+        monkeypatch.setattr(time, "time", lambda skew=skew: real_time() + skew)
+        lease = service.lock("skew", ttl=1.0)
+        assert service.try_lock("skew") is None
+        lease.release()
+        dead = service.provider.acquire(service.prefix + "skew", f"dead{skew}", 0.5, 60.0, "{}")
+        assert isinstance(dead, Grant)
+        assert service.try_lock("skew") is None
+        assert wait_until(lambda: service.peek("skew") is None, timeout=3.0)
+
+
+def test_a_thousand_cycles_leave_nothing_behind(store: Store) -> None:
+    """1,000 acquire/release cycles leave no lease in the store and no heartbeat running."""
+    service = store.service()
+    for i in range(1000):
+        with service.lock(f"cycle:{i % 7}", ttl=30):
+            pass
+    assert service.locks() == []
+    assert service.held() == []
+    assert wait_until(lambda: not service.heartbeat.running, timeout=5.0)
