@@ -39,6 +39,7 @@ class Heartbeat:
         clock: Callable[[], float],
         lose: Callable[[Lease, str], None],
         refreshed: Callable[[list[Lease], float], None],
+        failed: Callable[[list[Lease], Exception], None],
         batch_size: int = 1000,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
     ) -> None:
@@ -47,10 +48,12 @@ class Heartbeat:
         self._clock = clock
         self._lose = lose
         self._refreshed = refreshed
+        self._failed = failed
         self._batch_size = batch_size
         self._thread_factory = thread_factory
         self._leases: dict[int, Lease] = {}
-        self._pending_release: dict[int, Lease] = {}
+        # (store key, token) -> monotonic time after which the store has surely expired it.
+        self._pending_release: dict[tuple[str, str], float] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,23 +62,30 @@ class Heartbeat:
         """Start keeping ``lease`` alive."""
         with self.mutex:
             self._leases[id(lease)] = lease
-            if self._thread is None or not self._thread.is_alive():
-                self._stop.clear()
-                self._thread = self._thread_factory(
-                    target=self._run, name="celery-exclusive-heartbeat", daemon=True
-                )
-                self._thread.start()
+            self._start_thread()
         self._wake.set()
+
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = self._thread_factory(
+                target=self._run, name="celery-exclusive-heartbeat", daemon=True
+            )
+            self._thread.start()
 
     def discard(self, lease: Lease) -> None:
         """Stop refreshing ``lease`` (caller holds ``mutex``)."""
         self._leases.pop(id(lease), None)
-        self._pending_release.pop(id(lease), None)
 
-    def retry_release(self, lease: Lease) -> None:
-        """Keep retrying a release whose outcome was unknown until the store answers."""
+    def retry_release(self, store_key: str, token: str, until: float) -> None:
+        """Keep releasing ``token``'s lease on ``store_key`` until the store answers or ``until``.
+
+        For releases whose outcome was unknown and acquisitions whose reply was lost: the
+        token is kept until a release is confirmed, so no lease is orphaned for its ttl.
+        """
         with self.mutex:
-            self._pending_release[id(lease)] = lease
+            self._pending_release[(store_key, token)] = until
+            self._start_thread()
         self._wake.set()
 
     def held(self) -> list[Lease]:
@@ -125,7 +135,7 @@ class Heartbeat:
         now = self._clock()
         with self.mutex:
             active = list(self._leases.values())
-            pending = list(self._pending_release.values())
+            pending = list(self._pending_release.items())
         due: list[Lease] = []
         strictly_due = False
         for lease in active:
@@ -137,8 +147,8 @@ class Heartbeat:
         if strictly_due:
             for start in range(0, len(due), self._batch_size):
                 self._refresh(due[start : start + self._batch_size])
-        for lease in pending:
-            self._retry_release(lease)
+        for (store_key, token), until in pending:
+            self._retry_release(store_key, token, until)
         return self._next_delay()
 
     def _refresh(self, leases: Sequence[Lease]) -> None:
@@ -189,15 +199,16 @@ class Heartbeat:
                 # Retry soon, several times before the local deadline, never faster than 20/s.
                 remaining = lease._deadline - sent
                 lease._next_refresh = sent + min(lease.refresh_interval, max(0.05, remaining / 4))
+        self._failed(list(leases), exc)
 
-    def _retry_release(self, lease: Lease) -> None:
+    def _retry_release(self, store_key: str, token: str, until: float) -> None:
         try:
-            self._provider.release(lease.store_key, lease.token)
+            self._provider.release(store_key, token)
         except Exception:
-            if self._clock() < lease._deadline + lease.ttl:
+            if self._clock() < until:
                 return  # still unknown; the store may still hold it, try again next pass
         with self.mutex:
-            self._pending_release.pop(id(lease), None)
+            self._pending_release.pop((store_key, token), None)
 
     def _next_delay(self) -> float:
         now = self._clock()

@@ -27,7 +27,7 @@ from celery_exclusive import signals
 from celery_exclusive.errors import BackendError, InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.providers.base import Grant, LockInfo, LockProvider, encode_holder
+from celery_exclusive.providers.base import Grant, Held, LockInfo, LockProvider, encode_holder
 from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
 from celery_exclusive.validation import (
     MAX_LIFETIME_CAP,
@@ -44,6 +44,8 @@ DEFAULT_PREFIX = "task-lock:"
 DEFAULT_TTL = 15 * 60.0
 DEFAULT_MAX_LIFETIME = MAX_LIFETIME_CAP
 _HOST = socket.gethostname()[:64]
+#: Pause before the one same-token retry of an acquire that failed in flight, in seconds.
+ACQUIRE_RETRY_DELAY = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,7 @@ class LockService:
             clock=self.clock,
             lose=self._lose,
             refreshed=self._refreshed,
+            failed=self._refresh_failed,
             batch_size=self._batch_size,
             thread_factory=self._thread_factory,
         )
@@ -173,7 +176,7 @@ class LockService:
         token = new_token()
         encoded = encode_holder(meta)
         sent = self.clock()
-        answer = self._call("acquire", self.provider.acquire, store_key, token, ttl_s, lifetime_s, encoded)
+        answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded)
         if not isinstance(answer, Grant):
             holder_info = None if answer.holder is None else self._unprefixed(answer.holder)
             signals.send(signals.lock_contended, self, key=key, holder=holder_info)
@@ -249,7 +252,7 @@ class LockService:
             logger.warning(
                 "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
             )
-            self._heartbeat.retry_release(lease)
+            self._heartbeat.retry_release(lease.store_key, lease.token, until=lease._deadline + lease.ttl)
             outcome = ReleaseOutcome.UNKNOWN
         else:
             outcome = ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
@@ -290,7 +293,7 @@ class LockService:
         if not isinstance(prefix, str) or "\x00" in prefix:
             raise InvalidArgumentError("prefix must be a str without NUL characters")
         return [
-            self._unprefixed(info) for info in self._call("list", self.provider.list, self.prefix + prefix)
+            self._unprefixed(info) for info in self._call("scan", self.provider.scan, self.prefix + prefix)
         ]
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -348,6 +351,25 @@ class LockService:
             raise InvalidArgumentError("holder must be a mapping with str keys")
         return holder
 
+    def _acquire(
+        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str
+    ) -> Grant | Held:
+        """Acquire, retrying once with the same token: the store recognises its own token, so a
+        retry after a lost reply returns the lease the first attempt took instead of orphaning it."""
+        for attempt in (1, 2):
+            sent = self.clock()
+            try:
+                return self._call(
+                    "acquire", self.provider.acquire, store_key, token, ttl, max_lifetime, holder
+                )
+            except BackendError:
+                if attempt == 2:
+                    # The store may have recorded the lease before failing: release it once it answers.
+                    self._heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
+                    raise
+                time.sleep(ACQUIRE_RETRY_DELAY)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _call(self, what: str, method: Callable[..., T], *args: Any) -> T:
         """Call the provider; anything but a BackendError from it is still an outage, not an answer."""
         try:
@@ -383,6 +405,9 @@ class LockService:
     def _refreshed(self, leases: list[Lease], duration: float) -> None:
         if leases:
             signals.send(signals.lock_refreshed, self, leases=leases, duration=duration)
+
+    def _refresh_failed(self, leases: list[Lease], error: Exception) -> None:
+        signals.send(signals.refresh_failed, self, leases=leases, error=error)
 
 
 _live_services: weakref.WeakSet[LockService] = weakref.WeakSet()

@@ -11,6 +11,7 @@ signal         keyword arguments
 lock_acquired  ``key``, ``lease``
 lock_contended ``key``, ``holder`` (LockInfo or None)
 lock_refreshed ``leases`` (list of Lease), ``duration`` (seconds the round trip took)
+refresh_failed ``leases`` (list of Lease, now in JEOPARDY), ``error`` (the exception)
 lock_lost      ``key``, ``lease``, ``reason``
 lock_released  ``key``, ``lease``, ``outcome`` (ReleaseOutcome), ``held_for`` (seconds)
 task_skipped   ``key``, ``task``, ``holder`` (sent by the Celery integration; sender=task)
@@ -26,6 +27,7 @@ from celery.utils.dispatch import Signal
 lock_acquired = Signal(name="lock_acquired", providing_args={"key", "lease"})
 lock_contended = Signal(name="lock_contended", providing_args={"key", "holder"})
 lock_refreshed = Signal(name="lock_refreshed", providing_args={"leases", "duration"})
+refresh_failed = Signal(name="refresh_failed", providing_args={"leases", "error"})
 lock_lost = Signal(name="lock_lost", providing_args={"key", "lease", "reason"})
 lock_released = Signal(name="lock_released", providing_args={"key", "lease", "outcome", "held_for"})
 task_skipped = Signal(name="task_skipped", providing_args={"key", "task", "holder"})

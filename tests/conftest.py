@@ -129,7 +129,11 @@ def _delete_redis_keys(prefix: str) -> None:
 
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        keys = [k for pattern in (f"{prefix}*", f"*{prefix}*") for k in client.scan_iter(match=pattern, count=1000)]
+        keys = [
+            k
+            for pattern in (f"{prefix}*", f"*{prefix}*")
+            for k in client.scan_iter(match=pattern, count=1000)
+        ]
         if keys:
             client.delete(*set(keys))
     finally:

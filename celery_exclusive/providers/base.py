@@ -60,6 +60,15 @@ class RefreshRequest:
     ttl: float
 
 
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """One finding of a provider's ``diagnose()``: status is "ok", "warn" or "fail"."""
+
+    check: str
+    status: str
+    detail: str
+
+
 @runtime_checkable
 class LockProvider(Protocol):
     """A lock store. All methods are thread-safe; each is one atomic operation per key."""
@@ -97,12 +106,17 @@ class LockProvider(Protocol):
         """The live lease on ``key``, or None if the key is free (expired counts as free)."""
         ...
 
-    def list(self, prefix: str) -> list[LockInfo]:
+    def scan(self, prefix: str) -> list[LockInfo]:
         """Every live lease whose key starts with ``prefix``, ordered by key."""
         ...
 
     def close(self) -> None:
         """Release connections. Leases stay in the store until released or expired."""
+        ...
+
+    def diagnose(self) -> list[Diagnosis]:
+        """Health findings for ``celery-exclusive doctor``: schema, server clock vs this
+        machine's, replica or pooler in the way, store settings that endanger leases."""
         ...
 
 

@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from celery_exclusive.providers.base import Grant, Held, LockInfo, RefreshRequest, decode_holder
+from celery_exclusive.providers.base import (
+    Diagnosis,
+    Grant,
+    Held,
+    LockInfo,
+    RefreshRequest,
+    decode_holder,
+)
 
 
 @dataclass(slots=True)
@@ -98,7 +105,7 @@ class MemoryLockProvider:
             row = self._live(key, now)
             return None if row is None else self._info(key, row, now)
 
-    def list(self, prefix: str) -> list[LockInfo]:
+    def scan(self, prefix: str) -> list[LockInfo]:
         with self._mutex:
             now = self._clock()
             keys = sorted(k for k in self._rows if k.startswith(prefix))
@@ -107,3 +114,11 @@ class MemoryLockProvider:
 
     def close(self) -> None:
         """Nothing to close; leases stay until released or expired."""
+
+    def diagnose(self) -> list[Diagnosis]:
+        with self._mutex:
+            held = len(self._rows)
+        return [
+            Diagnosis("store", "warn", "memory:// excludes only within this process"),
+            Diagnosis("leases", "ok", f"{held} lease(s) in this process"),
+        ]

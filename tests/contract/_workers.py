@@ -10,8 +10,9 @@ from typing import Any
 from celery_exclusive import LockService
 
 
-def race_once(url: str, prefix: str, key: str, start: Barrier, done: Barrier, results: Any) -> None:
+def race_once(url: str, prefix: str, key: str, barriers: tuple[Barrier, Barrier], results: Any) -> None:
     """Try the key once when every racer is ready; hold it until every racer has tried."""
+    start, done = barriers
     service = LockService(url, prefix=prefix)
     try:
         start.wait()

@@ -100,7 +100,7 @@ def test_process_contention_exactly_one_wins(store: Store) -> None:
     start, done, results = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
     prefix = store.service().prefix
     procs = [
-        ctx.Process(target=_workers.race_once, args=(store.url, prefix, "race", start, done, results))
+        ctx.Process(target=_workers.race_once, args=(store.url, prefix, "race", (start, done), results))
         for _ in range(racers)
     ]
     for proc in procs:
@@ -121,7 +121,9 @@ def test_processes_lose_no_update_under_the_lock(store: Store, tmp_path: Path) -
     ctx = multiprocessing.get_context("spawn")
     prefix = store.service().prefix
     procs = [
-        ctx.Process(target=_workers.increment_under_lock, args=(store.url, prefix, "counter", str(counter), 25))
+        ctx.Process(
+            target=_workers.increment_under_lock, args=(store.url, prefix, "counter", str(counter), 25)
+        )
         for _ in range(4)
     ]
     for proc in procs:
@@ -289,7 +291,9 @@ def test_run_exclusive_reports_acquired_result_and_on_locked(store: Store) -> No
     assert service.run_exclusive("r", lambda: 42).result == 42
     called: list[bool] = []
     with service.lock("r"):
-        outcome = service.run_exclusive("r", lambda: called.append(True), on_locked=lambda: called.append(False))
+        outcome = service.run_exclusive(
+            "r", lambda: called.append(True), on_locked=lambda: called.append(False)
+        )
     assert outcome.acquired is False
     assert outcome.result is None
     assert called == [False]

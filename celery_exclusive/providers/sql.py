@@ -1,0 +1,546 @@
+"""SQL lock store: PostgreSQL (first class), SQLite and MariaDB/MySQL, via SQLAlchemy.
+
+Leases are rows of one table (``cache_entries`` by default) that may be shared with other
+application rows; only the row of the exact key being operated on is ever touched. Every
+time comparison uses the database's clock. Fences come from a counter that survives row
+deletion: the sequence ``<table>_fence_seq`` on PostgreSQL, the one-row table
+``<table>_fence`` elsewhere.
+
+On PostgreSQL with psycopg 3 each operation is one autocommit statement on a pooled DBAPI
+connection, and a contended acquire writes nothing (no transaction id, no WAL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Connection, Dialect, Engine, make_url
+from sqlalchemy.pool import StaticPool
+
+from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
+from celery_exclusive.urls import mask_url, split_options
+
+_T = TypeVar("_T")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_MAX_NAME = 63 - len("_fence_seq")  # derived names must fit PostgreSQL's and MySQL's limits
+_BACKENDS = {
+    "postgresql": ("psycopg", "postgres"),
+    "mysql": ("pymysql", "mysql"),
+    "mariadb": ("pymysql", "mysql"),
+}
+_SECRET_PARAM = re.compile(r"(?i)\b(password|passwd|pwd)\s*=\s*('[^']*'|\S+)")
+_RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
+_ATTEMPTS = 5
+_CHUNK = 500
+
+# Binary collation on MySQL: 'A' and 'a' are different keys and different tokens.
+_KEY = sa.String(512).with_variant(
+    mysql.VARCHAR(512, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+)
+_TOKEN = sa.Text().with_variant(mysql.TEXT(charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb")
+_STAMP = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+_Rows = list[tuple[Any, ...]]
+_Infos = list[LockInfo]
+_Answers = list[float | None]
+_Findings = list[Diagnosis]
+
+
+def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
+    """The lease table ``name`` in ``metadata``, for Alembic or ``metadata.create_all``.
+
+    Creating it also creates its fence counter (``after_create``), idempotently.
+    """
+    _check_name(name)
+    table = sa.Table(
+        name,
+        metadata,
+        sa.Column("key", _KEY, primary_key=True),
+        sa.Column("value", _TOKEN, nullable=False),
+        sa.Column("expires_at", _STAMP, nullable=False),
+        sa.Column("created_at", _STAMP, nullable=False),
+        sa.Column("deadline", _STAMP, nullable=False),
+        sa.Column("fence", sa.BigInteger(), nullable=False),
+        sa.Column("holder", sa.Text(), nullable=True),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+        mariadb_engine="InnoDB",
+        mariadb_charset="utf8mb4",
+    )
+    event.listen(table, "after_create", _create_fence)
+    return table
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name) or len(name) > _MAX_NAME:
+        raise ConfigurationError(
+            f"invalid lock table name {name!r}: use letters, digits and _, "
+            f"not starting with a digit, at most {_MAX_NAME} characters"
+        )
+
+
+def _create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
+    dialect = connection.dialect
+    q = dialect.identifier_preparer.quote
+    if dialect.name == "postgresql":
+        connection.exec_driver_sql(f"CREATE SEQUENCE IF NOT EXISTS {q(table.name + '_fence_seq')} CACHE 1")
+        return
+    counter = q(table.name + "_fence")
+    sqlite = dialect.name == "sqlite"
+    ignore, options = ("OR IGNORE", "") if sqlite else ("IGNORE", " ENGINE=InnoDB")
+    connection.exec_driver_sql(
+        f"CREATE TABLE IF NOT EXISTS {counter} (id INTEGER PRIMARY KEY, n BIGINT NOT NULL){options}"
+    )
+    # Seeded from the table so a recreated counter still exceeds every stored fence.
+    connection.exec_driver_sql(
+        f"INSERT {ignore} INTO {counter} (id, n) SELECT 1, COALESCE(MAX(fence), 0) FROM {q(table.name)}"
+    )
+
+
+def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
+    q = dialect.identifier_preparer.quote
+    t, seq = q(name), q(name + "_fence_seq")
+    now = "WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts)"
+
+    def live(a: str) -> str:
+        return f"{a}.expires_at > n.ts AND {a}.deadline > n.ts"
+
+    def cols(a: str) -> str:
+        return (
+            f"{a}.key, {a}.value, {a}.fence, extract(epoch FROM n.ts - {a}.created_at)::float8, "
+            f"extract(epoch FROM {a}.expires_at - n.ts)::float8, "
+            f"extract(epoch FROM {a}.deadline - n.ts)::float8, {a}.holder"
+        )
+
+    fields = "key, value, expires_at, created_at, deadline, fence, holder"
+    # A live row (anyone's) makes the INSERT select zero rows: no xid, no WAL, no nextval.
+    acquire = f"""{now},
+cur AS MATERIALIZED (
+  SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => :life)) AS live
+  FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
+         nextval('{seq}'), :holder
+  FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live)
+  ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, expires_at = EXCLUDED.expires_at,
+    created_at = EXCLUDED.created_at, deadline = EXCLUDED.deadline, fence = EXCLUDED.fence,
+    holder = EXCLUDED.holder
+  WHERE t.expires_at <= EXCLUDED.created_at OR t.deadline <= EXCLUDED.created_at
+     OR t.created_at <= EXCLUDED.created_at - make_interval(secs => :life)
+  RETURNING t.{fields.replace(", ", ", t.")})
+SELECT true, {cols("ins")} FROM ins CROSS JOIN n
+UNION ALL
+SELECT false, {cols("cur")} FROM cur CROSS JOIN n WHERE cur.live AND NOT EXISTS (SELECT 1 FROM ins)"""
+    return {
+        "acquire": acquire,
+        "refresh": f"""{now}
+UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
+FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS float8[]))
+  WITH ORDINALITY AS r(key, token, ttl, i)
+WHERE t.key = r.key AND t.value = r.token AND {live("t")}
+RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
+        "release": f"DELETE FROM {t} WHERE key = :key AND value = :token "
+        "RETURNING expires_at > clock_timestamp() AND deadline > clock_timestamp()",
+        "peek": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n WHERE t.key = :key AND {live('t')}",
+        "scan": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n "
+        f"WHERE t.key LIKE :pattern ESCAPE '!' AND {live('t')}",
+    }
+
+
+def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]:
+    q = dialect.identifier_preparer.quote
+    t, f, k, v = q(name), q(name + "_fence"), q("key"), q("value")
+    if dialect.name == "sqlite":
+        now, least, lock = "julianday('now')", "min", ""
+        match = f"substr({k}, 1, length(:prefix)) = :prefix"  # LIKE ignores case in SQLite
+
+        def secs(c: str) -> str:
+            return f"round((julianday({c}) - {now}) * 86400.0, 3)"  # stamps are whole milliseconds
+
+        def stamp(p: str) -> str:  # fixed-width UTC text, millisecond precision
+            return f"strftime('%Y-%m-%d %H:%M:%f', {now} + {p} / 86400.0)"
+    else:
+        now, least, lock = "UTC_TIMESTAMP(6)", "LEAST", " FOR UPDATE"
+        match = f"{k} LIKE :pattern ESCAPE '!'"
+
+        def secs(c: str) -> str:
+            return f"(TIMESTAMPDIFF(MICROSECOND, {now}, {c}) / 1e6)"
+
+        def stamp(p: str) -> str:
+            return f"({now} + INTERVAL ROUND({p} * 1000000) MICROSECOND)"
+
+    live = f"{secs('expires_at')} > 0 AND {secs('deadline')} > 0"
+    cols = f"{k}, {v}, fence, -{secs('created_at')}, {secs('expires_at')}, {secs('deadline')}, holder"
+    sql = {
+        "bump": f"UPDATE {f} SET n = n + 1 WHERE id = 1",
+        "fence": f"SELECT n FROM {f} WHERE id = 1",
+        "select": f"SELECT {cols} FROM {t} WHERE {k} = :key{lock}",
+        "delete": f"DELETE FROM {t} WHERE {k} = :key",
+        "insert": f"INSERT INTO {t} ({k}, {v}, expires_at, created_at, deadline, fence, holder) "
+        f"VALUES (:key, :token, {stamp(':ttl')}, {stamp('0')}, {stamp(':life')}, :fence, :holder)",
+        "refresh": f"UPDATE {t} SET expires_at = {least}({stamp(':ttl')}, deadline) "
+        f"WHERE {k} = :key AND {v} = :token AND {live}",
+        "remaining": f"SELECT {k}, {v}, {secs('expires_at')} FROM {t} WHERE {k} IN :keys AND {live}",
+        "release_live": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token AND {live}",
+        "release_any": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token",
+        "peek": f"SELECT {cols} FROM {t} WHERE {k} = :key AND {live}",
+        "scan": f"SELECT {cols} FROM {t} WHERE {match} AND {live}",
+        "now": f"SELECT ({now} - 2440587.5) * 86400.0"
+        if dialect.name == "sqlite"
+        else "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) / 1e6",
+    }
+    texts = {name: sa.text(s) for name, s in sql.items()}
+    texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
+    return texts
+
+
+def _engine_from_url(raw: str) -> Engine:
+    scheme, sep, rest = raw.partition("://")
+    backend, _, driver = scheme.lower().partition("+")
+    backend = "postgresql" if backend == "postgres" else backend
+    if not sep or backend not in ("postgresql", "sqlite", "mysql", "mariadb"):
+        raise ConfigurationError(f"not an SQL lock store URL: {mask_url(raw)!r}")
+    module, extra = _BACKENDS.get(backend, ("sqlite3", "sqlite"))
+    driver = driver or (module if backend != "sqlite" else "")
+    try:
+        url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
+    except sa_exc.ArgumentError:
+        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}") from None
+    kwargs: dict[str, Any] = {}
+    connect_args: dict[str, Any] = {}
+    if backend == "postgresql":
+        kwargs.update(isolation_level="AUTOCOMMIT", pool_reset_on_return=None)
+        if "connect_timeout" not in url.query:
+            connect_args["connect_timeout"] = 10
+    elif backend == "sqlite":
+        connect_args["timeout"] = 30
+        if url.database in (None, "", ":memory:"):
+            kwargs["poolclass"] = StaticPool
+            connect_args["check_same_thread"] = False
+    else:
+        kwargs.update(isolation_level="READ COMMITTED", pool_recycle=3600)
+        if "connect_timeout" not in url.query:
+            connect_args["connect_timeout"] = 10
+    try:
+        engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
+    except (ImportError, sa_exc.NoSuchModuleError) as exc:
+        raise MissingDriverError(extra, driver or module) from exc
+    if backend == "sqlite":
+        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    return engine
+
+
+def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # transactions are begun by the "begin" event
+    with contextlib.suppress(Exception):  # WAL is an optimisation; a busy or read-only file keeps its mode
+        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"option ce_{name} must be true or false, got {value!r}")
+
+
+class SqlLockProvider:
+    """Leases in an SQL table; see the module docstring. Thread-safe and fork-safe."""
+
+    max_key_length = 512
+
+    def __init__(
+        self, engine_or_url: Engine | str, *, table: str = "cache_entries", create_table: bool = True
+    ) -> None:
+        _check_name(table)
+        if isinstance(engine_or_url, str):
+            self._engine, self._owns_engine = _engine_from_url(engine_or_url), True
+        elif isinstance(engine_or_url, Engine):
+            self._engine, self._owns_engine = engine_or_url, False
+        else:
+            raise ConfigurationError(
+                f"expected an SQLAlchemy Engine or URL, got {type(engine_or_url).__name__}"
+            )
+        dialect, url = self._engine.dialect, self._engine.url
+        if dialect.name not in ("postgresql", "sqlite", "mysql", "mariadb"):
+            raise ConfigurationError(f"unsupported SQL dialect {dialect.name!r} for a lock store")
+        self.table = lock_table(sa.MetaData(), table)
+        self._masked = mask_url(url.render_as_string(hide_password=True))
+        query_secrets = [url.query.get(p) for p in ("password", "passwd", "pwd")]
+        self._secrets = [s for s in (url.password, *query_secrets) if isinstance(s, str) and s]
+        self._ready = not create_table
+        self._schema_lock = threading.Lock()
+        self._memory = dialect.name == "sqlite" and url.database in (None, "", ":memory:")
+        # An in-memory SQLite database is one shared connection: one transaction at a time.
+        self._serial: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if self._memory else contextlib.nullcontext()
+        )
+        self._pg = dialect.name == "postgresql"
+        self._fast = self._pg and dialect.driver == "psycopg"
+        if self._pg:
+            self._pg_sql = _pg_statements(dialect, table)
+            self._psycopg_sql = {
+                n: re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", s) for n, s in self._pg_sql.items()
+            }
+        else:
+            self._sql = _generic_statements(dialect, table)
+        if self._fast:
+            import psycopg
+
+            self._pg_error: type[Exception] = psycopg.Error
+            self._pg_broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+
+    @classmethod
+    def from_url(cls, url: str) -> SqlLockProvider:
+        """A provider for ``url``; ``?ce_table=name&ce_create_table=false`` are our options."""
+        base, options = split_options(url, ("table", "create_table"))
+        create = _parse_bool("create_table", options.get("create_table", "true"))
+        return cls(base, table=options.get("table", "cache_entries"), create_table=create)
+
+    def __repr__(self) -> str:
+        return f"SqlLockProvider({self._masked!r}, table={self.table.name!r})"
+
+    # -- the LockProvider operations -------------------------------------------------
+
+    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+        granted = float(min(ttl, max_lifetime))
+        params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
+        if self._pg:
+            rows = self._run_pg("acquire", params)
+            if not rows:
+                return Held(None)  # a concurrent acquirer won between our read and our insert
+            fresh, *row = rows[0]
+            if fresh:
+                return Grant(int(row[2]), granted)
+            info = self._info(row)
+            return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
+
+        def attempt(conn: Connection) -> Grant | Held:
+            conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
+            row = conn.execute(self._sql["select"], params).first()
+            if row is not None:
+                info = self._info(row)
+                if info.expires_in > 0 and info.hard_expires_in > 0 and info.age < max_lifetime:
+                    return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
+                conn.execute(self._sql["delete"], params)
+            fence = int(conn.execute(self._sql["fence"]).scalar_one())
+            conn.execute(self._sql["insert"], {**params, "fence": fence})
+            conn.commit()
+            return Grant(fence, granted)
+
+        return self._transact("acquire", attempt)
+
+    def refresh(self, requests: Sequence[RefreshRequest]) -> _Answers:
+        wanted = {(r.key, r.token): float(r.ttl) for r in requests}  # a repeated request: the last ttl wins
+        if not wanted:
+            return []
+        pairs = sorted(wanted)  # a stable lock order across concurrent refreshers
+        answers: dict[tuple[str, str], float] = {}
+        if self._pg:
+            params = {
+                "keys": [k for k, _ in pairs],
+                "tokens": [t for _, t in pairs],
+                "ttls": [wanted[p] for p in pairs],
+            }
+            for index, remaining in self._run_pg("refresh", params):
+                answers[pairs[int(index) - 1]] = float(remaining)
+            return [answers.get((r.key, r.token)) for r in requests]
+
+        def attempt(conn: Connection) -> None:
+            conn.execute(
+                self._sql["refresh"], [{"key": k, "token": t, "ttl": wanted[(k, t)]} for k, t in pairs]
+            )
+            keys = sorted({k for k, _ in pairs})
+            for start in range(0, len(keys), _CHUNK):
+                for key, value, remaining in conn.execute(
+                    self._sql["remaining"], {"keys": keys[start : start + _CHUNK]}
+                ):
+                    if (key, value) in wanted:
+                        answers[(key, value)] = min(float(remaining), wanted[(key, value)])
+            conn.commit()
+
+        self._transact("refresh", attempt)
+        return [answers.get((r.key, r.token)) for r in requests]
+
+    def release(self, key: str, token: str) -> bool:
+        params = {"key": key, "token": token}
+        if self._pg:
+            return any(bool(live) for (live,) in self._run_pg("release", params))
+
+        def attempt(conn: Connection) -> bool:
+            owned = conn.execute(self._sql["release_live"], params).rowcount == 1
+            if not owned:
+                conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
+            conn.commit()
+            return owned
+
+        return self._transact("release", attempt)
+
+    def peek(self, key: str) -> LockInfo | None:
+        if self._pg:
+            rows = self._run_pg("peek", {"key": key})
+        else:
+            rows = self._transact("peek", lambda conn: list(conn.execute(self._sql["peek"], {"key": key})))
+        return self._info(rows[0]) if rows else None
+
+    def scan(self, prefix: str) -> _Infos:
+        pattern = prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        params = {"prefix": prefix, "pattern": pattern}
+        if self._pg:
+            rows = self._run_pg("scan", params)
+        else:
+            rows = self._transact("scan", lambda conn: list(conn.execute(self._sql["scan"], params)))
+        return sorted((self._info(row) for row in rows), key=lambda info: info.key)
+
+    def close(self) -> None:
+        """Dispose of the engine's connections if this provider created the engine."""
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def diagnose(self) -> _Findings:
+        """Schema presence, server clock vs this machine's, and a read-only server."""
+        findings: _Findings = []
+        try:
+            with self._engine.connect() as conn:
+                exists = sa.inspect(conn).has_table(self.table.name)
+                status = "ok" if exists else ("warn" if not self._ready else "fail")
+                findings.append(Diagnosis("schema", status, f"table {self.table.name!r} exists: {exists}"))
+                now_sql = (
+                    sa.text("SELECT extract(epoch FROM clock_timestamp())") if self._pg else self._sql["now"]
+                )
+                skew = float(conn.execute(now_sql).scalar_one()) - time.time()
+                findings.append(
+                    Diagnosis(
+                        "clock", "ok" if abs(skew) < 2 else "warn", f"server clock is {skew:+.3f}s from ours"
+                    )
+                )
+                if self._pg or self._engine.dialect.name != "sqlite":
+                    ro_sql = "SELECT pg_is_in_recovery()" if self._pg else "SELECT @@read_only"
+                    read_only = bool(conn.execute(sa.text(ro_sql)).scalar_one())
+                    findings.append(
+                        Diagnosis("writable", "fail" if read_only else "ok", f"read-only: {read_only}")
+                    )
+        except sa_exc.SQLAlchemyError as exc:
+            findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
+        return findings
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _info(self, row: Sequence[Any]) -> LockInfo:
+        key, token, fence, age, expires_in, hard, holder = row
+        return LockInfo(
+            str(key),
+            str(token),
+            int(fence),
+            float(age),
+            float(expires_in),
+            float(hard),
+            decode_holder(holder),
+        )
+
+    def _ensure_schema(self) -> None:
+        if self._ready:
+            return
+        with self._schema_lock:
+            for attempt in range(2):
+                if self._ready:
+                    return
+                try:
+                    with self._serial, self._engine.begin() as conn:
+                        self.table.create(conn, checkfirst=True)
+                        _create_fence(self.table, conn)
+                    self._ready = True
+                except sa_exc.SQLAlchemyError as exc:
+                    # Another process may have created it between our check and our CREATE.
+                    lost_race = isinstance(exc, sa_exc.IntegrityError) or "already exists" in str(exc)
+                    if attempt or not lost_race:
+                        raise self._error("set up the lock table", exc) from exc
+
+    def _run_pg(self, op: str, params: dict[str, Any]) -> _Rows:
+        """Run one PostgreSQL statement, autocommit, on a pooled connection; its rows."""
+        self._ensure_schema()
+        if not self._fast:
+            statement = sa.text(self._pg_sql[op])
+
+            def attempt(conn: Connection) -> _Rows:
+                rows = [tuple(row) for row in conn.execute(statement, params)]
+                conn.commit()
+                return rows
+
+            return self._transact(op, attempt)
+        try:
+            fairy = self._engine.raw_connection()
+        except sa_exc.SQLAlchemyError as exc:
+            raise self._error(op, exc) from exc
+        try:
+            dbapi: Any = fairy.driver_connection
+            try:
+                rows: _Rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
+                if not dbapi.autocommit:  # an engine the caller built without autocommit
+                    dbapi.commit()
+                return rows
+            except self._pg_error as exc:
+                if isinstance(exc, self._pg_broken) or dbapi.closed or not dbapi.autocommit:
+                    fairy.invalidate(exc)
+                raise self._error(op, exc) from exc
+            except BaseException:
+                fairy.invalidate()  # interrupted mid-protocol: the connection state is unknown
+                raise
+        finally:
+            fairy.close()
+
+    def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
+        """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying deadlocks."""
+        self._ensure_schema()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                with self._serial, self._engine.connect() as conn:
+                    return work(conn)
+            except sa_exc.DBAPIError as exc:
+                code = getattr(exc.orig, "args", (None,))[0] if exc.orig is not None else None
+                if attempt < _ATTEMPTS and code in _RETRYABLE:
+                    time.sleep(random.uniform(0.005, 0.02) * attempt)
+                    continue
+                raise self._error(op, exc) from exc
+            except sa_exc.SQLAlchemyError as exc:
+                raise self._error(op, exc) from exc
+
+    def _error(self, op: str, exc: BaseException) -> BackendError:
+        cause = getattr(exc, "orig", None) or exc
+        lines = str(cause).strip().splitlines()
+        reason = mask_url(_SECRET_PARAM.sub(r"\1=***", lines[0][:300] if lines else ""))
+        for secret in self._secrets:
+            reason = reason.replace(secret, "***")
+        return BackendError(f"SQL lock store {self._masked} failed to {op}: {type(cause).__name__}: {reason}")
+
+    def _after_fork(self) -> None:
+        self._schema_lock = threading.Lock()
+        if self._memory:
+            self._serial = threading.RLock()
+        self._engine.dispose(close=False)  # never share the parent's sockets
+
+
+def _after_fork(ref: weakref.ReferenceType[SqlLockProvider]) -> None:
+    provider = ref()
+    if provider is not None:
+        provider._after_fork()

@@ -1,0 +1,390 @@
+"""Redis-specific behaviour of RedisLockProvider, against real servers only.
+
+The shared server (``CE_TEST_REDIS_URL``) is used under a unique key prefix per test, and
+only that prefix is deleted afterwards. Tests that must flush scripts or use a unix socket
+start their own ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_exclusive.errors import BackendError, ConfigurationError
+from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.redis import RedisLockProvider
+from tests.conftest import IN_CI, REDIS_URL, require_server
+
+
+def unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> None:
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+    keys = list(client.scan_iter(match=pattern, count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A unique key prefix; every key under it is deleted afterwards."""
+    require_server(REDIS_URL)
+    value = f"ce-test-{uuid.uuid4().hex[:12]}:"
+    yield value
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        delete_prefix(client, value)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def provider(prefix: str) -> Iterator[RedisLockProvider]:
+    p = RedisLockProvider(REDIS_URL)
+    try:
+        p.peek(prefix + "ping")
+    except BackendError as exc:
+        unavailable(f"redis at {REDIS_URL} is unusable: {exc}")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of our own on a unix socket (no TCP port); its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        unavailable("redis-server is not on PATH")
+        raise AssertionError  # unreachable: unavailable() skips or fails
+    folder = tmp_path_factory.mktemp("redis")
+    sock = folder / "r.sock"
+    args = [
+        exe,
+        "--port",
+        "0",
+        "--unixsocket",
+        str(sock),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(folder),
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(unix_socket_path=str(sock))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    unavailable("private redis-server did not start")
+                time.sleep(0.05)
+        client.close()
+        yield f"unix://{sock}?db=0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_is_a_lock_provider() -> None:
+    assert isinstance(RedisLockProvider("redis://127.0.0.1:6379/0"), LockProvider)
+
+
+def test_fence_increases_across_release_and_expiry(provider: RedisLockProvider, prefix: str) -> None:
+    key = prefix + "fence"
+    first = provider.acquire(key, "a", 30.0, 60.0, "{}")
+    assert isinstance(first, Grant)
+    assert provider.release(key, "a") is True
+    second = provider.acquire(key, "b", 0.2, 60.0, "{}")
+    assert isinstance(second, Grant)
+    assert second.fence > first.fence
+    time.sleep(0.3)
+    third = provider.acquire(key, "c", 30.0, 60.0, "{}")
+    assert isinstance(third, Grant)
+    assert third.fence > second.fence
+    # The fence counter lives in the lock's own hash, which outlives the lease.
+    assert provider.release(key, "c") is True
+    assert provider._client.hgetall(key) == {b"fence": str(third.fence).encode()}
+
+
+def test_retry_is_idempotent_and_held_reports_holder(provider: RedisLockProvider, prefix: str) -> None:
+    key = prefix + "idem"
+    grant = provider.acquire(key, "tok", 10.0, 60.0, '{"host":"h1","pid":7}')
+    again = provider.acquire(key, "tok", 10.0, 60.0, "{}")
+    assert isinstance(grant, Grant)
+    assert isinstance(again, Grant)
+    assert again.fence == grant.fence
+    assert 9.0 < again.ttl <= 10.0
+    held = provider.acquire(key, "other", 10.0, 60.0, "{}")
+    assert isinstance(held, Held)
+    assert held.holder is not None
+    assert (held.holder.token, held.holder.fence, held.holder.holder) == (
+        "tok",
+        grant.fence,
+        {"host": "h1", "pid": 7},
+    )
+    assert 59.0 < held.holder.hard_expires_in <= 60.0
+    assert 0.0 <= held.holder.age < 1.0
+
+
+def test_refresh_after_expiry_returns_none_and_does_not_revive(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    key = prefix + "late"
+    assert isinstance(provider.acquire(key, "tok", 0.2, 60.0, "{}"), Grant)
+    time.sleep(0.3)
+    assert provider.refresh([RefreshRequest(key, "tok", 30.0)]) == [None]
+    assert provider.peek(key) is None
+    assert provider.release(key, "tok") is False
+    assert isinstance(provider.acquire(key, "next", 30.0, 60.0, "{}"), Grant)
+
+
+def test_refresh_is_clamped_at_the_hard_deadline(provider: RedisLockProvider, prefix: str) -> None:
+    key = prefix + "clamp"
+    grant = provider.acquire(key, "tok", 5.0, 1.0, "{}")
+    assert isinstance(grant, Grant)
+    assert grant.ttl <= 1.0
+    started = time.monotonic()
+    previous = grant.ttl
+    while time.monotonic() - started < 0.8:
+        (left,) = provider.refresh([RefreshRequest(key, "tok", 5.0)])
+        assert left is not None
+        assert left <= previous
+        previous = left
+        time.sleep(0.1)
+    time.sleep(max(0.0, 1.1 - (time.monotonic() - started)))
+    assert provider.refresh([RefreshRequest(key, "tok", 5.0)]) == [None]
+    assert provider.peek(key) is None
+    taken = provider.acquire(key, "next", 5.0, 60.0, "{}")
+    assert isinstance(taken, Grant)
+    assert taken.fence > grant.fence
+
+
+def test_refresh_ten_thousand_leases_in_order(provider: RedisLockProvider, prefix: str) -> None:
+    keys = [f"{prefix}bulk:{i}" for i in range(10_000)]
+    for key in keys:
+        assert isinstance(provider.acquire(key, "tok", 30.0, 600.0, "{}"), Grant)
+    for key in keys[::7]:
+        assert provider.release(key, "tok") is True
+    requests = [RefreshRequest(k, "tok" if i % 11 else "wrong", 120.0) for i, k in enumerate(keys)]
+    answers = provider.refresh(requests)
+    assert len(answers) == len(keys)
+    for i, answer in enumerate(answers):
+        if i % 7 == 0 or i % 11 == 0:
+            assert answer is None, i
+        else:
+            assert answer is not None
+            assert 119.0 < answer <= 120.0, i
+    info = provider.peek(keys[1])
+    assert info is not None
+    assert info.expires_in > 100.0
+    assert provider.refresh([]) == []
+
+
+def test_scan_escapes_glob_characters_and_orders_by_key(provider: RedisLockProvider, prefix: str) -> None:
+    odd = prefix + "a*[b]?\\c:"
+    for key in (odd + "2", odd + "1", prefix + "aXbc:1", prefix + "a*[b]?c:1", prefix + "ab]?\\c:1"):
+        assert isinstance(provider.acquire(key, "tok", 30.0, 60.0, "{}"), Grant)
+    assert isinstance(provider.acquire(odd + "gone", "tok", 30.0, 60.0, "{}"), Grant)
+    assert provider.release(odd + "gone", "tok")
+    provider._client.set(odd + "string", "not a lock")
+    provider._client.hset(odd + "other-hash", "field", "value")
+    assert [info.key for info in provider.scan(odd)] == [odd + "1", odd + "2"]
+    assert len(provider.scan(prefix)) == 5
+
+
+def test_scan_spans_several_chunks(provider: RedisLockProvider, prefix: str) -> None:
+    keys = sorted(f"{prefix}many:{i}" for i in range(2_500))
+    for key in keys:
+        provider.acquire(key, "tok", 30.0, 60.0, "{}")
+    assert [info.key for info in provider.scan(prefix + "many:")] == keys
+
+
+def test_unix_socket_url(private_redis: str) -> None:
+    provider = RedisLockProvider(private_redis)
+    try:
+        assert isinstance(provider.acquire("u:key", "tok", 10.0, 60.0, "{}"), Grant)
+        info = provider.peek("u:key")
+        assert info is not None
+        assert info.token == "tok"  # noqa: S105
+        assert provider.release("u:key", "tok") is True
+    finally:
+        provider.close()
+
+
+def test_scripts_are_reloaded_after_script_flush(private_redis: str) -> None:
+    provider = RedisLockProvider(private_redis)
+    admin = redis.Redis.from_url(private_redis)
+    try:
+        keys = [f"flush:{i}" for i in range(2_100)]
+        admin.script_flush()
+        for key in keys:
+            assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+        admin.script_flush()
+        answers = provider.refresh([RefreshRequest(k, "tok", 20.0) for k in keys])
+        assert all(a is not None and a > 19.0 for a in answers)
+        admin.script_flush()
+        assert len(provider.scan("flush:")) == len(keys)
+        admin.script_flush()
+        assert provider.release(keys[0], "tok") is True
+    finally:
+        admin.delete(*admin.keys("flush:*"))
+        admin.close()
+        provider.close()
+
+
+def test_rediss_url_is_accepted_and_masked() -> None:
+    provider = RedisLockProvider("rediss://user:s3cret@redis.example.invalid:6380/2")
+    assert repr(provider) == "RedisLockProvider('rediss://user:***@redis.example.invalid:6380/2')"
+    provider.close()
+
+
+def test_password_never_shown_and_outage_is_an_error() -> None:
+    provider = RedisLockProvider("redis://:s3cret@127.0.0.1:1/0?password=s3cret")
+    assert "s3cret" not in repr(provider)
+    started = time.monotonic()
+    for call in (
+        lambda: provider.acquire("k", "t", 1.0, 1.0, "{}"),
+        lambda: provider.refresh([RefreshRequest("k", "t", 1.0)] * 1500),
+        lambda: provider.release("k", "t"),
+        lambda: provider.peek("k"),
+        lambda: provider.scan("k"),
+    ):
+        with pytest.raises(BackendError) as raised:
+            call()
+        assert "s3cret" not in str(raised.value)
+        assert str(raised.value).startswith("redis redis://***@127.0.0.1:1/0?password=***: ")
+    assert time.monotonic() - started < 5.0
+    provider.close()
+
+
+def test_bad_urls_are_configuration_errors() -> None:
+    with pytest.raises(ConfigurationError, match="ce_bogus"):
+        RedisLockProvider("redis://127.0.0.1:6379/0?ce_bogus=1")
+    with pytest.raises(ConfigurationError) as raised:
+        RedisLockProvider("redis://:s3cret@127.0.0.1:6379/0?socket_timeout=soon")
+    assert "s3cret" not in str(raised.value)
+    with pytest.raises(ConfigurationError):
+        RedisLockProvider()
+
+
+def test_connection_settings() -> None:
+    provider = RedisLockProvider("redis://127.0.0.1:6379/0")
+    kwargs = provider._client.connection_pool.connection_kwargs
+    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (10.0, 5.0)
+    assert kwargs["retry"].get_retries() == 0
+    provider.close()
+    provider = RedisLockProvider("redis://127.0.0.1:6379/0?socket_timeout=2.5")
+    assert provider._client.connection_pool.connection_kwargs["socket_timeout"] == 2.5
+    provider.close()
+
+
+def test_given_client_is_used_and_left_open(prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    provider = RedisLockProvider(client=client)
+    assert "s3cret" not in repr(provider)
+    key = prefix + "given"
+    assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, '{"pid":1}'), Grant)
+    held = provider.acquire(key, "other", 10.0, 60.0, "{}")
+    assert isinstance(held, Held)
+    assert held.holder is not None
+    assert held.holder.holder == {"pid": 1}
+    assert [i.key for i in provider.scan(prefix)] == [key]
+    provider.close()
+    assert client.hget(key, "token") == "tok"
+    client.close()
+
+
+def test_a_key_of_another_type_is_a_backend_error(provider: RedisLockProvider, prefix: str) -> None:
+    provider._client.set(prefix + "str", "x")
+    with pytest.raises(BackendError, match="WRONGTYPE"):
+        provider.acquire(prefix + "str", "tok", 10.0, 60.0, "{}")
+
+
+def test_connection_closed_by_server_is_reopened(provider: RedisLockProvider, prefix: str) -> None:
+    key = prefix + "killed"
+    assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+    (conn,) = provider._idle
+    host, port = conn._sock.getsockname()[:2]
+    provider._client.client_kill(f"{host}:{port}")  # kills only this provider's own connection
+    time.sleep(0.1)
+    assert provider.release(key, "tok") is True
+
+
+def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
+    parent_key, child_key = prefix + "parent", prefix + "child"
+    grant = provider.acquire(parent_key, "parent", 30.0, 60.0, "{}")
+    assert isinstance(grant, Grant)
+    parent_sockets = {conn._sock.getsockname() for conn in provider._idle}
+
+    def hammer(key: str, token: str, fence: int) -> None:
+        # Replies read off a socket shared with the other process would mismatch here.
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until:
+            info = provider.peek(key)
+            assert info is not None
+            assert (info.token, info.fence) == (token, fence)
+            answers = provider.refresh([RefreshRequest(key, token, 30.0), RefreshRequest(key, "x", 1.0)])
+            assert answers[1] is None
+
+    ready_r, ready_w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process (3.12+)
+        pid = os.fork()
+    if pid == 0:  # child: must open its own connection, never share the parent's socket
+        code = 1
+        try:
+            # The parent is idle until told: a reused parent socket would go unnoticed by Redis.
+            assert isinstance(provider.acquire(parent_key, "child", 30.0, 60.0, "{}"), Held)
+            child_grant = provider.acquire(child_key, "child", 30.0, 60.0, "{}")
+            assert isinstance(child_grant, Grant)
+            assert not {conn._sock.getsockname() for conn in provider._idle} & parent_sockets
+            os.write(ready_w, b"1")
+            hammer(child_key, "child", child_grant.fence)
+            code = 0
+        finally:
+            os.write(ready_w, b"0")
+            os._exit(code)
+    os.read(ready_r, 1)
+    hammer(parent_key, "parent", grant.fence)
+    _, status = os.waitpid(pid, 0)
+    os.close(ready_r)
+    os.close(ready_w)
+    assert os.waitstatus_to_exitcode(status) == 0
+    info = provider.peek(child_key)
+    assert info is not None
+    assert info.token == "child"  # noqa: S105
+    assert provider.release(parent_key, "parent") is True
+
+
+def test_diagnose(provider: RedisLockProvider, private_redis: str) -> None:
+    checks = {d.check: d for d in provider.diagnose()}
+    assert checks["server"].status == "ok"
+    assert checks["scripts"].status == "ok"
+    assert checks["clock"].status in ("ok", "warn")
+    assert "replica" not in checks or checks["replica"].status != "fail"
+    private = RedisLockProvider(private_redis)
+    try:
+        assert {d.check: d.status for d in private.diagnose()}["persistence"] == "warn"  # appendonly no
+    finally:
+        private.close()
+    dead = RedisLockProvider("redis://:s3cret@127.0.0.1:1/0")
+    with pytest.raises(BackendError) as raised:
+        dead.diagnose()
+    assert "s3cret" not in str(raised.value)

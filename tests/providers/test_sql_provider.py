@@ -1,0 +1,588 @@
+"""SqlLockProvider on real servers: PostgreSQL, SQLite and MariaDB (no mocks).
+
+Each test gets its own table (and fence counter), dropped afterwards. A server that is
+unreachable skips the test locally and fails it when ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.sql import SqlLockProvider, lock_table
+
+POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
+IN_CI = os.environ.get("CI", "").lower() == "true"
+BACKENDS = ["postgresql", "sqlite", "mariadb"]
+
+
+def require(url: str) -> None:
+    """Skip (locally) or fail (in CI) unless the server behind ``url`` answers a query."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except sa.exc.SQLAlchemyError as exc:
+        cause = getattr(exc, "orig", None) or exc
+        where = engine.url.render_as_string(hide_password=True)
+        message = f"database {where} is unreachable: {str(cause).splitlines()[0]}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    finally:
+        engine.dispose()
+
+
+def drop(url: str, table: str) -> None:
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}_fence"))
+            if engine.dialect.name == "postgresql":
+                conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+    finally:
+        engine.dispose()
+
+
+@dataclass
+class Db:
+    """One database under test and a fresh table name on it."""
+
+    name: str
+    url: str
+    table: str
+
+    def provider(self, **kwargs: Any) -> SqlLockProvider:
+        return SqlLockProvider(self.url, table=self.table, **kwargs)
+
+    def rows(self) -> dict[str, tuple[Any, ...]]:
+        """Every row of the table, read directly, by key."""
+        engine = sa.create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(sa.text(f"SELECT * FROM {self.table}")).all()
+            return {row[0]: tuple(row) for row in rows}
+        finally:
+            engine.dispose()
+
+    def execute(self, sql: str, **params: Any) -> None:
+        engine = sa.create_engine(self.url)
+        try:
+            with engine.begin() as conn:
+                conn.execute(sa.text(sql), params)
+        finally:
+            engine.dispose()
+
+
+def _database(name: str, tmp_path: Path) -> Iterator[Db]:
+    table = f"ce_test_{uuid.uuid4().hex[:10]}"
+    urls = {
+        "postgresql": POSTGRES_URL,
+        "mariadb": MYSQL_URL,
+        "sqlite": f"sqlite:///{tmp_path / 'locks.sqlite3'}",
+    }
+    require(urls[name])
+    yield Db(name, urls[name], table)
+    drop(urls[name], table)
+
+
+@pytest.fixture(params=BACKENDS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Db]:
+    yield from _database(request.param, tmp_path)
+
+
+@pytest.fixture
+def pg(tmp_path: Path) -> Iterator[Db]:
+    yield from _database("postgresql", tmp_path)
+
+
+@pytest.fixture
+def provider(db: Db) -> Iterator[SqlLockProvider]:
+    p = db.provider()
+    yield p
+    p.close()
+
+
+def test_is_a_lock_provider(provider: SqlLockProvider) -> None:
+    """The provider satisfies the LockProvider protocol and advertises its key limit."""
+    assert isinstance(provider, LockProvider)
+    assert provider.max_key_length == 512
+
+
+def test_table_for_alembic_creates_a_working_schema(db: Db) -> None:
+    """lock_table() describes the table; create_all() makes a schema the provider can use as is."""
+    metadata = sa.MetaData()
+    table = lock_table(metadata, db.table)
+    assert [c.name for c in table.columns] == [
+        "key",
+        "value",
+        "expires_at",
+        "created_at",
+        "deadline",
+        "fence",
+        "holder",
+    ]
+    assert [c.name for c in table.primary_key] == ["key"]
+    assert table.c.holder.nullable
+    assert not table.c.value.nullable
+    engine = sa.create_engine(db.url)
+    try:
+        metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    provider = db.provider(create_table=False)
+    try:
+        assert provider.table.name == db.table
+        assert provider.acquire("k", "t", 5, 60, "{}") == Grant(1, 5.0)
+    finally:
+        provider.close()
+
+
+def test_without_create_table_a_missing_table_is_a_backend_error(db: Db) -> None:
+    """create_table=False never creates anything; using a missing table is an error, not "free"."""
+    provider = SqlLockProvider.from_url(f"{db.url}?ce_table={db.table}&ce_create_table=false")
+    try:
+        with pytest.raises(BackendError):
+            provider.peek("k")
+        with pytest.raises(BackendError):
+            provider.acquire("k", "t", 5, 60, "{}")
+    finally:
+        provider.close()
+    engine = sa.create_engine(db.url)
+    try:
+        assert not sa.inspect(engine).has_table(db.table)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("name", ["", "1abc", "a-b", "a b", "t;drop", "x" * 64, "ütf", 'a"b'])
+def test_table_names_are_validated(name: str) -> None:
+    """A table name that is not a plain SQL identifier is a configuration error."""
+    with pytest.raises(ConfigurationError):
+        SqlLockProvider("sqlite://", table=name)
+    with pytest.raises(ConfigurationError):
+        lock_table(sa.MetaData(), name)
+
+
+def test_url_options() -> None:
+    """ce_table and ce_create_table are read from the URL; unknown ce_ options are refused."""
+    provider = SqlLockProvider.from_url("sqlite://?ce_table=my_locks&ce_create_table=false")
+    assert provider.table.name == "my_locks"
+    provider.close()
+    with pytest.raises(ConfigurationError):
+        SqlLockProvider.from_url("sqlite://?ce_tabel=x")
+    with pytest.raises(ConfigurationError):
+        SqlLockProvider.from_url("sqlite://?ce_create_table=maybe")
+    with pytest.raises(ConfigurationError):
+        SqlLockProvider("oracle://u@h/db")
+
+
+def test_missing_driver_names_the_extra() -> None:
+    """A driver that is not installed raises MissingDriverError naming the pip extra."""
+    with pytest.raises(MissingDriverError) as raised:
+        SqlLockProvider("mysql+mysqldb://root:pw-SECRET@127.0.0.1/test")
+    assert raised.value.extra == "mysql"
+    assert "pw-SECRET" not in str(raised.value)
+
+
+def test_repr_masks_the_password() -> None:
+    """repr shows the URL with its password masked, and the table name."""
+    provider = SqlLockProvider("postgresql://alice:pw-SECRET@127.0.0.1:1/test?password=pw-SECRET")
+    try:
+        assert "pw-SECRET" not in repr(provider)
+        assert "pw-SECRET" not in str(provider)
+        assert "postgresql+psycopg://" in repr(provider)
+        assert "cache_entries" in repr(provider)
+    finally:
+        provider.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://postgres:pw-SECRET@127.0.0.1:1/test",
+        "postgres://postgres:pw-SECRET@127.0.0.1:1/test",
+        "mysql+pymysql://root:pw-SECRET@127.0.0.1:1/test",
+        "mariadb://root:pw-SECRET@127.0.0.1:1/test",
+        "sqlite:////nonexistent-dir/for/celery-exclusive/locks.sqlite3",
+    ],
+)
+def test_unreachable_store_raises_quickly_without_the_password(url: str) -> None:
+    """Every operation on an unreachable store is a BackendError within seconds, password masked."""
+    provider = SqlLockProvider(url)
+    started = time.monotonic()
+    try:
+        for call in (
+            lambda: provider.acquire("k", "t", 5, 60, "{}"),
+            lambda: provider.refresh([RefreshRequest("k", "t", 5)]),
+            lambda: provider.release("k", "t"),
+            lambda: provider.peek("k"),
+            lambda: provider.scan(""),
+        ):
+            with pytest.raises(BackendError) as raised:
+                call()
+            assert "pw-SECRET" not in str(raised.value)
+            assert "pw-SECRET" not in repr(raised.value)
+    finally:
+        provider.close()
+    assert time.monotonic() - started < 10
+
+
+def test_fence_grows_across_release_and_expiry(provider: SqlLockProvider) -> None:
+    """Every acquisition of a key gets a larger fence, although release deletes the row."""
+    fences = []
+    for i in range(3):
+        grant = provider.acquire("k", f"t{i}", 5, 60, "{}")
+        assert isinstance(grant, Grant)
+        fences.append(grant.fence)
+        assert provider.release("k", f"t{i}")
+    short = provider.acquire("k", "short", 0.2, 60, "{}")
+    assert isinstance(short, Grant)
+    fences.append(short.fence)
+    time.sleep(0.35)
+    taken = provider.acquire("k", "taker", 5, 60, "{}")
+    assert isinstance(taken, Grant)
+    fences.append(taken.fence)
+    assert fences == sorted(set(fences))
+
+
+def test_fence_survives_a_new_provider(db: Db) -> None:
+    """The counter lives in the store: a new provider continues above the old fences."""
+    first = db.provider()
+    grant = first.acquire("k", "a", 5, 60, "{}")
+    assert isinstance(grant, Grant)
+    assert first.release("k", "a")
+    first.close()
+    second = db.provider()
+    try:
+        again = second.acquire("k", "b", 5, 60, "{}")
+        assert isinstance(again, Grant)
+        assert again.fence > grant.fence
+    finally:
+        second.close()
+
+
+def test_retry_with_own_token_returns_the_existing_lease(db: Db, provider: SqlLockProvider) -> None:
+    """A retried acquire by the holder returns the same fence and leaves the row unchanged."""
+    first = provider.acquire("k", "mine", 5, 60, '{"pid":1}')
+    assert isinstance(first, Grant)
+    before = db.rows()["k"]
+    again = provider.acquire("k", "mine", 30, 600, '{"pid":2}')
+    assert isinstance(again, Grant)
+    assert again.fence == first.fence
+    assert 0 < again.ttl <= 5
+    assert db.rows()["k"] == before
+
+
+def test_live_foreign_row_is_untouched_and_a_dead_one_replaced(db: Db, provider: SqlLockProvider) -> None:
+    """A live lease is reported with its holder and not modified; an expired one is taken over."""
+    first = provider.acquire("k", "a", 0.5, 60, '{"host":"h1","pid":7}')
+    assert isinstance(first, Grant)
+    before = db.rows()["k"]
+    held = provider.acquire("k", "b", 5, 60, "{}")
+    assert isinstance(held, Held)
+    assert held.holder is not None
+    assert (held.holder.token, held.holder.fence, held.holder.holder) == (
+        "a",
+        first.fence,
+        {"host": "h1", "pid": 7},
+    )
+    assert 0 < held.holder.expires_in <= 0.5
+    assert held.holder.age >= 0
+    assert db.rows()["k"] == before
+    time.sleep(0.7)
+    taken = provider.acquire("k", "b", 5, 60, "{}")
+    assert isinstance(taken, Grant)
+    assert taken.fence > first.fence
+    assert db.rows()["k"][1] == "b"
+
+
+def test_a_row_past_max_lifetime_is_swept(provider: SqlLockProvider) -> None:
+    """A row older than the caller's max_lifetime is dead even if its expiry is far away."""
+    assert isinstance(provider.acquire("k", "old", 60, 600, "{}"), Grant)
+    time.sleep(0.3)
+    assert isinstance(provider.acquire("k", "new", 5, 0.2, "{}"), Grant)
+    info = provider.peek("k")
+    assert info is not None
+    assert info.fence > 1
+
+
+def test_other_application_rows_are_never_touched(db: Db, provider: SqlLockProvider) -> None:
+    """Rows of other keys in the shared table, live or long expired, survive every operation."""
+    provider.peek("warm-up")  # creates the table
+    long_ago, soon = "2000-01-01 00:00:00.000", "2999-01-01 00:00:00.000"
+    key_column = "`key`" if db.name == "mariadb" else "key"
+    for key, value, stamp in [("app:1", "data", long_ago), ("lock:b", "x", long_ago), ("LOCK:a", "y", soon)]:
+        db.execute(
+            f"INSERT INTO {db.table} ({key_column}, value, expires_at, created_at, deadline, fence, holder) "
+            "VALUES (:key, :value, :stamp, :stamp, :stamp, 99, NULL)",
+            key=key,
+            value=value,
+            stamp=stamp,
+        )
+    before = db.rows()
+    assert isinstance(provider.acquire("lock:a", "t", 5, 60, "{}"), Grant)
+    assert provider.refresh([RefreshRequest("lock:a", "t", 9), RefreshRequest("lock:b", "x", 9)]) == [
+        pytest.approx(9, abs=0.1),
+        None,
+    ]
+    assert [info.key for info in provider.scan("lock:")] == ["lock:a"]
+    assert provider.peek("lock:b") is None
+    assert provider.release("lock:a", "t")
+    assert not provider.release("app:1", "other")
+    assert db.rows() == before
+
+
+def test_expiry_is_decided_by_the_store(provider: SqlLockProvider) -> None:
+    """A 0.3 s lease is held at 0.1 s and free at 0.6 s."""
+    assert isinstance(provider.acquire("k", "a", 0.3, 60, "{}"), Grant)
+    time.sleep(0.1)
+    assert isinstance(provider.acquire("k", "b", 5, 60, "{}"), Held)
+    assert provider.peek("k") is not None
+    time.sleep(0.5)
+    assert provider.peek("k") is None
+    assert provider.scan("") == []
+    assert provider.refresh([RefreshRequest("k", "a", 5)]) == [None]  # not revived
+    assert not provider.release("k", "a")
+    assert isinstance(provider.acquire("k", "b", 5, 60, "{}"), Grant)
+
+
+def test_refresh_caps_at_the_hard_deadline(provider: SqlLockProvider) -> None:
+    """A refresh extends by ttl but never past max_lifetime; duplicates get the same answer."""
+    assert isinstance(provider.acquire("k", "a", 0.5, 2, "{}"), Grant)
+    answers = provider.refresh([RefreshRequest("k", "a", 60), RefreshRequest("k", "a", 60)])
+    assert answers[0] is not None
+    assert 1.5 < answers[0] <= 2
+    assert answers[1] == answers[0]
+    assert provider.refresh([]) == []
+
+
+def test_keys_are_case_sensitive_and_exact(provider: SqlLockProvider) -> None:
+    """'A' and 'a' are different locks, and scan() treats % _ ! literally."""
+    assert isinstance(provider.acquire("A", "1", 5, 60, "{}"), Grant)
+    assert isinstance(provider.acquire("a", "2", 5, 60, "{}"), Grant)
+    for key in ("p_x", "p%x", "p!x", "pyx", "p", "p\\x"):
+        assert isinstance(provider.acquire(key, "t", 5, 60, "{}"), Grant)
+    assert [i.key for i in provider.scan("p_")] == ["p_x"]
+    assert [i.key for i in provider.scan("p%")] == ["p%x"]
+    assert [i.key for i in provider.scan("p!")] == ["p!x"]
+    assert [i.key for i in provider.scan("p\\")] == ["p\\x"]
+    assert [i.key for i in provider.scan("")] == sorted(["A", "a", "p_x", "p%x", "p!x", "pyx", "p", "p\\x"])
+    long_key = "k" * 512
+    assert isinstance(provider.acquire(long_key, "t", 5, 60, "{}"), Grant)
+    assert provider.peek(long_key) is not None
+
+
+def _race(url: str, table: str, keys: list[str], start: Any, results: Any) -> None:
+    provider = SqlLockProvider(url, table=table)
+    won: list[str] = []
+    try:
+        start.wait()
+        for key in keys:
+            if isinstance(provider.acquire(key, f"{os.getpid()}-{key}", 30, 60, "{}"), Grant):
+                won.append(key)
+        results.put(("ok", won))
+    except Exception as exc:
+        results.put(("error", repr(exc)))
+    finally:
+        provider.close()
+
+
+def test_processes_race_exactly_one_winner_per_key(db: Db) -> None:
+    """Eight processes create the table together and race for each key: one winner, no errors."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(8), ctx.Queue()
+    keys = [f"race:{i}" for i in range(25)]
+    procs = [ctx.Process(target=_race, args=(db.url, db.table, keys, start, results)) for _ in range(8)]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert [kind for kind, _ in outcomes] == ["ok"] * 8, outcomes
+    winners = sorted(key for _, won in outcomes for key in won)
+    assert winners == sorted(keys)
+
+
+def test_fork_child_gets_its_own_connections(pg: Db) -> None:
+    """After fork the child never reuses the parent's pooled connection."""
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire("k", "parent", 30, 60, "{}"), Grant)
+        with provider._engine.connect() as conn:
+            parent_pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the child
+            status = 1
+            try:
+                answer = provider.acquire("k", "child", 30, 60, "{}")
+                with provider._engine.connect() as conn:
+                    pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+                os.write(write, f"{isinstance(answer, Held)} {pid}".encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        _, status = os.waitpid(child, 0)
+        child_held, child_pid = os.read(read, 100).decode().split()
+        os.close(read)
+        assert status == 0
+        assert child_held == "True"
+        assert int(child_pid) != parent_pid
+        assert provider.release("k", "parent")  # the parent's connection still works
+    finally:
+        provider.close()
+
+
+def test_pg_contention_takes_no_transaction_id_and_writes_no_wal(pg: Db) -> None:
+    """A refused acquire (and a retry by the holder) assigns no xid and writes no WAL."""
+    import psycopg
+
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire("k", "holder", 60, 600, "{}"), Grant)
+        dsn = sa.make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)
+        with psycopg.connect(dsn) as conn:
+            for token in ("other", "holder"):
+                params = {"key": "k", "token": token, "ttl": 5.0, "life": 60.0, "holder": "{}"}
+                rows = conn.execute(provider._psycopg_sql["acquire"], params).fetchall()
+                assert rows
+                assert rows[0][2] == "holder"
+                assert conn.execute("SELECT txid_current_if_assigned()").fetchone() == (None,)
+                conn.rollback()
+            conn.autocommit = True
+            # Other sessions may write WAL meanwhile: any quiet window proves we wrote nothing.
+            growth = []
+            for _ in range(5):
+                before = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
+                for i in range(200):
+                    assert isinstance(provider.acquire("k", f"x{i}", 5, 60, "{}"), Held)
+                after = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", before).fetchone()
+                growth.append(after[0] if after else None)
+                if growth[-1] == 0:
+                    break
+            else:
+                pytest.skip(f"WAL grew in every window (other writers on the server?): {growth}")
+    finally:
+        provider.close()
+
+
+def test_pg_refreshes_ten_thousand_leases_in_one_call(pg: Db) -> None:
+    """refresh() handles 10,000 leases, answering each in order; foreign tokens get None."""
+    provider = pg.provider()
+    try:
+        provider.peek("k")
+        pg.execute(
+            f"INSERT INTO {pg.table} (key, value, expires_at, created_at, deadline, fence, holder) "
+            "SELECT 'k' || i, 't' || i, clock_timestamp() + interval '10 s', clock_timestamp(), "
+            "clock_timestamp() + interval '1 h', i, NULL FROM generate_series(0, 9999) AS i"
+        )
+        requests = [RefreshRequest(f"k{i}", f"t{i}" if i % 10 else "wrong", 30) for i in range(10_000)]
+        started = time.monotonic()
+        answers = provider.refresh(requests)
+        elapsed = time.monotonic() - started
+        assert len(answers) == 10_000
+        assert all(a is None for a in answers[::10])
+        assert all(a is not None and 29 < a <= 30 for i, a in enumerate(answers) if i % 10)
+        assert elapsed < 5
+    finally:
+        provider.close()
+
+
+def test_pg_broken_connection_is_replaced(pg: Db) -> None:
+    """A pooled connection killed by the server costs one BackendError; the next call reconnects."""
+    provider = pg.provider()
+    try:
+        provider.peek("k")
+        with provider._engine.connect() as conn:
+            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        pg.execute("SELECT pg_terminate_backend(:pid)", pid=pid)
+        time.sleep(0.1)
+        with pytest.raises(BackendError):
+            provider.peek("k")
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
+    finally:
+        provider.close()
+
+
+def test_pg_engine_without_autocommit_commits(pg: Db) -> None:
+    """A caller's engine (no autocommit) works: writes are committed and nothing stays open."""
+    engine = sa.create_engine(pg.url)
+    provider = SqlLockProvider(engine, table=pg.table)
+    try:
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
+        assert pg.rows()["k"][1] == "t"
+        assert provider.release("k", "t")
+        assert "k" not in pg.rows()
+    finally:
+        provider.close()
+        engine.dispose()
+
+
+def test_pg_statements_also_run_through_sqlalchemy(pg: Db) -> None:
+    """The path for PostgreSQL drivers other than psycopg 3 runs the same statements."""
+    provider = pg.provider()
+    provider._fast = False
+    try:
+        first = provider.acquire("k", "a", 5, 60, '{"pid":1}')
+        assert isinstance(first, Grant)
+        held = provider.acquire("k", "b", 5, 60, "{}")
+        assert isinstance(held, Held)
+        assert held.holder is not None
+        assert held.holder.holder == {"pid": 1}
+        assert provider.refresh([RefreshRequest("k", "a", 9)]) == [pytest.approx(9, abs=0.1)]
+        assert [i.key for i in provider.scan("")] == ["k"]
+        assert provider.release("k", "a")
+    finally:
+        provider.close()
+
+
+def test_mixed_case_table_name_is_quoted_consistently(db: Db) -> None:
+    """A table name with capitals works: DDL and every statement quote it the same way."""
+    provider = SqlLockProvider(db.url, table="CE_Mixed" + db.table[-10:])
+    q = provider._engine.dialect.identifier_preparer.quote
+    try:
+        first = provider.acquire("k", "a", 5, 60, "{}")
+        assert isinstance(first, Grant)
+        assert provider.release("k", "a")
+        second = provider.acquire("k", "b", 5, 60, "{}")
+        assert isinstance(second, Grant)
+        assert second.fence > first.fence
+        assert [i.key for i in provider.scan("")] == ["k"]
+    finally:
+        with provider._engine.begin() as conn:
+            name = provider.table.name
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {q(name)}")
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {q(name + '_fence')}")
+            if db.name == "postgresql":
+                conn.exec_driver_sql(f"DROP SEQUENCE IF EXISTS {q(name + '_fence_seq')}")
+        provider.close()
+
+
+def test_diagnose(provider: SqlLockProvider) -> None:
+    """diagnose() reports the schema and the server clock; an unreachable store is a finding."""
+    provider.peek("k")
+    findings = {d.check: d for d in provider.diagnose()}
+    assert findings["schema"].status == "ok"
+    assert findings["clock"].status == "ok"
+    dead = SqlLockProvider("postgresql://postgres:pw-SECRET@127.0.0.1:1/test")
+    try:
+        (finding,) = dead.diagnose()
+        assert finding.status == "fail"
+        assert "pw-SECRET" not in finding.detail
+    finally:
+        dead.close()
