@@ -1,0 +1,530 @@
+"""Operator commands: list, show, release and diagnose leases in a lock store.
+
+Two front ends share one set of sub-commands and differ only in where the store comes from:
+
+* ``celery-exclusive [--url URL] [--prefix P] COMMAND``: ``--url``, else ``CELERY_EXCLUSIVE_URL``.
+* ``celery -A proj exclusive [--url URL] [--prefix P] COMMAND``: ``--url``, else the app's
+  ``exclusive_url`` setting, else ``CELERY_EXCLUSIVE_URL``.
+
+The prefix follows the workers' precedence: ``--prefix``, the app's ``exclusive_prefix``
+(Celery front end only), ``CELERY_EXCLUSIVE_PREFIX``, then ``task-lock:``.
+
+Exit codes: 0 success; 1 nothing released (mismatch or declined) or a doctor check failed;
+2 configuration or input error; 3 lock store error. Errors are one line on stderr, never
+a traceback, and never show a credential. See ``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import click
+
+from celery_exclusive.errors import (
+    BackendError,
+    ConfigurationError,
+    ExclusiveError,
+    InvalidArgumentError,
+)
+from celery_exclusive.providers.base import Diagnosis, LockInfo
+from celery_exclusive.service import DEFAULT_PREFIX, LockService
+from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, scheme_family
+
+EXIT_OK = 0
+EXIT_NOT_RELEASED = 1
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_BACKEND = 3
+
+#: Peeks timed by ``doctor``; the median is reported as the round trip.
+DOCTOR_SAMPLES = 10
+#: Median round trip above which ``doctor`` warns (every acquire, refresh and release pays it).
+SLOW_ROUND_TRIP = 0.1
+
+#: Environment fallback for the key prefix, as the workers read it.
+PREFIX_ENV_VAR = "CELERY_EXCLUSIVE_PREFIX"
+
+_META_KEY = "celery_exclusive.target"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# -- where the store comes from -------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """The store one invocation talks to; the service is built on first use and closed at exit."""
+
+    explicit_url: str | None
+    conf: Mapping[str, Any] | None
+    prefix: str
+    celery: bool
+    url: str | None = None
+    _service: LockService | None = field(default=None, repr=False)
+
+    def resolve(self) -> str:
+        """The lock store URL by precedence, or ConfigurationError naming where to set it."""
+        if self.url is None:
+            try:
+                self.url = resolve_url(self.explicit_url, self.conf)
+            except ConfigurationError:
+                places = "pass --url, set app.conf.exclusive_url," if self.celery else "pass --url"
+                raise ConfigurationError(
+                    f"no lock store configured: {places} or set the {ENV_VAR} environment "
+                    f"variable (schemes: {', '.join(KNOWN_SCHEMES)})"
+                ) from None
+        return self.url
+
+    def service(self) -> LockService:
+        """A LockService on the resolved URL with this invocation's prefix."""
+        if self._service is None:
+            self._service = LockService(self.resolve(), prefix=self.prefix)
+        return self._service
+
+    def close(self) -> None:
+        """Close the service if one was built (the CLI never holds leases)."""
+        if self._service is not None:
+            service, self._service = self._service, None
+            with contextlib.suppress(Exception):  # the answer is out; a failed disconnect changes nothing
+                service.close(release=False)
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every URL masked and this URL's password replaced by ``***``."""
+        text = mask_url(text)
+        for secret in _secrets(self.url or self.explicit_url or ""):
+            text = text.replace(secret, "***")
+        return text
+
+
+def _secrets(url: str) -> list[str]:
+    """The password parts of ``url`` (raw and percent-decoded), longest first."""
+    try:
+        parts = urlsplit(url)
+        found = [parts.password or ""]
+        found += [v for k, v in parse_qsl(parts.query) if k.lower() in ("password", "passwd", "pass", "pwd")]
+    except ValueError:
+        return []
+    values = {s for raw in found if raw for s in (raw, unquote(raw))}
+    return sorted(values, key=len, reverse=True)
+
+
+def _target(ctx: click.Context) -> Target:
+    target = ctx.meta.get(_META_KEY)
+    if not isinstance(target, Target):
+        raise ConfigurationError("celery-exclusive sub-commands must run under a celery-exclusive group")
+    return target
+
+
+def _option(*decls: str, **attrs: Any) -> Callable[[F], F]:
+    """A click option never read from the environment by click itself.
+
+    ``celery`` runs with ``auto_envvar_prefix="CELERY"``, which would silently bind
+    CELERY_EXCLUSIVE_URL to ``exclusive --url`` and so rank the environment above
+    app.conf.exclusive_url; the documented precedence is applied by resolve_url instead.
+    """
+    return click.option(*decls, allow_from_autoenv=False, **attrs)
+
+
+def _url_option(fallback: str) -> Callable[[F], F]:
+    return _option("--url", default=None, metavar="URL", help=f"Lock store URL (else {fallback}).")
+
+
+def _prefix_option(fallback: str) -> Callable[[F], F]:
+    return _option(
+        "--prefix",
+        default=None,
+        metavar="PREFIX",
+        help=f"Key prefix of the locks (else {fallback}, else {DEFAULT_PREFIX!r}).",
+    )
+
+
+def _prefix(explicit: str | None, conf: Mapping[str, Any] | None) -> str:
+    """The key prefix by the workers' precedence: option > app.conf > environment > default."""
+    for candidate in (explicit, (conf or {}).get("exclusive_prefix"), os.environ.get(PREFIX_ENV_VAR)):
+        if candidate is not None and candidate != "":
+            return str(candidate)
+    return DEFAULT_PREFIX
+
+
+def _json_option() -> Callable[[F], F]:
+    return _option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
+
+
+# -- error handling -------------------------------------------------------------------------
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, (ConfigurationError, InvalidArgumentError)):
+        return EXIT_USAGE
+    return EXIT_BACKEND
+
+
+def _fail(ctx: click.Context, exc: BaseException) -> NoReturn:
+    target = ctx.meta.get(_META_KEY)
+    message = str(exc) or type(exc).__name__
+    if not isinstance(exc, ExclusiveError):
+        message = f"unexpected {type(exc).__name__}: {message}"
+    message = target.scrub(message) if isinstance(target, Target) else mask_url(message)
+    click.echo(f"error: {' '.join(message.split())}", err=True)
+    ctx.exit(_exit_code(exc))
+
+
+def _handled(f: Callable[..., int | None]) -> Callable[..., None]:
+    """Run a sub-command: exit with its code; errors become one masked line and exit 2/3."""
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> None:
+        ctx = click.get_current_context()
+        try:
+            code = f(*args, **kwargs)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as exc:  # every failure is one line, never a traceback
+            _fail(ctx, exc)
+        finally:
+            target = ctx.meta.get(_META_KEY)
+            if isinstance(target, Target):
+                target.close()
+        ctx.exit(code or EXIT_OK)
+
+    return run
+
+
+# -- formatting -----------------------------------------------------------------------------
+
+
+def human_duration(value: float) -> str:
+    """Seconds for people: ``0.4s``, ``42s``, ``3m07s``, ``2h05m``, ``1d03h``."""
+    if value < 0:
+        return "-" + human_duration(-value)
+    if value < 10:
+        return f"{value:.1f}s"
+    whole = int(value)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def describe_holder(info: LockInfo) -> str:
+    """Who holds a lease, for messages: task name and id, host and pid where known."""
+    holder = info.holder
+    parts = []
+    if holder.get("task_name"):
+        parts.append(f"task {holder['task_name']}")
+    if holder.get("task_id"):
+        parts.append(f"[{holder['task_id']}]")
+    where = ":".join(str(holder[k]) for k in ("host", "pid") if holder.get(k) not in (None, ""))
+    if where:
+        parts.append(f"on {where}")
+    return " ".join(parts) or f"token {info.token}"
+
+
+def lock_json(info: LockInfo) -> dict[str, Any]:
+    """The stable JSON form of a lease (see docs/cli.md)."""
+    return {
+        "key": info.key,
+        "token": info.token,
+        "fence": info.fence,
+        "age": round(info.age, 3),
+        "expires_in": round(info.expires_in, 3),
+        "hard_expires_in": round(info.hard_expires_in, 3),
+        "holder": info.holder,
+    }
+
+
+def _dump(value: object) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+# -- sub-commands ---------------------------------------------------------------------------
+
+
+@click.command(name="list")
+@click.argument("filter_prefix", metavar="[PREFIX]", required=False, default="")
+@_json_option()
+@_handled
+def list_command(filter_prefix: str, as_json: bool) -> int:
+    """List live leases, optionally only keys starting with PREFIX.
+
+    PREFIX is matched against the key without the lock prefix (--prefix).
+    """
+    target = _target(click.get_current_context())
+    locks = target.service().locks(filter_prefix)
+    if as_json:
+        _dump({"prefix": target.prefix, "filter": filter_prefix, "locks": [lock_json(i) for i in locks]})
+        return EXIT_OK
+    if not locks:
+        click.echo(f"no live leases under {target.prefix + filter_prefix!r}")
+        return EXIT_OK
+    headers = ["KEY", "HOST", "PID", "TASK ID", "TASK NAME", "AGE", "EXPIRES IN", "FENCE"]
+    rows = [
+        [
+            info.key,
+            _cell(info.holder.get("host")),
+            _cell(info.holder.get("pid")),
+            _cell(info.holder.get("task_id")),
+            _cell(info.holder.get("task_name")),
+            human_duration(info.age),
+            human_duration(info.expires_in),
+            str(info.fence),
+        ]
+        for info in locks
+    ]
+    click.echo(_table(rows, headers))
+    return EXIT_OK
+
+
+@click.command(name="show")
+@click.argument("key")
+@_json_option()
+@_handled
+def show_command(key: str, as_json: bool) -> int:
+    """Show the live lease on KEY.
+
+    A free key is not an error: it prints "is free" (JSON: null) and exits 0.
+    """
+    target = _target(click.get_current_context())
+    info = target.service().peek(key)
+    if as_json:
+        _dump(None if info is None else lock_json(info))
+        return EXIT_OK
+    if info is None:
+        click.echo(f"{key!r} is free")
+        return EXIT_OK
+    fields = [
+        ("key", info.key),
+        ("holder", describe_holder(info)),
+        ("task name", _cell(info.holder.get("task_name"))),
+        ("task id", _cell(info.holder.get("task_id"))),
+        ("host", _cell(info.holder.get("host"))),
+        ("pid", _cell(info.holder.get("pid"))),
+        ("fence", str(info.fence)),
+        ("age", human_duration(info.age)),
+        ("expires in", human_duration(info.expires_in)),
+        ("hard deadline in", human_duration(info.hard_expires_in)),
+        ("token", info.token),
+    ]
+    extra = sorted(k for k in info.holder if k not in ("task_name", "task_id", "host", "pid"))
+    fields += [(f"holder.{k}", _cell(info.holder[k])) for k in extra]
+    width = max(len(name) for name, _ in fields)
+    for name, value in fields:
+        click.echo(f"{name.ljust(width)}  {value}")
+    return EXIT_OK
+
+
+@click.command(name="release")
+@click.argument("key")
+@_option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@_option(
+    "--token",
+    default=None,
+    metavar="TOKEN",
+    help="Release only if this token holds the key (as shown by `show`).",
+)
+@_handled
+def release_command(key: str, yes: bool, token: str | None) -> int:
+    """Release the current lease on KEY.
+
+    Only the lease seen at the start is released: a newer holder is never touched.
+    The holder is not told: its heartbeat finds the lease gone and reports it LOST.
+    """
+    target = _target(click.get_current_context())
+    if token is not None and not token:
+        raise InvalidArgumentError("--token must not be empty")
+    service = target.service()
+    info = service.peek(key)
+    if info is None:
+        click.echo(f"{key!r}: key is free; nothing released")
+        return EXIT_OK
+    who = f"{describe_holder(info)} (fence {info.fence})"
+    if token is not None and info.token != token:
+        click.echo(f"{key!r}: held by {who} with another token; nothing released")
+        return EXIT_NOT_RELEASED
+    if not yes and not click.confirm(f"Release the lease of {who} on {key!r}?", default=False):
+        click.echo("nothing released")
+        return EXIT_NOT_RELEASED
+    if service.force_release(key, info.token):
+        click.echo(f"{key!r}: released lease of {who}")
+        return EXIT_OK
+    click.echo(f"{key!r}: lease changed hands; nothing released")
+    return EXIT_NOT_RELEASED
+
+
+@click.command(name="doctor")
+@_json_option()
+@_handled
+def doctor_command(as_json: bool) -> int:
+    """Check the lock store's health.
+
+    Connects, times the round trip, and runs the store's own checks.
+    Exits 1 if any check failed (an unreachable store is a failed check), 0 otherwise.
+    """
+    target = _target(click.get_current_context())
+    url = target.resolve()
+    family = scheme_family(url)
+    checks = [Diagnosis("url", "ok", f"{mask_url(url)} ({family} store), key prefix {target.prefix!r}")]
+    if family == "memory":
+        checks.append(
+            Diagnosis(
+                "scope",
+                "warn",
+                "memory:// lives inside one process: this command sees only its own empty store, "
+                "never a worker's leases, and gives no exclusion across processes",
+            )
+        )
+    round_trip = _doctor_store(target, checks)
+    checks = [Diagnosis(d.check, d.status, target.scrub(d.detail)) for d in checks]
+    failed = sum(d.status == "fail" for d in checks)
+    if as_json:
+        _dump(
+            {
+                "url": mask_url(url),
+                "prefix": target.prefix,
+                "ok": failed == 0,
+                "round_trip": None if round_trip is None else round(round_trip, 6),
+                "checks": [{"check": d.check, "status": d.status, "detail": d.detail} for d in checks],
+            }
+        )
+    else:
+        width = max(len(d.check) for d in checks)
+        for d in checks:
+            click.echo(f"{d.status:<4}  {d.check.ljust(width)}  {d.detail}")
+        warned = sum(d.status == "warn" for d in checks)
+        click.echo(f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok")
+    return EXIT_CHECK_FAILED if failed else EXIT_OK
+
+
+def _doctor_store(target: Target, checks: list[Diagnosis]) -> float | None:
+    """Append the connection, round-trip and provider checks; return the median round trip."""
+    probe = f"doctor-probe:{uuid.uuid4().hex}"
+    try:
+        service = target.service()
+        start = time.perf_counter()
+        service.peek(probe)
+        first = time.perf_counter() - start
+    except BackendError as exc:
+        checks.append(Diagnosis("connect", "fail", str(exc)))
+        return None
+    checks.append(Diagnosis("connect", "ok", f"first request answered in {_ms(first)}"))
+    samples = []
+    try:
+        for _ in range(DOCTOR_SAMPLES):
+            start = time.perf_counter()
+            service.peek(probe)
+            samples.append(time.perf_counter() - start)
+        live = len(service.locks())
+    except BackendError as exc:
+        checks.append(Diagnosis("round trip", "fail", str(exc)))
+        return None
+    median = statistics.median(samples)
+    detail = (
+        f"median {_ms(median)} over {len(samples)} peeks (min {_ms(min(samples))}, max {_ms(max(samples))})"
+    )
+    if median > SLOW_ROUND_TRIP:
+        checks.append(
+            Diagnosis("round trip", "warn", f"{detail}: slow; every acquire, refresh and release pays it")
+        )
+    else:
+        checks.append(Diagnosis("round trip", "ok", detail))
+    checks.append(Diagnosis("listing", "ok", f"{live} live lease(s) under {target.prefix!r}"))
+    checks.extend(_provider_findings(service))
+    return median
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1000:.3f} ms" if value < 0.001 else f"{value * 1000:.1f} ms"
+
+
+def _provider_findings(service: LockService) -> list[Diagnosis]:
+    """The provider's own ``diagnose()`` findings, each status normalised to ok/warn/fail."""
+    provider = service.provider
+    diagnose = getattr(provider, "diagnose", None)
+    if not callable(diagnose):
+        return [
+            Diagnosis(
+                "diagnose",
+                "warn",
+                f"{type(provider).__name__} has no diagnose(); store-specific checks were skipped",
+            )
+        ]
+    try:
+        findings = list(diagnose())
+    except Exception as exc:  # a broken check is a finding, not a crash
+        return [Diagnosis("diagnose", "fail", f"{type(exc).__name__}: {exc}")]
+    result = []
+    for finding in findings:
+        if not isinstance(finding, Diagnosis):
+            result.append(Diagnosis("diagnose", "warn", f"unreadable finding {finding!r}"))
+        elif finding.status not in ("ok", "warn", "fail"):
+            result.append(Diagnosis(finding.check, "warn", f"[status {finding.status!r}] {finding.detail}"))
+        else:
+            result.append(finding)
+    return result
+
+
+COMMANDS = (list_command, show_command, release_command, doctor_command)
+
+
+# -- front ends -----------------------------------------------------------------------------
+
+
+@click.group(name="celery-exclusive", context_settings={"help_option_names": ["-h", "--help"]})
+@_url_option(f"${ENV_VAR}")
+@_prefix_option(f"${PREFIX_ENV_VAR}")
+@click.version_option(package_name="celery-exclusive", prog_name="celery-exclusive")
+@click.pass_context
+def cli(ctx: click.Context, url: str | None, prefix: str | None) -> None:
+    """Inspect and manage celery-exclusive leases (lock store from --url or $CELERY_EXCLUSIVE_URL)."""
+    ctx.meta[_META_KEY] = Target(explicit_url=url, conf=None, prefix=_prefix(prefix, None), celery=False)
+
+
+@click.group(name="exclusive")
+@_url_option(f"app.conf.exclusive_url, then ${ENV_VAR}")
+@_prefix_option(f"app.conf.exclusive_prefix, then ${PREFIX_ENV_VAR}")
+@click.pass_context
+def exclusive(ctx: click.Context, url: str | None, prefix: str | None) -> None:
+    """Inspect and manage celery-exclusive leases (lock store from the app's exclusive_url)."""
+    # Celery's own context object carries the app; it stays ctx.obj for Celery's sake.
+    app = getattr(ctx.obj, "app", None)
+    conf: Mapping[str, Any] | None = getattr(app, "conf", None)
+    ctx.meta[_META_KEY] = Target(explicit_url=url, conf=conf, prefix=_prefix(prefix, conf), celery=True)
+
+
+for _command in COMMANDS:
+    cli.add_command(_command)
+    exclusive.add_command(_command)
+
+
+def main() -> None:
+    """Entry point of the ``celery-exclusive`` console script."""
+    cli.main(prog_name="celery-exclusive")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,518 @@
+"""The operator CLI against real PostgreSQL and Redis, with leases held by another process.
+
+Both front ends are exercised: the standalone ``celery-exclusive`` command (in-process
+through click's CliRunner, and as a real console-script subprocess) and the Celery
+sub-command (a real ``celery -A tests.cli_app:app exclusive`` subprocess).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from celery_exclusive import LockService
+from celery_exclusive.cli import cli, human_duration
+from tests.conftest import POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_server, with_option
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+HOST = socket.gethostname()[:64]
+SECRET = "SECRETPW"  # noqa: S105 - a fake password that must never appear in any output
+DEAD_URLS = {
+    "postgres": f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/test",
+    "redis": f"redis://:{SECRET}@127.0.0.1:1/0",
+}
+LOCK_FIELDS = {"key", "token", "fence", "age", "expires_in", "hard_expires_in", "holder"}
+
+# Holds one lease per key (given on the command line) until stdin closes; prints the
+# tokens and fences as JSON, then "ready", and one JSON line per lease it later loses.
+HOLDER = r"""
+import json, sys
+from celery_exclusive import LockService
+
+url, prefix, *keys = sys.argv[1:]
+service = LockService(url, prefix=prefix, ttl=20, refresh_interval=0.3)
+leases = {}
+for key in keys:
+    lease = service.lock(key, holder={"task_id": "tid-" + key, "task_name": "tests.hold"})
+    lease.on_lost(lambda lease, reason: print(json.dumps({"lost": lease.key}), flush=True))
+    leases[key] = lease
+print(json.dumps({k: {"token": v.token, "fence": v.fence} for k, v in leases.items()}), flush=True)
+print("ready", flush=True)
+sys.stdin.read()
+service.close()
+"""
+
+
+@dataclass
+class Store:
+    """One real store for this module: URL and a key prefix no other test uses."""
+
+    name: str
+    url: str
+    prefix: str
+
+    def service(self) -> LockService:
+        """A LockService on this store and prefix (the caller closes it)."""
+        return LockService(self.url, prefix=self.prefix)
+
+
+@dataclass
+class Holder:
+    """A subprocess holding leases: its pid, each key's token and fence, and its output lines."""
+
+    process: subprocess.Popen[str]
+    leases: dict[str, dict[str, Any]]
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+
+    def lost(self, timeout: float) -> set[str]:
+        """Keys the holder reported lost within ``timeout`` seconds of waiting for the next line."""
+        found: set[str] = set()
+        try:
+            while True:
+                line = self.lines.get(timeout=timeout)
+                found.add(json.loads(line)["lost"])
+                timeout = 0.5
+        except queue.Empty:
+            return found
+
+
+@pytest.fixture(scope="module", params=["postgres", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A real store with a unique prefix (and, on PostgreSQL, a unique table); cleaned up after."""
+    prefix = f"cli{uuid.uuid4().hex[:10]}:"
+    if request.param == "postgres":
+        require_server(POSTGRES_URL)
+        table = f"ce_cli_{uuid.uuid4().hex[:10]}"
+        yield Store("postgres", with_option(POSTGRES_URL, "table", table), prefix)
+        _drop_table(table)
+    else:
+        require_server(REDIS_URL)
+        yield Store("redis", REDIS_URL, prefix)
+        _delete_redis_keys(prefix)
+
+
+def _drop_table(table: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(POSTGRES_URL)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
+            conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def hold(store: Store) -> Iterator[Callable[..., Holder]]:
+    """Start holder subprocesses on ``store``; each is stopped (its leases released) afterwards."""
+    started: list[Holder] = []
+
+    def start(*keys: str) -> Holder:
+        process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, store.url, store.prefix, *keys],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        assert process.stdout is not None
+        leases = json.loads(process.stdout.readline() or "null")
+        assert isinstance(leases, dict), "the holder process failed to acquire its leases"
+        assert process.stdout.readline().strip() == "ready"
+        holder = Holder(process, leases)
+        threading.Thread(target=_pump, args=(process, holder.lines), daemon=True).start()
+        started.append(holder)
+        return holder
+
+    yield start
+    for holder in started:
+        assert holder.process.stdin is not None
+        holder.process.stdin.close()
+        try:
+            holder.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            holder.process.kill()
+            holder.process.wait()
+
+
+def _pump(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.put(line)
+    process.stdout.close()
+
+
+def invoke(store: Store | None, *args: str, input: str | None = None, url: str | None = None) -> Result:
+    """Run the standalone CLI in-process on ``store`` (or ``url``), with no URL in the environment."""
+    options: list[str] = []
+    if url is not None or store is not None:
+        options += ["--url", url if url is not None else store.url]  # type: ignore[union-attr]
+    if store is not None:
+        options += ["--prefix", store.prefix]
+    runner = CliRunner()
+    return runner.invoke(
+        cli,
+        [*options, *args],
+        input=input,
+        env={"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None},
+    )
+
+
+def run(
+    command: list[str], env: Mapping[str, str | None] | None = None, input: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """Run a real subprocess from the project root with ``env`` changes applied."""
+    environ = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return subprocess.run(
+        command, cwd=ROOT, env=environ, input=input, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def console_script(name: str) -> str:
+    """Path of an installed console script (``pip install -e .`` creates celery-exclusive)."""
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run {BIN / 'pip'} install -e {ROOT}")
+    return str(path)
+
+
+# -- list and show ---------------------------------------------------------------------------
+
+
+def test_list_shows_every_lease_held_by_another_process(store: Store, hold: Callable[..., Holder]) -> None:
+    """``list`` prints one row per live lease with the holder's host, pid, task id, task name and fence."""
+    holder = hold("alpha", "beta")
+    result = invoke(store, "list")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == [
+        "KEY",
+        "HOST",
+        "PID",
+        "TASK",
+        "ID",
+        "TASK",
+        "NAME",
+        "AGE",
+        "EXPIRES",
+        "IN",
+        "FENCE",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) == {"alpha", "beta"}
+    for key in ("alpha", "beta"):
+        row = rows[key]
+        assert row[1:5] == [HOST, str(holder.process.pid), f"tid-{key}", "tests.hold"]
+        assert row[-1] == str(holder.leases[key]["fence"])
+        assert row[6].endswith("s")  # expires in, human readable
+
+
+def test_list_json_is_machine_readable_and_complete(store: Store, hold: Callable[..., Holder]) -> None:
+    """``list --json`` gives prefix, filter and each lease's documented fields, tokens included."""
+    holder = hold("alpha", "beta")
+    result = invoke(store, "list", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["prefix"] == store.prefix
+    assert data["filter"] == ""
+    assert [lock["key"] for lock in data["locks"]] == ["alpha", "beta"]
+    for lock in data["locks"]:
+        assert set(lock) == LOCK_FIELDS
+        assert lock["token"] == holder.leases[lock["key"]]["token"]
+        assert lock["fence"] == holder.leases[lock["key"]]["fence"]
+        assert lock["holder"]["pid"] == holder.process.pid
+        assert lock["holder"]["host"] == HOST
+        assert lock["holder"]["task_id"] == f"tid-{lock['key']}"
+        assert lock["holder"]["task_name"] == "tests.hold"
+        assert 0 <= lock["age"] < 60
+        assert 0 < lock["expires_in"] <= 20
+        assert lock["expires_in"] <= lock["hard_expires_in"]
+
+
+def test_list_filters_by_key_prefix(store: Store, hold: Callable[..., Holder]) -> None:
+    """``list PREFIX`` shows only keys (without the lock prefix) starting with PREFIX."""
+    hold("alpha", "beta")
+    result = invoke(store, "list", "al", "--json")
+    assert result.exit_code == 0, result.output
+    assert [lock["key"] for lock in json.loads(result.stdout)["locks"]] == ["alpha"]
+    empty = invoke(store, "list", "zzz")
+    assert empty.exit_code == 0
+    assert "no live leases" in empty.stdout
+
+
+def test_show_one_lease_in_text_and_json(store: Store, hold: Callable[..., Holder]) -> None:
+    """``show KEY`` describes that lease, with its token, and ``--json`` gives the same fields as list."""
+    holder = hold("alpha", "beta")
+    text = invoke(store, "show", "beta")
+    assert text.exit_code == 0, text.output
+    assert "task tests.hold [tid-beta]" in text.stdout
+    assert holder.leases["beta"]["token"] in text.stdout
+    assert f"{HOST}:{holder.process.pid}" in text.stdout
+    data = json.loads(invoke(store, "show", "beta", "--json").stdout)
+    assert set(data) == LOCK_FIELDS
+    assert data["key"] == "beta"
+    assert data["token"] == holder.leases["beta"]["token"]
+
+
+def test_show_free_key_is_not_an_error(store: Store) -> None:
+    """``show`` of a free key says it is free (JSON null) and exits 0."""
+    text = invoke(store, "show", "nobody-holds-this")
+    assert text.exit_code == 0
+    assert "is free" in text.stdout
+    assert json.loads(invoke(store, "show", "nobody-holds-this", "--json").stdout) is None
+
+
+# -- release ---------------------------------------------------------------------------------
+
+
+def test_release_yes_frees_exactly_that_lease(store: Store, hold: Callable[..., Holder]) -> None:
+    """``release KEY --yes`` frees that key only: the holder loses it and keeps its other lease."""
+    holder = hold("alpha", "beta")
+    result = invoke(store, "release", "alpha", "--yes")
+    assert result.exit_code == 0, result.output
+    fence = holder.leases["alpha"]["fence"]
+    assert (
+        f"released lease of task tests.hold [tid-alpha] on {HOST}:{holder.process.pid} (fence {fence})"
+        in (result.stdout)
+    )
+    with store.service() as service:
+        assert service.peek("alpha") is None
+        beta = service.peek("beta")
+        assert beta is not None
+        assert beta.token == holder.leases["beta"]["token"]
+    assert holder.lost(timeout=10) == {"alpha"}
+
+
+def test_release_with_the_holders_token_releases(store: Store, hold: Callable[..., Holder]) -> None:
+    """``release KEY --token T --yes`` releases when T is the current holder's token."""
+    holder = hold("alpha")
+    result = invoke(store, "release", "alpha", "--yes", "--token", holder.leases["alpha"]["token"])
+    assert result.exit_code == 0, result.output
+    assert "released lease of" in result.stdout
+    with store.service() as service:
+        assert service.peek("alpha") is None
+
+
+def test_release_with_a_wrong_token_releases_nothing(store: Store, hold: Callable[..., Holder]) -> None:
+    """A --token that does not hold the key releases nothing and exits 1."""
+    holder = hold("alpha")
+    result = invoke(store, "release", "alpha", "--yes", "--token", "not-the-token")
+    assert result.exit_code == 1, result.output
+    assert "nothing released" in result.stdout
+    with store.service() as service:
+        info = service.peek("alpha")
+        assert info is not None
+        assert info.token == holder.leases["alpha"]["token"]
+
+
+def test_release_declined_at_the_prompt_does_nothing(store: Store, hold: Callable[..., Holder]) -> None:
+    """Without --yes, answering 'n' to the confirmation releases nothing and exits 1."""
+    holder = hold("alpha")
+    result = invoke(store, "release", "alpha", input="n\n")
+    assert result.exit_code == 1, result.output
+    assert "tests.hold [tid-alpha]" in result.stdout  # the prompt names who would lose the lease
+    assert "nothing released" in result.stdout
+    with store.service() as service:
+        info = service.peek("alpha")
+        assert info is not None
+        assert info.token == holder.leases["alpha"]["token"]
+
+
+def test_release_confirmed_at_the_prompt_releases(store: Store, hold: Callable[..., Holder]) -> None:
+    """Without --yes, answering 'y' releases the lease."""
+    hold("alpha")
+    result = invoke(store, "release", "alpha", input="y\n")
+    assert result.exit_code == 0, result.output
+    assert "released lease of" in result.stdout
+    with store.service() as service:
+        assert service.peek("alpha") is None
+
+
+def test_release_of_a_free_key_reports_it(store: Store) -> None:
+    """Releasing a free key says so and exits 0."""
+    result = invoke(store, "release", "nobody-holds-this", "--yes")
+    assert result.exit_code == 0, result.output
+    assert "key is free" in result.stdout
+
+
+# -- doctor and errors -------------------------------------------------------------------------
+
+
+def test_doctor_reports_ok_on_a_good_store(store: Store) -> None:
+    """``doctor`` connects, times the round trip, runs the store's checks and exits 0."""
+    result = invoke(store, "doctor")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1].startswith("0 failed")
+    assert not any(line.startswith("fail") for line in result.stdout.splitlines())
+    data = json.loads(invoke(store, "doctor", "--json").stdout)
+    assert data["ok"] is True
+    assert data["round_trip"] > 0
+    checks = {c["check"]: c for c in data["checks"]}
+    assert {"url", "connect", "round trip", "listing"} <= set(checks)
+    assert all(checks[name]["status"] == "ok" for name in ("url", "connect", "round trip", "listing"))
+    assert len(checks) > 4, "the provider's own diagnose() findings are missing"
+
+
+@pytest.mark.parametrize("name", sorted(DEAD_URLS))
+def test_doctor_on_an_unreachable_store_fails_and_masks_the_password(name: str) -> None:
+    """``doctor`` on an unreachable store fails the connect check, exits 1, and never shows the password."""
+    result = invoke(None, "doctor", url=DEAD_URLS[name])
+    assert result.exit_code == 1, result.output
+    assert SECRET not in result.stdout + result.stderr
+    assert "***" in result.stdout
+    assert any(line.startswith("fail") and "connect" in line for line in result.stdout.splitlines())
+    data = json.loads(invoke(None, "doctor", "--json", url=DEAD_URLS[name]).stdout)
+    assert data["ok"] is False
+    assert SECRET not in json.dumps(data)
+
+
+@pytest.mark.parametrize("name", sorted(DEAD_URLS))
+@pytest.mark.parametrize("command", [["list"], ["show", "k"], ["release", "k", "--yes"]])
+def test_store_errors_exit_3_with_one_masked_line(name: str, command: list[str]) -> None:
+    """Commands on an unreachable store print one masked line to stderr and exit 3."""
+    result = invoke(None, *command, url=DEAD_URLS[name])
+    assert result.exit_code == 3, result.output
+    assert SECRET not in result.stdout + result.stderr
+    assert result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_missing_url_names_the_option_and_the_environment_variable() -> None:
+    """Without --url or CELERY_EXCLUSIVE_URL the CLI exits 2 naming both."""
+    result = invoke(None, "list")
+    assert result.exit_code == 2
+    assert "--url" in result.stderr
+    assert "CELERY_EXCLUSIVE_URL" in result.stderr
+
+
+def test_configuration_and_input_errors_exit_2_masked() -> None:
+    """An unknown scheme, a bad prefix or an empty key exits 2 with one line and no password."""
+    unknown = invoke(None, "list", url=f"nosuch://u:{SECRET}@host/db")
+    assert unknown.exit_code == 2
+    assert SECRET not in unknown.stdout + unknown.stderr
+    assert "unknown lock store scheme" in unknown.stderr
+    bad_prefix = CliRunner().invoke(cli, ["--url", "memory://", "--prefix", "has space", "list"])
+    assert bad_prefix.exit_code == 2
+    assert "prefix" in bad_prefix.stderr
+    empty_key = invoke(None, "show", "", url="memory://")
+    assert empty_key.exit_code == 2
+    assert "must not be empty" in empty_key.stderr
+
+
+def test_doctor_warns_that_memory_is_per_process() -> None:
+    """``doctor`` on memory:// passes but warns that the store lives in one process."""
+    result = invoke(None, "doctor", url="memory://")
+    assert result.exit_code == 0, result.output
+    assert any(line.startswith("warn") and "one process" in line for line in result.stdout.splitlines())
+
+
+def test_human_durations() -> None:
+    """Durations are shown compactly at every scale."""
+    assert [human_duration(s) for s in (0.42, 42, 187, 7500, 97200)] == [
+        "0.4s",
+        "42s",
+        "3m07s",
+        "2h05m",
+        "1d03h",
+    ]
+
+
+# -- real subprocesses: the console script and the Celery sub-command ------------------------
+
+
+def test_console_script_lists_and_releases(store: Store, hold: Callable[..., Holder]) -> None:
+    """The installed ``celery-exclusive`` script reads CELERY_EXCLUSIVE_URL, lists and releases."""
+    holder = hold("alpha", "beta")
+    env = {"CELERY_EXCLUSIVE_URL": store.url, "CELERY_EXCLUSIVE_PREFIX": store.prefix}
+    listed = run([console_script("celery-exclusive"), "list", "--json"], env)
+    assert listed.returncode == 0, listed.stderr
+    assert [lock["key"] for lock in json.loads(listed.stdout)["locks"]] == ["alpha", "beta"]
+    released = run([console_script("celery-exclusive"), "release", "beta", "--yes"], env)
+    assert released.returncode == 0, released.stderr
+    assert "released lease of" in released.stdout
+    assert holder.lost(timeout=10) == {"beta"}
+
+
+@pytest.mark.parametrize("name", sorted(DEAD_URLS))
+def test_console_script_never_prints_the_password(name: str) -> None:
+    """The real script's doctor and list on an unreachable store exit 1 and 3 without the password."""
+    env = {"CELERY_EXCLUSIVE_URL": DEAD_URLS[name], "CELERY_EXCLUSIVE_PREFIX": None}
+    doctor = run([console_script("celery-exclusive"), "doctor"], env)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    listed = run([console_script("celery-exclusive"), "list"], env)
+    assert listed.returncode == 3, listed.stdout + listed.stderr
+    for output in (doctor.stdout, doctor.stderr, listed.stdout, listed.stderr):
+        assert SECRET not in output
+    assert "Traceback" not in listed.stderr
+
+
+def test_celery_subcommand_lists_and_releases_with_app_settings(
+    store: Store, hold: Callable[..., Holder]
+) -> None:
+    """``celery -A app exclusive`` uses app.conf.exclusive_url/prefix, ranked above the environment."""
+    holder = hold("alpha", "beta")
+    env = {
+        "CE_TEST_CLI_URL": store.url,
+        "CE_TEST_CLI_PREFIX": store.prefix,
+        # Lower precedence than app.conf: must be ignored (and never printed).
+        "CELERY_EXCLUSIVE_URL": DEAD_URLS["redis"],
+        "CELERY_EXCLUSIVE_PREFIX": "wrong-prefix:",
+    }
+    celery = [console_script("celery"), "-A", "tests.cli_app:app", "exclusive"]
+    listed = run([*celery, "list", "--json"], env)
+    assert listed.returncode == 0, listed.stderr
+    data = json.loads(listed.stdout)
+    assert data["prefix"] == store.prefix
+    assert [lock["key"] for lock in data["locks"]] == ["alpha", "beta"]
+    assert {lock["holder"]["pid"] for lock in data["locks"]} == {holder.process.pid}
+    table = run([*celery, "list"], env)
+    assert table.returncode == 0, table.stderr
+    assert "tid-alpha" in table.stdout
+    declined = run([*celery, "release", "alpha"], env, input="n\n")
+    assert declined.returncode == 1
+    released = run([*celery, "release", "alpha", "--yes"], env)
+    assert released.returncode == 0, released.stderr
+    assert "released lease of" in released.stdout
+    assert holder.lost(timeout=10) == {"alpha"}
+    assert SECRET not in listed.stdout + listed.stderr + released.stdout + released.stderr
+
+
+def test_celery_subcommand_falls_back_to_the_environment(store: Store, hold: Callable[..., Holder]) -> None:
+    """Without app.conf.exclusive_url the sub-command reads CELERY_EXCLUSIVE_URL; with neither, exits 2."""
+    hold("alpha")
+    celery = [console_script("celery"), "-A", "tests.cli_app:app", "exclusive"]
+    env: dict[str, str | None] = {
+        "CE_TEST_CLI_URL": None,
+        "CE_TEST_CLI_PREFIX": None,
+        "CELERY_EXCLUSIVE_URL": store.url,
+        "CELERY_EXCLUSIVE_PREFIX": store.prefix,
+    }
+    listed = run([*celery, "show", "alpha", "--json"], env)
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["key"] == "alpha"
+    missing = run([*celery, "list"], {**env, "CELERY_EXCLUSIVE_URL": None})
+    assert missing.returncode == 2
+    assert "app.conf.exclusive_url" in missing.stderr
+    assert "CELERY_EXCLUSIVE_URL" in missing.stderr
