@@ -32,6 +32,7 @@ from sqlalchemy.pool import StaticPool
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
 from celery_exclusive.urls import mask_url, split_options
+from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 _T = TypeVar("_T")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -44,6 +45,9 @@ _BACKENDS = {
 _SECRET_PARAM = re.compile(r"(?i)\b(password|passwd|pwd)\s*=\s*('[^']*'|\S+)")
 _RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
 _ATTEMPTS = 5
+# The origin's staleness threshold: a row older than the 24 h cap is dead whatever it says.
+# Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
+_STALE = int(MAX_LIFETIME_CAP)
 _CHUNK = 500
 
 # Binary collation on MySQL: 'A' and 'a' are different keys and different tokens.
@@ -128,7 +132,7 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
     # A live row (anyone's) makes the INSERT select zero rows: no xid, no WAL, no nextval.
     acquire = f"""{now},
 cur AS MATERIALIZED (
-  SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => :life)) AS live
+  SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {_STALE})) AS live
   FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
 ins AS (
   INSERT INTO {t} AS t ({fields})
@@ -139,7 +143,7 @@ ins AS (
     created_at = EXCLUDED.created_at, deadline = EXCLUDED.deadline, fence = EXCLUDED.fence,
     holder = EXCLUDED.holder
   WHERE t.expires_at <= EXCLUDED.created_at OR t.deadline <= EXCLUDED.created_at
-     OR t.created_at <= EXCLUDED.created_at - make_interval(secs => :life)
+     OR t.created_at <= EXCLUDED.created_at - make_interval(secs => {_STALE})
   RETURNING t.{fields.replace(", ", ", t.")})
 SELECT true, {cols("ins")} FROM ins CROSS JOIN n
 UNION ALL
@@ -338,7 +342,7 @@ class SqlLockProvider:
             row = conn.execute(self._sql["select"], params).first()
             if row is not None:
                 info = self._info(row)
-                if info.expires_in > 0 and info.hard_expires_in > 0 and info.age < max_lifetime:
+                if info.expires_in > 0 and info.hard_expires_in > 0 and info.age < MAX_LIFETIME_CAP:
                     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
                 conn.execute(self._sql["delete"], params)
             fence = int(conn.execute(self._sql["fence"]).scalar_one())

@@ -241,6 +241,15 @@ def test_stale_lease_past_its_max_lifetime_is_reclaimed(store: Store) -> None:
     assert wait_until(lambda: service.try_lock("stale") is not None, timeout=3.0)
 
 
+def test_a_shorter_max_lifetime_does_not_steal_a_live_lease(store: Store) -> None:
+    """A caller asking for a short max lifetime cannot take a live lease older than that."""
+    holder, competitor = store.service(), store.service()
+    lease = holder.lock("patient", ttl=5.0)
+    time.sleep(1.2)
+    assert competitor.try_lock("patient", ttl=0.5, max_lifetime=1.0) is None
+    assert lease.release() is ReleaseOutcome.RELEASED
+
+
 def test_heartbeat_keeps_a_lock_far_past_its_ttl(store: Store) -> None:
     """With ttl 1 s, the heartbeat holds the key for 3.5 s while a competitor keeps failing."""
     holder, competitor = store.service(), store.service()
