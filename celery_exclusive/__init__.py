@@ -20,7 +20,10 @@ from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
 from celery_exclusive.providers.base import Grant, Held, LockInfo, LockProvider, RefreshRequest
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.service import ExclusiveResult, LockService
+from celery_exclusive.settings import ExclusiveSettings
+from celery_exclusive.task import ExclusiveTask, exclusive_task, is_skipped
 from celery_exclusive.urls import mask_url
+from celery_exclusive.worker import get_lock_service
 
 __version__ = "0.1.0"
 
@@ -29,6 +32,8 @@ __all__ = [
     "ConfigurationError",
     "ExclusiveError",
     "ExclusiveResult",
+    "ExclusiveSettings",
+    "ExclusiveTask",
     "Grant",
     "Held",
     "InvalidArgumentError",
@@ -45,5 +50,8 @@ __all__ = [
     "RefreshRequest",
     "ReleaseOutcome",
     "__version__",
+    "exclusive_task",
+    "get_lock_service",
+    "is_skipped",
     "mask_url",
 ]

@@ -18,7 +18,8 @@ and chained with ``raise ... from exc``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_exclusive.providers.base import LockInfo
@@ -53,15 +54,30 @@ class BackendError(ExclusiveError):
 
 
 class LockedError(ExclusiveError):
-    """The key is held by another owner."""
+    """The key is held by another owner.
 
-    def __init__(self, key: str, holder: LockInfo | None = None, message: str | None = None) -> None:
+    ``args`` are ``(key, holder as a dict without its token, message)`` so that Celery's
+    result backends, which rebuild exceptions as ``cls(*args)``, give back an equal error;
+    a holder rebuilt from a dict has an empty ``token``.
+    """
+
+    def __init__(
+        self, key: str, holder: LockInfo | Mapping[str, Any] | None = None, message: str | None = None
+    ) -> None:
+        if isinstance(holder, Mapping):
+            from celery_exclusive.providers.base import LockInfo
+
+            holder = LockInfo(**{"token": "", **holder})
         self.key = key
         self.holder = holder
         if message is None:
             who = f" by {holder.describe()}" if holder is not None else ""
             message = f"lock {key!r} is held{who}"
-        super().__init__(message)
+        self.message = message
+        super().__init__(key, _holder_args(holder), message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class LockRetriesExceeded(LockedError):
@@ -75,4 +91,20 @@ class LockLost(ExclusiveError):
         self.key = key
         self.fence = fence
         self.reason = reason
-        super().__init__(f"lock {key!r} (fence {fence}) was lost: {reason}")
+        super().__init__(key, fence, reason)  # rebuildable as cls(*args), see LockedError
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} (fence {self.fence}) was lost: {self.reason}"
+
+
+def _holder_args(holder: LockInfo | None) -> dict[str, Any] | None:
+    if holder is None:
+        return None
+    return {
+        "key": holder.key,
+        "fence": holder.fence,
+        "age": holder.age,
+        "expires_in": holder.expires_in,
+        "hard_expires_in": holder.hard_expires_in,
+        "holder": dict(holder.holder),
+    }

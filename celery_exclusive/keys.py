@@ -1,0 +1,147 @@
+"""Lock keys for tasks: a format template or a callable over the task's bound arguments.
+
+A template such as ``"community-pr:{work_id}"`` is filled from the arguments bound to the
+task's signature with defaults applied, so ``t.delay(1)`` and ``t.delay(work_id=1)`` give
+the same key; ``{task_name}`` is the task's name (unless the task has a parameter of that
+name). Attribute and index lookups (``{pr.id}``, ``{ids[0]}``) and format specs work.
+A template naming a parameter the task does not have is rejected when the task is
+declared. A callable key receives the same arguments as the task (defaults applied) and
+returns the key. No key spec means one global lock named after the task.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery_exclusive.errors import InvalidArgumentError
+
+TASK_NAME_FIELD = "task_name"
+KeySpec = str | Callable[..., str] | None
+
+_FIELD_ROOT = re.compile(r"^[^.\[]*")
+
+
+class _StrictFormatter(string.Formatter):
+    """Refuses values whose text would differ per object (``<Foo object at 0x...>``)."""
+
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        kind: Any = type(value)
+        if (
+            kind.__format__ is object.__format__
+            and kind.__str__ is object.__str__
+            and kind.__repr__ is object.__repr__
+        ):
+            raise InvalidArgumentError(
+                f"a {kind.__name__} has no stable text form (it would format as its memory "
+                "address, so every call would get a different key); use one of its attributes, "
+                "e.g. {param.id}, or a key callable"
+            )
+        return super().format_field(value, format_spec)
+
+
+_FORMATTER = _StrictFormatter()
+
+
+def template_fields(template: str) -> list[str]:
+    """The root names a template refers to (``{pr.id}`` -> ``pr``); positional fields rejected."""
+    names: list[str] = []
+    try:
+        parsed = list(_FORMATTER.parse(template))
+    except ValueError as exc:
+        raise InvalidArgumentError(f"lock key template {template!r} is malformed: {exc}") from None
+    for _, field, spec, _ in parsed:
+        if field is None:
+            continue
+        root = _FIELD_ROOT.match(field).group(0)  # type: ignore[union-attr]  # always matches
+        if root == "" or root.isdigit():
+            raise InvalidArgumentError(
+                f"lock key template {template!r} uses a positional field {{{field}}}; "
+                "name the task's parameter instead, e.g. {work_id}"
+            )
+        names.append(root)
+        if spec:
+            names.extend(template_fields(spec))
+    return names
+
+
+class KeyBuilder:
+    """Builds the lock key of one task from its call arguments.
+
+    ``signature`` is the task's ``run`` signature without ``self`` (with ``bind=True``).
+    Construction validates the spec; :meth:`build` raises InvalidArgumentError with the
+    reason when the key cannot be made (missing argument, unformattable value).
+    """
+
+    def __init__(self, spec: KeySpec, signature: inspect.Signature) -> None:
+        self.spec = spec
+        self.signature = signature
+        if spec is None or callable(spec):
+            return
+        if not isinstance(spec, str):
+            raise InvalidArgumentError(
+                f"lock key must be a format template str or a callable, got {type(spec).__name__}"
+            )
+        if not spec:
+            raise InvalidArgumentError("lock key template must not be empty")
+        params = signature.parameters
+        takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for name in template_fields(spec):
+            if name in params or name == TASK_NAME_FIELD or takes_any_keyword:
+                continue
+            raise InvalidArgumentError(
+                f"lock key template {spec!r} names {{{name}}}, but the task has no parameter "
+                f"{name!r} (parameters: {', '.join(params) or 'none'}; also available: "
+                f"{{{TASK_NAME_FIELD}}})"
+            )
+
+    @classmethod
+    def for_function(cls, spec: KeySpec, fun: Callable[..., Any], *, bound: bool) -> KeyBuilder:
+        """A builder for the task body ``fun``; ``bound`` drops its first parameter (``self``)."""
+        try:
+            signature = inspect.signature(fun)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"cannot read the signature of {fun!r}: {exc}") from None
+        if bound:
+            params = list(signature.parameters.values())
+            signature = signature.replace(parameters=params[1:])
+        return cls(spec, signature)
+
+    def build(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The key for a call with ``args`` and ``kwargs``."""
+        if self.spec is None:
+            return task_name
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidArgumentError(
+                f"cannot build the lock key of {task_name}: its arguments do not match its signature: {exc}"
+            ) from None
+        bound.apply_defaults()
+        if callable(self.spec):
+            key = self.spec(*bound.args, **bound.kwargs)
+            if not isinstance(key, str) or not key:
+                raise InvalidArgumentError(
+                    f"the lock key callable of {task_name} must return a non-empty str, got {key!r}"
+                )
+            return key
+        values: dict[str, Any] = {TASK_NAME_FIELD: task_name}
+        for name, value in bound.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(value)
+            else:
+                values[name] = value
+        try:
+            return _FORMATTER.vformat(self.spec, (), values)
+        except KeyError as exc:
+            reason = f"no argument named {exc.args[0]!r} was passed"
+        except InvalidArgumentError as exc:
+            reason = str(exc)
+        except (AttributeError, IndexError, LookupError, TypeError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        raise InvalidArgumentError(
+            f"cannot build the lock key of {task_name} from template {self.spec!r}: {reason}"
+        )

@@ -1,0 +1,215 @@
+"""The Celery integration's settings: one frozen object, resolved by precedence.
+
+Precedence, highest first: per-task options > ``app.conf`` > environment
+(``CELERY_EXCLUSIVE_*``) > defaults.
+
+Each field: its ``app.conf`` name, its environment variable, its per-task option.
+
+* ``url``: ``exclusive_url``, ``CELERY_EXCLUSIVE_URL`` (not per task)
+* ``prefix``: ``exclusive_prefix``, ``CELERY_EXCLUSIVE_PREFIX`` (not per task)
+* ``ttl``: ``exclusive_default_ttl``, ``CELERY_EXCLUSIVE_DEFAULT_TTL``, ``lock_ttl``
+* ``max_lifetime``: ``exclusive_max_lifetime``, ``CELERY_EXCLUSIVE_MAX_LIFETIME``, ``lock_max_lifetime``
+* ``refresh_interval``: ``exclusive_refresh_interval``, ``CELERY_EXCLUSIVE_REFRESH_INTERVAL``,
+  ``lock_refresh_interval``
+* ``on_locked``: ``exclusive_on_locked``, ``CELERY_EXCLUSIVE_ON_LOCKED``, ``lock_on_locked``
+* ``on_lost``: ``exclusive_on_lost``, ``CELERY_EXCLUSIVE_ON_LOST``, ``lock_on_lost``
+* ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``: ``exclusive_<name>``,
+  ``CELERY_EXCLUSIVE_<NAME>``, ``<name>``
+
+Durations are seconds (int/float) or ``timedelta``; in the environment, seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
+from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
+from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
+from celery_exclusive.urls import mask_url
+from celery_exclusive.validation import check_prefix, lease_durations, seconds
+
+#: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
+ON_LOCKED_POLICIES = ("skip", "retry", "raise", "rerun")
+#: What a task does when its lease is lost while it runs.
+ON_LOST_POLICIES = ("log", "raise")
+
+DEFAULT_ON_LOCKED = "skip"
+DEFAULT_ON_LOST = "log"
+DEFAULT_LOCK_MAX_RETRIES = 10
+DEFAULT_LOCK_RETRY_BACKOFF = 1.0
+DEFAULT_LOCK_RETRY_BACKOFF_MAX = 60.0
+
+ENV_PREFIX = "CELERY_EXCLUSIVE_"
+CONF_PREFIX = "exclusive_"
+
+#: Fields a task may override, and the task attribute that overrides each.
+TASK_OPTIONS = {
+    "ttl": "lock_ttl",
+    "max_lifetime": "lock_max_lifetime",
+    "refresh_interval": "lock_refresh_interval",
+    "on_locked": "lock_on_locked",
+    "on_lost": "lock_on_lost",
+    "lock_max_retries": "lock_max_retries",
+    "lock_retry_backoff": "lock_retry_backoff",
+    "lock_retry_backoff_max": "lock_retry_backoff_max",
+}
+_DURATIONS = ("ttl", "max_lifetime", "refresh_interval", "lock_retry_backoff", "lock_retry_backoff_max")
+_CONF_NAMES = {"ttl": "default_ttl"}
+
+
+def _conf_name(field: str) -> str:
+    return CONF_PREFIX + _CONF_NAMES.get(field, field)
+
+
+def _env_name(field: str) -> str:
+    return ENV_PREFIX + _CONF_NAMES.get(field, field).upper()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExclusiveSettings:
+    """Resolved settings for one app, or one task (the app's with the task's overrides).
+
+    ``ttl`` None means the default ttl, capped by ``max_lifetime`` (see :attr:`lease_ttl`).
+    ``url`` None means not configured: :func:`~celery_exclusive.get_lock_service` then
+    raises a ConfigurationError naming every place to set it. The repr masks passwords.
+    """
+
+    url: str | None = None
+    prefix: str = DEFAULT_PREFIX
+    ttl: float | None = None
+    max_lifetime: float = DEFAULT_MAX_LIFETIME
+    refresh_interval: float | None = None
+    on_locked: str | Callable[..., Any] = DEFAULT_ON_LOCKED
+    on_lost: str = DEFAULT_ON_LOST
+    lock_max_retries: int = DEFAULT_LOCK_MAX_RETRIES
+    lock_retry_backoff: float = DEFAULT_LOCK_RETRY_BACKOFF
+    lock_retry_backoff_max: float = DEFAULT_LOCK_RETRY_BACKOFF_MAX
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not isinstance(self.url, str):
+            raise InvalidArgumentError(f"url must be a str, got {type(self.url).__name__}")
+        check_prefix(self.prefix)
+        for name in _DURATIONS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, seconds(name, value))
+        check_on_locked(self.on_locked)
+        check_on_lost(self.on_lost)
+        retries = self.lock_max_retries
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {retries!r}")
+        if self.lock_retry_backoff_max < self.lock_retry_backoff:
+            raise InvalidArgumentError(
+                f"lock_retry_backoff_max ({self.lock_retry_backoff_max:g} s) must not be shorter "
+                f"than lock_retry_backoff ({self.lock_retry_backoff:g} s)"
+            )
+        # Rejects ttl > max_lifetime and refresh_interval >= ttl now, not at the first lock.
+        lease_durations(
+            self.lease_ttl, self.refresh_interval, self.max_lifetime, ttl_explicit=self.ttl is not None
+        )
+
+    def __repr__(self) -> str:
+        fields = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "url" and value is not None:
+                value = mask_url(value)
+            fields.append(f"{field.name}={value!r}")
+        return f"ExclusiveSettings({', '.join(fields)})"
+
+    @property
+    def lease_ttl(self) -> float:
+        """The ttl each lease gets: ``ttl``, or the default capped by ``max_lifetime``."""
+        return self.ttl if self.ttl is not None else min(DEFAULT_TTL, self.max_lifetime)
+
+    def with_overrides(self, **options: Any) -> ExclusiveSettings:
+        """A copy with the given fields replaced; None values are ignored (not overridden)."""
+        unknown = set(options) - set(TASK_OPTIONS)
+        if unknown:
+            raise InvalidArgumentError(f"unknown per-task lock option(s): {', '.join(sorted(unknown))}")
+        changes = {name: value for name, value in options.items() if value is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @classmethod
+    def from_conf(
+        cls, conf: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> ExclusiveSettings:
+        """Settings from a Celery ``app.conf`` (or any mapping), then the environment, then defaults."""
+        conf = conf if conf is not None else {}
+        environ = environ if environ is not None else os.environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            name = field.name
+            configured = conf.get(_conf_name(name))
+            if configured is not None and configured != "":
+                values[name] = configured
+                source = f"app.conf.{_conf_name(name)}"
+            else:
+                env_name = URL_ENV_VAR if name == "url" else _env_name(name)
+                raw = environ.get(env_name)
+                if raw is None or raw == "":
+                    continue
+                values[name] = _parse_env(name, env_name, raw)
+                source = env_name
+            try:
+                cls(**{name: values[name]})  # blame the setting that is wrong, by name
+            except InvalidArgumentError as exc:
+                raise ConfigurationError(f"{source}: {exc}") from None
+        try:
+            return cls(**values)
+        except InvalidArgumentError as exc:
+            raise ConfigurationError(f"celery-exclusive settings: {exc}") from None
+
+
+def check_on_locked(value: object) -> None:
+    """Reject anything but a known policy name or a callable."""
+    if callable(value):
+        return
+    if value not in ON_LOCKED_POLICIES:
+        raise InvalidArgumentError(
+            f"on_locked must be one of {', '.join(map(repr, ON_LOCKED_POLICIES))} or a callable "
+            f"(task, key, holder) -> result, got {value!r}"
+        )
+
+
+def check_on_lost(value: object) -> None:
+    """Reject anything but a known on-lost policy name."""
+    if value not in ON_LOST_POLICIES:
+        raise InvalidArgumentError(
+            f"on_lost must be one of {', '.join(map(repr, ON_LOST_POLICIES))}, got {value!r}"
+        )
+
+
+def check_task_options(**options: Any) -> None:
+    """Validate per-task lock options on their own (when a task is declared); None means unset."""
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name in _DURATIONS:
+            seconds(TASK_OPTIONS[name], value)
+        elif name == "on_locked":
+            check_on_locked(value)
+        elif name == "on_lost":
+            check_on_lost(value)
+        elif name == "lock_max_retries":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {value!r}")
+        else:
+            raise InvalidArgumentError(f"unknown per-task lock option {name!r}")
+
+
+def _parse_env(name: str, env_name: str, raw: str) -> Any:
+    raw = raw.strip()
+    try:
+        if name in _DURATIONS:
+            return timedelta(seconds=float(raw))
+        if name == "lock_max_retries":
+            return int(raw)
+    except (ValueError, OverflowError):
+        raise ConfigurationError(f"{env_name}={raw!r} is not a number") from None
+    return raw

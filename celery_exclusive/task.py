@@ -1,0 +1,530 @@
+"""Exclusive Celery tasks: at most one run per lock key at a time, decided at execution.
+
+Two spellings, same behaviour::
+
+    @app.task(base=ExclusiveTask, lock_key="community-pr:{work_id}")
+    def sync_pr(work_id): ...
+
+    @exclusive_task(key="community-pr:{work_id}", on_locked="retry")   # shared_task style
+    def sync_pr(work_id): ...
+
+The lock is taken when the worker *starts* the task (also under ``task_always_eager`` and
+for direct calls), so every producer (``delay``, ``send_task``, beat, canvas) is covered.
+When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
+
+* ``"skip"``: the body does not run; the task SUCCEEDS with a marker result,
+  ``{"celery_exclusive": "skipped", "key": ..., "holder": {...}}`` (test with
+  :func:`is_skipped`), logs one INFO line and sends ``task_skipped``. In a chain the next
+  task receives the marker as its argument; in a group/chord it is that task's result.
+* ``"retry"``: re-sent with exponential backoff and jitter (``lock_retry_backoff``,
+  ``lock_retry_backoff_max``), counted in the ``celery_exclusive_lock_retries`` message
+  header, *not* in the task's own ``retries``/``max_retries``; after ``lock_max_retries``
+  it fails with :class:`LockRetriesExceeded`. Eager and direct calls wait inline instead.
+* ``"raise"``: fails with :class:`LockedError` (key and holder survive the result backend).
+* ``"rerun"``: the request is recorded on the held lock and the body runs exactly once
+  more after the current holder finishes, however many requests arrived meanwhile; the
+  rerun uses the arguments recorded by the *first* coalesced request. Requests that were
+  coalesced succeed with a ``"coalesced"`` marker (``is_skipped`` is true for it too).
+* a callable ``(task, key, holder) -> result``: its return value is the task's result.
+
+Inside the body, ``self.lock`` (``bind=True``) is the current :class:`Lease`: read
+``self.lock.fence``, call ``self.lock.check()``. If the lease is lost while the body runs,
+``lock_on_lost="log"`` logs a WARNING; ``"raise"`` makes ``check()`` raise and fails the
+run with :class:`LockLost` instead of returning its result. ``self.retry()`` releases the
+lock before the retry is sent. Every run (including an ``acks_late`` redelivery with the
+same task id) acquires with a fresh token: a dead run's lock never lets a new run in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, ClassVar, NoReturn
+
+from celery import Task, shared_task
+from celery.exceptions import Retry
+from celery.utils.imports import symbol_by_name
+from celery.utils.log import get_task_logger
+
+from celery_exclusive import signals
+from celery_exclusive.errors import (
+    BackendError,
+    InvalidArgumentError,
+    LockedError,
+    LockLost,
+    LockRetriesExceeded,
+)
+from celery_exclusive.keys import KeyBuilder, KeySpec
+from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.providers.base import Grant, LockInfo, encode_holder
+from celery_exclusive.service import LockService, new_token
+from celery_exclusive.settings import TASK_OPTIONS, ExclusiveSettings, check_task_options
+from celery_exclusive.validation import check_key
+from celery_exclusive.worker import HOST, app_settings, get_lock_service
+
+logger = get_task_logger("celery_exclusive.task")
+
+#: Key of the marker field in a skipped or coalesced task's result.
+MARKER_FIELD = "celery_exclusive"
+SKIPPED = "skipped"
+COALESCED = "coalesced"
+#: Message header counting the lock retries of one task id (not the task's own retries).
+LOCK_RETRIES_HEADER = "celery_exclusive_lock_retries"
+#: Appended to a key to name the lock that records a pending rerun.
+RERUN_SUFFIX = "#rerun"
+
+
+def skip_marker(key: str, holder: LockInfo | None, *, coalesced: bool = False) -> dict[str, Any]:
+    """The JSON-serialisable result of a run that did not execute its body."""
+    who = None if holder is None else {**holder.holder, "fence": holder.fence}
+    return {MARKER_FIELD: COALESCED if coalesced else SKIPPED, "key": key, "holder": who}
+
+
+def is_skipped(value: object) -> bool:
+    """True if ``value`` is the result of an exclusive task that skipped (or coalesced) its run."""
+    return isinstance(value, Mapping) and value.get(MARKER_FIELD) in (SKIPPED, COALESCED)
+
+
+def lock_retry_countdown(attempt: int, base: float, maximum: float) -> float:
+    """Seconds before lock retry ``attempt`` (0-based): ``min(maximum, base * 2**attempt)``,
+    of which the upper half is random jitter so that contenders spread out."""
+    ceiling = min(maximum, base * 2.0 ** min(attempt, 64))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+class _Running(threading.local):
+    """Per-thread stack of (task, lease) for the runs in progress in this thread."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[object, Lease]] = []
+
+
+_running = _Running()
+
+
+def _raw_attribute(task: object, name: str) -> Any:
+    """``task.<name>`` without binding: a function given as an option is not a method."""
+    value = inspect.getattr_static(task, name)
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
+def _key_builder_for(cls: Any) -> KeyBuilder:
+    """Compile ``cls.lock_key`` against the signature of ``cls.run`` (without ``self``)."""
+    spec = _raw_attribute(cls, "lock_key")
+    run = inspect.getattr_static(cls, "run")
+    if isinstance(run, staticmethod):
+        return KeyBuilder.for_function(spec, run.__func__, bound=False)
+    if inspect.isfunction(run):
+        return KeyBuilder.for_function(spec, run, bound=True)
+    return KeyBuilder.for_function(spec, cls.run, bound=False)
+
+
+class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
+    """A Celery task whose runs hold a lock on their key; see the module docs for policies.
+
+    Lock options are class attributes (``app.task(base=ExclusiveTask, lock_key=...)``),
+    None meaning "the app's setting": ``lock_key``, ``lock_on_locked``, ``lock_ttl``,
+    ``lock_max_lifetime``, ``lock_refresh_interval``, ``lock_on_lost``,
+    ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``.
+    """
+
+    lock_key: KeySpec = None
+    lock_on_locked: str | Callable[..., Any] | None = None
+    lock_ttl: float | timedelta | None = None
+    lock_max_lifetime: float | timedelta | None = None
+    lock_refresh_interval: float | timedelta | None = None
+    lock_on_lost: str | None = None
+    lock_max_retries: int | None = None
+    lock_retry_backoff: float | timedelta | None = None
+    lock_retry_backoff_max: float | timedelta | None = None
+
+    _lock_keys: ClassVar[KeyBuilder | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Celery builds a task class per decorated function: reject bad options right here.
+        super().__init_subclass__(**kwargs)
+        cls._lock_keys = _key_builder_for(cls)
+        check_task_options(**{name: _raw_attribute(cls, attr) for name, attr in TASK_OPTIONS.items()})
+
+    # -- public helpers -------------------------------------------------------------------
+
+    @property
+    def lock(self) -> Lease | None:
+        """The lease held by this task's run in progress in this thread, or None."""
+        for task, lease in reversed(_running.stack):
+            if task is self:
+                return lease
+        return None
+
+    @property
+    def lock_settings(self) -> ExclusiveSettings:
+        """The app's settings with this task's own lock options applied (read once)."""
+        cached: ExclusiveSettings | None = self.__dict__.get("_lock_settings_cache")
+        if cached is None:
+            options = {name: _raw_attribute(self, attr) for name, attr in TASK_OPTIONS.items()}
+            cached = app_settings(self.app).with_overrides(**options)
+            self.__dict__["_lock_settings_cache"] = cached
+        return cached
+
+    @property
+    def lock_service(self) -> LockService:
+        """This process's lock service for this task's app."""
+        return get_lock_service(self.app)
+
+    def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix)."""
+        spec = _raw_attribute(self, "lock_key")
+        builder = type(self)._lock_keys
+        if builder is None or builder.spec is not spec:
+            # lock_key was changed after the class was made: bind it to the run method.
+            builder = self.__dict__.get("_lock_keys_own")
+            if builder is None or builder.spec is not spec:
+                builder = KeyBuilder.for_function(spec, self.run, bound=False)
+                self.__dict__["_lock_keys_own"] = builder
+        return builder.build(self.name, args, kwargs or {})
+
+    # -- execution ------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        settings = self.lock_settings
+        key = self.lock_key_for(args, kwargs)
+        service = self.lock_service
+        request = self.request
+        inline = bool(request.called_directly or request.is_eager)
+        attempt = 0
+        while True:
+            try:
+                lease = self._acquire(service, settings, key)
+            except LockedError as locked:
+                if settings.on_locked == "retry" and inline:
+                    # No message to re-send (direct call, eager): wait here instead.
+                    self._check_lock_retries(key, locked.holder, attempt, settings)
+                    time.sleep(self._next_countdown(key, locked.holder, attempt, settings))
+                    attempt += 1
+                    continue
+                return self._on_locked(key, locked.holder, args, kwargs)
+            return self._run_holding(lease, args, kwargs)
+
+    def retry(  # noqa: PLR0917 - Celery's own signature
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's retry, but the lock is released first so the retry cannot find it held.
+
+        Code after ``retry(throw=False)`` runs without the lock. The lock-retry counter
+        starts again from zero for the retried run.
+        """
+        lease = self.lock
+        if lease is not None:
+            lease.release()
+        headers = self.request.headers
+        if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
+            options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
+        return super().retry(
+            args=args,
+            kwargs=kwargs,
+            exc=exc,
+            throw=throw,
+            eta=eta,
+            countdown=countdown,
+            max_retries=max_retries,
+            **options,
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _holder(self) -> dict[str, Any]:
+        request = self.request
+        holder = {"host": HOST, "pid": os.getpid(), "task_name": self.name, "task_id": request.id}
+        if request.hostname:
+            holder["worker"] = request.hostname
+        return holder
+
+    def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease:
+        return service.lock(
+            key,
+            ttl=settings.lease_ttl,
+            max_lifetime=settings.max_lifetime,
+            refresh_interval=settings.refresh_interval,
+            holder=self._holder(),
+        )
+
+    def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        task_id = self.request.id
+        lease.on_lost(
+            lambda lost, reason: logger.warning(
+                "%s[%s]: lock %r (fence %d) was lost while the task ran (%s); another run may now hold it",
+                self.name,
+                task_id,
+                lost.key,
+                lost.fence,
+                reason,
+            )
+        )
+        _running.stack.append((self, lease))
+        try:
+            result = super().__call__(*args, **kwargs)
+        except BaseException as exc:
+            self._finish(lease, retrying=isinstance(exc, Retry))
+            raise
+        if self._finish(lease, retrying=False) and self.lock_settings.on_lost == "raise":
+            raise LockLost(
+                lease.key,
+                lease.fence,
+                "the lease was lost while the task ran, so the run may have overlapped another; "
+                "its result was discarded (lock_on_lost='raise')",
+            )
+        return result
+
+    def _finish(self, lease: Lease, *, retrying: bool) -> bool:
+        """Pop and release ``lease``; then hand a pending rerun on. True if it had been lost."""
+        stack = _running.stack
+        for index in range(len(stack) - 1, -1, -1):
+            if stack[index][1] is lease:
+                del stack[index]
+                break
+        state = lease.state
+        lost = state is LeaseState.LOST
+        if state is not LeaseState.RELEASED:
+            lost = lease.release() is ReleaseOutcome.NOT_OWNED or lost
+        # A retry will run again and hand the rerun on itself.
+        if self.lock_settings.on_locked == "rerun" and not retrying:
+            self._start_pending_rerun(lease.key)
+        return lost
+
+    def _on_locked(
+        self, key: str, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        policy = self.lock_settings.on_locked
+        if callable(policy):
+            return policy(self, key, holder)
+        if policy == "skip":
+            return self._skipped(key, holder, coalesced=False)
+        if policy == "raise":
+            raise LockedError(key, holder)
+        if policy == "retry":
+            self._retry_for_lock(key, holder, args, kwargs)
+        return self._coalesce(key, holder, args, kwargs)
+
+    def _skipped(self, key: str, holder: LockInfo | None, *, coalesced: bool) -> dict[str, Any]:
+        who = "an unknown holder" if holder is None else holder.describe()
+        if coalesced:
+            logger.info("coalesced: lock %r is held by %s; a rerun is recorded to run after it", key, who)
+        else:
+            logger.info("skipped: lock %r is held by %s", key, who)
+        signals.send(signals.task_skipped, self, key=key, task=self, holder=holder)
+        return skip_marker(key, holder, coalesced=coalesced)
+
+    # -- on_locked="retry" ----------------------------------------------------------------
+
+    def _check_lock_retries(
+        self, key: str, holder: LockInfo | None, attempt: int, settings: ExclusiveSettings
+    ) -> None:
+        if attempt >= settings.lock_max_retries:
+            who = f" by {holder.describe()}" if holder is not None else ""
+            raise LockRetriesExceeded(
+                key,
+                holder,
+                f"{self.name}: lock {key!r} is still held{who} after {attempt} lock retries "
+                f"(lock_max_retries={settings.lock_max_retries})",
+            )
+
+    def _next_countdown(
+        self, key: str, holder: LockInfo | None, attempt: int, settings: ExclusiveSettings
+    ) -> float:
+        countdown = lock_retry_countdown(
+            attempt, settings.lock_retry_backoff, settings.lock_retry_backoff_max
+        )
+        logger.info(
+            "lock %r is held by %s; lock retry %d/%d in %.2f s",
+            key,
+            "an unknown holder" if holder is None else holder.describe(),
+            attempt + 1,
+            settings.lock_max_retries,
+            countdown,
+        )
+        return countdown
+
+    def _retry_for_lock(
+        self, key: str, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> NoReturn:
+        settings = self.lock_settings
+        request = self.request
+        headers = dict(request.headers or {})
+        try:
+            attempt = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+        except (TypeError, ValueError):
+            attempt = 0
+        self._check_lock_retries(key, holder, attempt, settings)
+        countdown = self._next_countdown(key, holder, attempt, settings)
+        headers[LOCK_RETRIES_HEADER] = attempt + 1
+        # Like Task.retry, but ``retries`` stays as it is: max_retries is the task's own budget.
+        signature = self.signature_from_request(
+            request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+        )
+        signature.apply_async()
+        raise Retry(exc=LockedError(key, holder), when=countdown, sig=signature)
+
+    # -- on_locked="rerun" ----------------------------------------------------------------
+
+    def _coalesce(
+        self, key: str, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """Record a rerun on ``key``'s marker lock, or find one already recorded.
+
+        Whoever deletes the marker owns the rerun: the holder when it finishes (and then
+        sends it), or this contender when the key turned free meanwhile (and then runs).
+        """
+        service = self.lock_service
+        settings = self.lock_settings
+        marker_key = key + RERUN_SUFFIX
+        check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
+        recorded = {"task_name": self.name, "args": list(args), "kwargs": dict(kwargs)}
+        delivery = self.request.delivery_info or {}
+        options = {k: delivery[k] for k in ("exchange", "routing_key", "priority") if delivery.get(k)}
+        if options:
+            recorded["options"] = options
+        try:
+            json.dumps(recorded)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"{self.name}: on_locked='rerun' records the call's arguments as JSON, and these "
+                f"are not JSON-serialisable: {exc}"
+            ) from None
+        token = new_token()
+        meta = {**self._holder(), "rerun": recorded}
+        # A detached lease (no heartbeat): it must outlive this run, up to the max lifetime.
+        try:
+            answer = service.provider.acquire(
+                service.prefix + marker_key,
+                token,
+                settings.max_lifetime,
+                settings.max_lifetime,
+                encode_holder(meta),
+            )
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise BackendError(f"lock store failed while recording a rerun: {type(exc).__name__}") from exc
+        if not isinstance(answer, Grant):
+            return self._skipped(key, holder, coalesced=True)
+        try:
+            lease = self._acquire(service, settings, key)
+        except LockedError as locked:
+            return self._skipped(key, locked.holder, coalesced=True)
+        if service.force_release(marker_key, token):
+            return self._run_holding(lease, args, kwargs)
+        # The previous holder took our marker and has sent the rerun already.
+        lease.release()
+        return self._skipped(key, holder, coalesced=True)
+
+    def _start_pending_rerun(self, key: str) -> None:
+        """Send the rerun recorded on ``key`` if this process is the one that deletes its marker."""
+        marker_key = key + RERUN_SUFFIX
+        try:
+            service = self.lock_service
+            info = service.peek(marker_key)
+            if info is None or not service.force_release(marker_key, info.token):
+                return
+            recorded = info.holder.get("rerun") or {}
+            name = recorded.get("task_name") or self.name
+            options = recorded.get("options") or {}
+            args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
+            if name in self.app.tasks:
+                sent = self.app.tasks[name].apply_async(args=args, kwargs=kwargs, **options)
+            else:
+                sent = self.app.send_task(name, args=args, kwargs=kwargs, **options)
+            logger.info(
+                "requests arrived while it held lock %r; rerun sent as %s[%s]",
+                key,
+                name,
+                sent.id,
+            )
+        except Exception:
+            logger.exception("%s: could not send the rerun recorded on lock %r", self.name, key)
+
+
+_mixins: dict[type, type] = {}
+_mixins_mutex = threading.Lock()
+
+
+def exclusive_base(base: type | str | None = None) -> type:
+    """``base`` with :class:`ExclusiveTask` mixed in (ExclusiveTask itself for None)."""
+    if base is None:
+        return ExclusiveTask
+    if isinstance(base, str):
+        base = symbol_by_name(base)
+    if not (isinstance(base, type) and issubclass(base, Task)):
+        raise InvalidArgumentError(f"base must be a celery Task subclass, got {base!r}")
+    if issubclass(base, ExclusiveTask):
+        return base
+    with _mixins_mutex:
+        mixed = _mixins.get(base)
+        if mixed is None:
+            mixed = type(f"Exclusive{base.__name__}", (ExclusiveTask, base), {"__module__": base.__module__})
+            _mixins[base] = mixed
+        return mixed
+
+
+def exclusive_task(
+    fun: Callable[..., Any] | None = None,
+    *,
+    key: KeySpec = None,
+    on_locked: str | Callable[..., Any] | None = None,
+    ttl: float | timedelta | None = None,
+    max_lifetime: float | timedelta | None = None,
+    refresh_interval: float | timedelta | None = None,
+    on_lost: str | None = None,
+    lock_max_retries: int | None = None,
+    lock_retry_backoff: float | timedelta | None = None,
+    lock_retry_backoff_max: float | timedelta | None = None,
+    app: Any = None,
+    base: type | str | None = None,
+    **options: Any,
+) -> Any:
+    """Declare an exclusive task: ``app.task`` (or ``shared_task`` without ``app``) plus a lock.
+
+    ``key`` is a template over the task's parameters, a callable, or None (the task name:
+    one global lock). Other options are Celery's (``bind``, ``autoretry_for``,
+    ``max_retries``, ``acks_late``, time limits, ``name``...). ``base`` may be any Task
+    subclass: ExclusiveTask is mixed in. A bad key or option raises InvalidArgumentError here.
+    """
+    lock_options = {
+        "lock_key": key,
+        "lock_on_locked": on_locked,
+        "lock_ttl": ttl,
+        "lock_max_lifetime": max_lifetime,
+        "lock_refresh_interval": refresh_interval,
+        "lock_on_lost": on_lost,
+        "lock_max_retries": lock_max_retries,
+        "lock_retry_backoff": lock_retry_backoff,
+        "lock_retry_backoff_max": lock_retry_backoff_max,
+    }
+    for name, value in lock_options.items():
+        if value is not None and options.get(name) is not None:
+            raise InvalidArgumentError(f"{name} given twice (once by its short name)")
+        if value is not None:
+            options[name] = value
+    check_task_options(**{name: options.get(attr) for name, attr in TASK_OPTIONS.items()})
+    options["base"] = exclusive_base(base)
+
+    def decorate(function: Callable[..., Any]) -> Any:
+        KeyBuilder.for_function(options.get("lock_key"), function, bound=bool(options.get("bind")))
+        if app is not None:
+            return app.task(**options)(function)
+        return shared_task(**options)(function)
+
+    return decorate(fun) if fun is not None else decorate

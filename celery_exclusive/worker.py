@@ -1,0 +1,243 @@
+"""Worker hooks and the per-process lock service of the Celery integration.
+
+:func:`get_lock_service` gives each process one :class:`LockService` per app, created on
+first use and never shared across ``fork``. The signal receivers below are connected when
+this module is imported (``celery_exclusive.task`` imports it):
+
+* ``worker_process_shutdown`` / ``worker_shutdown``: leases still held are released.
+* ``task_revoked`` (``terminated=True``) and ``task_failure`` with ``TimeLimitExceeded``:
+  both fire in the worker's *main* process, the first right after the pool child was sent
+  its signal, the second just *before* billiard kills the child for its hard time limit.
+  The hook recomputes the task's key from the request, peeks it, and once the process named
+  in the holder metadata is gone it force-releases exactly that lease (same task id, same
+  host, token-bound). A child SIGKILLed from outside (``WorkerLostError``) is left to the
+  ttl: its lock is taken by the next task only after the lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from celery import signals as celery_signals
+from celery.app import app_or_default
+from celery.exceptions import TimeLimitExceeded
+
+from celery_exclusive.service import LockService
+from celery_exclusive.settings import ExclusiveSettings
+from celery_exclusive.urls import resolve_url
+
+logger = logging.getLogger("celery_exclusive")
+
+#: Host name as lease holder metadata records it (the same truncation as the service's).
+HOST = socket.gethostname()[:64]
+#: Longest a kill hook waits for the killed process to disappear, in seconds.
+KILL_RELEASE_WAIT = 30.0
+#: How long a kill hook looks for the killed run's lease, which it may be acquiring just now.
+KILL_LOOKUP_WINDOW = 1.0
+_POLL = 0.05
+
+
+class _ProcessState:
+    """This process's services and settings, per app; replaced wholesale after ``fork``."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.mutex = threading.Lock()
+        self.services: weakref.WeakKeyDictionary[Any, LockService] = weakref.WeakKeyDictionary()
+        self.settings: weakref.WeakKeyDictionary[Any, ExclusiveSettings] = weakref.WeakKeyDictionary()
+
+
+_state = _ProcessState()
+
+
+def _current() -> _ProcessState:
+    global _state  # noqa: PLW0603 - one state object per process, swapped after fork
+    if _state.pid != os.getpid():
+        # Inherited services keep the parent's connections: drop them unclosed (closing could
+        # disturb the parent's sockets); the core already stopped their leases in this child.
+        _state = _ProcessState()
+    return _state
+
+
+os.register_at_fork(after_in_child=_current)
+
+
+def _resolve_app(app: Any) -> Any:
+    app = app_or_default(app)
+    # ``celery.current_app`` is a proxy: key caches by the app object itself.
+    resolve = getattr(app, "_get_current_object", None)
+    return resolve() if resolve is not None else app
+
+
+def app_settings(app: Any = None) -> ExclusiveSettings:
+    """The app's settings (``app.conf`` > environment > defaults), read once per process."""
+    app = _resolve_app(app)
+    state = _current()
+    with state.mutex:
+        settings = state.settings.get(app)
+        if settings is None:
+            settings = ExclusiveSettings.from_conf(app.conf)
+            state.settings[app] = settings
+        return settings
+
+
+def get_lock_service(app: Any = None) -> LockService:
+    """This process's LockService for ``app`` (default: the current app), created on first use.
+
+    Configured from the app's settings (URL, prefix, default ttl, max lifetime); usable
+    from your own signal handlers, e.g. a once-per-cluster job on ``worker_ready`` with
+    ``get_lock_service(app).run_exclusive("startup", job)``. Never shared across fork.
+    """
+    app = _resolve_app(app)
+    settings = app_settings(app)
+    state = _current()
+    with state.mutex:
+        service = state.services.get(app)
+        if service is None:
+            service = LockService(
+                resolve_url(settings.url, app.conf),
+                prefix=settings.prefix,
+                ttl=settings.lease_ttl,
+                max_lifetime=settings.max_lifetime,
+                refresh_interval=settings.refresh_interval,
+            )
+            state.services[app] = service
+        return service
+
+
+def close_lock_services(*, release: bool = True) -> None:
+    """Close this process's services (releasing held leases unless ``release=False``)."""
+    state = _current()
+    with state.mutex:
+        services = list(state.services.values())
+        state.services.clear()
+        state.settings.clear()
+    for service in services:
+        try:
+            service.close(release=release)
+        except Exception:
+            logger.exception("closing %r failed", service)
+
+
+def release_on_process_shutdown(**_: Any) -> None:
+    """Release the leases a pool process still holds when it exits."""
+    close_lock_services()
+
+
+def release_on_worker_shutdown(**_: Any) -> None:
+    """Release the leases the worker's main process (solo, threads pools) still holds at shutdown."""
+    close_lock_services()
+
+
+def release_on_terminate(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
+    """Release the lock of a task killed by ``revoke(terminate=True)`` once its process is gone."""
+    if terminated and request is not None:
+        release_killed(sender, request.id, request.args, request.kwargs, "terminated (revoked)")
+
+
+def release_on_hard_time_limit(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """Release the lock of a task killed for its hard time limit once its process is gone."""
+    if isinstance(exception, TimeLimitExceeded):
+        release_killed(sender, task_id, args, kwargs, "killed at its hard time limit")
+
+
+for _signal, _receiver in (
+    (celery_signals.worker_process_shutdown, release_on_process_shutdown),
+    (celery_signals.worker_shutdown, release_on_worker_shutdown),
+    (celery_signals.task_revoked, release_on_terminate),
+    (celery_signals.task_failure, release_on_hard_time_limit),
+):
+    _signal.connect(_receiver, weak=False, dispatch_uid=f"celery_exclusive.{_receiver.__name__}")
+
+
+def release_killed(
+    task: Any,
+    task_id: str | None,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    why: str,
+) -> threading.Thread | None:
+    """Release, in the background, the lease the killed run ``task_id`` of ``task`` held.
+
+    Returns the thread doing it (None when ``task`` is not exclusive). Only a lease whose
+    holder metadata names ``task_id``, this host and a process other than this one is
+    released, and only after that process has exited; anything else is left alone.
+    """
+    key_for = getattr(task, "lock_key_for", None)
+    if key_for is None or not task_id:
+        return None
+    try:
+        key = key_for(tuple(args or ()), dict(kwargs or {}))
+        service = get_lock_service(task.app)
+    except Exception:
+        logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
+        return None
+    thread = threading.Thread(
+        target=_release_when_gone,
+        args=(service, key, task_id, f"{task.name}[{task_id}] {why}"),
+        name="celery-exclusive-kill-release",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def _release_when_gone(service: LockService, key: str, task_id: str, what: str) -> None:
+    try:
+        give_up = time.monotonic() + KILL_LOOKUP_WINDOW
+        while True:
+            info = service.peek(key)
+            if info is not None and info.holder.get("task_id") == task_id:
+                break
+            if time.monotonic() >= give_up:
+                return
+            time.sleep(_POLL)
+        pid = info.holder.get("pid")
+        if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
+            return
+        give_up = time.monotonic() + KILL_RELEASE_WAIT
+        while not process_gone(pid):
+            if time.monotonic() >= give_up:
+                logger.warning(
+                    "%s, but its process %d is still alive after %g s; lock %r is left to expire",
+                    what,
+                    pid,
+                    KILL_RELEASE_WAIT,
+                    key,
+                )
+                return
+            time.sleep(_POLL)
+        if service.force_release(key, info.token):
+            logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
+    except Exception:
+        logger.exception("%s: could not release its lock %r; it expires with its ttl", what, key)
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")

@@ -1,0 +1,172 @@
+"""The Celery app of the integration suite: run by subprocess workers and beat, used by tests.
+
+Configured only through the environment, which tests/celery/conftest.py sets (session-unique
+values) before anything imports this module:
+
+* ``CE_CELERY_BROKER``     Redis URL for broker, results and records (a dedicated DB number)
+* ``CE_CELERY_KEYPREFIX``  global key prefix of every broker/result key (isolation, cleanup)
+* ``CE_CELERY_QUEUE``      the queue a worker consumes (one per lock-store group)
+* ``CELERY_EXCLUSIVE_URL`` / ``CELERY_EXCLUSIVE_PREFIX``  the lock store, read by the package
+* ``CE_BEAT_INTERVAL`` / ``CE_BEAT_DURATION`` / ``CE_BEAT_TAG``  the beat schedule, if set
+
+Every task body records its run (start/end wall time, key, fence, pid) in a Redis list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import worker_ready
+
+from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
+from celery_exclusive.worker import get_lock_service
+
+BROKER = os.environ.get("CE_CELERY_BROKER", "redis://127.0.0.1:6379/11")
+KEYPREFIX = os.environ.get("CE_CELERY_KEYPREFIX", "cetest:")
+QUEUE = os.environ.get("CE_CELERY_QUEUE", "cetest")
+RECORDS = KEYPREFIX + "records"
+
+app = Celery("cetest", broker=BROKER, backend=BROKER)
+app.conf.update(
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"global_keyprefix": KEYPREFIX, "visibility_timeout": 3600},
+    result_backend_transport_options={"global_keyprefix": KEYPREFIX},
+    task_default_queue=QUEUE,
+    worker_prefetch_multiplier=1,
+    result_expires=600,
+    worker_hijack_root_logger=True,
+)
+if os.environ.get("CE_BEAT_INTERVAL"):
+    app.conf.beat_schedule = {
+        "beat-job": {
+            "task": "tests.celery.app.beat_job",
+            "schedule": float(os.environ["CE_BEAT_INTERVAL"]),
+            "args": (os.environ.get("CE_BEAT_TAG", "beat"), float(os.environ.get("CE_BEAT_DURATION", "1"))),
+            "options": {"queue": QUEUE},
+        }
+    }
+
+_client: tuple[int, redis.Redis] | None = None
+_client_mutex = threading.Lock()
+
+
+def records_client() -> redis.Redis:
+    """A Redis client for the records list, never shared across fork."""
+    global _client
+    with _client_mutex:
+        if _client is None or _client[0] != os.getpid():
+            _client = (os.getpid(), redis.Redis.from_url(BROKER))
+        return _client[1]
+
+
+def record(kind: str, tag: str, **fields: Any) -> None:
+    """Append one event to the records list."""
+    records_client().rpush(RECORDS, json.dumps({"kind": kind, "tag": tag, "pid": os.getpid(), **fields}))
+
+
+def _body(task: Any, tag: str, duration: float, *, block_term: bool = False) -> dict[str, Any]:
+    lease = task.lock
+    if block_term:
+        # Like a body stuck in C code: SIGTERM stays pending, so no finally runs; only SIGKILL ends it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    start = time.time()
+    common = {"task_id": task.request.id, "key": lease.key, "fence": lease.fence}
+    record("start", tag, at=start, **common)
+    time.sleep(duration)
+    end = time.time()
+    headers = task.request.headers or {}
+    lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+    record("run", tag, start=start, end=end, lock_retries=lock_retries, **common)
+    return {"ran": True, "fence": lease.fence, "lock_retries": lock_retries, "retries": task.request.retries}
+
+
+@exclusive_task(app=app, key="work:{key_id}", bind=True)
+def work_skip(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Skips when its key is held."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(
+    app=app,
+    key="retry:{key_id}",
+    on_locked="retry",
+    lock_retry_backoff=0.05,
+    lock_retry_backoff_max=0.4,
+    lock_max_retries=500,
+    max_retries=0,
+    bind=True,
+)
+def work_retry(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Waits for its key by lock retries; its own max_retries is 0."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, key="raise:{key_id}", on_locked="raise", bind=True)
+def work_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Fails with LockedError when its key is held."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, key="rerun:{key_id}", on_locked="rerun", bind=True)
+def work_rerun(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Coalesces requests that arrive while its key is held into one rerun."""
+    return _body(self, tag, duration)
+
+
+_HOLD_RETRY = {"on_locked": "retry", "lock_retry_backoff": 0.05, "lock_retry_backoff_max": 0.25}
+
+
+@exclusive_task(app=app, key="hold:{key_id}", ttl=3, lock_max_retries=1000, bind=True, **_HOLD_RETRY)
+def hold_short_ttl(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """A long run on a 3 s lease (refreshed every second); waits for its key by lock retries."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, key="hold:{key_id}", ttl=60, bind=True)
+def hold_long_ttl(
+    self: Any, key_id: str, tag: str, duration: float = 0.0, block_term: bool = False
+) -> dict[str, Any]:
+    """A long run on a 60 s lease; ``block_term`` makes it deaf to SIGTERM."""
+    return _body(self, tag, duration, block_term=block_term)
+
+
+@exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)
+def soft_limited(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Runs into its soft time limit (SoftTimeLimitExceeded in the body)."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, key="pos:{work_id}", bind=True)
+def positional(self: Any, work_id: int, tag: str = "", duration: float = 0.0) -> dict[str, Any]:
+    """Keyed by a parameter that callers pass by position or by keyword."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, bind=True)
+def beat_job(self: Any, tag: str, duration: float) -> dict[str, Any]:
+    """The beat-scheduled job: one global lock (the task name), skip when held."""
+    return _body(self, tag, duration)
+
+
+@app.task
+def leak_lease(key: str, tag: str) -> int:
+    """Acquires a lease through the app's service and returns still holding it (kept alive)."""
+    lease = get_lock_service(app).lock(key, ttl=60)
+    record("leaked", tag, key=key, fence=lease.fence)
+    return int(lease.fence)
+
+
+@worker_ready.connect
+def startup_job(sender: Any = None, **_: Any) -> None:
+    """A once-at-a-time start-up job per worker group, through the app's lock service."""
+    tag = f"startup:{QUEUE}"
+    start = time.time()
+    outcome = get_lock_service(app).run_exclusive(tag, lambda: time.sleep(1.0))
+    record("startup", tag, ran=outcome.acquired, start=start, end=time.time(), fence=outcome.fence)

@@ -1,0 +1,320 @@
+"""End to end: subprocess ``celery worker`` processes (prefork) on a real Redis broker.
+
+Two workers of two processes each per lock store (PostgreSQL and Redis), shared by every
+test of the module. Task bodies record their runs in Redis (see tests/celery/app.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from celery_exclusive import LockedError
+from celery_exclusive.task import is_skipped
+from tests.celery import app as tasks
+from tests.celery.conftest import (
+    WorkerGroup,
+    assert_no_overlap,
+    cleanup_group,
+    failed,
+    records,
+    spawn,
+    start_group,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
+
+RESULT_TIMEOUT = 60
+
+
+@pytest.fixture(scope="module", params=["redis", "postgres"])
+def group(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[WorkerGroup]:
+    """Two prefork workers of two processes on one lock store, for the whole module."""
+    workers = start_group(request.param, celery_logdir)
+    try:
+        yield workers
+    finally:
+        workers.close()
+        cleanup_group(workers)
+
+
+@pytest.fixture(autouse=True)
+def _logs_on_failure(request: pytest.FixtureRequest, group: WorkerGroup) -> Iterator[None]:
+    """Print the workers' logs when a test fails."""
+    yield
+    if failed(request):
+        print(group.dump())
+
+
+def uid() -> str:
+    """A fresh tag / key id, so tests never see each other's keys or records."""
+    return uuid.uuid4().hex[:8]
+
+
+def runs(tag: str) -> list[dict[str, Any]]:
+    """The completed runs recorded under ``tag``."""
+    return [event for event in records(tag) if event["kind"] == "run"]
+
+
+def test_worker_ready_handler_uses_the_lock_service(group: WorkerGroup) -> None:
+    """A worker_ready handler runs its start-up job through get_lock_service: never two at once."""
+    attempts = wait_for(
+        lambda: len(records(f"startup:{group.queue}")) == 2, 10, what="both workers' attempts"
+    )
+    assert attempts
+    startup = records(f"startup:{group.queue}")
+    assert len({event["pid"] for event in startup}) == 2
+    done = [event for event in startup if event["ran"]]
+    assert done, "one worker must have run the start-up job"
+    assert_no_overlap(done)
+
+
+def test_twenty_duplicates_skip_never_overlap(group: WorkerGroup) -> None:
+    """Twenty tasks for one key at once across 2x2 processes: runs never overlap, the rest skip."""
+    tag = uid()
+    results = [group.send(tasks.work_skip, tag, tag, 0.3) for _ in range(20)]
+    values = [result.get(timeout=RESULT_TIMEOUT) for result in results]
+    skipped = [value for value in values if is_skipped(value)]
+    ran = [value for value in values if not is_skipped(value)]
+    assert len(skipped) + len(ran) == 20
+    assert ran, "at least one task must have run"
+    assert skipped, "with 4 processes and 0.3 s runs some duplicates must have been skipped"
+    assert all(value["key"] == f"work:{tag}" for value in skipped)
+    recorded = runs(tag)
+    assert len(recorded) == len(ran)
+    assert_no_overlap(recorded)
+
+
+def test_twenty_duplicates_retry_all_run_in_turn(group: WorkerGroup) -> None:
+    """Twenty retry-policy tasks for one key: every one runs, one at a time, after lock retries."""
+    tag = uid()
+    results = [group.send(tasks.work_retry, tag, tag, 0.1) for _ in range(20)]
+    values = [result.get(timeout=RESULT_TIMEOUT) for result in results]
+    assert all(value["ran"] for value in values)
+    assert all(value["retries"] == 0 for value in values), "lock retries must not count as retries"
+    assert sum(value["lock_retries"] for value in values) > 0
+    recorded = runs(tag)
+    assert len(recorded) == 20
+    assert len({run["task_id"] for run in recorded}) == 20
+    assert_no_overlap(recorded)
+
+
+def test_different_keys_run_in_parallel(group: WorkerGroup) -> None:
+    """Tasks with different keys run at the same time: their recorded intervals overlap."""
+    tag = uid()
+    first = group.send(tasks.work_skip, f"{tag}-a", tag, 1.5)
+    second = group.send(tasks.work_skip, f"{tag}-b", tag, 1.5)
+    assert not is_skipped(first.get(timeout=RESULT_TIMEOUT))
+    assert not is_skipped(second.get(timeout=RESULT_TIMEOUT))
+    a, b = sorted(runs(tag), key=lambda run: run["start"])
+    assert b["start"] < a["end"], "runs of different keys should have overlapped"
+
+
+def test_skip_end_to_end(group: WorkerGroup) -> None:
+    """A task whose key is held succeeds with the skip marker naming key and holder, and logs it."""
+    tag = uid()
+    with group.service.lock(f"work:{tag}", holder={"task_id": "external-holder"}):
+        value = group.send(tasks.work_skip, tag, tag).get(timeout=RESULT_TIMEOUT)
+    assert is_skipped(value)
+    assert value["celery_exclusive"] == "skipped"
+    assert value["key"] == f"work:{tag}"
+    assert value["holder"]["task_id"] == "external-holder"
+    assert runs(tag) == []
+    wait_for(
+        lambda: any(f"skipped: lock 'work:{tag}' is held by" in w.text() for w in group.workers),
+        5,
+        what="the INFO skip line in a worker log",
+    )
+
+
+def test_retry_end_to_end_without_consuming_max_retries(group: WorkerGroup) -> None:
+    """A max_retries=0 task lock-retries until the key is free, then runs with retries still 0."""
+    tag = uid()
+    lease = group.service.lock(f"retry:{tag}")
+    result = group.send(tasks.work_retry, tag, tag)
+    time.sleep(1.0)
+    lease.release()
+    value = result.get(timeout=RESULT_TIMEOUT)
+    assert value["ran"]
+    assert value["lock_retries"] >= 1
+    assert value["retries"] == 0
+
+
+def test_raise_end_to_end(group: WorkerGroup) -> None:
+    """The raise policy fails the task with a LockedError whose key and holder survive the backend."""
+    tag = uid()
+    with group.service.lock(f"raise:{tag}", holder={"task_id": "external-holder"}):
+        result = group.send(tasks.work_raise, tag, tag)
+        with pytest.raises(LockedError) as caught:
+            result.get(timeout=RESULT_TIMEOUT)
+    assert caught.value.key == f"raise:{tag}"
+    assert caught.value.holder is not None
+    assert caught.value.holder.holder["task_id"] == "external-holder"
+    assert "external-holder" in str(caught.value)
+    assert result.state == "FAILURE"
+
+
+def test_rerun_ten_requests_become_one_rerun(group: WorkerGroup) -> None:
+    """Ten requests arriving during a run are coalesced into exactly one rerun after it."""
+    tag = uid()
+    first = group.send(tasks.work_rerun, tag, tag, 2.0)
+    wait_for(lambda: records(tag), 20, what="the first run to start")
+    requests = [group.send(tasks.work_rerun, tag, f"{tag}-{i}", 0.1) for i in range(10)]
+    values = [result.get(timeout=RESULT_TIMEOUT) for result in requests]
+    assert all(value["celery_exclusive"] == "coalesced" for value in values)
+    assert first.get(timeout=RESULT_TIMEOUT)["ran"]
+    rerun_tags = {f"{tag}-{i}" for i in range(10)}
+    wait_for(lambda: any(runs(t) for t in rerun_tags), 20, what="the rerun")
+    time.sleep(1.5)  # any second rerun would have started by now
+    reruns = [run for t in rerun_tags for run in runs(t)]
+    assert len(reruns) == 1
+    assert len(runs(tag)) == 1
+    assert reruns[0]["start"] >= runs(tag)[0]["end"]
+
+
+def test_sigkilled_child_lock_is_taken_only_after_ttl(group: WorkerGroup) -> None:
+    """A pool child SIGKILLed mid-task keeps its lock until the ttl expires; then another run takes it."""
+    tag = uid()
+    victim = group.send(tasks.hold_short_ttl, tag, tag, 60)
+    start = wait_for(lambda: records(tag), 20, what="the victim to start")[0]
+    peeked_at = time.time()
+    before = group.service.peek(f"hold:{tag}")
+    assert before is not None
+    assert before.holder["task_id"] == victim.id
+    os.kill(start["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    successor = group.send(tasks.hold_short_ttl, tag, f"{tag}-next", 0)
+    time.sleep(1.0)
+    still = group.service.peek(f"hold:{tag}")
+    assert still is not None
+    assert still.token == before.token, "the dead child's lock was released before its ttl"
+    assert successor.get(timeout=RESULT_TIMEOUT)["ran"]
+    (taken,) = runs(f"{tag}-next")
+    # The store's lease ran out no earlier than the expiry seen just before the kill.
+    assert taken["start"] >= peeked_at + before.expires_in - 0.2
+    # ... and no later than a full 3 s ttl after the kill (plus one lock-retry backoff).
+    assert taken["start"] <= killed_at + 3.0 + 2.0
+
+
+def test_heartbeat_keeps_a_long_run_alive_under_prefork(group: WorkerGroup) -> None:
+    """A run longer than its 3 s ttl keeps its lease under prefork: same token after 4 s."""
+    tag = uid()
+    result = group.send(tasks.hold_short_ttl, tag, tag, 4.5)
+    wait_for(lambda: records(tag), 20, what="the run to start")
+    first = group.service.peek(f"hold:{tag}")
+    time.sleep(4.0)
+    later = group.service.peek(f"hold:{tag}")
+    assert first is not None
+    assert later is not None
+    assert later.token == first.token
+    assert later.expires_in > 0
+    assert result.get(timeout=RESULT_TIMEOUT)["ran"]
+
+
+def released_by_main_process(group: WorkerGroup, task_id: str) -> bool:
+    """Whether a worker's main process logged releasing the lock of ``task_id``."""
+    return any(
+        f"[{task_id}]" in line and "released its lock" in line
+        for w in group.workers
+        for line in w.text().splitlines()
+    )
+
+
+def test_hard_time_limit_releases_lock_within_seconds(group: WorkerGroup) -> None:
+    """A task SIGKILLed at its hard time limit (deaf to SIGTERM) has its 60 s lock released within seconds."""
+    tag = uid()
+    result = group.send(tasks.hold_long_ttl, tag, tag, 30, True, _options={"time_limit": 1.5})
+    start = wait_for(lambda: records(tag), 20, what="the run to start")[0]
+    assert group.service.peek(f"hold:{tag}") is not None
+    wait_for(lambda: group.service.peek(f"hold:{tag}") is None, 10, what="the lock to be released")
+    freed_after = time.time() - start["at"]
+    assert freed_after < 6.0, f"released {freed_after:.1f} s after start; the ttl is 60 s"
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=RESULT_TIMEOUT)
+    wait_for(lambda: released_by_main_process(group, result.id), 5, what="the main process's release log")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_revoke_terminate_releases_lock_within_seconds(group: WorkerGroup, signal_name: str) -> None:
+    """A task killed by revoke(terminate=True) has its 60 s lock released within seconds."""
+    tag = uid()
+    result = group.send(tasks.hold_long_ttl, tag, tag, 30)
+    wait_for(lambda: records(tag), 20, what="the run to start")
+    assert group.service.peek(f"hold:{tag}") is not None
+    revoked_at = time.time()
+    result.revoke(terminate=True, signal=signal_name)
+    wait_for(lambda: group.service.peek(f"hold:{tag}") is None, 10, what="the lock to be released")
+    assert time.time() - revoked_at < 5.0
+    wait_for(lambda: result.state == "REVOKED", 10, what="the REVOKED state")
+    if signal_name == "SIGKILL":  # no finally ran in the child: the main process released it
+        wait_for(lambda: released_by_main_process(group, result.id), 5, what="the main process's release log")
+
+
+def test_soft_time_limit_fails_the_task_and_frees_the_lock(group: WorkerGroup) -> None:
+    """A soft time limit raises in the body; the task fails with it and its lock is free at once."""
+    tag = uid()
+    result = group.send(tasks.soft_limited, tag, tag, 5)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=RESULT_TIMEOUT)
+    assert group.service.peek(f"soft:{tag}") is None
+
+
+def test_positional_and_keyword_calls_share_a_key(group: WorkerGroup) -> None:
+    """positional(7) and positional(work_id=7) compute the same key, so both skip while it is held."""
+    tag = uid()
+    work_id = int(tag, 16) % 10**9
+    with group.service.lock(f"pos:{work_id}"):
+        by_position = group.send(tasks.positional, work_id, tag).get(timeout=RESULT_TIMEOUT)
+        by_keyword = group.send(tasks.positional, work_id=work_id, tag=tag).get(timeout=RESULT_TIMEOUT)
+    assert is_skipped(by_position)
+    assert is_skipped(by_keyword)
+    assert by_position["key"] == by_keyword["key"] == f"pos:{work_id}"
+
+
+def test_beat_job_longer_than_its_interval_never_overlaps(
+    group: WorkerGroup, celery_logdir: Path, request: pytest.FixtureRequest
+) -> None:
+    """Two beat processes sending a 2.5 s job every second: its runs never overlap, extra sends skip."""
+    tag = uid()
+    env = {
+        **group.env,
+        "CE_BEAT_INTERVAL": "1",
+        "CE_BEAT_DURATION": "2.5",
+        "CE_BEAT_TAG": tag,
+    }
+    beats = [
+        spawn(
+            f"beat{i}-{tag}",
+            ["beat", "-s", str(celery_logdir / f"schedule-{tag}-{i}"), "-l", "INFO", "--max-interval", "1"],
+            env,
+            celery_logdir,
+        )
+        for i in range(2)
+    ]
+    try:
+        time.sleep(7.0)
+    finally:
+        for beat in beats:
+            beat.stop()
+        if failed(request):
+            print("\n".join(beat.text() for beat in beats))
+    sent = sum(beat.text().count("Sending due task beat-job") for beat in beats)
+    wait_for(
+        lambda: len([e for e in records(tag) if e["kind"] == "start"]) == len(runs(tag)),
+        10,
+        what="the last beat run to finish",
+    )
+    recorded = runs(tag)
+    assert sent >= 6, f"the two beats sent only {sent} jobs"
+    assert len(recorded) >= 2
+    assert len(recorded) < sent, "sends that found the job running must have been skipped"
+    assert_no_overlap(recorded)

@@ -1,0 +1,167 @@
+"""Lock keys of tasks: templates and callables over bound arguments, checked at declaration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.keys import KeyBuilder, template_fields
+from celery_exclusive.task import ExclusiveTask, exclusive_task
+
+
+@pytest.fixture
+def app() -> Celery:
+    """A throwaway app (never connected)."""
+    return Celery("ce_keys", set_as_current=False, broker="memory://")
+
+
+def test_positional_and_keyword_calls_give_the_same_key(app: Celery) -> None:
+    """t(1) and t(work_id=1) bind to the same arguments, defaults applied, so to the same key."""
+
+    @exclusive_task(app=app, key="pr:{work_id}:{mode}")
+    def sync_1(work_id: int, mode: str = "full") -> None: ...
+
+    assert sync_1.lock_key_for((1,), {}) == "pr:1:full"
+    assert sync_1.lock_key_for((), {"work_id": 1}) == "pr:1:full"
+    assert sync_1.lock_key_for((1, "full"), {}) == "pr:1:full"
+    assert sync_1.lock_key_for((1,), {"mode": "quick"}) == "pr:1:quick"
+
+
+def test_template_naming_a_missing_parameter_is_rejected_at_decoration(app: Celery) -> None:
+    """A template field that is not a parameter raises InvalidArgumentError when the decorator runs."""
+    with pytest.raises(InvalidArgumentError, match=r"\{workid\}.*no parameter 'workid'"):
+
+        @exclusive_task(app=app, key="pr:{workid}")
+        def sync_2(work_id: int) -> None: ...
+
+
+def test_app_task_base_form_rejects_a_bad_template_when_the_class_is_made(app: Celery) -> None:
+    """@app.task(base=ExclusiveTask, lock_key=...) checks the template when Celery builds the class."""
+    app.finalize()
+    with pytest.raises(InvalidArgumentError, match="no parameter 'nope'"):
+
+        @app.task(base=ExclusiveTask, lock_key="k:{nope}", shared=False)
+        def sync_3(work_id: int) -> None: ...
+
+
+def test_bound_task_self_is_not_a_parameter(app: Celery) -> None:
+    """With bind=True the first parameter (self) is not usable in a key."""
+
+    @exclusive_task(app=app, key="k:{work_id}", bind=True)
+    def sync_4(self: Any, work_id: int) -> None: ...
+
+    assert sync_4.lock_key_for((5,), {}) == "k:5"
+    with pytest.raises(InvalidArgumentError, match="no parameter 'self'"):
+
+        @exclusive_task(app=app, key="k:{self}", bind=True)
+        def other_1(self: Any, work_id: int) -> None: ...
+
+
+def test_positional_fields_are_rejected() -> None:
+    """{} and {0} would depend on how callers pass arguments, so templates must name parameters."""
+    with pytest.raises(InvalidArgumentError, match="positional field"):
+        template_fields("k:{}")
+    with pytest.raises(InvalidArgumentError, match="positional field"):
+        template_fields("k:{0}")
+
+
+def test_task_name_field_and_default_key(app: Celery) -> None:
+    """{task_name} is the task's name; no key at all means one global lock named after the task."""
+
+    @exclusive_task(app=app, key="{task_name}:{x}", name="proj.sync")
+    def sync_5(x: int) -> None: ...
+
+    @exclusive_task(app=app, name="proj.rollup")
+    def rollup_1(x: int) -> None: ...
+
+    assert sync_5.lock_key_for((3,)) == "proj.sync:3"
+    assert rollup_1.lock_key_for((3,)) == "proj.rollup"
+    assert rollup_1.lock_key_for((4,)) == "proj.rollup"
+
+
+def test_callable_key_receives_the_bound_arguments(app: Celery) -> None:
+    """A key callable gets the task's arguments, defaults applied, however they were passed."""
+    calls: list[tuple[Any, ...]] = []
+
+    def key(work_id: int, mode: str = "full") -> str:
+        calls.append((work_id, mode))
+        return f"pr:{work_id}"
+
+    @exclusive_task(app=app, key=key)
+    def sync_6(work_id: int, mode: str = "full") -> None: ...
+
+    assert sync_6.lock_key_for((), {"work_id": 9}) == "pr:9"
+    assert calls == [(9, "full")]
+
+
+def test_attribute_lookup_and_format_spec() -> None:
+    """Templates may use attribute/index lookups and format specs."""
+
+    class Pr:
+        id = 12
+
+    def run(pr: Any, ids: list[int], n: int) -> None: ...
+
+    builder = KeyBuilder.for_function("{pr.id}:{ids[0]}:{n:04d}", run, bound=False)
+    assert builder.build("t", (Pr(), [7], 5), {}) == "12:7:0005"
+
+
+def test_unformattable_value_fails_with_a_clear_error() -> None:
+    """A value the template cannot format raises InvalidArgumentError naming the task and template."""
+
+    def run(n: Any) -> None: ...
+
+    builder = KeyBuilder.for_function("k:{n:d}", run, bound=False)
+    with pytest.raises(InvalidArgumentError, match=r"lock key of proj\.t from template 'k:\{n:d\}'"):
+        builder.build("proj.t", ("seven",), {})
+
+
+def test_object_without_stable_text_is_refused() -> None:
+    """An object that would format as its memory address is refused (no per-call keys)."""
+
+    def run(thing: Any) -> None: ...
+
+    builder = KeyBuilder.for_function("k:{thing}", run, bound=False)
+    with pytest.raises(InvalidArgumentError, match="memory address"):
+        builder.build("t", (object(),), {})
+
+
+def test_var_keyword_tasks_accept_any_name_and_fail_clearly_when_missing() -> None:
+    """With **kwargs any name is accepted at declaration; a missing one fails at call time."""
+
+    def run(**kwargs: Any) -> None: ...
+
+    builder = KeyBuilder.for_function("k:{tenant}", run, bound=False)
+    assert builder.build("t", (), {"tenant": "acme"}) == "k:acme"
+    with pytest.raises(InvalidArgumentError, match="no argument named 'tenant'"):
+        builder.build("t", (), {})
+
+
+def test_bad_option_is_rejected_at_decoration(app: Celery) -> None:
+    """An unknown on_locked policy is rejected when the decorator runs."""
+    with pytest.raises(InvalidArgumentError, match="on_locked must be one of"):
+
+        @exclusive_task(app=app, on_locked="wait")
+        def sync_7() -> None: ...
+
+
+def test_class_based_task_template_binds_without_self(app: Celery) -> None:
+    """A class-based ExclusiveTask's run(self, ...) is bound: its template names run's own parameters."""
+
+    class Import(ExclusiveTask):  # type: ignore[misc]
+        name = "ce_keys.import"
+        lock_key = "import:{tenant}"
+
+        def run(self, tenant: str) -> None: ...
+
+    task = app.register_task(Import())
+    assert task.lock_key_for(("acme",)) == "import:acme"
+    with pytest.raises(InvalidArgumentError, match="no parameter 'self'"):
+
+        class Broken(ExclusiveTask):  # type: ignore[misc]
+            lock_key = "import:{self}"
+
+            def run(self, tenant: str) -> None: ...

@@ -1,0 +1,164 @@
+"""Worker hooks: shutdown releases, and the exact release of a killed run's lease."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import TimeLimitExceeded
+
+from celery_exclusive.lease import LeaseState
+from celery_exclusive.service import LockService
+from celery_exclusive.task import exclusive_task
+from celery_exclusive.worker import (
+    HOST,
+    KILL_LOOKUP_WINDOW,
+    get_lock_service,
+    process_gone,
+    release_on_hard_time_limit,
+    release_on_process_shutdown,
+    release_on_terminate,
+    release_on_worker_shutdown,
+)
+
+HOLDER = """
+import sys, time
+from celery_exclusive import LockService
+service = LockService(sys.argv[1], prefix=sys.argv[2])
+lease = service.lock(sys.argv[3], ttl=60, holder={"task_id": sys.argv[4]})
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def sqlite_app(tmp_path: Path) -> Iterator[tuple[Celery, Any, LockService]]:
+    """An app on a SQLite lock store (shared by processes), one exclusive task, a client service."""
+    app = Celery(f"ce_hooks_{uuid.uuid4().hex[:6]}", set_as_current=False)
+    url = f"sqlite:///{tmp_path / 'locks.sqlite3'}"
+    app.conf.update(exclusive_url=url, exclusive_prefix="hooks:")
+
+    @exclusive_task(app=app, key="job:{n}", name=f"{app.main}.job", shared=False)
+    def job(n: int) -> None: ...
+
+    service = LockService(url, prefix="hooks:")
+    yield app, job, service
+    service.close()
+
+
+def hold_in_subprocess(url: str, key: str, task_id: str) -> subprocess.Popen[str]:
+    """A process holding ``key`` with ``task_id`` in its holder metadata (a stand-in pool child)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url, "hooks:", key, task_id], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    child.stdout.close()
+    assert line == "held"
+    return child
+
+
+def test_worker_shutdown_releases_held_leases() -> None:
+    """worker_shutdown's hook releases what this process still holds."""
+    app = Celery("ce_hooks_shutdown", set_as_current=False)
+    app.conf.exclusive_url = "memory://"
+    lease = get_lock_service(app).lock("still-held")
+    release_on_worker_shutdown()
+    assert lease.state is LeaseState.RELEASED
+
+
+def test_process_shutdown_releases_held_leases() -> None:
+    """worker_process_shutdown's hook releases what the pool process still holds."""
+    app = Celery("ce_hooks_process", set_as_current=False)
+    app.conf.exclusive_url = "memory://"
+    lease = get_lock_service(app).lock("still-held")
+    release_on_process_shutdown()
+    assert lease.state is LeaseState.RELEASED
+
+
+def test_terminate_hook_releases_the_killed_runs_lease_once_its_process_is_gone(
+    sqlite_app: tuple[Celery, Any, LockService],
+) -> None:
+    """task_revoked(terminated=True): the lease of that task id is released after its process exits."""
+    app, job, service = sqlite_app
+    url = app.conf.exclusive_url
+    child = hold_in_subprocess(url, "job:1", "T1")
+    try:
+        request = type("Request", (), {"id": "T1", "args": [1], "kwargs": {}})()
+        release_on_terminate(sender=job, request=request, terminated=True)
+        time.sleep(KILL_LOOKUP_WINDOW + 0.3)
+        assert service.peek("job:1") is not None, "released while its process was still alive"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 5
+        while service.peek("job:1") is not None:
+            assert time.monotonic() < deadline, "not released after the process died"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_hooks_leave_other_leases_alone(sqlite_app: tuple[Celery, Any, LockService]) -> None:
+    """A lease of another task id, or a non-terminating revoke or other failure, is not released."""
+    app, job, service = sqlite_app
+    url = app.conf.exclusive_url
+    child = hold_in_subprocess(url, "job:2", "T2")
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    request = type("Request", (), {"id": "T2", "args": [2], "kwargs": {}})()
+    release_on_terminate(sender=job, request=request, terminated=False)
+    release_on_hard_time_limit(sender=job, task_id="T2", exception=ValueError("x"), args=[2], kwargs={})
+    release_on_hard_time_limit(
+        sender=job, task_id="OTHER", exception=TimeLimitExceeded(1), args=[2], kwargs={}
+    )
+    time.sleep(KILL_LOOKUP_WINDOW + 0.5)
+    info = service.peek("job:2")
+    assert info is not None
+    assert info.holder["task_id"] == "T2"
+    # The exact match does release it (its process is dead already).
+    release_on_hard_time_limit(sender=job, task_id="T2", exception=TimeLimitExceeded(1), args=[2], kwargs={})
+    deadline = time.monotonic() + 5
+    while service.peek("job:2") is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_process_gone() -> None:
+    """A live process is not gone; an exited one (zombie or reaped) is."""
+    assert not process_gone(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while not process_gone(child.pid):  # a zombie until reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child.wait()
+    assert process_gone(child.pid)
+
+
+def test_holder_metadata_names_host_pid_and_task() -> None:
+    """A task's lease records host, pid, task name and id: what the kill hooks match on."""
+    app = Celery("ce_hooks_meta", set_as_current=False)
+    app.conf.exclusive_url = "memory://"
+    seen: dict[str, Any] = {}
+
+    @exclusive_task(app=app, key="meta", bind=True, name="ce_hooks_meta.t", shared=False)
+    def meta_task(self: Any) -> None:
+        info = get_lock_service(app).peek("meta")
+        assert info is not None
+        seen.update(info.holder)
+
+    meta_task.apply(task_id="the-id")
+    assert seen["host"] == HOST
+    assert seen["pid"] == os.getpid()
+    assert seen["task_name"] == "ce_hooks_meta.t"
+    assert seen["task_id"] == "the-id"
