@@ -29,12 +29,19 @@ KNOWN_SCHEMES = (
     "postgresql",
     "postgresql+psycopg",
     "redis",
+    "redis+cluster",
+    "redis+sentinel",
     "rediss",
+    "rediss+cluster",
+    "rediss+sentinel",
     "sqlite",
     "unix",
 )
 
-_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^@/?#]*)@")
+_REDIS_VARIANTS = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+# Userinfo runs to the last "@" of the authority, as urlsplit reads it (an unescaped "@" in a
+# password must not leave its tail visible).
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
 _PASSWORD_PARAM = re.compile(r"(?i)([?&](?:password|passwd|pass|pwd)=)[^&#]*")
 
 
@@ -82,7 +89,7 @@ def scheme_family(url: str) -> str:
     base = scheme.split("+", 1)[0]
     if scheme == "memory":
         return "memory"
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in ("redis", "rediss", "unix", *_REDIS_VARIANTS):
         return "redis"
     if base in ("postgresql", "postgres", "sqlite", "mysql", "mariadb"):
         return "sql"
@@ -98,13 +105,19 @@ def split_options(url: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, st
     Options are spelled ``ce_<name>`` (``?ce_table=locks``) so they never clash with a
     driver's own query parameters, which are passed through untouched.
     """
-    parts = urlsplit(url)
+    try:
+        query = urlsplit(url).query
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        raise ConfigurationError(f"malformed lock store URL {mask_url(url)!r}: {exc}") from None
     kept: list[str] = []
     options: dict[str, str] = {}
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if not name.startswith("ce_"):
-            kept.append(f"{name}={value}")
+    for segment in query.split("&"):
+        parsed = parse_qsl(segment, keep_blank_values=True)
+        if not parsed or not parsed[0][0].startswith("ce_"):
+            if segment:
+                kept.append(segment)  # a driver's parameter, passed on exactly as written
             continue
+        name, value = parsed[0]
         option = name[3:]
         if option not in allowed:
             raise ConfigurationError(
@@ -122,6 +135,7 @@ def provider_from_url(url: str) -> LockProvider:
     if family == "memory":
         from celery_exclusive.providers.memory import MemoryLockProvider
 
+        split_options(url, ())  # no options, but a misspelt one must not pass silently
         return MemoryLockProvider()
     if family == "redis":
         from celery_exclusive.providers.redis import RedisLockProvider

@@ -1,44 +1,87 @@
-"""Redis lock store (``redis://``, ``rediss://``, ``unix://``); needs redis-py and Redis >= 6.
+"""Redis lock store; needs redis-py and Redis >= 6.
+
+URLs (query parameters are redis-py's, e.g. ``socket_timeout=2.5``; there are no ``ce_``
+options):
+
+* ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS),
+  ``unix:///path/redis.sock?db=0``: one server, the primary.
+* ``redis+cluster://[[user]:password@]host:port[,host:port...][/0]`` (``rediss+cluster://``):
+  Redis Cluster; the hosts are startup nodes, the rest of the cluster is discovered. The
+  client is built (and the cluster contacted) on first use.
+* ``redis+sentinel://[[user]:password@]host[:26379][,host[:26379]...]/service[/db]``
+  (``rediss+sentinel://``): the primary that the sentinels name ``service``. The password
+  is the primary's; the sentinels are asked without one (pass ``client=`` for that).
 
 Each lock is one hash at exactly the key given, with fields ``token``, ``fence``,
 ``created``, ``expires`` and ``deadline`` (milliseconds on the Redis server's clock,
 ``expires <= deadline``) and ``holder`` (JSON). A lease is live while ``token`` is set and
 ``expires`` is in the future; every operation is a Lua script that reads the clock with
-``TIME``, so expiry is decided by Redis alone.
+``TIME``, so expiry is decided by Redis alone. Every script touches one key, or (refresh,
+peek) several keys of one hash slot, so all of it works on Redis Cluster.
 
-Why no PEXPIRE and no separate fence counter key: the fence must outlive the lease, and
-on Redis Cluster every key a script touches must hash to one slot. A counter key derived
-from an arbitrary lock key cannot always share its slot (a name with ``}`` but no valid
-hash tag defeats every hash-tag trick) and could collide with a user's own key. Keeping
-the counter as the ``fence`` field of the lock's own hash avoids both. The cost: one small
-hash (``{fence: N}`` after release) stays in Redis per lock key name ever used, exactly as
-a never-deleted counter key would, and ``TTL key`` shows -1 (read ``expires`` instead).
+Retention. Acquiring sets the hash's TTL to the lease's hard deadline plus ``RETAIN_MS``
+(24 h, the max-lifetime cap); releasing clears the lease fields, keeps ``fence`` and sets
+the TTL to ``RETAIN_MS``. A lock key therefore costs memory for at most 24 h after its
+lease ends, however many distinct keys (one per work item, say) are ever used.
+
+Fences. A grant's fence is ``max(previous fence + 1, TIME in microseconds)``. While the
+hash exists the previous fence makes the new one larger; once it has expired, at least
+24 h have passed since the last fence of that key was issued (each fence is the server's
+microsecond clock at its grant, or barely above it), so the clock alone is larger. Fences
+are thus strictly increasing per key unless Redis's clock steps back by more than 24 h
+(or a failover lands on a server whose clock is that far behind) while the key is unused.
+They are large (about 1.7e15, exact in Lua's doubles below 2**53) and not consecutive.
+Why no separate counter key: a script's keys must share one hash slot on Redis Cluster,
+and a counter key derived from an arbitrary lock key cannot always share its slot (a name
+with ``}`` but no valid hash tag defeats every hash-tag trick) and could collide with a
+user's own key; a global counter would send every acquire to one slot; and a counter that
+must never expire is the unbounded memory this design avoids. Keys written by versions
+before this design carry no TTL until they are next acquired or released; deleting such
+an idle ``{fence: N}`` hash is safe (the next fence comes from the clock).
+
+Keys now carry TTLs, so a ``volatile-*`` (or ``allkeys-*``) ``maxmemory-policy`` may evict
+live locks: use ``noeviction`` (``diagnose()`` fails otherwise).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
 from celery_exclusive.urls import mask_url, split_options
+from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 if TYPE_CHECKING:
     import redis
+    from redis.cluster import RedisCluster
 
-_NOW = "local t = redis.call('TIME')\nlocal now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
+#: Milliseconds a lock hash outlives its lease's hard deadline, or its release.
+RETAIN_MS = int(MAX_LIFETIME_CAP * 1000)
+
+_NOW = (
+    "local t = redis.call('TIME')\n"
+    "local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
+    # Numbers are written as plain integers: Redis 7.2+ would format 1.7e15 as "1.7e+15".
+    "local function int(n) return string.format('%.0f', n) end\n"
+)
 
 ACQUIRE = (
     """-- KEYS[1]  the lock hash
 -- ARGV[1]  token, ARGV[2] ttl ms, ARGV[3] max lifetime ms, ARGV[4] holder JSON
 -- returns  {1, fence, ms left} if granted (or already held by ARGV[1]), else
 --          {0, token, fence, created, expires, deadline, holder, now} of the live holder
+-- A grant's fence is max(previous fence + 1, TIME in microseconds); the hash then lives
+-- until RETAIN ms after the lease's hard deadline.
 """
     + _NOW
+    + f"local RETAIN = {RETAIN_MS}\n"
     + """local r = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires', 'created', 'deadline', 'holder')
 local expires = tonumber(r[3]) or 0
 if r[1] and expires > now then
@@ -47,17 +90,19 @@ if r[1] and expires > now then
 end
 local life = tonumber(ARGV[3])
 local ttl = math.min(tonumber(ARGV[2]), life)
-local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'created', now, 'expires', now + ttl,
-           'deadline', now + life, 'holder', ARGV[4])
+local fence = math.max((tonumber(r[2]) or 0) + 1, t[1] * 1000000 + t[2])
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
+           'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], int(life + RETAIN))
 return {1, fence, ttl}
 """
 )
 
 REFRESH = (
-    """-- KEYS[i]  lock hashes (n of them)
+    """-- KEYS[i]  lock hashes (n of them, one hash slot)
 -- ARGV[i]  token expected on KEYS[i]; ARGV[n + i] ttl ms for KEYS[i]
 -- returns  one integer per key: ms the lease now has left, or -1 if not owned (unchanged)
+-- The hash's TTL already covers the hard deadline, which a refresh never passes.
 """
     + _NOW
     + """local n = #KEYS
@@ -68,7 +113,7 @@ for i = 1, n do
   if r[1] == ARGV[i] and (tonumber(r[2]) or 0) > now then
     local expires = math.min(now + tonumber(ARGV[n + i]), tonumber(r[3]))
     if expires > now then
-      redis.call('HSET', KEYS[i], 'expires', expires)
+      redis.call('HSET', KEYS[i], 'expires', int(expires))
       out[i] = expires - now
     end
   end
@@ -81,21 +126,23 @@ RELEASE = (
     """-- KEYS[1]  the lock hash
 -- ARGV[1]  token
 -- returns  1 if ARGV[1] held a live lease and it was deleted, else 0 (a dead lease is
---          cleared either way; the fence field always stays)
+--          cleared either way); the fence field stays, for RETAIN ms
 """
     + _NOW
+    + f"local RETAIN = {RETAIN_MS}\n"
     + """local r = redis.call('HMGET', KEYS[1], 'token', 'expires')
 if not r[1] then return 0 end
 local live = (tonumber(r[2]) or 0) > now
 if live and r[1] ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[1], 'token', 'created', 'expires', 'deadline', 'holder')
+redis.call('PEXPIRE', KEYS[1], RETAIN)
 if live then return 1 end
 return 0
 """
 )
 
 PEEK = (
-    """-- KEYS[i]  lock hashes
+    """-- KEYS[i]  lock hashes (one hash slot)
 -- returns  {now, row_1, ..., row_n}; row_i is {token, fence, created, expires, deadline,
 --          holder} for a live lease, or 0 if KEYS[i] is free or not a hash
 """
@@ -121,6 +168,9 @@ _SHA = {
 }
 _CHUNK = 1000  # keys per script call: bounds how long one script blocks Redis
 _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+_CLUSTER = ("redis+cluster", "rediss+cluster")
+_SENTINEL = ("redis+sentinel", "rediss+sentinel")
+_TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 
 
 def _ms(seconds: float) -> int:
@@ -131,56 +181,174 @@ def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _multi_host(url: str, default_port: int) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """Hosts, path (no leading ``/``) and redis-py connection kwargs of a multi-host URL.
+
+    ``scheme://[userinfo@]host[:port][,host[:port]...][/path][?query]``; the query and
+    userinfo are parsed by redis-py's own URL parser. Raises ValueError when malformed.
+    """
+    from redis import connection
+
+    parse_url: Callable[[str], dict[str, Any]] = connection.parse_url  # untyped in redis-py
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    authority, _, path = rest.partition("/")
+    userinfo, at, hostlist = authority.rpartition("@")
+    hosts: list[tuple[str, int]] = []
+    for item in hostlist.split(","):
+        parts = urlsplit("//" + item)
+        if not parts.hostname:
+            raise ValueError(f"no host in {item!r}")
+        hosts.append((parts.hostname, parts.port or default_port))  # .port raises on a bad port
+    single = "rediss" if scheme.lower().startswith("rediss") else "redis"
+    kwargs = parse_url(f"{single}://{userinfo}{at}{hostlist.split(',')[0]}" + (f"?{query}" if query else ""))
+    kwargs.pop("host", None)
+    kwargs.pop("port", None)
+    for name, value in _TIMEOUTS.items():
+        kwargs.setdefault(name, value)
+    return hosts, path, kwargs
+
+
+def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], Any]:
+    """A function building the RedisCluster client for ``url`` (contacts it), and its password."""
+    from redis import cluster
+    from redis.cluster import RedisCluster
+
+    node: Callable[[str, int], Any] = cluster.ClusterNode  # untyped in redis-py
+    hosts, path, kwargs = _multi_host(url, 6379)
+    db = kwargs.pop("db", 0)
+    if path.strip("/") not in ("", "0") or db != 0:
+        raise ValueError("Redis Cluster has only database 0")
+    nodes = [node(host, port) for host, port in hosts]
+    return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs.get("password")
+
+
+def _sentinel_client(url: str, retry: Any) -> redis.Redis:
+    """A client of the primary the URL's sentinels name (nothing is contacted yet)."""
+    from redis import sentinel
+
+    make: Callable[..., Any] = sentinel.Sentinel  # untyped in redis-py
+    hosts, path, kwargs = _multi_host(url, 26379)
+    service, _, db_text = path.strip("/").partition("/")
+    if not service:
+        raise ValueError("name the Sentinel service in the path: /<service>[/<db>]")
+    db = int(db_text) if db_text else kwargs.pop("db", 0)
+    kwargs.pop("db", None)
+    tls = kwargs.pop("connection_class", None) is not None  # rediss: SSLConnection
+    if tls:
+        kwargs["ssl"] = True  # SentinelConnectionPool then uses its own TLS connection class
+    sentinel_kwargs = {
+        k: v for k, v in kwargs.items() if k.startswith("socket_") or (tls and k.startswith("ssl"))
+    }
+    sentinel_kwargs["retry"] = retry  # each sentinel is asked once; the next one is the retry
+    client: redis.Redis = make(hosts, sentinel_kwargs=sentinel_kwargs, **kwargs).master_for(
+        service, db=db, retry=retry
+    )
+    return client
+
+
 class RedisLockProvider:
     """Leases in Redis hashes; exclusion holds on one primary (a failover may lose leases).
 
     With ``url`` the client is built here: socket timeouts 10 s / connect 5 s unless the URL
-    sets them, and no automatic command retries. A ``client`` you pass is used as
-    configured and not closed by :meth:`close`.
+    sets them, and no automatic command retries (a cluster client still follows MOVED and
+    ASK redirections, which are safe). A ``client`` you pass (``redis.Redis``, a Sentinel
+    ``master_for()`` client or ``redis.cluster.RedisCluster``) is used as configured and
+    not closed by :meth:`close`.
     """
 
     #: Redis takes far longer keys; 1024 bounds memory per lock and matches the other stores.
     max_key_length = 1024
 
-    def __init__(self, url: str | None = None, *, client: redis.Redis | None = None) -> None:
+    def __init__(self, url: str | None = None, *, client: redis.Redis | RedisCluster | None = None) -> None:
         try:
             import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
+            from redis.cluster import RedisCluster
+            from redis.exceptions import RedisClusterException
         except ImportError as exc:
             raise MissingDriverError("redis", "redis") from exc
-        self._errors = redis.RedisError
+        # RedisClusterException (no reachable node, say) is not a RedisError.
+        self._errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+        self._broken: tuple[type[Exception], ...] = (*self._errors, OSError)
         self._noscript = redis.exceptions.NoScriptError
+        self._response_error = redis.ResponseError
         self._owns_client = client is None
+        self._conn: Any = client
+        self._factory: Callable[[], Any] | None = None
+        self._connecting = threading.Lock()
+        self._password: Any = None
+        self._pool: Any = None
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._execute: Callable[..., Any]
         if client is None:
             if url is None:
                 raise ConfigurationError("RedisLockProvider needs a url or a client")
-            base, _ = split_options(url, ())
-            try:
-                client = redis.Redis.from_url(
-                    base, socket_timeout=10.0, socket_connect_timeout=5.0, retry=Retry(NoBackoff(), 0)
+            self._from_url(url)
+        elif isinstance(client, RedisCluster):
+            self._password = client.nodes_manager.connection_kwargs.get("password")
+            self._display = "<client cluster " + ",".join(sorted(n.name for n in client.startup_nodes)) + ">"
+            self._execute = client.execute_command
+        else:
+            self._pool = client.connection_pool
+            kw = self._pool.connection_kwargs
+            self._password = kw.get("password")
+            where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+            self._display = f"<client {where}>"
+            self._execute = client.execute_command
+        self._cluster = self._factory is not None or isinstance(client, RedisCluster)
+
+    def _from_url(self, url: str) -> None:
+        """Build (or, for a cluster, prepare to build) the client ``url`` describes."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._display = mask_url(url)
+        base, _ = split_options(url, ())
+        scheme = base.partition("://")[0].lower()
+        retry = Retry(NoBackoff(), 0)
+        try:
+            if scheme in _CLUSTER:
+                self._factory, self._password = _cluster_factory(base, retry)
+                self._execute = self._via_client
+                return
+            if scheme in _SENTINEL:
+                self._conn = _sentinel_client(base, retry)
+            else:
+                self._conn = redis.Redis.from_url(
+                    base, socket_timeout=10.0, socket_connect_timeout=5.0, retry=retry
                 )
-            except ValueError as exc:
-                raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {exc}") from exc
-        self._client = client
-        kw = client.connection_pool.connection_kwargs
-        self._password = kw.get("password")
-        where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
-        self._display = mask_url(url) if url else f"<client {where}>"
-        self._pool = client.connection_pool
-        self._idle: list[Any] = []
-        self._pid = os.getpid()
-        self._response_error = redis.ResponseError
-        self._execute: Callable[..., Any] = self._send if self._owns_client else client.execute_command
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {exc}") from exc
+        self._pool = self._conn.connection_pool
+        self._password = self._pool.connection_kwargs.get("password")
+        self._execute = self._send
 
     def __repr__(self) -> str:
         return f"RedisLockProvider({self._display!r})"
 
+    @property
+    def _client(self) -> Any:
+        """The redis-py client; a cluster client from a URL is built on first use."""
+        client = self._conn
+        if client is None:
+            with self._connecting:
+                if self._conn is None and self._factory is not None:
+                    self._conn = self._factory()
+                client = self._conn
+        return client
+
     def _fail(self, exc: Exception) -> BackendError:
         reason = str(exc) or type(exc).__name__
+        if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
+            reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
         if self._password:
             reason = reason.replace(str(self._password), "***")
         return BackendError(f"redis {self._display}: {reason}")
+
+    def _via_client(self, *command: Any) -> Any:
+        return self._client.execute_command(*command)
 
     def _send(self, *command: Any) -> Any:
         """Send one command on a connection this provider keeps out of the pool.
@@ -200,7 +368,7 @@ class RedisLockProvider:
             try:
                 if conn.is_connected and conn.can_read():
                     conn.disconnect()
-            except (self._errors, OSError):
+            except self._broken:
                 conn.disconnect()
             conn.send_command(*command)
             return conn.read_response()
@@ -223,7 +391,11 @@ class RedisLockProvider:
             raise self._fail(exc) from exc
 
     def _run_many(self, script: str, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Run ``script`` once per argument tuple (numkeys first), pipelined in one round trip."""
+        """Run ``script`` once per argument tuple (numkeys first), pipelined in one round trip.
+
+        On a cluster the pipeline sends each node its share, all nodes before any reply is
+        read; replies come back in ``calls`` order either way.
+        """
         if len(calls) <= 1:
             return [self._run(script, *args) for args in calls]
         try:
@@ -231,7 +403,7 @@ class RedisLockProvider:
             queue: Callable[..., Any] = pipe.execute_command
             for args in calls:
                 queue("EVALSHA", _SHA[script], *args)
-            replies = pipe.execute(raise_on_error=False)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             raise self._fail(exc) from exc
         for i, reply in enumerate(replies):
@@ -241,6 +413,17 @@ class RedisLockProvider:
                 raise self._fail(reply) from reply
         return replies
 
+    def _groups(self, keys: Sequence[str]) -> list[range | list[int]]:
+        """Indices of ``keys`` in groups for one script call each: at most ``_CHUNK`` keys,
+        consecutive on one server, of one hash slot on a cluster (first-seen slot order)."""
+        if not self._cluster:
+            return [range(start, min(start + _CHUNK, len(keys))) for start in range(0, len(keys), _CHUNK)]
+        slot_of = self._client.keyslot
+        slots: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            slots.setdefault(slot_of(key), []).append(i)
+        return [group[s : s + _CHUNK] for group in slots.values() for s in range(0, len(group), _CHUNK)]
+
     def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
         reply = self._run(ACQUIRE, 1, key, token, _ms(ttl), _ms(max_lifetime), holder)
         if reply[0] == 1:
@@ -248,14 +431,21 @@ class RedisLockProvider:
         return Held(self._info(key, reply[1:7], reply[7]))
 
     def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
-        # Consecutive chunks, kept in order; on Redis Cluster this is where to group by slot.
+        try:
+            groups = self._groups([r.key for r in requests])
+        except self._errors as exc:
+            raise self._fail(exc) from exc
         calls = []
-        for start in range(0, len(requests), _CHUNK):
-            chunk = requests[start : start + _CHUNK]
+        for group in groups:
+            chunk = [requests[i] for i in group]
             calls.append(
                 (len(chunk), *[r.key for r in chunk], *[r.token for r in chunk], *[_ms(r.ttl) for r in chunk])
             )
-        return [None if ms < 0 else ms / 1000 for reply in self._run_many(REFRESH, calls) for ms in reply]
+        answers: list[float | None] = [None] * len(requests)
+        for group, reply in zip(groups, self._run_many(REFRESH, calls), strict=True):
+            for i, ms in zip(group, reply, strict=True):
+                answers[i] = None if ms < 0 else ms / 1000
+        return answers
 
     def release(self, key: str, token: str) -> bool:
         return bool(self._run(RELEASE, 1, key, token))
@@ -265,72 +455,115 @@ class RedisLockProvider:
         return None if reply[1] == 0 else self._info(key, reply[1], reply[0])
 
     def diagnose(self) -> list[Diagnosis]:
-        """Server version and role, clock skew, scripting, eviction and persistence settings."""
-        client = self._client
+        """Server version and role, clock skew, scripting, eviction and persistence settings.
+
+        On a cluster every primary is checked (details name the node).
+        """
+        found: list[Diagnosis] = []
         try:
-            info = client.info()
-            sec, usec = client.time()
-            skew = sec + usec / 1e6 - time.time()
-            self.peek("celery-exclusive:doctor")  # the scripts run (a proxy may refuse EVAL)
-            try:
-                config = client.config_get("maxmemory*") | client.config_get("appendonly")
-            except self._response_error:
-                config = {}
+            client = self._client
+            if self._cluster:
+                primaries = client.get_primaries()
+                found.append(
+                    Diagnosis(
+                        "cluster", "ok", f"Redis Cluster, {len(primaries)} primaries; locks are per slot"
+                    )
+                )
+                for node in primaries:
+                    found.extend(self._server_findings(client.get_redis_connection(node), f"{node.name}: "))
+            else:
+                found.extend(self._server_findings(client, ""))
         except self._errors as exc:
             raise self._fail(exc) from exc
+        self.peek("celery-exclusive:doctor")  # the scripts run (a proxy may refuse EVAL)
+        found.append(Diagnosis("scripts", "ok", "Lua scripts run"))
+        return found
+
+    def _server_findings(self, server: redis.Redis, where: str) -> list[Diagnosis]:
+        """The findings for one server (a primary); ``where`` prefixes every detail."""
+        info = server.info()
+        sec, usec = server.time()
+        skew = sec + usec / 1e6 - time.time()
+        try:
+            config = server.config_get("maxmemory*") | server.config_get("appendonly")
+        except self._response_error:
+            config = {}
         version = str(info.get("redis_version", "?"))
         major = int(version.split(".", maxsplit=1)[0]) if version[:1].isdigit() else 0
         old = major < 6
         found = [
             Diagnosis(
-                "server", "fail" if old else "ok", f"Redis {version}" + (": 6.0+ needed" if old else "")
+                "server",
+                "fail" if old else "ok",
+                f"{where}Redis {version}" + (": 6.0+ needed" if old else ""),
             )
         ]
-        if info.get("cluster_enabled"):
-            found.append(Diagnosis("cluster", "fail", "Redis Cluster is not supported; use one primary"))
+        if info.get("cluster_enabled") and not self._cluster:
+            found.append(
+                Diagnosis("cluster", "fail", f"{where}a Redis Cluster node: use a redis+cluster:// URL")
+            )
         role, replicas = info.get("role"), int(info.get("connected_slaves", 0))
         if role != "master":
-            found.append(Diagnosis("replica", "fail", f"connected to a {role}: point the URL at the primary"))
+            found.append(
+                Diagnosis("replica", "fail", f"{where}connected to a {role}: point the URL at the primary")
+            )
         elif replicas:
             found.append(
-                Diagnosis("replica", "warn", f"{replicas} async replica(s): a failover can lose leases")
+                Diagnosis(
+                    "replica", "warn", f"{where}{replicas} async replica(s): a failover can lose leases"
+                )
             )
-        found.append(Diagnosis("clock", "ok" if abs(skew) < 1 else "warn", f"server - local = {skew:+.3f} s"))
-        found.append(Diagnosis("scripts", "ok", "Lua scripts run"))
+        found.append(
+            Diagnosis("clock", "ok" if abs(skew) < 1 else "warn", f"{where}server - local = {skew:+.3f} s")
+        )
         conf = {_str(k): _str(v) for k, v in config.items()}
+        policy = conf.get("maxmemory-policy", "")
         if not conf:
-            found.append(Diagnosis("settings", "warn", "CONFIG GET refused: check maxmemory-policy yourself"))
-        elif conf.get("maxmemory", "0") != "0" and conf.get("maxmemory-policy", "").startswith("allkeys"):
             found.append(
-                Diagnosis("eviction", "fail", f"maxmemory-policy {conf['maxmemory-policy']} may evict locks")
+                Diagnosis("settings", "warn", f"{where}CONFIG GET refused: check maxmemory-policy yourself")
+            )
+        elif conf.get("maxmemory", "0") != "0" and policy != "noeviction":
+            found.append(
+                Diagnosis(
+                    "eviction",
+                    "fail",
+                    f"{where}maxmemory-policy {policy} may evict locks (they carry TTLs): use noeviction",
+                )
             )
         elif conf.get("appendonly") == "no":
             found.append(
-                Diagnosis("persistence", "warn", "appendonly no: a restart can lose leases and fences")
+                Diagnosis(
+                    "persistence", "warn", f"{where}appendonly no: a restart can lose leases and fences"
+                )
             )
         return found
 
     def scan(self, prefix: str) -> list[LockInfo]:
         pattern = prefix.translate(_GLOB) + "*"
         try:
-            names = {_str(k) for k in self._client.scan_iter(match=pattern, count=1000, _type="hash")}
+            client = self._client
+            where = {"target_nodes": client.PRIMARIES} if self._cluster else {}
+            names = {_str(k) for k in client.scan_iter(match=pattern, count=1000, _type="hash", **where)}
+            keys = sorted(k for k in names if k.startswith(prefix))
+            groups = self._groups(keys)
         except self._errors as exc:
             raise self._fail(exc) from exc
-        keys = sorted(k for k in names if k.startswith(prefix))
-        chunks = [keys[i : i + _CHUNK] for i in range(0, len(keys), _CHUNK)]
+        calls = [(len(group), *[keys[i] for i in group]) for group in groups]
         infos: list[LockInfo] = []
-        for chunk, (now, *rows) in zip(
-            chunks, self._run_many(PEEK, [(len(c), *c) for c in chunks]), strict=True
-        ):
-            infos.extend(self._info(k, row, now) for k, row in zip(chunk, rows, strict=True) if row != 0)
+        for group, (now, *rows) in zip(groups, self._run_many(PEEK, calls), strict=True):
+            infos.extend(
+                self._info(keys[i], row, now) for i, row in zip(group, rows, strict=True) if row != 0
+            )
+        if self._cluster:
+            infos.sort(key=lambda info: info.key)
         return infos
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
         for conn in idle:
             self._pool.release(conn)
-        if self._owns_client:
-            self._client.close()
+        if self._owns_client and self._conn is not None:
+            self._conn.close()
 
     def _info(self, key: str, row: Sequence[Any], now: Any) -> LockInfo:
         """LockInfo from ``{token, fence, created, expires, deadline, holder}`` at server ``now``."""

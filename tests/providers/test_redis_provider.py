@@ -20,7 +20,8 @@ import redis
 
 from celery_exclusive.errors import BackendError, ConfigurationError
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
-from celery_exclusive.providers.redis import RedisLockProvider
+from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
+from celery_exclusive.urls import scheme_family
 from tests.conftest import IN_CI, REDIS_URL, require_server
 
 
@@ -103,13 +104,22 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_is_a_lock_provider() -> None:
+    """RedisLockProvider satisfies the LockProvider protocol."""
     assert isinstance(RedisLockProvider("redis://127.0.0.1:6379/0"), LockProvider)
 
 
+def server_micros(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1_000_000 + int(usec)
+
+
 def test_fence_increases_across_release_and_expiry(provider: RedisLockProvider, prefix: str) -> None:
+    """Fences strictly increase across release and expiry, and the fence outlives the lease."""
     key = prefix + "fence"
+    before = server_micros(provider._client)
     first = provider.acquire(key, "a", 30.0, 60.0, "{}")
     assert isinstance(first, Grant)
+    assert first.fence >= before  # taken from the server's microsecond clock
     assert provider.release(key, "a") is True
     second = provider.acquire(key, "b", 0.2, 60.0, "{}")
     assert isinstance(second, Grant)
@@ -118,12 +128,70 @@ def test_fence_increases_across_release_and_expiry(provider: RedisLockProvider, 
     third = provider.acquire(key, "c", 30.0, 60.0, "{}")
     assert isinstance(third, Grant)
     assert third.fence > second.fence
-    # The fence counter lives in the lock's own hash, which outlives the lease.
+    # The fence lives in the lock's own hash, which outlives the lease (for 24 h).
     assert provider.release(key, "c") is True
     assert provider._client.hgetall(key) == {b"fence": str(third.fence).encode()}
 
 
+def test_hash_ttl_is_deadline_plus_retention_then_retention_after_release(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    """A held hash expires 24 h after its hard deadline; a released one within 24 h, fence kept."""
+    key = prefix + "retain"
+    grant = provider.acquire(key, "tok", 30.0, 600.0, "{}")
+    assert isinstance(grant, Grant)
+    assert RETAIN_MS + 590_000 < provider._client.pttl(key) <= RETAIN_MS + 600_000
+    assert provider.refresh([RefreshRequest(key, "tok", 60.0)])[0] is not None
+    assert RETAIN_MS + 590_000 < provider._client.pttl(key) <= RETAIN_MS + 600_000  # deadline unchanged
+    assert provider.release(key, "tok") is True
+    assert RETAIN_MS - 10_000 < provider._client.pttl(key) <= RETAIN_MS == 24 * 3600 * 1000
+    assert int(provider._client.hget(key, "fence")) == grant.fence
+    assert provider.peek(key) is None
+    assert provider.scan(prefix) == []
+
+
+def test_fence_after_the_hash_expired_comes_from_the_clock(provider: RedisLockProvider, prefix: str) -> None:
+    """Once a released hash has expired, the next fence still exceeds every earlier one."""
+    key = prefix + "gone"
+    fences = []
+    for token in ("a", "b", "c"):
+        grant = provider.acquire(key, token, 30.0, 60.0, "{}")
+        assert isinstance(grant, Grant)
+        fences.append(grant.fence)
+        assert provider.release(key, token) is True
+        provider._client.pexpire(key, 1)  # what 24 h of retention ends in
+        time.sleep(0.01)
+        assert provider._client.exists(key) == 0
+    assert fences == sorted(set(fences))
+
+
+def test_a_burst_of_acquisitions_stays_strictly_increasing(provider: RedisLockProvider, prefix: str) -> None:
+    """Acquire/release cycles faster than the microsecond clock still get distinct rising fences."""
+    key = prefix + "burst"
+    fences = []
+    for i in range(300):
+        grant = provider.acquire(key, f"t{i}", 30.0, 60.0, "{}")
+        assert isinstance(grant, Grant)
+        fences.append(grant.fence)
+        assert provider.release(key, f"t{i}") is True
+    assert fences == sorted(set(fences))
+    assert fences[-1] < 2**53  # exact in Lua's doubles
+
+
+def test_a_legacy_hash_without_ttl_is_adopted(provider: RedisLockProvider, prefix: str) -> None:
+    """A hash an earlier version left (small fence, no TTL) gets a larger fence and a TTL."""
+    key = prefix + "legacy"
+    provider._client.hset(key, "fence", "7")
+    assert provider._client.pttl(key) == -1
+    grant = provider.acquire(key, "tok", 30.0, 60.0, "{}")
+    assert isinstance(grant, Grant)
+    assert grant.fence > 7
+    assert provider._client.pttl(key) > RETAIN_MS
+    assert provider.release(key, "tok") is True
+
+
 def test_retry_is_idempotent_and_held_reports_holder(provider: RedisLockProvider, prefix: str) -> None:
+    """A same-token retry gets the same lease; another token learns the holder."""
     key = prefix + "idem"
     grant = provider.acquire(key, "tok", 10.0, 60.0, '{"host":"h1","pid":7}')
     again = provider.acquire(key, "tok", 10.0, 60.0, "{}")
@@ -146,6 +214,7 @@ def test_retry_is_idempotent_and_held_reports_holder(provider: RedisLockProvider
 def test_refresh_after_expiry_returns_none_and_does_not_revive(
     provider: RedisLockProvider, prefix: str
 ) -> None:
+    """Refreshing an expired lease answers None and leaves the key free."""
     key = prefix + "late"
     assert isinstance(provider.acquire(key, "tok", 0.2, 60.0, "{}"), Grant)
     time.sleep(0.3)
@@ -156,6 +225,7 @@ def test_refresh_after_expiry_returns_none_and_does_not_revive(
 
 
 def test_refresh_is_clamped_at_the_hard_deadline(provider: RedisLockProvider, prefix: str) -> None:
+    """Refreshes never extend a lease past its hard deadline."""
     key = prefix + "clamp"
     grant = provider.acquire(key, "tok", 5.0, 1.0, "{}")
     assert isinstance(grant, Grant)
@@ -177,6 +247,7 @@ def test_refresh_is_clamped_at_the_hard_deadline(provider: RedisLockProvider, pr
 
 
 def test_refresh_ten_thousand_leases_in_order(provider: RedisLockProvider, prefix: str) -> None:
+    """One refresh call of 10,000 leases answers each request in order."""
     keys = [f"{prefix}bulk:{i}" for i in range(10_000)]
     for key in keys:
         assert isinstance(provider.acquire(key, "tok", 30.0, 600.0, "{}"), Grant)
@@ -198,6 +269,7 @@ def test_refresh_ten_thousand_leases_in_order(provider: RedisLockProvider, prefi
 
 
 def test_scan_escapes_glob_characters_and_orders_by_key(provider: RedisLockProvider, prefix: str) -> None:
+    """Scan treats glob characters in the prefix literally and sorts by key."""
     odd = prefix + "a*[b]?\\c:"
     for key in (odd + "2", odd + "1", prefix + "aXbc:1", prefix + "a*[b]?c:1", prefix + "ab]?\\c:1"):
         assert isinstance(provider.acquire(key, "tok", 30.0, 60.0, "{}"), Grant)
@@ -210,6 +282,7 @@ def test_scan_escapes_glob_characters_and_orders_by_key(provider: RedisLockProvi
 
 
 def test_scan_spans_several_chunks(provider: RedisLockProvider, prefix: str) -> None:
+    """Scan finds every lease when there are more than one script call's worth."""
     keys = sorted(f"{prefix}many:{i}" for i in range(2_500))
     for key in keys:
         provider.acquire(key, "tok", 30.0, 60.0, "{}")
@@ -217,6 +290,7 @@ def test_scan_spans_several_chunks(provider: RedisLockProvider, prefix: str) -> 
 
 
 def test_unix_socket_url(private_redis: str) -> None:
+    """A unix:// URL reaches a server on a unix socket."""
     provider = RedisLockProvider(private_redis)
     try:
         assert isinstance(provider.acquire("u:key", "tok", 10.0, 60.0, "{}"), Grant)
@@ -229,6 +303,7 @@ def test_unix_socket_url(private_redis: str) -> None:
 
 
 def test_scripts_are_reloaded_after_script_flush(private_redis: str) -> None:
+    """Every operation survives SCRIPT FLUSH by resending the script source."""
     provider = RedisLockProvider(private_redis)
     admin = redis.Redis.from_url(private_redis)
     try:
@@ -250,12 +325,14 @@ def test_scripts_are_reloaded_after_script_flush(private_redis: str) -> None:
 
 
 def test_rediss_url_is_accepted_and_masked() -> None:
+    """A rediss:// URL builds a provider whose repr hides the password."""
     provider = RedisLockProvider("rediss://user:s3cret@redis.example.invalid:6380/2")
     assert repr(provider) == "RedisLockProvider('rediss://user:***@redis.example.invalid:6380/2')"
     provider.close()
 
 
 def test_password_never_shown_and_outage_is_an_error() -> None:
+    """An unreachable server raises BackendError quickly, never showing the password."""
     provider = RedisLockProvider("redis://:s3cret@127.0.0.1:1/0?password=s3cret")
     assert "s3cret" not in repr(provider)
     started = time.monotonic()
@@ -275,6 +352,7 @@ def test_password_never_shown_and_outage_is_an_error() -> None:
 
 
 def test_bad_urls_are_configuration_errors() -> None:
+    """Unknown options, bad values and a missing URL are ConfigurationErrors."""
     with pytest.raises(ConfigurationError, match="ce_bogus"):
         RedisLockProvider("redis://127.0.0.1:6379/0?ce_bogus=1")
     with pytest.raises(ConfigurationError) as raised:
@@ -285,6 +363,7 @@ def test_bad_urls_are_configuration_errors() -> None:
 
 
 def test_connection_settings() -> None:
+    """URL-built clients get 10 s / 5 s timeouts and no retries unless the URL says otherwise."""
     provider = RedisLockProvider("redis://127.0.0.1:6379/0")
     kwargs = provider._client.connection_pool.connection_kwargs
     assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (10.0, 5.0)
@@ -296,6 +375,7 @@ def test_connection_settings() -> None:
 
 
 def test_given_client_is_used_and_left_open(prefix: str) -> None:
+    """A caller's client (even decode_responses=True) is used and not closed."""
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     provider = RedisLockProvider(client=client)
     assert "s3cret" not in repr(provider)
@@ -312,12 +392,14 @@ def test_given_client_is_used_and_left_open(prefix: str) -> None:
 
 
 def test_a_key_of_another_type_is_a_backend_error(provider: RedisLockProvider, prefix: str) -> None:
+    """Acquiring a key that holds a non-hash value raises BackendError."""
     provider._client.set(prefix + "str", "x")
     with pytest.raises(BackendError, match="WRONGTYPE"):
         provider.acquire(prefix + "str", "tok", 10.0, 60.0, "{}")
 
 
 def test_connection_closed_by_server_is_reopened(provider: RedisLockProvider, prefix: str) -> None:
+    """A connection the server closed is reopened before the next command."""
     key = prefix + "killed"
     assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
     (conn,) = provider._idle
@@ -328,6 +410,7 @@ def test_connection_closed_by_server_is_reopened(provider: RedisLockProvider, pr
 
 
 def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
+    """A forked child never shares the parent's connections."""
     parent_key, child_key = prefix + "parent", prefix + "child"
     grant = provider.acquire(parent_key, "parent", 30.0, 60.0, "{}")
     assert isinstance(grant, Grant)
@@ -374,6 +457,7 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
 
 
 def test_diagnose(provider: RedisLockProvider, private_redis: str) -> None:
+    """diagnose() reports version, scripts, clock and persistence, and an outage as an error."""
     checks = {d.check: d for d in provider.diagnose()}
     assert checks["server"].status == "ok"
     assert checks["scripts"].status == "ok"
@@ -388,3 +472,79 @@ def test_diagnose(provider: RedisLockProvider, private_redis: str) -> None:
     with pytest.raises(BackendError) as raised:
         dead.diagnose()
     assert "s3cret" not in str(raised.value)
+
+
+def test_volatile_eviction_policy_is_a_diagnosed_failure(private_redis: str) -> None:
+    """With maxmemory set, any policy but noeviction fails diagnose(): lock hashes carry TTLs."""
+    admin = redis.Redis.from_url(private_redis)
+    provider = RedisLockProvider(private_redis)
+    try:
+        admin.config_set("maxmemory", "1gb")
+        for policy, failed in (("volatile-lru", True), ("allkeys-lfu", True), ("noeviction", False)):
+            admin.config_set("maxmemory-policy", policy)
+            checks = {d.check: d for d in provider.diagnose()}
+            assert ("eviction" in checks and checks["eviction"].status == "fail") is failed, policy
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+        provider.close()
+
+
+def test_cluster_and_sentinel_urls_parse_without_connecting() -> None:
+    """Cluster and Sentinel URLs select the Redis provider and parse offline, passwords masked."""
+    cluster = RedisLockProvider("redis+cluster://:s3cret@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2")
+    assert scheme_family("redis+cluster://h:1") == scheme_family("rediss+sentinel://h/m") == "redis"
+    assert (
+        repr(cluster) == "RedisLockProvider('redis+cluster://***@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2')"
+    )
+    assert cluster._conn is None  # built on first use
+    cluster.close()
+    sentinel = RedisLockProvider("redis+sentinel://:s3cret@127.0.0.1:1,[::1]:2/mymaster/3")
+    assert "s3cret" not in repr(sentinel)
+    pool = sentinel._client.connection_pool
+    assert pool.service_name == "mymaster"
+    assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (3, "s3cret")
+    assert pool.connection_kwargs["socket_timeout"] == 10.0
+    assert pool.connection_kwargs["retry"].get_retries() == 0
+    found = [s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels]
+    assert [(k["host"], k["port"]) for k in found] == [("127.0.0.1", 1), ("::1", 2)]
+    assert all(k.get("password") is None for k in found)
+    sentinel.close()
+    tls = RedisLockProvider("rediss+sentinel://h/mymaster?ssl_cert_reqs=none")
+    assert tls._client.connection_pool.connection_class.__name__ == "SentinelManagedSSLConnection"
+    tls.close()
+
+
+def test_bad_cluster_and_sentinel_urls_are_configuration_errors() -> None:
+    """A cluster URL naming a database other than 0, or a Sentinel URL without a service, is refused."""
+    for url in (
+        "redis+cluster://127.0.0.1:7000/2",
+        "redis+cluster://127.0.0.1:7000?db=1",
+        "redis+cluster://127.0.0.1:port",
+        "redis+cluster://:s3cret@/0",
+        "redis+sentinel://:s3cret@127.0.0.1:26379/",
+        "redis+sentinel://127.0.0.1:26379/mymaster/notadb",
+        "redis+other://127.0.0.1:6379",
+    ):
+        with pytest.raises(ConfigurationError) as raised:
+            RedisLockProvider(url)
+        assert "s3cret" not in str(raised.value)
+
+
+def test_unreachable_cluster_and_sentinel_are_backend_errors() -> None:
+    """With nothing listening, cluster and Sentinel providers raise BackendError, never the password."""
+    for url in ("redis+cluster://:s3cret@127.0.0.1:1", "redis+sentinel://:s3cret@127.0.0.1:1/mymaster"):
+        provider = RedisLockProvider(url)
+        started = time.monotonic()
+        for call in (
+            lambda p=provider: p.acquire("k", "t", 1.0, 1.0, "{}"),
+            lambda p=provider: p.refresh([RefreshRequest("k", "t", 1.0), RefreshRequest("j", "t", 1.0)]),
+            lambda p=provider: p.scan("k"),
+        ):
+            with pytest.raises(BackendError) as raised:
+                call()
+            assert "s3cret" not in str(raised.value)
+            assert len(str(raised.value)) < 300
+        assert time.monotonic() - started < 5.0
+        provider.close()

@@ -1,0 +1,101 @@
+"""Private servers for the scale tests: free loopback ports, temp dirs, stopped on teardown.
+
+Nothing here touches the shared servers the rest of the suite uses, except that the
+PgBouncer fixture forwards to the shared PostgreSQL (read from ``CE_TEST_POSTGRES_URL``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import IN_CI
+
+
+def unavailable(reason: str) -> None:
+    """Skip the test locally, fail it under CI=true."""
+    if IN_CI:
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def binary(name: str, *candidates: str) -> str:
+    """The path of an executable (on PATH or at one of ``candidates``), or skip/fail."""
+    found = shutil.which(name) or next((c for c in candidates if os.access(c, os.X_OK)), None)
+    if found is None:
+        unavailable(f"{name} is not installed (needed by this test)")
+        raise AssertionError  # unreachable: unavailable() skips or fails
+    return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, with_bus: bool = False) -> int:
+    """A loopback port nobody listens on (and its Redis Cluster bus port, +10000, if asked)."""
+    for _ in range(200):
+        port = random.randint(20000, 29999)
+        if _bindable(port) and (not with_bus or _bindable(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+def wait_for(
+    check: Callable[[], bool], what: str, proc: subprocess.Popen[bytes], timeout: float = 15.0
+) -> None:
+    """Poll ``check()`` until true; skip/fail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: S110 - not up yet
+            pass
+        if proc.poll() is not None:
+            unavailable(f"{what} exited with code {proc.returncode}")
+        if time.monotonic() > deadline:
+            unavailable(f"{what} did not become ready within {timeout:g} s")
+        time.sleep(0.05)
+
+
+@contextmanager
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A list to start processes into; every one is terminated (then killed) on exit."""
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in started:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def start(
+    started: list[subprocess.Popen[bytes]], args: Sequence[str], log: Path, **kwargs: object
+) -> subprocess.Popen[bytes]:
+    """Start ``args`` with output to ``log``, remembered in ``started`` for teardown."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, **kwargs)  # type: ignore[call-overload]
+    started.append(proc)
+    return proc

@@ -1,0 +1,176 @@
+"""The Redis store on a private three-primary Redis Cluster (``redis+cluster://``).
+
+Every script touches one key or keys of one hash slot, so acquire, release and peek are
+single-slot; refresh and scan group keys by slot (pipelined per node). The shared
+contract suite is run once more against the cluster at the end of this module.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+from redis.cluster import RedisCluster
+
+from celery_exclusive import LockService
+from celery_exclusive.providers.base import Grant, Held, RefreshRequest
+from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
+from tests.conftest import Store
+from tests.contract import test_lock_contract as _contract
+from tests.scale.conftest import contract_store
+
+
+@pytest.fixture
+def provider(redis_cluster: str) -> Iterator[RedisLockProvider]:
+    """A provider on the private cluster, closed afterwards."""
+    p = RedisLockProvider(redis_cluster)
+    yield p
+    p.close()
+
+
+def evalsha_calls(cluster: RedisCluster) -> int:
+    """EVALSHA calls served so far, summed over the primaries."""
+    stats = cluster.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+    return sum(node.get("cmdstat_evalsha", {}).get("calls", 0) for node in stats.values())
+
+
+def test_core_operations_across_every_node(provider: RedisLockProvider) -> None:
+    """Acquire, contend, refresh, peek, scan and release 600 keys spread over all three primaries."""
+    prefix = f"c{uuid.uuid4().hex[:8]}:"
+    keys = [f"{prefix}{i}" for i in range(600)]
+    cluster = provider._client
+    owners = {cluster.nodes_manager.get_node_from_slot(cluster.keyslot(k)).name for k in keys}
+    assert len(owners) == 3
+    grants = [provider.acquire(k, "tok", 30.0, 600.0, '{"pid":1}') for k in keys]
+    assert all(isinstance(g, Grant) for g in grants)
+    held = provider.acquire(keys[0], "other", 30.0, 600.0, "{}")
+    assert isinstance(held, Held)
+    assert held.holder is not None
+    assert held.holder.holder == {"pid": 1}
+    for key in keys[::7]:
+        assert provider.release(key, "tok") is True
+    requests = [RefreshRequest(k, "tok" if i % 11 else "wrong", 120.0) for i, k in enumerate(keys)]
+    answers = provider.refresh(requests)
+    for i, answer in enumerate(answers):
+        if i % 7 == 0 or i % 11 == 0:
+            assert answer is None, i
+        else:
+            assert answer is not None
+            assert 119.0 < answer <= 120.0, i
+    info = provider.peek(keys[1])
+    assert info is not None
+    assert info.expires_in > 100.0
+    live = sorted(k for i, k in enumerate(keys) if i % 7)
+    assert [i.key for i in provider.scan(prefix)] == live
+    assert RETAIN_MS - 10_000 < cluster.pttl(keys[0]) <= RETAIN_MS  # released: fence kept 24 h
+    for key in live:
+        assert provider.release(key, "tok") is True
+    assert provider.scan(prefix) == []
+
+
+def test_refresh_sends_one_script_call_per_slot(provider: RedisLockProvider) -> None:
+    """A refresh of keys in N slots costs N script calls; hash-tagged keys cost one."""
+    cluster = provider._client
+    prefix = f"s{uuid.uuid4().hex[:8]}:"
+    spread = [f"{prefix}{i}" for i in range(50)]
+    tagged = [f"{{{prefix}job}}:{i}" for i in range(1500)]  # one slot, two chunks of 1000
+    for key in spread + tagged:
+        assert isinstance(provider.acquire(key, "tok", 30.0, 60.0, "{}"), Grant)
+    provider.refresh([RefreshRequest(spread[0], "tok", 30.0)] * 2)  # scripts loaded everywhere
+    slots = {cluster.keyslot(k) for k in spread}
+    before = evalsha_calls(cluster)
+    assert all(a is not None for a in provider.refresh([RefreshRequest(k, "tok", 30.0) for k in spread]))
+    assert evalsha_calls(cluster) - before == len(slots)
+    before = evalsha_calls(cluster)
+    assert all(a is not None for a in provider.refresh([RefreshRequest(k, "tok", 30.0) for k in tagged]))
+    assert evalsha_calls(cluster) - before == 2
+    assert len(provider.scan(prefix)) == len(spread)  # the tagged keys start with "{"
+    assert len(provider.scan("{" + prefix)) == len(tagged)
+    for key in spread + tagged:
+        provider.release(key, "tok")
+
+
+def test_fences_increase_per_key_on_every_node(provider: RedisLockProvider) -> None:
+    """Each key's fences strictly increase over release and takeover, whichever node holds it."""
+    keys = [f"f{uuid.uuid4().hex[:8]}:{i}" for i in range(30)]
+    last = dict.fromkeys(keys, 0)
+    for round_ in range(3):
+        for key in keys:
+            grant = provider.acquire(key, f"t{round_}", 30.0, 60.0, "{}")
+            assert isinstance(grant, Grant)
+            assert grant.fence > last[key]
+            last[key] = grant.fence
+            assert provider.release(key, f"t{round_}") is True
+
+
+def test_a_given_cluster_client_is_used_and_left_open(redis_cluster: str) -> None:
+    """A RedisCluster client passed in is used (refresh grouped by slot) and not closed."""
+    first = urlsplit(redis_cluster.replace("redis+cluster://", "redis://").split(",")[0])
+    client = RedisCluster(host=first.hostname, port=first.port, decode_responses=True)
+    provider = RedisLockProvider(client=client)
+    assert "cluster" in repr(provider)
+    prefix = f"g{uuid.uuid4().hex[:8]}:"
+    keys = [f"{prefix}{i}" for i in range(40)]
+    for key in keys:
+        assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+    assert all(a is not None for a in provider.refresh([RefreshRequest(k, "tok", 20.0) for k in keys]))
+    assert sorted(i.key for i in provider.scan(prefix)) == sorted(keys)
+    provider.close()
+    assert client.hget(keys[0], "token") == "tok"
+    for key in keys:
+        client.delete(key)
+    client.close()
+
+
+def test_diagnose_checks_every_primary(provider: RedisLockProvider, redis_cluster: str) -> None:
+    """diagnose() reports the cluster and each primary; a plain URL at a cluster node fails."""
+    found = provider.diagnose()
+    checks = {d.check for d in found}
+    assert {"cluster", "server", "clock", "scripts"} <= checks
+    assert [d.status for d in found if d.check == "cluster"] == ["ok"]
+    assert len([d for d in found if d.check == "server" and d.status == "ok"]) == 3
+    assert len([d for d in found if d.check == "persistence"]) == 3  # appendonly no on each
+    host = redis_cluster.split("//", 1)[1].split(",", maxsplit=1)[0]
+    plain = RedisLockProvider(f"redis://{host}/0")
+    try:
+        statuses = {d.check: d.status for d in plain.diagnose()}
+        assert statuses["cluster"] == "fail"
+    finally:
+        plain.close()
+
+
+def test_lock_service_on_the_cluster(redis_cluster: str) -> None:
+    """LockService on a redis+cluster:// URL excludes, heartbeats and lists leases across nodes."""
+    prefix = f"l{uuid.uuid4().hex[:8]}:"
+    service, rival = LockService(redis_cluster, prefix=prefix), LockService(redis_cluster, prefix=prefix)
+    try:
+        leases = [service.lock(f"job:{i}", ttl=1.0) for i in range(30)]
+        assert rival.try_lock("job:0") is None
+        assert sorted(info.key for info in rival.locks()) == sorted(f"job:{i}" for i in range(30))
+        service.heartbeat.beat()  # one batched, slot-grouped refresh
+        for lease in leases:
+            lease.check()
+            lease.release()
+        assert rival.locks() == []
+    finally:
+        service.close()
+        rival.close()
+
+
+@pytest.fixture
+def store(redis_cluster: str) -> Iterator[Store]:
+    """The private cluster as the contract suite's one store."""
+    yield from contract_store("redis-cluster", redis_cluster)
+
+
+# The shared contract suite, collected here once more against the store above. The outage
+# test is left out: it only knows the shared servers' dead URLs (see the provider tests).
+globals().update(
+    {
+        name: getattr(_contract, name)
+        for name in dir(_contract)
+        if name.startswith("test_") and name != "test_outage_is_an_error_not_contention"
+    }
+)
