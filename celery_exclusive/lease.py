@@ -19,9 +19,9 @@ import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from celery_exclusive.errors import LockLost
+from celery_exclusive.errors import InvalidArgumentError, LockLost
 
 if TYPE_CHECKING:
     from celery_exclusive.service import LockService
@@ -65,6 +65,7 @@ class Lease:
     __slots__ = (
         "_deadline",
         "_final",
+        "_lost",
         "_mutex",
         "_next_refresh",
         "_on_lost",
@@ -74,7 +75,6 @@ class Lease:
         "fence",
         "hard_deadline",
         "key",
-        "lost",
         "max_lifetime",
         "refresh_interval",
         "store_key",
@@ -108,7 +108,7 @@ class Lease:
         self.max_lifetime = max_lifetime
         self.acquired_at = sent_at
         self.hard_deadline = sent_at + max_lifetime
-        self.lost = threading.Event()
+        self._lost: threading.Event | None = None  # made on first use of ``lost``
         self._on_lost: list[Callable[[Lease, str], object]] = []
         self._state = LeaseState.HELD
         self._deadline = 0.0
@@ -135,6 +135,19 @@ class Lease:
         return self._state
 
     @property
+    def lost(self) -> threading.Event:
+        """An event set when the lease is lost (made on first use: an Event costs about 1 KB)."""
+        event = self._lost
+        if event is None:
+            with self._mutex:
+                event = self._lost
+                if event is None:
+                    event = self._lost = threading.Event()
+                    if self._state is LeaseState.LOST:
+                        event.set()
+        return event
+
+    @property
     def held(self) -> bool:
         """True while the lease is HELD or in JEOPARDY."""
         return self.state in (LeaseState.HELD, LeaseState.JEOPARDY)
@@ -151,6 +164,38 @@ class Lease:
             raise LockLost(self.key, self.fence, "the lease was lost; another owner may hold the key")
         if state is LeaseState.RELEASED:
             raise LockLost(self.key, self.fence, "the lease was already released")
+
+    def guard(self, connection: Any) -> None:
+        """Check inside your transaction that this lease is current, and keep it so (PostgreSQL).
+
+        ``connection`` is the SQLAlchemy ``Connection`` or ``Session`` (or psycopg 3
+        connection) of an open transaction on the database holding the lock table. The
+        lease's row (this token, this fence, not expired) is locked ``FOR SHARE``, so no
+        one can take the key over until your transaction ends: writes it makes to data in
+        the same database are truly fenced. Raises :class:`LockLost` if the lease is gone
+        (roll back), :class:`InvalidArgumentError` for any store but PostgreSQL::
+
+            with service.lock("rollup") as lease, engine.begin() as conn:
+                lease.guard(conn)
+                conn.execute(...)          # commits only while the lease is current
+
+        Trade-off: while that transaction lasts, the heartbeat's refresh of the row waits
+        too, so keep guarded transactions well shorter than the ttl minus its safety
+        margin, and commit before the lease is released (a release waits for them).
+        """
+        from celery_exclusive.providers.sql import SqlLockProvider
+
+        provider = self._service.provider
+        if not isinstance(provider, SqlLockProvider) or not provider.supports_guard:
+            raise InvalidArgumentError(
+                f"lease.guard() needs a PostgreSQL lock store, and this lease is in {provider!r}: "
+                "only a lock row in your own PostgreSQL database can share your transaction"
+            )
+        self.check()
+        try:
+            provider.guard(connection, self.store_key, self.token, self.fence)
+        except LockLost as lost:
+            raise LockLost(self.key, self.fence, lost.reason) from None
 
     def on_lost(self, callback: Callable[[Lease, str], object]) -> None:
         """Call ``callback(lease, reason)`` once when the lease is lost (now, if it already is)."""

@@ -92,8 +92,17 @@ class LockService:
             ttl_explicit=True,
         )
         self._refresh_explicit = refresh_interval is not None
-        if not isinstance(heartbeat_batch_size, int) or heartbeat_batch_size < 1:
-            raise InvalidArgumentError("heartbeat_batch_size must be a positive int")
+        if (
+            not isinstance(heartbeat_batch_size, int)
+            or isinstance(heartbeat_batch_size, bool)
+            or heartbeat_batch_size < 1
+        ):
+            raise InvalidArgumentError(
+                f"heartbeat_batch_size must be a positive int, got {heartbeat_batch_size!r}"
+            )
+        for name, value in (("clock", clock), ("thread_factory", thread_factory)):
+            if not callable(value):
+                raise InvalidArgumentError(f"{name} must be callable, got {type(value).__name__}")
         if store is None or isinstance(store, str):
             url = resolve_url(store)
             self._url: str | None = url
@@ -292,6 +301,10 @@ class LockService:
         """Every live lease whose key (without the service prefix) starts with ``prefix``."""
         if not isinstance(prefix, str) or "\x00" in prefix:
             raise InvalidArgumentError("prefix must be a str without NUL characters")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("prefix must be valid Unicode text (no lone surrogates)") from None
         return [
             self._unprefixed(info) for info in self._call("scan", self.provider.scan, self.prefix + prefix)
         ]
@@ -393,7 +406,9 @@ class LockService:
             self._heartbeat.discard(lease)
             callbacks = list(lease._on_lost)
             lease._on_lost.clear()
-        lease.lost.set()
+            lost = lease._lost  # None unless someone asked for it; ``lost`` then sets it itself
+        if lost is not None:
+            lost.set()
         logger.warning("lock %r (fence %d) LOST: %s", lease.key, lease.fence, reason)
         signals.send(signals.lock_lost, self, key=lease.key, lease=lease, reason=reason)
         for callback in callbacks:

@@ -30,7 +30,7 @@ from tests.conftest import POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()[:64]
-SECRET = "SECRETPW"  # noqa: S105 - a fake password that must never appear in any output
+SECRET = "SECRETPW"
 DEAD_URLS = {
     "postgres": f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/test",
     "redis": f"redis://:{SECRET}@127.0.0.1:1/0",

@@ -29,7 +29,13 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Dialect, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
-from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.errors import (
+    BackendError,
+    ConfigurationError,
+    InvalidArgumentError,
+    LockLost,
+    MissingDriverError,
+)
 from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
 from celery_exclusive.urls import mask_url, split_options
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -129,25 +135,38 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
         )
 
     fields = "key, value, expires_at, created_at, deadline, fence, holder"
-    # A live row (anyone's) makes the INSERT select zero rows: no xid, no WAL, no nextval.
+    returning = "t." + fields.replace(", ", ", t.")
+    # A live row (anyone's) makes the UPDATE and the INSERT touch nothing: no xid, no WAL, no
+    # nextval. A dead row is taken over by an UPDATE that only matches it while it is dead;
+    # no row at all by an INSERT ... DO NOTHING. Neither locks a row it does not change, so
+    # contenders racing a winner's in-flight insert wait for its commit and then write
+    # nothing (ON CONFLICT DO UPDATE ... WHERE would lock the row, take an xid and flush a
+    # commit, delaying the winner's release: measured 2 xids per success instead of 4).
     acquire = f"""{now},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {_STALE})) AS live
   FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
+upd AS (
+  UPDATE {t} AS t SET value = :token, expires_at = n.ts + make_interval(secs => :ttl), created_at = n.ts,
+    deadline = n.ts + make_interval(secs => :life), fence = nextval('{seq}'), holder = :holder
+  FROM n
+  WHERE t.key = :key AND EXISTS (SELECT 1 FROM cur WHERE NOT cur.live)
+    AND (t.expires_at <= n.ts OR t.deadline <= n.ts
+         OR t.created_at <= n.ts - make_interval(secs => {_STALE}))
+  RETURNING {returning}),
 ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
          nextval('{seq}'), :holder
-  FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live)
-  ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, expires_at = EXCLUDED.expires_at,
-    created_at = EXCLUDED.created_at, deadline = EXCLUDED.deadline, fence = EXCLUDED.fence,
-    holder = EXCLUDED.holder
-  WHERE t.expires_at <= EXCLUDED.created_at OR t.deadline <= EXCLUDED.created_at
-     OR t.created_at <= EXCLUDED.created_at - make_interval(secs => {_STALE})
-  RETURNING t.{fields.replace(", ", ", t.")})
+  FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live) AND NOT EXISTS (SELECT 1 FROM upd)
+  ON CONFLICT (key) DO NOTHING
+  RETURNING {returning})
+SELECT true, {cols("upd")} FROM upd CROSS JOIN n
+UNION ALL
 SELECT true, {cols("ins")} FROM ins CROSS JOIN n
 UNION ALL
-SELECT false, {cols("cur")} FROM cur CROSS JOIN n WHERE cur.live AND NOT EXISTS (SELECT 1 FROM ins)"""
+SELECT false, {cols("cur")} FROM cur CROSS JOIN n
+WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
     return {
         "acquire": acquire,
         "refresh": f"""{now}
@@ -156,11 +175,21 @@ FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS flo
   WITH ORDINALITY AS r(key, token, ttl, i)
 WHERE t.key = r.key AND t.value = r.token AND {live("t")}
 RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
+        # The release's commit does not wait for its WAL flush (synchronous_commit off for
+        # this one transaction): it halves the release's latency. A server crash in the
+        # next ~0.6 s can bring the released row back, to expire with its ttl: a key held
+        # longer, never a second holder, since any later acquire's flush covers this WAL.
         "release": f"DELETE FROM {t} WHERE key = :key AND value = :token "
+        "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL "
         "RETURNING expires_at > clock_timestamp() AND deadline > clock_timestamp()",
         "peek": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n WHERE t.key = :key AND {live('t')}",
         "scan": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n "
         f"WHERE t.key LIKE :pattern ESCAPE '!' AND {live('t')}",
+        # Run on the caller's connection: the share lock makes a takeover or release of
+        # this row (an UPDATE or DELETE) wait until the caller's transaction ends.
+        "guard": f"SELECT fence FROM {t} WHERE key = :key AND value = :token AND fence = :fence "
+        "AND expires_at > clock_timestamp() AND deadline > clock_timestamp() "
+        f"AND created_at > clock_timestamp() - make_interval(secs => {_STALE}) FOR SHARE",
     }
 
 
@@ -170,6 +199,7 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     if dialect.name == "sqlite":
         now, least, lock = "julianday('now')", "min", ""
         match = f"substr({k}, 1, length(:prefix)) = :prefix"  # LIKE ignores case in SQLite
+        t_scan = t
 
         def secs(c: str) -> str:
             return f"round((julianday({c}) - {now}) * 86400.0, 3)"  # stamps are whole milliseconds
@@ -178,7 +208,10 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
             return f"strftime('%Y-%m-%d %H:%M:%f', {now} + {p} / 86400.0)"
     else:
         now, least, lock = "UTC_TIMESTAMP(6)", "LEAST", " FOR UPDATE"
+        # Not through the key index: MariaDB's range for LIKE 'p%' on this PAD SPACE binary
+        # collation misses keys whose next character sorts below a space or above U+FFFF.
         match = f"{k} LIKE :pattern ESCAPE '!'"
+        t_scan = f"{t} IGNORE INDEX (PRIMARY)"
 
         def secs(c: str) -> str:
             return f"(TIMESTAMPDIFF(MICROSECOND, {now}, {c}) / 1e6)"
@@ -201,7 +234,7 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         "release_live": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token AND {live}",
         "release_any": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token",
         "peek": f"SELECT {cols} FROM {t} WHERE {k} = :key AND {live}",
-        "scan": f"SELECT {cols} FROM {t} WHERE {match} AND {live}",
+        "scan": f"SELECT {cols} FROM {t_scan} WHERE {match} AND {live}",
         "now": f"SELECT ({now} - 2440587.5) * 86400.0"
         if dialect.name == "sqlite"
         else "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) / 1e6",
@@ -211,7 +244,7 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     return texts
 
 
-def _engine_from_url(raw: str) -> Engine:
+def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
     scheme, sep, rest = raw.partition("://")
     backend, _, driver = scheme.lower().partition("+")
     backend = "postgresql" if backend == "postgres" else backend
@@ -221,14 +254,18 @@ def _engine_from_url(raw: str) -> Engine:
     driver = driver or (module if backend != "sqlite" else "")
     try:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
-    except sa_exc.ArgumentError:
-        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}") from None
+    except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
+        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {exc}") from None
     kwargs: dict[str, Any] = {}
     connect_args: dict[str, Any] = {}
     if backend == "postgresql":
         kwargs.update(isolation_level="AUTOCOMMIT", pool_reset_on_return=None)
         if "connect_timeout" not in url.query:
             connect_args["connect_timeout"] = 10
+        if not prepare and driver == "psycopg":
+            # Behind PgBouncer < 1.21 (transaction pooling) a statement psycopg prepared on
+            # one server connection is missing, or already there, on the next one.
+            connect_args["prepare_threshold"] = None
     elif backend == "sqlite":
         connect_args["timeout"] = 30
         if url.database in (None, "", ":memory:"):
@@ -269,11 +306,16 @@ class SqlLockProvider:
     max_key_length = 512
 
     def __init__(
-        self, engine_or_url: Engine | str, *, table: str = "cache_entries", create_table: bool = True
+        self,
+        engine_or_url: Engine | str,
+        *,
+        table: str = "cache_entries",
+        create_table: bool = True,
+        pgbouncer: bool = False,
     ) -> None:
         _check_name(table)
         if isinstance(engine_or_url, str):
-            self._engine, self._owns_engine = _engine_from_url(engine_or_url), True
+            self._engine, self._owns_engine = _engine_from_url(engine_or_url, prepare=not pgbouncer), True
         elif isinstance(engine_or_url, Engine):
             self._engine, self._owns_engine = engine_or_url, False
         else:
@@ -314,10 +356,17 @@ class SqlLockProvider:
 
     @classmethod
     def from_url(cls, url: str) -> SqlLockProvider:
-        """A provider for ``url``; ``?ce_table=name&ce_create_table=false`` are our options."""
-        base, options = split_options(url, ("table", "create_table"))
+        """A provider for ``url``; ``?ce_table=name&ce_create_table=false`` are our options.
+
+        ``ce_pgbouncer=true`` turns off psycopg's automatic prepared statements, which
+        PgBouncer before 1.21 (or without ``max_prepared_statements``) cannot pool.
+        """
+        base, options = split_options(url, ("table", "create_table", "pgbouncer"))
         create = _parse_bool("create_table", options.get("create_table", "true"))
-        return cls(base, table=options.get("table", "cache_entries"), create_table=create)
+        pgbouncer = _parse_bool("pgbouncer", options.get("pgbouncer", "false"))
+        return cls(
+            base, table=options.get("table", "cache_entries"), create_table=create, pgbouncer=pgbouncer
+        )
 
     def __repr__(self) -> str:
         return f"SqlLockProvider({self._masked!r}, table={self.table.name!r})"
@@ -414,6 +463,80 @@ class SqlLockProvider:
             rows = self._transact("scan", lambda conn: list(conn.execute(self._sql["scan"], params)))
         return sorted((self._info(row) for row in rows), key=lambda info: info.key)
 
+    @property
+    def supports_guard(self) -> bool:
+        """True on PostgreSQL, the one SQL store where :meth:`guard` works."""
+        return self._pg
+
+    def guard(self, connection: Any, key: str, token: str, fence: int) -> None:
+        """Check, inside the caller's transaction, that ``token`` holds ``key`` with ``fence``.
+
+        PostgreSQL only. ``connection`` is the caller's SQLAlchemy ``Connection`` (or ORM
+        ``Session``), or a psycopg 3 connection, to the database that holds the lock table,
+        with a transaction open (autocommit is refused: the check would end with the
+        statement). The live row is locked ``FOR SHARE`` until that transaction ends, and
+        a takeover or release must UPDATE or DELETE it, so it waits: the caller's writes
+        in the same transaction commit only while the lease is current. Raises
+        :class:`LockLost` if the lease expired, was released or taken over (the caller
+        should roll back). The caller's own driver errors are not translated.
+
+        Trade-off: the heartbeat's refresh of that row waits too (and with it the whole
+        batched refresh of the service's leases), so keep guarded transactions well
+        shorter than the ttl minus its safety margin, and end them before releasing the
+        lease (a release waits for them). Under REPEATABLE READ or SERIALIZABLE, acquire
+        the lease before the transaction takes its snapshot; a concurrent refresh or
+        takeover then makes this statement fail with a serialization error (retry the
+        transaction).
+        """
+        if not self._pg:
+            raise InvalidArgumentError(
+                f"guard() needs a PostgreSQL lock store; this one is {self._engine.dialect.name}, "
+                "whose leases cannot fence writes inside your transaction"
+            )
+        params = {"key": key, "token": token, "fence": int(fence)}
+        found = self._guard_query(connection, params)
+        if not found:
+            raise LockLost(
+                key,
+                fence,
+                "guard found no live lease with this token and fence: it expired, was released "
+                "or taken over; roll back this transaction",
+            )
+
+    def _guard_query(self, connection: Any, params: dict[str, Any]) -> bool:
+        """Run the guard statement on the caller's connection; True if the lease row was locked."""
+        from sqlalchemy.orm import Session
+
+        if isinstance(connection, Session):
+            connection = connection.connection()
+        if isinstance(connection, Connection):
+            if connection.dialect.name != "postgresql":
+                raise InvalidArgumentError(
+                    f"guard() needs a connection to the PostgreSQL lock database, got a "
+                    f"{connection.dialect.name} connection"
+                )
+            if getattr(connection.connection.driver_connection, "autocommit", False) is True:
+                raise InvalidArgumentError(
+                    "guard() needs a connection inside a transaction, not in autocommit mode: "
+                    "the share lock would end with the statement"
+                )
+            return connection.execute(sa.text(self._pg_sql["guard"]), params).first() is not None
+        try:
+            import psycopg
+        except ImportError:  # pragma: no cover - psycopg is how PostgreSQL is reached
+            psycopg = None  # type: ignore[assignment]
+        if psycopg is not None and isinstance(connection, psycopg.Connection):
+            if connection.autocommit:
+                raise InvalidArgumentError(
+                    "guard() needs a psycopg connection inside a transaction, not in autocommit "
+                    "mode: the share lock would end with the statement"
+                )
+            return connection.execute(self._psycopg_sql["guard"], params).fetchone() is not None
+        raise InvalidArgumentError(
+            "guard() needs the SQLAlchemy Connection or Session (or psycopg connection) of your "
+            f"transaction, got {type(connection).__name__}"
+        )
+
     def close(self) -> None:
         """Dispose of the engine's connections if this provider created the engine."""
         if self._owns_engine:
@@ -502,7 +625,12 @@ class SqlLockProvider:
                     dbapi.commit()
                 return rows
             except self._pg_error as exc:
-                if isinstance(exc, self._pg_broken) or dbapi.closed or not dbapi.autocommit:
+                if dbapi.closed:
+                    # The server or the network dropped it, so likely its idle siblings too (a
+                    # restart, a failover): recycle every connection pooled before now, as
+                    # SQLAlchemy does on a disconnect, instead of each failing one more call.
+                    self._engine.pool._invalidate(fairy, exc)
+                elif isinstance(exc, self._pg_broken) or not dbapi.autocommit:
                     fairy.invalidate(exc)
                 raise self._error(op, exc) from exc
             except BaseException:

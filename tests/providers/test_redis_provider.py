@@ -296,7 +296,7 @@ def test_unix_socket_url(private_redis: str) -> None:
         assert isinstance(provider.acquire("u:key", "tok", 10.0, 60.0, "{}"), Grant)
         info = provider.peek("u:key")
         assert info is not None
-        assert info.token == "tok"  # noqa: S105
+        assert info.token == "tok"
         assert provider.release("u:key", "tok") is True
     finally:
         provider.close()
@@ -452,7 +452,7 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     info = provider.peek(child_key)
     assert info is not None
-    assert info.token == "child"  # noqa: S105
+    assert info.token == "child"
     assert provider.release(parent_key, "parent") is True
 
 

@@ -1,0 +1,897 @@
+"""Bad input at every public entry point: a specific, clear error, and nothing written.
+
+Entry points: the LockService constructor and methods, provider constructors and URLs, the
+Celery decorator, ExclusiveTask options and app settings, and the CLI (both front ends).
+Each bad input must raise InvalidArgumentError or ConfigurationError (checked by type and
+a message fragment) *before* any backend is touched: most cases run against unreachable
+servers, where touching the backend would surface as BackendError (or CLI exit 3) instead,
+and again against real stores, which must be left exactly as they were (not even the lock
+table is created). Odd but valid keys (emoji, RTL marks, SQL- and glob-looking text) must
+work everywhere and drop nothing. Credentials must never appear in errors or logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sqlite3
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from click.testing import CliRunner
+
+from celery_exclusive import (
+    BackendError,
+    ConfigurationError,
+    ExclusiveError,
+    InvalidArgumentError,
+    LockService,
+    MemoryLockProvider,
+    MissingDriverError,
+)
+from celery_exclusive.cli import cli, exclusive
+from celery_exclusive.providers.sql import SqlLockProvider, lock_table
+from celery_exclusive.settings import ExclusiveSettings
+from celery_exclusive.task import ExclusiveTask, exclusive_task
+from celery_exclusive.urls import provider_from_url
+from celery_exclusive.worker import get_lock_service
+from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_server
+
+#: Every password below contains this marker; it must never be shown.
+MARKER = "Zq8SECRETpw"
+UNREACHABLE = {
+    "postgres": f"postgresql+psycopg://u:{MARKER}@127.0.0.1:1/x",
+    "redis": f"redis://:{MARKER}@127.0.0.1:1/0",
+    "mariadb": f"mysql+pymysql://u:{MARKER}@127.0.0.1:1/x",
+}
+UNREACHABLE_PG = UNREACHABLE["postgres"]
+
+
+@pytest.fixture(autouse=True)
+def _no_store_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The developer's own CELERY_EXCLUSIVE_* settings must not leak into these tests."""
+    for name in ("CELERY_EXCLUSIVE_URL", "CELERY_EXCLUSIVE_PREFIX", "CELERY_EXCLUSIVE_DEFAULT_TTL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _never() -> None:
+    raise AssertionError("the protected function must not run for rejected input")
+
+
+# -- LockService methods -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One rejected call: what to call, the error type, and a fragment of its message."""
+
+    id: str
+    call: Callable[[LockService], object]
+    exc: type[ExclusiveError]
+    fragment: str
+
+
+BAD_KEYS: list[tuple[str, object, str]] = [
+    ("int", 123, "must be a str, got int"),
+    ("none", None, "must be a str, got NoneType"),
+    ("bytes", b"key", "must be a str, got bytes"),
+    ("empty", "", "must not be empty"),
+    ("nul", "\x00", "NUL"),
+    ("inner-nul", "a\x00b", "NUL"),
+    ("lone-high-surrogate", "\ud800", "lone surrogates"),
+    ("lone-low-surrogate", "ok\udfffok", "lone surrogates"),
+    ("10kb", "x" * 10240, "this store accepts at most"),
+    ("10kb-emoji", "🔒" * 2600, "this store accepts at most"),
+]
+BAD_DURATIONS: list[tuple[str, object, str]] = [
+    ("zero", 0, "positive, finite"),
+    ("negative", -1, "positive, finite"),
+    ("nan", math.nan, "positive, finite"),
+    ("inf", math.inf, "positive, finite"),
+    ("zero-timedelta", timedelta(0), "positive, finite"),
+    ("negative-timedelta", timedelta(seconds=-5), "positive, finite"),
+    ("bool", True, "got bool"),
+    ("str", "5", "got str"),
+    ("list", [5], "got list"),
+]
+KEY_METHODS: dict[str, Callable[[LockService, Any], object]] = {
+    "lock": lambda s, k: s.lock(k),
+    "try_lock": lambda s, k: s.try_lock(k),
+    "run_exclusive": lambda s, k: s.run_exclusive(k, _never),
+    "peek": lambda s, k: s.peek(k),
+    "force_release": lambda s, k: s.force_release(k, "some-token"),
+}
+DURATION_METHODS: dict[str, Callable[..., object]] = {
+    "lock": lambda s, **kw: s.lock("k", **kw),
+    "try_lock": lambda s, **kw: s.try_lock("k", **kw),
+    "run_exclusive": lambda s, **kw: s.run_exclusive("k", _never, **kw),
+}
+
+
+def _key_case(method: str, key: object) -> Callable[[LockService], object]:
+    return lambda s: KEY_METHODS[method](s, key)
+
+
+def _duration_case(method: str, name: str, value: object) -> Callable[[LockService], object]:
+    return lambda s: DURATION_METHODS[method](s, **{name: value})
+
+
+SERVICE_CASES: list[Case] = [
+    Case(f"{method}-key-{kid}", _key_case(method, key), InvalidArgumentError, fragment)
+    for method in KEY_METHODS
+    for kid, key, fragment in BAD_KEYS
+]
+SERVICE_CASES += [
+    Case(f"{method}-{name}-{did}", _duration_case(method, name, value), InvalidArgumentError, f"{name} must")
+    for method in DURATION_METHODS
+    for name in ("ttl", "refresh_interval", "max_lifetime")
+    for did, value, _ in BAD_DURATIONS
+]
+SERVICE_CASES += [
+    Case("duration-message", lambda s: s.lock("k", ttl=-1), InvalidArgumentError, "positive, finite"),
+    Case(
+        "refresh-not-below-ttl",
+        lambda s: s.lock("k", ttl=5, refresh_interval=5),
+        InvalidArgumentError,
+        "shorter",
+    ),
+    Case(
+        "ttl-above-lifetime", lambda s: s.lock("k", ttl=100, max_lifetime=50), InvalidArgumentError, "exceed"
+    ),
+    Case(
+        "lifetime-above-cap", lambda s: s.try_lock("k", max_lifetime=10**6), InvalidArgumentError, "hard cap"
+    ),
+    Case("holder-str", lambda s: s.lock("k", holder="me"), InvalidArgumentError, "holder must be a mapping"),
+    Case("holder-int-keys", lambda s: s.lock("k", holder={1: 2}), InvalidArgumentError, "str keys"),
+    Case("holder-pairs", lambda s: s.lock("k", holder=[("a", 1)]), InvalidArgumentError, "holder must"),
+    Case("fn-not-callable", lambda s: s.run_exclusive("k", 5), InvalidArgumentError, "fn must be callable"),
+    Case(
+        "on-locked-not-callable",
+        lambda s: s.run_exclusive("k", _never, on_locked="skip"),
+        InvalidArgumentError,
+        "on_locked must be callable",
+    ),
+    Case("token-empty", lambda s: s.force_release("k", ""), InvalidArgumentError, "token must be"),
+    Case("token-none", lambda s: s.force_release("k", None), InvalidArgumentError, "token must be"),
+    Case("token-int", lambda s: s.force_release("k", 5), InvalidArgumentError, "token must be"),
+    Case("locks-int", lambda s: s.locks(5), InvalidArgumentError, "prefix must be a str"),
+    Case("locks-bytes", lambda s: s.locks(b"a"), InvalidArgumentError, "prefix must be a str"),
+    Case("locks-nul", lambda s: s.locks("a\x00"), InvalidArgumentError, "NUL"),
+    Case("locks-surrogate", lambda s: s.locks("\ud800"), InvalidArgumentError, "lone surrogates"),
+]
+
+
+@pytest.fixture(scope="module")
+def unreachable_services() -> Iterator[dict[str, LockService]]:
+    """One service per server kind, each pointed at a port where nothing listens."""
+    services = {name: LockService(url, prefix="bad:") for name, url in UNREACHABLE.items()}
+    yield services
+    for service in services.values():
+        service.close()
+
+
+@pytest.mark.parametrize("case", SERVICE_CASES, ids=lambda c: c.id)
+def test_service_rejects_bad_input_before_the_store(
+    case: Case, unreachable_services: dict[str, LockService]
+) -> None:
+    """Every bad argument to a LockService method is an argument error, never a BackendError."""
+    for name, service in unreachable_services.items():
+        with pytest.raises(case.exc) as raised:
+            case.call(service)
+        assert case.fragment in str(raised.value), name
+        assert not service.held()
+        assert not service.heartbeat._pending_release  # no acquire was even attempted
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        *[({"prefix": p}, "key prefix") for p in (" x", "é", "x" * 65, "a b", "\x00", "a\tb", 5, None)],
+        *[({name: v}, f"{name} must") for name in ("ttl", "max_lifetime") for _, v, _ in BAD_DURATIONS],
+        *[({"refresh_interval": v}, "refresh_interval must") for _, v, _ in BAD_DURATIONS],
+        ({"ttl": None}, "ttl must"),
+        ({"ttl": 10, "refresh_interval": 10}, "shorter"),
+        ({"ttl": 100, "max_lifetime": 50}, "exceed"),
+        ({"max_lifetime": 24 * 3600 + 1}, "hard cap"),
+        *[({"heartbeat_batch_size": b}, "heartbeat_batch_size") for b in (0, -1, True, 1.5, "10", None)],
+        ({"clock": 5}, "clock must be callable"),
+        ({"thread_factory": "thread"}, "thread_factory must be callable"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], fragment: str) -> None:
+    """LockService(...) rejects bad options with InvalidArgumentError, whatever the store."""
+    for url in UNREACHABLE.values():
+        with pytest.raises(InvalidArgumentError) as raised:
+            LockService(url, **kwargs)
+        assert fragment in str(raised.value)
+
+
+@pytest.mark.parametrize("store", [5, b"redis://127.0.0.1/0", object(), ["memory://"], 3.5])
+def test_constructor_rejects_a_store_of_the_wrong_type(store: object) -> None:
+    """A store that is neither a URL nor a provider is named in the error."""
+    with pytest.raises(InvalidArgumentError, match="store must be a URL or a LockProvider"):
+        LockService(store)  # type: ignore[arg-type]
+
+
+def test_a_closed_service_refuses_to_lock() -> None:
+    """A closed service says so instead of silently reconnecting."""
+    service = LockService(UNREACHABLE_PG)
+    service.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        service.lock("k")
+
+
+# -- URLs and provider constructors --------------------------------------------------------------
+
+BAD_URLS: list[tuple[str, str, str]] = [
+    ("unknown-scheme", f"foo://u:{MARKER}@h/x", "unknown lock store scheme 'foo'"),
+    ("http", "http://h/x", "unknown lock store scheme 'http'"),
+    ("no-scheme", "not a url", "malformed lock store URL"),
+    ("scheme-only-colon", "redis:/h", "malformed lock store URL"),
+    ("whitespace-scheme", " redis://h/0", "unknown lock store scheme"),
+    ("unknown-ce-option-sql", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
+    ("unknown-ce-option-redis", f"{UNREACHABLE['redis']}?ce_table=x", "unknown option 'ce_table'"),
+    ("unknown-ce-option-memory", "memory://?ce_table=x", "unknown option 'ce_table'"),
+    ("bad-table-dash", f"{UNREACHABLE_PG}?ce_table=bad-name", "invalid lock table name"),
+    ("bad-table-digit", f"{UNREACHABLE_PG}?ce_table=1abc", "invalid lock table name"),
+    ("bad-table-long", f"{UNREACHABLE_PG}?ce_table={'t' * 60}", "invalid lock table name"),
+    ("bad-table-injection", f"{UNREACHABLE_PG}?ce_table=x;DROP%20TABLE%20y", "invalid lock table name"),
+    ("bad-table-quote", f"{UNREACHABLE_PG}?ce_table=x%22y", "invalid lock table name"),
+    ("bad-table-empty", f"{UNREACHABLE_PG}?ce_table=", "invalid lock table name"),
+    ("bad-table-unicode", f"{UNREACHABLE['mariadb']}?ce_table=t%C3%A9", "invalid lock table name"),
+    ("bad-create-flag", f"{UNREACHABLE_PG}?ce_create_table=maybe", "must be true or false"),
+    (
+        "sql-port-not-a-number",
+        f"postgresql+psycopg://u:{MARKER}@h:notaport/x",
+        "malformed SQL lock store URL",
+    ),
+    ("redis-port-not-a-number", f"redis://:{MARKER}@h:notaport/0", "bad redis URL"),
+    ("redis-port-out-of-range", "redis://h:99999/0", "bad redis URL"),
+    ("sql-broken-ipv6", f"postgresql+psycopg://u:{MARKER}@[::1/x", "malformed lock store URL"),
+    ("redis-broken-ipv6", f"redis://:{MARKER}@[::1/0", "malformed lock store URL"),
+    ("redis-bad-db", "redis://h/0?db=notanint", "bad redis URL"),
+    ("missing-driver", "postgresql+nosuchdriver://h/x", "pip install"),
+]
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"), [(u, f) for _, u, f in BAD_URLS], ids=[i for i, _, _ in BAD_URLS]
+)
+def test_bad_urls_raise_configuration_error(url: str, fragment: str) -> None:
+    """provider_from_url and LockService(url) reject a bad URL by name, with its password masked."""
+    for build in (provider_from_url, LockService):
+        with pytest.raises(ConfigurationError) as raised:
+            build(url)
+        assert fragment in str(raised.value)
+        assert MARKER not in str(raised.value)
+        assert MARKER not in repr(raised.value)
+
+
+def test_missing_driver_is_a_configuration_error_naming_the_extra() -> None:
+    """An unknown driver raises MissingDriverError, a ConfigurationError naming the pip line."""
+    with pytest.raises(MissingDriverError, match=r"celery-exclusive\[postgres\]"):
+        provider_from_url("postgresql+nosuchdriver://h/x")
+
+
+@pytest.mark.parametrize("url", ["", None])
+def test_no_url_at_all_names_every_place_to_set_one(url: str | None) -> None:
+    """No URL anywhere is a ConfigurationError naming the argument and the environment variable."""
+    with pytest.raises(ConfigurationError, match="CELERY_EXCLUSIVE_URL"):
+        LockService(url)
+
+
+@pytest.mark.parametrize("url", [5, b"memory://", None, ["memory://"]])
+def test_provider_from_url_rejects_non_strings(url: Any) -> None:
+    """provider_from_url() of something that is not a str is a ConfigurationError, not a crash."""
+    with pytest.raises(ConfigurationError, match="malformed lock store URL"):
+        provider_from_url(url)
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: SqlLockProvider(5), "expected an SQLAlchemy Engine or URL"),  # type: ignore[arg-type]
+        (lambda: SqlLockProvider(UNREACHABLE_PG, table="bad name"), "invalid lock table name"),
+        (lambda: SqlLockProvider(UNREACHABLE_PG, table=5), "invalid lock table name"),  # type: ignore[arg-type]
+        (lambda: SqlLockProvider(UNREACHABLE_PG, table='x"; DROP TABLE y; --'), "invalid lock table name"),
+        (lambda: SqlLockProvider("redis://h/0"), "not an SQL lock store URL"),
+        (lambda: lock_table(sa.MetaData(), "1x"), "invalid lock table name"),
+        (lambda: _redis_provider(None), "needs a url or a client"),
+    ],
+)
+def test_provider_constructors_reject_bad_arguments(build: Callable[[], object], fragment: str) -> None:
+    """The public provider constructors reject bad identifiers and types with ConfigurationError."""
+    with pytest.raises(ConfigurationError) as raised:
+        build()
+    assert fragment in str(raised.value)
+
+
+def _redis_provider(url: str | None) -> object:
+    from celery_exclusive.providers.redis import RedisLockProvider
+
+    return RedisLockProvider(url)
+
+
+# -- the Celery integration ---------------------------------------------------------------------
+
+
+def _app(url: object = UNREACHABLE_PG, **conf: object) -> Celery:
+    app = Celery(f"bad-input-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.exclusive_url = url
+    app.conf.update(conf)
+    return app
+
+
+def _body(x: object = 1) -> object:
+    return x
+
+
+def _declare(app: Celery, **options: Any) -> Any:
+    return exclusive_task(app=app, name=f"bad_input.t{uuid.uuid4().hex[:8]}", **options)(_body)
+
+
+DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"key": 123}, "format template str or a callable, got int"),
+    ({"key": b"{x}"}, "got bytes"),
+    ({"key": ""}, "must not be empty"),
+    ({"key": "{missing}"}, "no parameter 'missing'"),
+    ({"key": "{0}"}, "positional field"),
+    ({"key": "{}"}, "positional field"),
+    ({"key": "{"}, "malformed"),
+    ({"key": "}"}, "malformed"),
+    *[
+        ({name: v}, f"lock_{name} must")
+        for name in ("ttl", "max_lifetime", "refresh_interval")
+        for _, v, _ in BAD_DURATIONS
+    ],
+    *[
+        ({name: v}, f"{name} must")
+        for name in ("lock_retry_backoff", "lock_retry_backoff_max")
+        for _, v, _ in BAD_DURATIONS
+    ],
+    ({"on_locked": "bogus"}, "on_locked must be one of"),
+    ({"on_locked": 5}, "on_locked must be one of"),
+    ({"on_lost": "bogus"}, "on_lost must be one of"),
+    ({"on_lost": 1}, "on_lost must be one of"),
+    ({"lock_max_retries": -1}, "lock_max_retries must be an int >= 0"),
+    ({"lock_max_retries": True}, "lock_max_retries must be an int >= 0"),
+    ({"lock_max_retries": "3"}, "lock_max_retries must be an int >= 0"),
+    ({"lock_max_retries": 1.5}, "lock_max_retries must be an int >= 0"),
+    ({"ttl": 5, "lock_ttl": 6}, "given twice"),
+    ({"key": "{x}", "lock_key": "{x}"}, "given twice"),
+    ({"base": int}, "base must be a celery Task subclass"),
+    ({"base": "builtins:dict"}, "base must be a celery Task subclass"),
+]
+
+
+@pytest.mark.parametrize(("options", "fragment"), DECLARATION_CASES)
+def test_exclusive_task_rejects_bad_options_when_declared(options: dict[str, Any], fragment: str) -> None:
+    """exclusive_task(...) rejects a bad key or lock option at declaration, by name."""
+    with pytest.raises(InvalidArgumentError) as raised:
+        _declare(_app(), **options)
+    assert fragment in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "fragment"),
+    [
+        ({"lock_ttl": "5"}, "lock_ttl must"),
+        ({"lock_ttl": math.nan}, "lock_ttl must"),
+        ({"lock_max_lifetime": -1}, "lock_max_lifetime must"),
+        ({"lock_on_locked": "sometimes"}, "on_locked must be one of"),
+        ({"lock_on_lost": "panic"}, "on_lost must be one of"),
+        ({"lock_max_retries": -2}, "lock_max_retries must"),
+        ({"lock_key": "{nope}"}, "no parameter 'nope'"),
+        ({"lock_key": 7}, "format template str or a callable"),
+    ],
+)
+def test_exclusive_task_subclass_rejects_bad_attributes(attrs: dict[str, Any], fragment: str) -> None:
+    """A class-based ExclusiveTask with a bad lock attribute fails when the class is made."""
+
+    def run(self: Any, a: object = None) -> object:
+        return a
+
+    with pytest.raises(InvalidArgumentError) as raised:
+        type("BadTask", (ExclusiveTask,), {"run": run, **attrs})
+    assert fragment in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"ttl": 100, "max_lifetime": 50}, "must not exceed max_lifetime"),
+        ({"ttl": 10, "refresh_interval": 10}, "must be shorter than ttl"),
+        ({"max_lifetime": 10**6}, "hard cap"),
+        ({"lock_retry_backoff": 10, "lock_retry_backoff_max": 1}, "must not be shorter"),
+    ],
+)
+def test_inconsistent_task_options_fail_before_the_store(options: dict[str, Any], fragment: str) -> None:
+    """Options fine alone but not together raise InvalidArgumentError by the first call at the latest."""
+    app = _app()
+    with pytest.raises(InvalidArgumentError) as raised:
+        _declare(app, **options)(1)
+    assert fragment in str(raised.value)
+    _close_app_service(app)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="task.py passes unknown lock_* options to Celery as plain task attributes: "
+    "a typo such as lock_tll=5 is silently ignored",
+)
+def test_misspelt_lock_option_is_rejected() -> None:
+    """A misspelt lock option (lock_tll) is rejected instead of silently ignored."""
+    with pytest.raises(InvalidArgumentError, match="lock_tll"):
+        _declare(_app(), lock_tll=5)
+
+
+def _key_callable_returning(value: object) -> Callable[..., object]:
+    return lambda x=1: value
+
+
+@pytest.mark.parametrize(
+    ("key", "args", "fragment"),
+    [
+        ("{x}", (), None),  # the control: a good key, so the call reaches the (unreachable) store
+        ("{x}", ("\x00",), "NUL"),
+        ("{x}", ("\ud800",), "lone surrogates"),
+        ("{x}", ("x" * 10240,), "this store accepts at most"),
+        ("{x}", (object(),), "no stable text form"),
+        ("{x}", (1, 2), "do not match its signature"),
+        ("{x.missing}", (1,), "AttributeError"),
+        ("{x[3]}", ([1],), "IndexError"),
+        (_key_callable_returning(""), (), "must return a non-empty str"),
+        (_key_callable_returning(5), (), "must return a non-empty str"),
+        (_key_callable_returning("a\x00"), (), "NUL"),
+    ],
+)
+def test_task_call_with_an_unusable_key_fails_before_the_store(
+    key: Any, args: tuple[object, ...], fragment: str | None
+) -> None:
+    """A call whose lock key cannot be built or is invalid raises InvalidArgumentError, not BackendError."""
+    app = _app()
+    task = _declare(app, key=key)
+    if fragment is None:
+        with pytest.raises(BackendError):
+            task(*args)
+    else:
+        with pytest.raises(InvalidArgumentError) as raised:
+            task(*args)
+        assert fragment in str(raised.value)
+    _close_app_service(app)
+
+
+@pytest.mark.parametrize(
+    ("conf", "fragment"),
+    [
+        ({"exclusive_default_ttl": "abc"}, "app.conf.exclusive_default_ttl"),
+        ({"exclusive_default_ttl": -1}, "app.conf.exclusive_default_ttl"),
+        ({"exclusive_default_ttl": math.nan}, "app.conf.exclusive_default_ttl"),
+        ({"exclusive_max_lifetime": 10**6}, "hard cap"),
+        ({"exclusive_prefix": "bad prefix"}, "app.conf.exclusive_prefix"),
+        ({"exclusive_on_locked": "bogus"}, "app.conf.exclusive_on_locked"),
+        ({"exclusive_on_lost": "bogus"}, "app.conf.exclusive_on_lost"),
+        ({"exclusive_lock_max_retries": -1}, "app.conf.exclusive_lock_max_retries"),
+        ({"exclusive_url": 5}, "app.conf.exclusive_url"),
+        ({"exclusive_url": f"foo://u:{MARKER}@h/x"}, "unknown lock store scheme"),
+        ({"exclusive_url": f"{UNREACHABLE_PG}?ce_bogus=1"}, "unknown option 'ce_bogus'"),
+        ({"exclusive_url": f"{UNREACHABLE_PG}?ce_table=a-b"}, "invalid lock table name"),
+    ],
+)
+def test_bad_app_settings_raise_configuration_error_before_the_store(
+    conf: dict[str, Any], fragment: str
+) -> None:
+    """A bad app.conf setting fails the first call with ConfigurationError naming the setting."""
+    app = _app(**conf)
+    task = _declare(app)
+    with pytest.raises(ConfigurationError) as raised:
+        task()
+    assert fragment in str(raised.value)
+    assert MARKER not in str(raised.value)
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "abc", "-1", "0"])
+def test_bad_environment_ttl_raises_configuration_error(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad CELERY_EXCLUSIVE_DEFAULT_TTL fails the first call with ConfigurationError naming it."""
+    monkeypatch.setenv("CELERY_EXCLUSIVE_DEFAULT_TTL", raw)
+    task = _declare(_app())
+    with pytest.raises(ConfigurationError, match="CELERY_EXCLUSIVE_DEFAULT_TTL"):
+        task()
+
+
+def _close_app_service(app: Celery) -> None:
+    get_lock_service(app).close()
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+CLI_CASES: list[tuple[str, list[str], list[str], str]] = [
+    ("show-empty", [], ["show", ""], "must not be empty"),
+    ("show-nul", [], ["show", "a\x00b"], "NUL"),
+    ("show-10kb", [], ["show", "x" * 10240], "this store accepts at most"),
+    ("show-surrogate", [], ["show", "\ud800"], "lone surrogates"),
+    ("release-nul", [], ["release", "--yes", "a\x00b"], "NUL"),
+    ("release-empty-token", [], ["release", "k", "--token", ""], "--token must not be empty"),
+    ("list-nul", [], ["list", "a\x00"], "NUL"),
+    ("list-surrogate", [], ["list", "\ud800"], "lone surrogates"),
+    ("prefix-space", ["--prefix", "bad prefix"], ["list"], "key prefix"),
+    ("prefix-unicode", ["--prefix", "é"], ["show", "k"], "key prefix"),
+    ("prefix-long", ["--prefix", "p" * 65], ["show", "k"], "key prefix"),
+]
+CLI_URL_CASES: list[tuple[str, str, str]] = [
+    ("unknown-scheme", f"foo://u:{MARKER}@h/x", "unknown lock store scheme"),
+    ("malformed", "not a url", "malformed lock store URL"),
+    ("unknown-option", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
+    ("bad-table", f"{UNREACHABLE_PG}?ce_table=x;y", "invalid lock table name"),
+    ("bad-port", f"postgresql+psycopg://u:{MARKER}@h:notaport/x", "malformed SQL lock store URL"),
+]
+
+
+def _run_cli(args: list[str], *, app: Celery | None = None) -> Any:
+    env = {"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None}
+    if app is None:
+        return CliRunner().invoke(cli, args, env=env)
+    return CliRunner().invoke(exclusive, args, env=env, obj=SimpleNamespace(app=app))
+
+
+def _assert_usage_error(result: Any, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ")
+    assert fragment in result.output
+    assert "Traceback" not in result.output
+    assert MARKER not in result.output
+
+
+@pytest.mark.parametrize(
+    ("group", "command", "fragment"), [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES]
+)
+def test_cli_rejects_bad_input_with_exit_2(group: list[str], command: list[str], fragment: str) -> None:
+    """Both CLI front ends report bad input as one masked line and exit 2 (3 would mean it hit the store)."""
+    for url in UNREACHABLE.values():
+        _assert_usage_error(_run_cli(["--url", url, *group, *command]), fragment)
+        _assert_usage_error(_run_cli([*group, *command], app=_app(url)), fragment)
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"), [c[1:] for c in CLI_URL_CASES], ids=[c[0] for c in CLI_URL_CASES]
+)
+def test_cli_rejects_bad_urls_with_exit_2(url: str, fragment: str) -> None:
+    """A bad --url or app.conf.exclusive_url is one masked line and exit 2."""
+    for command in (["list"], ["show", "k"], ["release", "--yes", "k"]):
+        _assert_usage_error(_run_cli(["--url", url, *command]), fragment)
+        _assert_usage_error(_run_cli(command, app=_app(url)), fragment)
+
+
+def test_cli_without_any_url_names_where_to_set_one() -> None:
+    """No URL anywhere is exit 2 with a message naming --url and the environment variable."""
+    _assert_usage_error(_run_cli(["list"]), "CELERY_EXCLUSIVE_URL")
+    _assert_usage_error(_run_cli(["--url", "", "list"]), "pass --url")
+
+
+# -- real stores: rejected input writes nothing; odd valid keys work ------------------------------
+
+
+@dataclass
+class RealStore:
+    """A store on a real server (or memory), isolated by a fresh table, file or key prefix."""
+
+    name: str
+    url: str
+    prefix: str
+    written: Callable[[], list[str]]
+    service: Callable[[], LockService]
+    engine: sa.Engine | None = None
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres", "mariadb", "redis"])
+def real_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RealStore]:
+    """A store with nothing in it yet; ``written()`` lists whatever appeared since."""
+    name: str = request.param
+    run = uuid.uuid4().hex[:10]
+    prefix = f"bi{run}:"
+    table = f"ce_bad_input_{run}"
+    services: list[LockService] = []
+
+    def make(url: str) -> Callable[[], LockService]:
+        def service() -> LockService:
+            made = LockService(url, prefix=prefix)
+            services.append(made)
+            return made
+
+        return service
+
+    if name == "memory":
+        provider = MemoryLockProvider()
+
+        def memory_service() -> LockService:
+            made = LockService(provider, prefix=prefix)
+            services.append(made)
+            return made
+
+        def memory_written() -> list[str]:
+            return sorted({*provider._rows, *provider._fences})
+
+        yield RealStore(name, "memory://", prefix, memory_written, memory_service)
+    elif name == "sqlite":
+        path = tmp_path / "bad-input.sqlite3"
+        url = f"sqlite:///{path}"
+        engine = sa.create_engine(url)
+
+        def sqlite_written() -> list[str]:
+            if not path.exists():
+                return []
+            with sqlite3.connect(path) as conn:
+                return [r[0] for r in conn.execute("SELECT name FROM sqlite_master")]
+
+        yield RealStore(name, url, prefix, sqlite_written, make(url), engine)
+        engine.dispose()
+    elif name in ("postgres", "mariadb"):
+        server = POSTGRES_URL if name == "postgres" else MYSQL_URL
+        require_server(server)
+        url = f"{server}?ce_table={table}"
+        engine = sa.create_engine(server)
+
+        def sql_written() -> list[str]:
+            inspector = sa.inspect(engine)
+            names = inspector.get_table_names()
+            if name == "postgres":
+                names += inspector.get_sequence_names()
+            return [n for n in names if n.startswith(table)]
+
+        try:
+            yield RealStore(name, url, prefix, sql_written, make(url), engine)
+        finally:
+            for service in services:
+                service.close()
+            services.clear()
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+                conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}_fence"))
+                if name == "postgres":
+                    conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+            engine.dispose()
+    else:
+        require_server(REDIS_URL)
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+
+        def redis_written() -> list[str]:
+            return sorted(k.decode() for k in client.scan_iter(match=f"*{prefix}*", count=1000))
+
+        try:
+            yield RealStore(name, REDIS_URL, prefix, redis_written, make(REDIS_URL))
+        finally:
+            for service in services:
+                service.close()
+            services.clear()
+            _delete_redis_keys(prefix)
+            client.close()
+    for service in services:
+        service.close()
+
+
+def test_rejected_input_writes_nothing(real_store: RealStore) -> None:
+    """After every rejected call (service, tasks, CLI) the store is untouched: not even a table appears."""
+    service = real_store.service()
+    for case in SERVICE_CASES:
+        with pytest.raises(case.exc) as raised:
+            case.call(service)
+        assert case.fragment in str(raised.value), case.id
+    if real_store.name != "memory":  # other processes' views of the same store
+        for _, group, command, fragment in CLI_CASES:
+            result = _run_cli(["--url", real_store.url, "--prefix", real_store.prefix, *group, *command])
+            _assert_usage_error(result, fragment)
+        app = _app(real_store.url, exclusive_prefix=real_store.prefix)
+        task = _declare(app, key="{x}")
+        for bad in ("\x00", "\ud800", "x" * 10240, object()):
+            with pytest.raises(InvalidArgumentError):
+                task(bad)
+        with pytest.raises(InvalidArgumentError):
+            _declare(app, ttl=10, refresh_interval=10)(1)
+        _close_app_service(app)
+    assert real_store.written() == []
+
+
+SQL_LOOKING = "'; DROP TABLE x; --"
+VALID_ODD_KEYS = [
+    "🔒",
+    "lock-🚀-👩‍👩‍👧",  # a ZWJ sequence
+    "\u200f\u0645\u0631\u062d\u0628\u0627\u200f",  # RTL marks around Arabic (marhaba)
+    "\u202eevil\u202c",  # a bidi override
+    "e\u0301",  # decomposed é: a different key from the composed one
+    "é",
+    "A",
+    "a",
+    "a%",
+    "a_b",
+    "a!",
+    "ab",
+    "*",
+    "?",
+    "[x]",
+    "\\",
+    "}{",
+    "tab\there",
+    "\tleading tab",  # sorts below a space: MariaDB's LIKE index range missed it
+    "\x01",
+    "\U0010ffff",  # the last code point
+    "new\nline",
+    SQL_LOOKING,
+    "x' OR '1'='1",
+    'x"; DELETE FROM cache_entries; --',
+    "') redis.call('DEL', KEYS[1]) --",
+]
+
+
+def test_odd_but_valid_keys_work_and_drop_nothing(real_store: RealStore) -> None:
+    """Emoji, RTL marks, and SQL-, LIKE- and glob-looking keys are ordinary keys on every store."""
+    sentinel = f"ce_sentinel_{uuid.uuid4().hex[:8]}"
+    engine = real_store.engine
+    if engine is not None:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE TABLE {sentinel} (id INTEGER PRIMARY KEY)"))
+            conn.execute(sa.text(f"INSERT INTO {sentinel} VALUES (1)"))
+    keys = [*VALID_ODD_KEYS, f"'; DROP TABLE {sentinel}; --", f'"; DROP TABLE {sentinel}; --']
+    try:
+        service = real_store.service()
+        leases = {key: service.lock(key) for key in keys}
+        fences = {key: lease.fence for key, lease in leases.items()}
+        for key in keys:
+            info = service.peek(key)
+            assert info is not None, key
+            assert (info.key, info.token) == (key, leases[key].token)
+            listed = [i.key for i in service.locks(key)]
+            assert listed == sorted(k for k in keys if k.startswith(key)), key
+            assert service.try_lock(key) is None
+        assert sorted(i.key for i in service.locks()) == sorted(keys)
+        for key in keys:
+            assert leases[key].release().value == "released"
+        assert service.locks() == []
+        again = service.lock(SQL_LOOKING)
+        assert again.fence > fences[SQL_LOOKING]
+        assert service.force_release(SQL_LOOKING, again.token)
+        if engine is not None:
+            with engine.connect() as conn:
+                assert conn.execute(sa.text(f"SELECT id FROM {sentinel}")).scalars().all() == [1]
+            assert set(sa.inspect(engine).get_table_names()) >= {sentinel}
+    finally:
+        if engine is not None:
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DROP TABLE IF EXISTS {sentinel}"))
+
+
+def test_longest_key_works_and_one_more_character_is_rejected(real_store: RealStore) -> None:
+    """A key of exactly the store's length limit (in 4-byte emoji) works; one more is an argument error."""
+    service = real_store.service()
+    room = service.provider.max_key_length - len(real_store.prefix)
+    longest = "😀" * room
+    with service.lock(longest) as lease:
+        info = service.peek(longest)
+        assert info is not None
+        assert info.token == lease.token
+    with pytest.raises(InvalidArgumentError, match="this store accepts at most"):
+        service.lock(longest + "😀")
+
+
+def test_keys_differing_only_by_trailing_space_are_distinct(real_store: RealStore) -> None:
+    """'job' and 'job ' are two different keys, as on every other store."""
+    if real_store.name == "mariadb":
+        pytest.xfail(
+            "MariaDB's utf8mb4_bin is a PAD SPACE collation: 'job' = 'job ' in the lock table, "
+            "so both names are one lock there (needs a NO PAD collation, e.g. utf8mb4_nopad_bin)"
+        )
+    service = real_store.service()
+    with service.lock("job") as first, service.lock("job ") as second:
+        assert first.fence > 0
+        assert second.fence > 0
+        info = service.peek("job ")
+        assert info is not None
+        assert info.key == "job "
+
+
+# -- credentials ----------------------------------------------------------------------------------
+
+
+def _texts_of(exc: BaseException) -> list[str]:
+    """str and repr of an exception and of every exception chained to it, and its traceback."""
+    texts = ["".join(traceback.format_exception(exc))]
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts += [str(current), repr(current)]
+        current = current.__cause__ or current.__context__
+    return texts
+
+
+def test_credentials_never_appear_in_errors_or_logs(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Failing and erroring operations with a distinctive password never show it, masked or decoded."""
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="celery_exclusive")
+    texts: list[str] = []
+    failing = [
+        *UNREACHABLE.values(),
+        f"postgresql+psycopg://postgres@127.0.0.1:1/x?password={MARKER}",
+        f"postgresql+psycopg://u:{MARKER}%40x%3Ay@127.0.0.1:1/x",  # percent-encoded @ and :
+        f"redis://u:p%40{MARKER}@127.0.0.1:1/0",
+        f"redis://nobody:{MARKER}@127.0.0.1:6379/0",  # reachable: the server refuses the user
+        f"mysql+pymysql://root:{MARKER}@127.0.0.1:3306/test",  # reachable: access denied
+        f"postgresql+psycopg://postgres:{MARKER}@127.0.0.1:5432/ce_no_such_db_{uuid.uuid4().hex[:6]}",
+    ]
+    for url in failing:
+        service = LockService(url, prefix="cred:")
+        texts += [repr(service), repr(service.provider)]
+        for call in (
+            lambda s: s.lock("k"),
+            lambda s: s.try_lock("k"),
+            lambda s: s.run_exclusive("k", _never),
+            lambda s: s.peek("k"),
+            lambda s: s.locks(),
+            lambda s: s.force_release("k", "t"),
+        ):
+            with pytest.raises(BackendError) as raised:
+                call(service)
+            texts += _texts_of(raised.value)
+        service.close()
+        for args in (["show", "k"], ["list"], ["release", "--yes", "k"], ["doctor"], ["doctor", "--json"]):
+            result = _run_cli(["--url", url, *args])
+            texts.append(result.output)
+            assert result.exit_code in (1, 3), result.output
+        app = _app(url)
+        task = _declare(app)
+        with pytest.raises(BackendError) as raised:
+            task()
+        texts += _texts_of(raised.value)
+        texts += [repr(task.lock_settings), repr(ExclusiveSettings(url=url)), repr(get_lock_service(app))]
+        _close_app_service(app)
+    for _, url, _ in BAD_URLS:
+        for build in (provider_from_url, LockService):
+            try:
+                build(url)
+            except ExclusiveError as exc:
+                texts += _texts_of(exc)
+    texts += [caplog.text, *(r.getMessage() for r in caplog.records)]
+    texts += [repr(r.args) for r in caplog.records]
+    leaks = [text for text in texts if MARKER in text]
+    assert not leaks, leaks[0]
+    assert any("***" in text for text in texts)  # the URLs were shown, masked
+
+
+def test_heartbeat_and_release_warnings_never_show_credentials(caplog: pytest.LogCaptureFixture) -> None:
+    """When a held lease's store starts failing, the refresh, LOST and release warnings stay masked."""
+    require_server(POSTGRES_URL)
+    caplog.set_level(logging.DEBUG)
+    table = f"ce_cred_{uuid.uuid4().hex[:10]}"
+    server = sa.make_url(POSTGRES_URL).set(password=MARKER).render_as_string(hide_password=False)
+    engine = sa.create_engine(POSTGRES_URL)
+    service = LockService(f"{server}?ce_table={table}", prefix="cred:")
+    try:
+        lease = service.lock("k", ttl=1.0)
+        with engine.begin() as conn:  # the store breaks under the held lease
+            conn.execute(sa.text(f"DROP TABLE {table}"))
+        time.sleep(1.3)
+        assert lease.lost.is_set()
+        assert lease.release().value == "unknown"
+    finally:
+        service.close()
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+            conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+        engine.dispose()
+    messages = [r.getMessage() for r in caplog.records if r.name == "celery_exclusive"]
+    assert any("could not refresh" in m for m in messages)
+    assert any("LOST" in m for m in messages)
+    assert any("could not release" in m for m in messages)
+    assert MARKER not in caplog.text
+    assert not [m for m in messages if MARKER in m]
