@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +31,7 @@ from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import check_prefix, lease_durations, seconds
+from celery_exclusive.validation import MAX_LIFETIME_CAP, check_prefix, lease_durations, seconds
 
 #: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
 ON_LOCKED_POLICIES = ("skip", "retry", "raise", "rerun")
@@ -201,6 +201,23 @@ def check_task_options(**options: Any) -> None:
                 raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {value!r}")
         else:
             raise InvalidArgumentError(f"unknown per-task lock option {name!r}")
+    durations = {name: seconds(TASK_OPTIONS[name], options[name]) for name in _DURATIONS if options.get(name)}
+    ttl, lifetime, interval = (durations.get(n) for n in ("ttl", "max_lifetime", "refresh_interval"))
+    if lifetime is not None and lifetime > MAX_LIFETIME_CAP:
+        raise InvalidArgumentError(f"max_lifetime is {lifetime:g} s; the hard cap is 24 h")
+    if ttl is not None and lifetime is not None and ttl > lifetime:
+        raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({lifetime:g} s)")
+    if interval is not None and ttl is not None and interval >= ttl:
+        raise InvalidArgumentError(f"refresh_interval ({interval:g} s) must be shorter than ttl ({ttl:g} s)")
+
+
+def check_lock_attributes(names: Iterable[str], known: Iterable[str]) -> None:
+    """Reject ``lock_*`` names that are not lock options: a typo must not be silently ignored."""
+    unknown = sorted(n for n in names if n.startswith("lock_") and n not in set(known))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown lock option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
 
 
 def _parse_env(name: str, env_name: str, raw: str) -> Any:

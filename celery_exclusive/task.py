@@ -43,6 +43,7 @@ import os
 import random
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, NoReturn
@@ -64,7 +65,12 @@ from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
 from celery_exclusive.providers.base import Grant, LockInfo, encode_holder
 from celery_exclusive.service import LockService, new_token
-from celery_exclusive.settings import TASK_OPTIONS, ExclusiveSettings, check_task_options
+from celery_exclusive.settings import (
+    TASK_OPTIONS,
+    ExclusiveSettings,
+    check_lock_attributes,
+    check_task_options,
+)
 from celery_exclusive.validation import check_key
 from celery_exclusive.worker import HOST, app_settings, get_lock_service
 
@@ -150,6 +156,9 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
         # Celery builds a task class per decorated function: reject bad options right here.
         super().__init_subclass__(**kwargs)
         cls._lock_keys = _key_builder_for(cls)
+        # Methods a subclass defines are its own business; data attributes are options.
+        options = [n for n, v in vars(cls).items() if not isinstance(v, _CLASS_MEMBERS)]
+        check_lock_attributes(options, _LOCK_ATTRIBUTES)
         check_task_options(**{name: _raw_attribute(cls, attr) for name, attr in TASK_OPTIONS.items()})
 
     # -- public helpers -------------------------------------------------------------------
@@ -461,6 +470,11 @@ _mixins: dict[type, type] = {}
 _mixins_mutex = threading.Lock()
 
 
+_CLASS_MEMBERS = (types.FunctionType, property, classmethod, staticmethod)
+#: Every ``lock_*`` name a task may carry: the options and ExclusiveTask's own helpers.
+_LOCK_ATTRIBUTES = frozenset(n for n in vars(ExclusiveTask) if n.startswith("lock_"))
+
+
 def exclusive_base(base: type | str | None = None) -> type:
     """``base`` with :class:`ExclusiveTask` mixed in (ExclusiveTask itself for None)."""
     if base is None:
@@ -518,6 +532,7 @@ def exclusive_task(
             raise InvalidArgumentError(f"{name} given twice (once by its short name)")
         if value is not None:
             options[name] = value
+    check_lock_attributes(options, _LOCK_ATTRIBUTES)
     check_task_options(**{name: options.get(attr) for name, attr in TASK_OPTIONS.items()})
     options["base"] = exclusive_base(base)
 
