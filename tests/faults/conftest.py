@@ -1,0 +1,439 @@
+"""Fixtures of the fault-injection suite: private servers, proxies, holder processes, figures.
+
+Every server a fault test restarts, terminates, stalls or flushes is its own (see
+``servers.py``); the machine's shared servers are never touched. A server that cannot be
+started (binary missing) skips its tests locally with the reason and fails them under
+``CI=true``. ``CE_LONG=1`` makes each test inject more faults, for longer.
+
+All timing is measured with this process's ``time.monotonic``; holder processes report
+events over a pipe and are timed when their line arrives (which is never early).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_exclusive import BackendError, Lease, LockService, signals
+from tests.faults.servers import PrivatePostgres, PrivateRedis, ServerUnavailable, TcpProxy, postgres_bindir
+
+ROOT = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+#: Long mode: more faults per test, longer holds. Short mode is what CI runs.
+LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
+#: Scheduling slack allowed on top of a bound that the design promises (noisy 2-core CI).
+SLACK = 0.75
+
+
+def unavailable(reason: str) -> None:
+    """Skip (locally) or fail (under CI=true) because a private server cannot run."""
+    if IN_CI:
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PrivatePostgres]:
+    """This suite's own PostgreSQL cluster (initdb'd in a temp dir), stopped at session end."""
+    bindir = postgres_bindir()
+    if bindir is None:
+        unavailable("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; set CE_TEST_PG_BIN")
+    assert bindir is not None
+    try:
+        server = PrivatePostgres(bindir).start()
+    except ServerUnavailable as exc:
+        unavailable(f"private PostgreSQL could not start: {exc}")
+        raise
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[PrivateRedis]:
+    """This suite's own redis-server without persistence, stopped at session end."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        unavailable("redis-server not found on PATH")
+    assert binary is not None
+    try:
+        server = PrivateRedis(binary).start()
+    except ServerUnavailable as exc:
+        unavailable(f"private Redis could not start: {exc}")
+        raise
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class Backend:
+    """One private server as a lock store: its URL directly, or through a proxy port."""
+
+    name: str
+    server: PrivatePostgres | PrivateRedis
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def url(self, port: int | None = None, application_name: str = "ce-faults") -> str:
+        """The store URL, to the server itself or to ``port`` (a proxy in front of it)."""
+        port = self.server.port if port is None else port
+        if isinstance(self.server, PrivatePostgres):
+            return PrivatePostgres.url_for(port, application_name)
+        return f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture(params=["postgres", "redis"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each private store in turn."""
+    name: str = request.param
+    fixture = "pg_server" if name == "postgres" else "redis_server"
+    return Backend(name, request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def pg_backend(pg_server: PrivatePostgres) -> Backend:
+    """The private PostgreSQL as a lock store."""
+    return Backend("postgres", pg_server)
+
+
+@pytest.fixture
+def redis_backend(redis_server: PrivateRedis) -> Backend:
+    """The private Redis as a lock store."""
+    return Backend("redis", redis_server)
+
+
+class HolderProcess:
+    """A ``tests.faults._holder`` process: one lease held, commands over a pipe."""
+
+    def __init__(self, config: dict[str, Any], wrapper: list[str], log: Path) -> None:
+        self.log = log
+        self._stderr = log.open("w")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [*wrapper, sys.executable, "-m", "tests.faults._holder", json.dumps(config)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # signals go to the group: a wrapper (faketime) and its child
+        )
+        self.pid = self.proc.pid
+        self._events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
+        self._seen: list[tuple[float, dict[str, Any]]] = []
+        self._reader = threading.Thread(target=self._read, name="ce-fault-holder-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self._events.put((time.monotonic(), json.loads(line)))
+
+    def wait(self, event: str, timeout: float) -> tuple[float, dict[str, Any]]:
+        """The next ``event`` line and when it arrived; fails the test after ``timeout``."""
+        for index, (_at, message) in enumerate(self._seen):
+            if message["event"] == event:
+                return self._seen.pop(index)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                at, message = self._events.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                pytest.fail(
+                    f"holder {self.pid} sent no {event!r} within {timeout} s; stderr:\n{self.stderr()}"
+                )
+            if message["event"] == event:
+                return at, message
+            self._seen.append((at, message))
+
+    def ask(self, command: str, reply: str, timeout: float = 15.0) -> dict[str, Any]:
+        """Send ``command`` and return its ``reply`` event."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.wait(reply, timeout)[1]
+
+    def signal(self, sig: signal.Signals) -> float:
+        """Send ``sig`` to the holder's process group; returns when it was sent."""
+        os.killpg(self.pid, sig)
+        return time.monotonic()
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        """Kill its process group (after SIGCONT, in case it is stopped), reap, close every pipe."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGCONT)
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait(15)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        self._reader.join(5)
+        self._stderr.close()
+
+
+@dataclass
+class Attempt:
+    """One competitor try: when it was sent and answered, and what came of it."""
+
+    sent: float
+    answered: float
+    outcome: str  # "granted", "held" or "error"
+    lease: Lease | None = None
+
+
+@dataclass
+class Competitor:
+    """A thread that keeps trying to take ``key`` and records every attempt.
+
+    It holds what it gets until ``stop()``; ``first_grant`` is its first success.
+    """
+
+    service: LockService
+    key: str
+    interval: float = 0.02
+    attempts: list[Attempt] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Competitor:
+        self._thread = threading.Thread(target=self._run, name="ce-fault-competitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                lease = self.service.try_lock(self.key)
+            except BackendError:
+                self.attempts.append(Attempt(sent, time.monotonic(), "error"))
+            else:
+                answered = time.monotonic()
+                if lease is not None:
+                    self.attempts.append(Attempt(sent, answered, "granted", lease))
+                    return
+                self.attempts.append(Attempt(sent, answered, "held"))
+            self._stop.wait(self.interval)
+
+    @property
+    def first_grant(self) -> Attempt | None:
+        return next((a for a in self.attempts if a.outcome == "granted"), None)
+
+    def wait_grant(self, timeout: float) -> Attempt | None:
+        """Wait until the competitor got the key (or ``timeout``); its winning attempt."""
+        assert self._thread is not None
+        self._thread.join(timeout)
+        return self.first_grant
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for a in self.attempts if a.outcome == outcome)
+
+
+class Faults:
+    """Per-test harness: services, proxies, holder processes and competitors, all torn down."""
+
+    def __init__(self, tmp: Path, figures: list[dict[str, Any]], test: str) -> None:
+        self.prefix = f"f{uuid.uuid4().hex[:10]}:"
+        self.tmp = tmp
+        self.test = test
+        self._figures = figures
+        self._services: list[LockService] = []
+        self._proxies: list[TcpProxy] = []
+        self._holders: list[HolderProcess] = []
+        self._competitors: list[Competitor] = []
+        self._logs: list[RefreshLog] = []
+
+    def service(self, url: str, **kwargs: Any) -> LockService:
+        """A LockService on ``url`` with this test's prefix, closed in teardown."""
+        kwargs.setdefault("prefix", self.prefix)
+        service = LockService(url, **kwargs)
+        self._services.append(service)
+        return service
+
+    def proxy(self, upstream_port: int) -> TcpProxy:
+        """A stall/resume/cut proxy in front of ``upstream_port``, closed in teardown."""
+        proxy = TcpProxy(upstream_port)
+        self._proxies.append(proxy)
+        return proxy
+
+    def holder(
+        self,
+        url: str,
+        key: str,
+        *,
+        ttl: float,
+        refresh_interval: float | None = None,
+        wrapper: list[str] | None = None,
+        skew: float = 0.0,
+    ) -> HolderProcess:
+        """Start a holder process for ``key`` (see ``_holder.py``), killed in teardown."""
+        config = {
+            "url": url,
+            "prefix": self.prefix,
+            "key": key,
+            "ttl": ttl,
+            "refresh_interval": refresh_interval,
+            "skew": skew,
+        }
+        log = self.tmp / f"holder-{len(self._holders)}.log"
+        holder = HolderProcess(config, wrapper or [], log)
+        self._holders.append(holder)
+        return holder
+
+    def competitor(self, service: LockService, key: str, interval: float = 0.02) -> Competitor:
+        """A started competitor thread for ``key``; stopped in teardown."""
+        competitor = Competitor(service, key, interval).start()
+        self._competitors.append(competitor)
+        return competitor
+
+    def refresh_log(self, service: LockService) -> RefreshLog:
+        """Record ``service``'s refreshes (signals disconnected in teardown)."""
+        log = RefreshLog(service)
+        self._logs.append(log)
+        return log
+
+    def record(self, **figures: Any) -> None:
+        """Keep measured figures for the summary printed after the run (and docs/faults.md)."""
+        self._figures.append({"test": self.test, **figures})
+
+    def teardown(self) -> None:
+        for proxy in self._proxies:
+            with contextlib.suppress(Exception):
+                proxy.resume()  # nothing may stay blocked behind a stalled proxy
+        for competitor in self._competitors:
+            competitor.stop()
+        for holder in self._holders:
+            holder.close()
+        for log in self._logs:
+            log.close()
+        for service in self._services:
+            with contextlib.suppress(Exception):
+                service.close(release=True)
+        for proxy in self._proxies:
+            proxy.close()
+
+
+_FIGURES: list[dict[str, Any]] = []
+
+
+@pytest.fixture
+def faults(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Faults]:
+    """The per-test fault harness; everything it started is stopped afterwards."""
+    harness = Faults(tmp_path, _FIGURES, request.node.name)
+    try:
+        yield harness
+    finally:
+        harness.teardown()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.01) -> bool:
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+@dataclass
+class RefreshLog:
+    """Every refresh the heartbeat of ``service`` confirmed or failed, timed on our clock."""
+
+    service: LockService
+    confirmed: list[tuple[float, int]] = field(default_factory=list)  # (when, leases confirmed)
+    failed: list[tuple[float, str]] = field(default_factory=list)  # (when, error)
+
+    def __post_init__(self) -> None:
+        signals.lock_refreshed.connect(self._refreshed, sender=self.service, weak=False)
+        signals.refresh_failed.connect(self._failed, sender=self.service, weak=False)
+
+    def _refreshed(self, sender: object = None, leases: list[Lease] = (), **_: Any) -> None:  # type: ignore[assignment]
+        self.confirmed.append((time.monotonic(), len(leases)))
+
+    def _failed(self, sender: object = None, error: object = None, **_: Any) -> None:
+        self.failed.append((time.monotonic(), f"{type(error).__name__}: {error}"))
+
+    def confirmed_since(self, since: float, leases: int) -> bool:
+        """True once one refresh after ``since`` confirmed ``leases`` leases (or more)."""
+        return any(at > since and n >= leases for at, n in self.confirmed)
+
+    def close(self) -> None:
+        signals.lock_refreshed.disconnect(self._refreshed, sender=self.service)
+        signals.refresh_failed.disconnect(self._failed, sender=self.service)
+
+
+def warm_pool(service: LockService, connections: int = 4) -> None:
+    """Fill an SQL provider's pool with ``connections`` open connections (no-op for Redis),
+    so that a fault leaves several stale ones behind."""
+    engine = getattr(service.provider, "_engine", None)
+    if engine is None:
+        return
+    held = [engine.raw_connection() for _ in range(connections)]
+    for conn in held:
+        conn.close()
+
+
+def failures_before_success(call: Callable[[], object], attempts: int = 100) -> int:
+    """Call ``call`` until it does not raise BackendError; how many times it did."""
+    for failures in range(attempts):
+        try:
+            call()
+        except BackendError:
+            time.sleep(0.05)
+            continue
+        return failures
+    pytest.fail(f"still failing after {attempts} attempts")
+
+
+def faketime_wrapper(offset: str) -> list[str] | None:
+    """The command prefix that runs a program with its wall clock shifted by ``offset``
+    (libfaketime syntax, e.g. ``+1h``), monotonic clock untouched; None if not installed."""
+    binary = shutil.which("faketime")
+    return None if binary is None else [binary, "--exclude-monotonic", "-f", offset]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print the figures the fault tests measured (CE_FAULTS_REPORT=path also saves them)."""
+    if not _FIGURES:
+        return
+    terminalreporter.section("fault-injection figures")
+    for row in _FIGURES:
+        terminalreporter.write_line(json.dumps(row, default=str))
+    target = os.environ.get("CE_FAULTS_REPORT")
+    if target:
+        Path(target).write_text("".join(json.dumps(row, default=str) + "\n" for row in _FIGURES))

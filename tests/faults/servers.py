@@ -1,0 +1,503 @@
+"""Private servers and a controllable loopback TCP proxy for the fault-injection suite.
+
+Every server here is this suite's own: a PostgreSQL cluster made by ``initdb`` in a fresh
+temporary directory (trust auth, ``fsync=off``) and a Redis without persistence, each on a
+free loopback port, so that restarting, terminating or flushing them never touches the
+machine's shared servers. :class:`TcpProxy` sits between a lock service and a server and
+can stall, resume or cut the traffic. Callers stop everything they start (the fixtures in
+``conftest.py`` do it in teardown); an ``atexit`` hook is the last resort.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pwd
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+#: Everything started here and not yet stopped, stopped at interpreter exit at the latest.
+_RUNNING: set[PrivatePostgres | PrivateRedis | TcpProxy] = set()
+
+
+class ServerUnavailable(RuntimeError):
+    """A private server could not be started (binary missing, or it failed to come up)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """True if something accepts TCP connections on ``host:port``."""
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def postgres_bindir() -> Path | None:
+    """The directory holding PostgreSQL's server binaries, or None if none is installed.
+
+    ``CE_TEST_PG_BIN`` decides if set; else the newest ``/usr/lib/postgresql/*/bin``, else
+    the directory of ``pg_ctl`` on PATH.
+    """
+    explicit = os.environ.get("CE_TEST_PG_BIN")
+    if explicit:
+        chosen = Path(explicit)
+        return chosen if all((chosen / t).is_file() for t in ("initdb", "pg_ctl", "postgres")) else None
+    candidates: list[Path] = []
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    candidates += versions
+    on_path = shutil.which("pg_ctl")
+    if on_path:
+        candidates.append(Path(on_path).parent)
+    for candidate in candidates:
+        if all((candidate / tool).is_file() for tool in ("initdb", "pg_ctl", "postgres")):
+            return candidate
+    return None
+
+
+class PrivatePostgres:
+    """A throwaway PostgreSQL cluster on a free loopback port.
+
+    Runs as the ``postgres`` OS user when this process is root (the server refuses root).
+    ``restart()`` and ``admin()`` act on this cluster only.
+    """
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.port = 0
+        self.root = Path(tempfile.mkdtemp(prefix="ce-faults-pg-"))
+        self.data = self.root / "data"
+        self.log = self.root / "server.log"
+        self._user: str | None = None
+        if os.geteuid() == 0:
+            try:
+                entry = pwd.getpwnam("postgres")
+            except KeyError:
+                shutil.rmtree(self.root, ignore_errors=True)
+                raise ServerUnavailable("running as root and there is no 'postgres' OS user") from None
+            self._user = entry.pw_name
+            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+
+    def __repr__(self) -> str:
+        return f"<PrivatePostgres 127.0.0.1:{self.port} {self.data}>"
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL of the cluster's ``postgres`` database, straight to the server."""
+        return self.url_for(self.port)
+
+    @staticmethod
+    def url_for(port: int, application_name: str = "celery-exclusive-faults") -> str:
+        """SQLAlchemy URL of a cluster (or a proxy in front of one) on ``port``."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres?application_name={application_name}"
+
+    def _run(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            list(args),
+            cwd=self.root,  # the postgres user must be able to read its working directory
+            user=self._user,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def _ctl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), *args, timeout=timeout)
+
+    def start(self) -> PrivatePostgres:
+        """initdb, then start on a free port; ServerUnavailable if it cannot."""
+        made = self._run(
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+            "--no-instructions",
+        )
+        if made.returncode != 0:
+            self.stop()
+            raise ServerUnavailable(f"initdb failed: {made.stderr.strip()[-500:]}")
+        settings = {
+            "listen_addresses": "'127.0.0.1'",
+            "unix_socket_directories": f"'{self.root}'",
+            "fsync": "off",
+            "synchronous_commit": "off",
+            "full_page_writes": "off",
+            "max_connections": "60",
+            "shared_buffers": "16MB",
+            "log_min_messages": "warning",
+        }
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
+        _RUNNING.add(self)
+        for _ in range(5):  # a port picked free may be taken before the server binds it
+            self.port = free_port()
+            self._set_port()
+            started = self._ctl("start", "-w", "-t", "60", "-l", str(self.log))
+            if started.returncode == 0:
+                return self
+        tail = self.log.read_text(errors="replace")[-800:] if self.log.exists() else started.stderr
+        self.stop()
+        raise ServerUnavailable(f"PostgreSQL did not start: {tail.strip()}")
+
+    def _set_port(self) -> None:
+        (self.data / "postgresql.auto.conf").write_text(f"port = {self.port}\n")
+        if self._user is not None:
+            entry = pwd.getpwnam(self._user)
+            os.chown(self.data / "postgresql.auto.conf", entry.pw_uid, entry.pw_gid)
+
+    def restart(self, mode: str = "fast") -> float:
+        """``pg_ctl restart -m mode`` (waits until it accepts connections); seconds it took."""
+        began = time.monotonic()
+        done = self._ctl("restart", "-m", mode, "-w", "-t", "60", "-l", str(self.log))
+        if done.returncode != 0:
+            raise ServerUnavailable(f"pg_ctl restart failed: {done.stderr.strip()[-500:]}")
+        return time.monotonic() - began
+
+    def admin(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        """Run one statement on a fresh superuser connection; its rows (empty if none)."""
+        import psycopg
+
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
+            cursor = conn.execute(sql, params)
+            return list(cursor.fetchall()) if cursor.description else []
+
+    def terminate(self, application_name: str) -> int:
+        """``pg_terminate_backend`` every session of ``application_name``; how many there were."""
+        rows = self.admin(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        )
+        return len(rows)
+
+    def _postmaster_pid(self) -> int | None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int((self.data / "postmaster.pid").read_text().splitlines()[0])
+        return None
+
+    def stop(self) -> None:
+        """Stop the server (immediate mode) and delete its directory; safe to call twice."""
+        if self.data.exists():
+            stopped = self._ctl("stop", "-m", "immediate", "-w", "-t", "30")
+            pid = self._postmaster_pid()
+            if stopped.returncode != 0 and pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                for _ in range(100):
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.05)
+        shutil.rmtree(self.root, ignore_errors=True)
+        _RUNNING.discard(self)
+
+
+class PrivateRedis:
+    """A throwaway redis-server (no RDB, no AOF) on a free loopback port, as a child process."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = 0
+        self.root = Path(tempfile.mkdtemp(prefix="ce-faults-redis-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"<PrivateRedis 127.0.0.1:{self.port}>"
+
+    @property
+    def url(self) -> str:
+        """URL of this server, straight (not through a proxy)."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _spawn(self) -> bool:
+        self._proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.root),
+                "--logfile",
+                str(self.root / "server.log"),
+                "--protected-mode",
+                "no",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                self._proc = None
+                return False
+            if self.ping():
+                return True
+            time.sleep(0.02)
+        self._kill()
+        return False
+
+    def start(self) -> PrivateRedis:
+        """Start on a free port; ServerUnavailable if it does not answer PING."""
+        _RUNNING.add(self)
+        for _ in range(5):
+            self.port = free_port()
+            if self._spawn():
+                return self
+        self.stop()
+        raise ServerUnavailable(f"redis-server did not start on 127.0.0.1 (log in {self.root})")
+
+    def ping(self) -> bool:
+        """True if the server answers PING."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def restart(self) -> tuple[float, float]:
+        """Stop (SIGTERM: no save, there is no persistence) and start again on the same port.
+
+        Returns (when it was down, when it answered again) on this process's monotonic clock.
+        """
+        self._kill(signal.SIGTERM)
+        down = time.monotonic()
+        if not self._spawn():
+            raise ServerUnavailable(f"redis-server did not come back on port {self.port}")
+        return down, time.monotonic()
+
+    def command(self, *args: str) -> object:
+        """Send one command on a fresh connection; its reply."""
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        try:
+            return client.execute_command(*args)
+        finally:
+            client.close()
+
+    def _kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def stop(self) -> None:
+        """Stop the server and delete its directory; safe to call twice."""
+        self._kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+        _RUNNING.discard(self)
+
+
+class TcpProxy:
+    """A loopback TCP relay to ``upstream`` that a test can stall, resume and cut.
+
+    ``stall()`` stops relaying in both directions: bytes already sent wait in the kernel's
+    buffers (the peers' TCP sees nothing wrong, exactly like a silent network) and new
+    connections are accepted but get no answer. ``resume()`` lets everything through again,
+    in order. ``cut()`` resets every open connection (RST to both sides); new ones work.
+    One selector thread does all the relaying.
+    """
+
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self.port = int(self._listener.getsockname()[1])
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._peers: dict[socket.socket, socket.socket] = {}
+        self._flowing = True
+        self._closing = False
+        self._requests: list[tuple[str, threading.Event]] = []
+        self._lock = threading.Lock()
+        self.connections = 0  # accepted so far
+        self._thread = threading.Thread(target=self._loop, name="ce-fault-proxy", daemon=True)
+        _RUNNING.add(self)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<TcpProxy 127.0.0.1:{self.port} -> {self.upstream[0]}:{self.upstream[1]}>"
+
+    def _ask(self, what: str) -> None:
+        done = threading.Event()
+        with self._lock:
+            self._requests.append((what, done))
+        self._wake_w.send(b"x")
+        if not done.wait(10):
+            raise RuntimeError(f"proxy did not {what} within 10 s")
+
+    def stall(self) -> None:
+        """Stop relaying (both directions, every connection, new ones too) until resume()."""
+        self._ask("stall")
+
+    def resume(self) -> None:
+        """Relay again; what was held back is delivered in order."""
+        self._ask("resume")
+
+    def cut(self) -> int:
+        """Reset every open connection; returns how many there were."""
+        before = len(self._peers) // 2
+        self._ask("cut")
+        return before
+
+    def close(self) -> None:
+        """Stop the relay thread and close every socket; safe to call twice."""
+        if not self._thread.is_alive():
+            _RUNNING.discard(self)
+            return
+        self._ask("close")
+        self._thread.join(10)
+        _RUNNING.discard(self)
+
+    # -- the relay thread -----------------------------------------------------------
+
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._closing:
+                for key, _ in selector.select(timeout=0.5):
+                    sock = key.fileobj
+                    if sock is self._wake_r:
+                        self._handle_requests(selector)
+                    elif sock is self._listener:
+                        self._accept(selector)
+                    elif self._flowing and sock in self._peers:
+                        self._relay(selector, sock)  # type: ignore[arg-type]
+        finally:
+            for sock in list(self._peers):
+                self._drop(selector, sock, reset=True)
+            selector.close()
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                sock.close()
+
+    def _handle_requests(self, selector: selectors.BaseSelector) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_r.recv(4096)
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for what, done in requests:
+            if what == "stall":
+                self._flowing = False
+                for sock in self._peers:
+                    selector.unregister(sock)
+            elif what == "resume":
+                if not self._flowing:
+                    self._flowing = True
+                    for sock in self._peers:
+                        selector.register(sock, selectors.EVENT_READ)
+            elif what == "cut":
+                for sock in list(self._peers):
+                    self._drop(selector, sock, reset=True)
+            elif what == "close":
+                self._closing = True
+            done.set()
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=5)
+        except OSError:
+            self._reset(client)
+            return
+        self.connections += 1
+        for sock in (client, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(5)  # sendall to a peer that stopped reading must not wedge the relay
+        self._peers[client], self._peers[upstream] = upstream, client
+        if self._flowing:
+            selector.register(client, selectors.EVENT_READ)
+            selector.register(upstream, selectors.EVENT_READ)
+
+    def _relay(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
+        peer = self._peers[sock]
+        try:
+            data = sock.recv(65536)
+            if data:
+                peer.sendall(data)
+                return
+        except OSError:
+            self._drop(selector, sock, reset=True)
+            return
+        self._drop(selector, sock, reset=False)  # orderly EOF: close both sides
+
+    @staticmethod
+    def _reset(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+    def _drop(self, selector: selectors.BaseSelector, sock: socket.socket, *, reset: bool) -> None:
+        peer = self._peers.pop(sock, None)
+        for each in (sock, peer):
+            if each is None:
+                continue
+            self._peers.pop(each, None)
+            if self._flowing:
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(each)
+            if reset:
+                self._reset(each)
+            else:
+                each.close()
+
+
+def stop_everything() -> None:
+    """Stop every server and proxy still running (the atexit safety net)."""
+    for thing in list(_RUNNING):
+        with contextlib.suppress(Exception):
+            thing.close() if isinstance(thing, TcpProxy) else thing.stop()
+
+
+atexit.register(stop_everything)

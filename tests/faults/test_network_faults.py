@@ -1,0 +1,162 @@
+"""Network faults between a holder and its store, injected by a loopback proxy.
+
+The holder's service reaches the private store through :class:`TcpProxy`; competitors
+connect directly, so they see the store as it is. A stall is silence (bytes wait in
+kernel buffers, no error reaches either side); a cut resets every connection.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from celery_exclusive import LeaseState, ReleaseOutcome
+from celery_exclusive.lease import safety_margin
+from tests.faults.conftest import (
+    LONG,
+    SLACK,
+    Backend,
+    Faults,
+    failures_before_success,
+    wait_until,
+    warm_pool,
+)
+
+pytestmark = pytest.mark.slow
+
+KEY = "job"
+TTL = 2.0
+INTERVAL = 0.5
+MARGIN = safety_margin(TTL)
+#: Longest stall a lease always survives: a refresh may be due just as it starts, and the
+#: lease must still be confirmed before its local deadline.
+BUDGET = TTL - MARGIN - INTERVAL
+
+
+def test_short_stalls_keep_the_lease(backend: Backend, faults: Faults) -> None:
+    """Stalls shorter than the lease's slack leave it HELD, the heartbeat alive, the key to nobody else."""
+    proxy = faults.proxy(backend.port)
+    holder = faults.service(
+        backend.url(proxy.port, application_name="ce-holder"), ttl=TTL, refresh_interval=INTERVAL
+    )
+    lease = holder.lock(KEY)
+    lost: list[str] = []
+    lease.on_lost(lambda _lease, reason: lost.append(reason))
+    refreshes = faults.refresh_log(holder)
+    rival = faults.service(backend.url(application_name="ce-competitor"))
+    competitor = faults.competitor(rival, KEY, interval=0.05)
+    stalls = [0.75 * MARGIN, 0.5 * BUDGET]
+    if LONG:
+        stalls += [random.uniform(0.05, 0.6 * BUDGET) for _ in range(20)]
+    for stall in stalls:
+        time.sleep(random.uniform(0, INTERVAL))
+        proxy.stall()
+        time.sleep(stall)
+        proxy.resume()
+        resumed = time.monotonic()
+        assert wait_until(lambda resumed=resumed: refreshes.confirmed_since(resumed, 1), INTERVAL + SLACK), (
+            "the lease was not refreshed after the stall"
+        )
+        assert lease.state is LeaseState.HELD
+        assert holder.heartbeat.running
+    competitor.stop()
+    assert not lost, lost
+    assert competitor.first_grant is None, "a competitor got the key during a short stall"
+    assert lease.release() is ReleaseOutcome.RELEASED
+    faults.record(
+        store=backend.name,
+        stalls=len(stalls),
+        longest_stall_s=round(max(stalls), 3),
+        refresh_failures=len(refreshes.failed),
+        competitor_attempts=len(competitor.attempts),
+        violations=0,
+    )
+
+
+def test_long_stall_loses_before_competitor_acquires(backend: Backend, faults: Faults) -> None:
+    """In a stall longer than the ttl, the holder learns LOST before a direct competitor gets the key."""
+    proxy = faults.proxy(backend.port)
+    holder = faults.service(
+        backend.url(proxy.port, application_name="ce-holder"), ttl=TTL, refresh_interval=INTERVAL
+    )
+    rival = faults.service(backend.url(application_name="ce-competitor"))
+    rounds = 5 if LONG else 1
+    figures = []
+    for round_no in range(rounds):
+        key = f"{KEY}-{round_no}"
+        lease = holder.lock(key)
+        lost_at: list[float] = []
+        # Nobody polls lease.state here: only the heartbeat can report the loss.
+        lease.on_lost(lambda _lease, _reason, lost_at=lost_at: lost_at.append(time.monotonic()))
+        competitor = faults.competitor(rival, key, interval=0.01)
+        time.sleep(random.uniform(INTERVAL, 2 * INTERVAL))
+        stalled = time.monotonic()
+        proxy.stall()
+        grant = competitor.wait_grant(TTL + 10)
+        assert grant is not None, "the stalled holder's lease never expired"
+        assert lost_at, "the competitor got the key and the holder still does not know it lost it"
+        assert lost_at[0] < grant.answered, "the holder learned LOST only after the competitor got the key"
+        assert lease.lost.is_set()
+        proxy.resume()
+        assert lease.state is LeaseState.LOST
+        assert lease.release() is ReleaseOutcome.NOT_OWNED
+        assert grant.lease is not None
+        live = rival.peek(key)
+        assert live is not None
+        assert live.token == grant.lease.token
+        assert grant.lease.fence > lease.fence
+        assert holder.heartbeat.running or not holder.held()
+        grant.lease.release()
+        figures.append(
+            {
+                "stall_to_lost_s": round(lost_at[0] - stalled, 3),
+                "lost_to_grant_s": round(grant.answered - lost_at[0], 3),
+                "lost_to_grant_sent_s": round(grant.sent - lost_at[0], 3),
+            }
+        )
+    faults.record(store=backend.name, ttl=TTL, margin=MARGIN, stalls=rounds, rounds=figures, violations=0)
+
+
+def test_cut_connections_reconnect(backend: Backend, faults: Faults) -> None:
+    """After every connection is reset, the heartbeat and callers reconnect at once; no lease is lost."""
+    proxy = faults.proxy(backend.port)
+    holder = faults.service(
+        backend.url(proxy.port, application_name="ce-holder"), ttl=TTL, refresh_interval=INTERVAL
+    )
+    leases = [holder.lock(f"{KEY}-{i}") for i in range(3)]
+    lost: list[str] = []
+    for lease in leases:
+        lease.on_lost(lambda lease, reason: lost.append(f"{lease.key}: {reason}"))
+    refreshes = faults.refresh_log(holder)
+    rival = faults.service(backend.url(application_name="ce-competitor"))
+    competitors = [faults.competitor(rival, lease.key, interval=0.05) for lease in leases]
+    cuts = 20 if LONG else 3
+    reset, call_failures = 0, []
+    for cut_no in range(cuts):
+        warm_pool(holder)
+        time.sleep(random.uniform(0, INTERVAL))
+        reset += proxy.cut()
+        cut_at = time.monotonic()
+        # An acquisition right after the cut succeeds: its one same-token retry suffices.
+        extra = holder.lock(f"extra-{cut_no}")
+        call_failures.append(failures_before_success(lambda: holder.peek(leases[0].key)))
+        assert call_failures[-1] == 0
+        assert extra.release() is ReleaseOutcome.RELEASED
+        assert wait_until(
+            lambda cut_at=cut_at: refreshes.confirmed_since(cut_at, len(leases)), INTERVAL + SLACK
+        ), "the heartbeat did not confirm the leases after the cut"
+    for competitor in competitors:
+        competitor.stop()
+    assert not lost, lost
+    assert all(lease.state is LeaseState.HELD for lease in leases)
+    assert holder.heartbeat.running
+    assert all(c.first_grant is None for c in competitors), "a competitor got a held key"
+    faults.record(
+        store=backend.name,
+        cuts=cuts,
+        connections_reset=reset,
+        refresh_failures=len(refreshes.failed),
+        violations=0,
+    )
