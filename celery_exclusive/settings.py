@@ -36,7 +36,7 @@ from celery_exclusive.validation import MAX_LIFETIME_CAP, check_prefix, lease_du
 #: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
 ON_LOCKED_POLICIES = ("skip", "retry", "raise", "rerun")
 #: What a task does when its lease is lost while it runs.
-ON_LOST_POLICIES = ("log", "raise")
+ON_LOST_POLICIES = ("log", "raise", "terminate")
 
 DEFAULT_ON_LOCKED = "skip"
 DEFAULT_ON_LOST = "log"

@@ -30,13 +30,16 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
 Inside the body, ``self.lock`` (``bind=True``) is the current :class:`Lease`: read
 ``self.lock.fence``, call ``self.lock.check()``. If the lease is lost while the body runs,
 ``lock_on_lost="log"`` logs a WARNING; ``"raise"`` makes ``check()`` raise and fails the
-run with :class:`LockLost` instead of returning its result. ``self.retry()`` releases the
+run with :class:`LockLost` instead of returning its result; ``"terminate"`` interrupts the
+running body as soon as the loss is known (at its next Python bytecode; a blocking C call
+finishes first) and fails the run with :class:`LockLost`. ``self.retry()`` releases the
 lock before the retry is sent. Every run (including an ``acks_late`` redelivery with the
 same task id) acquires with a fresh token: a dead run's lock never lets a new run in.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import json
 import os
@@ -283,9 +286,24 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
                 reason,
             )
         )
+        interrupter = None
+        if self.lock_settings.on_lost == "terminate":
+            interrupter = _Interrupter(threading.get_ident())
+            lease.on_lost(interrupter.fire)
         _running.stack.append((self, lease))
         try:
-            result = super().__call__(*args, **kwargs)
+            try:
+                result = super().__call__(*args, **kwargs)
+            finally:
+                if interrupter is not None:
+                    interrupter.disarm()
+        except _LeaseLostInterrupt:
+            self._finish(lease, retrying=False)
+            raise LockLost(
+                lease.key,
+                lease.fence,
+                "the lease was lost while the task ran, so it was interrupted (lock_on_lost='terminate')",
+            ) from None
         except BaseException as exc:
             self._finish(lease, retrying=isinstance(exc, Retry))
             raise
@@ -468,6 +486,50 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
 
 _mixins: dict[type, type] = {}
 _mixins_mutex = threading.Lock()
+
+
+class _LeaseLostInterrupt(BaseException):
+    """Raised inside a task whose lease was lost under ``lock_on_lost="terminate"``.
+
+    A BaseException, like KeyboardInterrupt, so a task's ``except Exception`` cannot
+    swallow it; the task's caller sees :class:`LockLost` instead.
+    """
+
+
+class _Interrupter:
+    """Raises _LeaseLostInterrupt in one thread, only while armed (the task body runs).
+
+    CPython delivers it at the thread's next bytecode: pure-Python work stops at once, a
+    blocking C call (a socket read, ``time.sleep``) first runs to its end.
+    """
+
+    def __init__(self, thread_id: int) -> None:
+        self._thread_id = thread_id
+        self._mutex = threading.Lock()
+        self._armed = True
+        self._fired = False
+
+    def fire(self, lease: Lease, reason: str) -> None:
+        with self._mutex:
+            if self._armed:
+                self._armed = False
+                self._fired = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self._thread_id), ctypes.py_object(_LeaseLostInterrupt)
+                )
+
+    def disarm(self) -> None:
+        """Called in the task's thread when the body ends; raises if the lease was lost.
+
+        An interrupt sent but not yet delivered is cancelled and raised here instead, so it
+        can never surface later in unrelated code.
+        """
+        with self._mutex:
+            fired = self._fired
+            self._armed = False
+        if fired:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
+            raise _LeaseLostInterrupt
 
 
 _CLASS_MEMBERS = (types.FunctionType, property, classmethod, staticmethod)

@@ -6,6 +6,7 @@ store (``get_lock_service(app)``) that the tasks use.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -123,6 +124,18 @@ def lost_raise_task(self: Any, n: str, call_check: bool) -> str:
     lease.lost.wait(10)
     if call_check:
         self.lock.check()
+    return "returned"
+
+
+@exclusive_task(app=app, key="lost-terminate:{n}", ttl=1.0, on_lost="terminate", bind=True)
+def lost_terminate_task(self: Any, n: str) -> str:
+    """Works in short steps for up to 10 s without ever checking its lease."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        # The interrupt is no Exception, so even a task that suppresses them all stops.
+        with contextlib.suppress(Exception):
+            time.sleep(0.01)
+    executed("lost-terminate", n)
     return "returned"
 
 
@@ -378,6 +391,19 @@ def test_on_lost_raise_fails_the_run_with_lock_lost(locks: LockService, call_che
     assert locks.force_release(f"lost-raise:{n}", info.token)
     with pytest.raises(LockLost, match=f"lost-raise:{n}"):
         result.get(timeout=10, interval=0.01)
+
+
+def test_on_lost_terminate_interrupts_the_running_body(locks: LockService) -> None:
+    """lock_on_lost='terminate': losing the lease stops the body at once; the run fails with LockLost."""
+    n = uid()
+    result = lost_terminate_task.delay(n)
+    info = wait_held(locks, f"lost-terminate:{n}")
+    lost_at = time.monotonic()
+    assert locks.force_release(f"lost-terminate:{n}", info.token)
+    with pytest.raises(LockLost, match="interrupted"):
+        result.get(timeout=10, interval=0.01)
+    assert time.monotonic() - lost_at < 3.0
+    assert ran("lost-terminate", n) == 0
 
 
 def test_on_lost_log_warns_and_keeps_the_result(
