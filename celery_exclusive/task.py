@@ -214,7 +214,9 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
             try:
                 lease = self._acquire(service, settings, key)
             except LockedError as locked:
-                if settings.on_locked == "retry" and inline:
+                if inline and (
+                    settings.on_locked == "retry" or _waits_for(settings.on_locked, locked.holder)
+                ):
                     # No message to re-send (direct call, eager): wait here instead.
                     self._check_lock_retries(key, locked.holder, attempt, settings)
                     time.sleep(self._next_countdown(key, locked.holder, attempt, settings))
@@ -263,6 +265,8 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
         holder = {"host": HOST, "pid": os.getpid(), "task_name": self.name, "task_id": request.id}
         if request.hostname:
             holder["worker"] = request.hostname
+        if self.lock_settings.on_locked == "rerun":
+            holder[HANDS_ON_RERUNS] = True
         return holder
 
     def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease:
@@ -342,7 +346,7 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
             return self._skipped(key, holder, coalesced=False)
         if policy == "raise":
             raise LockedError(key, holder)
-        if policy == "retry":
+        if policy == "retry" or _waits_for(policy, holder):
             self._retry_for_lock(key, holder, args, kwargs)
         return self._coalesce(key, holder, args, kwargs)
 
@@ -486,6 +490,20 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
 
 _mixins: dict[type, type] = {}
 _mixins_mutex = threading.Lock()
+
+
+#: Holder metadata flag of runs that send a pending rerun when they finish.
+HANDS_ON_RERUNS = "hands_on_reruns"
+
+
+def _waits_for(policy: object, holder: LockInfo | None) -> bool:
+    """True when a "rerun" request must wait its turn instead of coalescing.
+
+    Only holders with the rerun policy send the recorded rerun when they finish; behind any
+    other holder (a "skip" or "retry" task on the same key) a coalesced request would wait
+    for some later rerun-policy run, or forever. So it waits like "retry": never lost.
+    """
+    return policy == "rerun" and holder is not None and not holder.holder.get(HANDS_ON_RERUNS)
 
 
 class _LeaseLostInterrupt(BaseException):

@@ -23,7 +23,13 @@ from celery_exclusive import signals
 from celery_exclusive.errors import LockedError, LockLost, LockRetriesExceeded
 from celery_exclusive.lease import Lease
 from celery_exclusive.service import LockService
-from celery_exclusive.task import LOCK_RETRIES_HEADER, ExclusiveTask, exclusive_task, is_skipped
+from celery_exclusive.task import (
+    HANDS_ON_RERUNS,
+    LOCK_RETRIES_HEADER,
+    ExclusiveTask,
+    exclusive_task,
+    is_skipped,
+)
 from celery_exclusive.worker import get_lock_service
 
 app = Celery("ce_embedded", broker="memory://", backend="cache+memory://", set_as_current=False)
@@ -115,6 +121,20 @@ def rerun_task(n: str, tag: str, hold: float = 0.0) -> str:
     executed("rerun", (n, tag))
     time.sleep(hold)
     return tag
+
+
+@exclusive_task(app=app, key="mixed:{n}", on_locked="skip")
+def mixed_holder_task(n: str, hold: float) -> str:
+    """A skip-policy task sharing its key with a rerun-policy one."""
+    time.sleep(hold)
+    return "held"
+
+
+@exclusive_task(app=app, key="mixed:{n}", on_locked="rerun", lock_retry_backoff=0.05)
+def mixed_webhook_task(n: str) -> str:
+    """A rerun-policy task on a key that a skip-policy task may hold."""
+    executed("mixed-webhook", n)
+    return "ran"
 
 
 @exclusive_task(app=app, key="lost-raise:{n}", ttl=1.0, on_lost="raise", bind=True)
@@ -404,6 +424,17 @@ def test_on_lost_terminate_interrupts_the_running_body(locks: LockService) -> No
         result.get(timeout=10, interval=0.01)
     assert time.monotonic() - lost_at < 3.0
     assert ran("lost-terminate", n) == 0
+
+
+def test_rerun_behind_a_holder_of_another_policy_waits_and_runs(locks: LockService) -> None:
+    """A rerun request behind a holder that sends no reruns waits its turn instead of being lost."""
+    n = uid()
+    holder = mixed_holder_task.delay(n, 1.0)
+    info = wait_held(locks, f"mixed:{n}")
+    assert HANDS_ON_RERUNS not in info.holder
+    assert mixed_webhook_task.delay(n).get(timeout=15, interval=0.01) == "ran"
+    assert holder.get(timeout=10, interval=0.01) == "held"
+    assert ran("mixed-webhook", n) == 1
 
 
 def test_on_lost_log_warns_and_keeps_the_result(
