@@ -19,7 +19,7 @@ from celery import Celery, Task, chain, group
 from celery.contrib.testing.worker import start_worker
 from celery.signals import before_task_publish
 
-from celery_exclusive import signals
+from celery_exclusive import metrics, signals
 from celery_exclusive.errors import LockedError, LockLost, LockRetriesExceeded
 from celery_exclusive.lease import Lease
 from celery_exclusive.service import LockService
@@ -328,6 +328,30 @@ def test_skip_marker_log_and_signal(locks: LockService, task_log: list[logging.L
     (event,) = [e for e in seen if e["key"] == f"skip:{n}"]
     assert event["sender"] is event["task"]
     assert event["holder"].holder["task_id"] == "external"
+
+
+def test_metrics_count_real_task_runs(locks: LockService) -> None:
+    """With metrics installed, a worker's task runs move acquisitions, skips, releases and hold time."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    metrics.install(registry)
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(f"celery_exclusive_{name}", labels) or 0.0
+
+    try:
+        n = uid()
+        assert skip_task.delay(n).get(timeout=10, interval=0.01)["n"] == n
+        with locks.lock(f"skip:{n}"):
+            assert is_skipped(skip_task.delay(n).get(timeout=10, interval=0.01))
+    finally:
+        metrics.uninstall()
+    assert value("acquisitions_total", outcome="acquired") == 2
+    assert value("acquisitions_total", outcome="contended") == 1
+    assert value("task_skips_total", task=skip_task.name) == 1
+    assert value("releases_total", outcome="released") == 2
+    assert value("hold_seconds_count") == 2
 
 
 def test_retry_waits_for_the_lock_without_consuming_max_retries(locks: LockService) -> None:
