@@ -155,12 +155,8 @@ class LockService:
         holder: Mapping[str, Any] | None = None,
     ) -> Lease | None:
         """Acquire ``key`` and keep it alive; None if someone else holds it."""
-        try:
-            return self.lock(
-                key, ttl=ttl, refresh_interval=refresh_interval, max_lifetime=max_lifetime, holder=holder
-            )
-        except LockedError:
-            return None
+        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder)
+        return taken if isinstance(taken, Lease) else None
 
     def lock(
         self,
@@ -177,6 +173,21 @@ class LockService:
         is a context manager that releases on exit; otherwise call ``lease.release()``.
         Raises :class:`BackendError` when the store is unreachable (never LockedError).
         """
+        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder)
+        if isinstance(taken, Held):
+            raise LockedError(key, taken.holder)
+        return taken
+
+    def _take(
+        self,
+        key: str,
+        ttl: float | timedelta | None,
+        refresh_interval: float | timedelta | None,
+        max_lifetime: float | timedelta | None,
+        holder: Mapping[str, Any] | None,
+    ) -> Lease | Held:
+        """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
+        raises as LockedError, without the cost of an exception on the contended path."""
         self._check_open()
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         ttl_s, interval_s, lifetime_s = self._durations(ttl, refresh_interval, max_lifetime)
@@ -189,7 +200,7 @@ class LockService:
         if not isinstance(answer, Grant):
             holder_info = None if answer.holder is None else self._unprefixed(answer.holder)
             signals.send(signals.lock_contended, self, key=key, holder=holder_info)
-            raise LockedError(key, holder_info)
+            return Held(holder_info)
         lease = Lease(
             self,
             key=key,
@@ -226,14 +237,11 @@ class LockService:
             raise InvalidArgumentError("on_locked must be callable")
         if not callable(fn):
             raise InvalidArgumentError("fn must be callable")
-        try:
-            lease = self.lock(
-                key, ttl=ttl, refresh_interval=refresh_interval, max_lifetime=max_lifetime, holder=holder
-            )
-        except LockedError as locked:
+        lease = self._take(key, ttl, refresh_interval, max_lifetime, holder)
+        if isinstance(lease, Held):
             if on_locked is not None:
                 on_locked()
-            return ExclusiveResult(acquired=False, holder=locked.holder)
+            return ExclusiveResult(acquired=False, holder=lease.holder)
         try:
             result = fn()
         finally:

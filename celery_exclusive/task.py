@@ -425,7 +425,13 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
         check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
         recorded = {"task_name": self.name, "args": list(args), "kwargs": dict(kwargs)}
         delivery = self.request.delivery_info or {}
-        options = {k: delivery[k] for k in ("exchange", "routing_key", "priority") if delivery.get(k)}
+        # Keep an empty exchange: "" is AMQP's default exchange, which routes by queue name
+        # (send_task(queue=...)); dropping it would send the rerun to the default queue.
+        options = {
+            k: delivery[k] for k in ("exchange", "routing_key", "priority") if delivery.get(k) is not None
+        }
+        if not options.get("routing_key"):
+            options.pop("exchange", None)
         if options:
             recorded["options"] = options
         try:

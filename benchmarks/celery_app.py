@@ -1,0 +1,113 @@
+"""The Celery app the end-to-end benchmark's workers run (``celery -A benchmarks.celery_app worker``).
+
+Configured by the environment the benchmark sets: ``CE_BENCH_BROKER`` (a Redis URL: a
+dedicated DB), ``CE_BENCH_KEYPREFIX`` (every broker key's prefix, for isolation and
+cleanup), ``CE_BENCH_QUEUE`` (the worker's default queue), ``CELERY_EXCLUSIVE_URL`` and
+``CELERY_EXCLUSIVE_PREFIX`` (the lock store).
+
+Throughput tasks do nothing but note, in memory, when they ran; a thread in each pool
+process writes those notes to Redis every 20 ms, so measuring costs the tasks no I/O.
+The rerun task records its start, and a ``lock_released`` receiver records the release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_exclusive import exclusive_task, signals
+
+BROKER = os.environ.get("CE_BENCH_BROKER", "redis://127.0.0.1:6379/12")
+KEYPREFIX = os.environ.get("CE_BENCH_KEYPREFIX", "cebench-local:")
+#: Hash per tag: field = pool process id, value = JSON [count, first end, last end].
+STATS = KEYPREFIX + "stats:"
+#: List of rerun events (JSON).
+EVENTS = KEYPREFIX + "events"
+
+app = Celery("cebench", broker=BROKER)
+app.conf.update(
+    # The rerun a holder sends is routed by the routing key its first request came with; a
+    # request sent with ``queue=`` arrives through the default exchange (recorded as ""), so
+    # the rerun must find its queue as the default one.
+    task_default_queue=os.environ.get("CE_BENCH_QUEUE", "cebench"),
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"global_keyprefix": KEYPREFIX},
+    task_ignore_result=True,
+    worker_hijack_root_logger=False,
+)
+
+_notes: dict[str, list[float]] = {}
+_flusher: tuple[int, threading.Thread] | None = None
+_client: tuple[int, redis.Redis] | None = None
+
+
+def client() -> redis.Redis:
+    """This process's Redis client for stats and events (never shared across fork)."""
+    global _client
+    if _client is None or _client[0] != os.getpid():
+        _client = (os.getpid(), redis.Redis.from_url(BROKER))
+    return _client[1]
+
+
+def _flush_forever() -> None:
+    sent: dict[str, list[float]] = {}
+    while True:
+        time.sleep(0.02)
+        for tag, note in list(_notes.items()):
+            snapshot = list(note)
+            if sent.get(tag) != snapshot:
+                client().hset(STATS + tag, str(os.getpid()), json.dumps(snapshot))
+                sent[tag] = snapshot
+
+
+def note(tag: str) -> None:
+    """Count one run of ``tag`` in this process (no I/O)."""
+    global _flusher
+    now = time.time()
+    entry = _notes.get(tag)
+    if entry is None:
+        _notes[tag] = [1, now, now]
+    else:
+        entry[0] += 1
+        entry[2] = now
+    if _flusher is None or _flusher[0] != os.getpid():
+        thread = threading.Thread(target=_flush_forever, name="bench-flusher", daemon=True)
+        thread.start()
+        _flusher = (os.getpid(), thread)
+
+
+@app.task(name="cebench.plain")  # type: ignore[untyped-decorator]
+def plain(i: int, tag: str) -> None:
+    """A no-op task."""
+    note(tag)
+
+
+@exclusive_task(app=app, name="cebench.exclusive", key="e:{tag}:{i}")  # type: ignore[untyped-decorator]
+def exclusive(i: int, tag: str) -> None:
+    """The same no-op, holding a lock on a key of its own."""
+    note(tag)
+
+
+_receiver_connected: list[int] = []
+
+
+def _released(sender: Any = None, key: str = "", **_: Any) -> None:
+    if key.startswith("r:"):
+        client().rpush(EVENTS, json.dumps({"kind": "released", "key": key, "at": time.time()}))
+
+
+@exclusive_task(app=app, name="cebench.rerun", key="r:{k}", on_locked="rerun", bind=True)  # type: ignore[untyped-decorator]
+def rerun(self: Any, k: str, hold: float) -> None:
+    """Hold ``r:{k}`` for ``hold`` s; requests meanwhile coalesce into one rerun after it."""
+    start = time.time()
+    if os.getpid() not in _receiver_connected:  # only now: the throughput tasks send no signal
+        signals.lock_released.connect(_released, weak=False, dispatch_uid="cebench-released")
+        _receiver_connected.append(os.getpid())
+    client().rpush(EVENTS, json.dumps({"kind": "start", "key": f"r:{k}", "at": start, "id": self.request.id}))
+    time.sleep(hold)

@@ -1,0 +1,283 @@
+"""Celery end to end: real prefork workers (``-c 2``), no-op task throughput and rerun latency.
+
+Per lock store, one worker is started (``celery -A benchmarks.celery_app worker``) and is
+always terminated, its whole process group, whatever happens. Throughput: each round
+publishes N no-op tasks to a fresh queue while the worker does not consume it, then tells
+the worker to consume it (``add_consumer``) and times from the first task's end to the
+last's, as the tasks noted it; plain and exclusive rounds alternate. Rerun: a holder task
+sleeps, three requests for its key arrive and coalesce, and the follow-up run's start is
+compared with the holder's release, both stamped by the worker on the same clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import (
+    CELERY_BROKER,
+    POSTGRES_URL,
+    REDIS_PREFIX,
+    REDIS_URL,
+    RUN_ID,
+    TABLE,
+    Cleanup,
+    Plan,
+    Report,
+    median,
+    percentile,
+    reachable,
+    with_table,
+)
+
+SECTION = "celery"
+STORES = ("redis", "postgres")
+BOUNDS = {"redis": 0.85, "postgres": 0.75}
+ROOT = Path(__file__).resolve().parents[1]
+KEYPREFIX = f"cebench-{RUN_ID}:"
+HOLD = 0.25  # the holder's run, seconds
+REQUESTS = 3  # rerun requests arriving while it runs
+
+
+def _names(store: str) -> tuple[str, str, str]:
+    return (
+        f"{store} store: plain no-op task, prefork -c 2",
+        f"{store} store: exclusive no-op task (a key per task)",
+        f"{store} store: rerun policy, follow-up start - holder release",
+    )
+
+
+ROWS = [name for store in STORES for name in _names(store)]
+TARGETS = [
+    t
+    for store in STORES
+    for t in (
+        (f"celery ({store}): exclusive vs plain no-op task throughput", BOUNDS[store], ">=", "x"),
+        (f"celery ({store}): rerun follow-up start after holder release, p50", 50.0, "<=", " ms"),
+    )
+]
+
+
+class Worker:
+    """One ``celery worker`` subprocess in its own process group, with its log file."""
+
+    def __init__(self, store: str, lock_url: str, lock_prefix: str, queue: str) -> None:
+        self.node = f"bench-{store}-{RUN_ID}@bench"
+        self.log = Path(tempfile.mkstemp(prefix=f"cebench-{store}-", suffix=".log")[1])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "CE_BENCH_BROKER": CELERY_BROKER,
+            "CE_BENCH_KEYPREFIX": KEYPREFIX,
+            "CE_BENCH_QUEUE": queue,
+            "CELERY_EXCLUSIVE_URL": lock_url,
+            "CELERY_EXCLUSIVE_PREFIX": lock_prefix,
+        }
+        command = [
+            sys.executable, "-m", "celery", "-A", "benchmarks.celery_app", "worker",
+            "-P", "prefork", "-c", "2", "-n", self.node, "-Q", queue,
+            "-l", os.environ.get("CE_BENCH_WORKER_LOGLEVEL", "WARNING"),
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.popen = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def alive(self) -> bool:
+        """True while the main worker process runs."""
+        return self.popen.poll() is None
+
+    def tail(self) -> str:
+        """The end of the worker's log."""
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        """Warm shutdown, then SIGKILL to the whole group (pool children included); always reaps."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(15)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        with contextlib.suppress(OSError):
+            self.log.unlink()
+
+
+def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
+    """Per store: start a worker, interleave plain/exclusive rounds, time reruns, stop it."""
+    broker_down = reachable(CELERY_BROKER)
+    for store in STORES:
+        names = _names(store)
+        targets = [t for t in TARGETS if f"({store})" in t[0]]
+        reason = broker_down or reachable(REDIS_URL if store == "redis" else POSTGRES_URL)
+        if reason:
+            report.unavailable(SECTION, names, targets, reason)
+            continue
+        if store == "postgres":
+            lock_url, lock_prefix = with_table(POSTGRES_URL, TABLE), "celery:"
+        else:
+            lock_url, lock_prefix = REDIS_URL, f"{REDIS_PREFIX}celery:"
+        bench = Bench(store, plan, lock_url, lock_prefix)
+        cleanup.add(f"{store} celery worker", bench.close)  # in case of an interruption
+        try:
+            bench.start()
+            bench.throughput(report, names, targets[0][0])
+            bench.reruns(report, names[2], targets[1][0])
+        finally:
+            bench.close()
+
+
+class Bench:
+    """One store's worker, the producer app, and the two measurements."""
+
+    def __init__(self, store: str, plan: Plan, lock_url: str, lock_prefix: str) -> None:
+        import redis
+        from celery import Celery
+
+        self.store = store
+        self.plan = plan
+        self.lock_url, self.lock_prefix = lock_url, lock_prefix
+        self.control_queue = f"{KEYPREFIX}{store}-control"
+        self.app = Celery("cebench-producer", broker=CELERY_BROKER)
+        self.app.conf.update(
+            broker_transport_options={"global_keyprefix": KEYPREFIX},
+            broker_connection_retry_on_startup=True,
+            task_ignore_result=True,
+        )
+        self.redis = redis.Redis.from_url(CELERY_BROKER)
+        self.worker: Worker | None = None
+
+    def start(self) -> None:
+        """Start the worker and wait until it answers a ping."""
+        self.worker = Worker(self.store, self.lock_url, self.lock_prefix, self.control_queue)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if not self.worker.alive():
+                raise RuntimeError(f"celery worker exited:\n{self.worker.tail()}")
+            if self.app.control.ping(destination=[self.worker.node], timeout=0.5):
+                return
+        raise RuntimeError(f"celery worker did not answer a ping in 90 s:\n{self.worker.tail()}")
+
+    def close(self) -> None:
+        """Stop the worker and close connections (idempotent)."""
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        with contextlib.suppress(Exception):
+            self.redis.close()
+        with contextlib.suppress(Exception):
+            self.app.close()
+
+    def _consume(
+        self, queue: str, task: str, tag: str, n: int, args: list[tuple[Any, ...]]
+    ) -> dict[str, Any]:
+        with self.app.producer_or_acquire() as producer:
+            for a in args:
+                self.app.send_task(task, args=a, queue=queue, producer=producer)
+        node = self.worker.node if self.worker else ""
+        self.app.control.add_consumer(queue, destination=[node], reply=True, timeout=10)
+        deadline = time.monotonic() + max(60.0, n / 20)
+        try:
+            while True:
+                notes = [json.loads(v) for v in self.redis.hgetall(f"{KEYPREFIX}stats:{tag}").values()]
+                if sum(x[0] for x in notes) >= n:
+                    break
+                if time.monotonic() > deadline or not (self.worker and self.worker.alive()):
+                    tail = self.worker.tail() if self.worker else ""
+                    raise RuntimeError(f"{tag}: {sum(x[0] for x in notes)}/{n} tasks ran\n{tail}")
+                time.sleep(0.05)
+        finally:
+            self.app.control.cancel_consumer(queue, destination=[node], reply=True, timeout=10)
+        first, last = min(x[1] for x in notes), max(x[2] for x in notes)
+        return {"rate": (n - 1) / (last - first) if last > first else float("nan")}
+
+    def throughput(self, report: Report, names: tuple[str, ...], target: str) -> None:
+        """Alternate plain and exclusive rounds of N no-op tasks; rows and the ratio target."""
+        n = self.plan.celery_tasks
+        rates: dict[str, list[float]] = {"plain": [], "exclusive": []}
+        order = ["plain", "exclusive"]
+        for r in range(-1, self.plan.celery_rounds):  # round -1 warms the pool processes up
+            for variant in order[r % 2 :] + order[: r % 2]:
+                tag = f"{self.store}-{variant}-{r}"
+                queue = f"{KEYPREFIX}q-{tag}"
+                found = self._consume(queue, f"cebench.{variant}", tag, n, [(i, tag) for i in range(n)])
+                if r >= 0:
+                    rates[variant].append(found["rate"])
+        for name, variant in ((names[0], "plain"), (names[1], "exclusive")):
+            report.row(
+                SECTION,
+                name,
+                rate=median(rates[variant]),
+                unit="tasks/s",
+                note=f"{n:,} tasks per round, ignore_result, Redis broker",
+            )
+        ratios = [e / p for e, p in zip(rates["exclusive"], rates["plain"], strict=True)]
+        report.target(
+            target,
+            median(ratios),
+            BOUNDS[self.store],
+            rounds=ratios,
+            note="acquire + release (+ heartbeat registration) per task",
+        )
+
+    def reruns(self, report: Report, name: str, target: str) -> None:
+        """Holder runs HOLD s, REQUESTS requests coalesce; follow-up start minus holder release."""
+        latencies: list[float] = []
+        events_key = f"{KEYPREFIX}events"
+        for trial in range(self.plan.rerun_trials):
+            k = f"{self.store}-{trial}"
+            key = f"r:{k}"
+
+            def events(kind: str, key: str = key) -> list[dict[str, Any]]:
+                raw = self.redis.lrange(events_key, 0, -1)
+                return [e for e in map(json.loads, raw) if e["key"] == key and e["kind"] == kind]
+
+            self.app.send_task("cebench.rerun", args=(k, HOLD), queue=self.control_queue)
+            self._wait(lambda: events("start"), f"{key}: holder start")
+            for _ in range(REQUESTS):
+                self.app.send_task("cebench.rerun", args=(k, 0.01), queue=self.control_queue)
+            self._wait(
+                lambda: len(events("start")) >= 2 and len(events("released")) >= 2, f"{key}: follow-up"
+            )
+            starts, released = events("start"), events("released")
+            if len(starts) != 2:
+                raise RuntimeError(f"{key}: {len(starts)} runs, expected the holder and one rerun")
+            latencies.append((starts[1]["at"] - released[0]["at"]) * 1000)
+        report.row(
+            SECTION,
+            name,
+            rate=median(latencies),
+            unit="ms p50",
+            p50_us=median(latencies) * 1000,
+            p99_us=percentile(latencies, 0.99) * 1000,
+            note=f"{len(latencies)} trials, {REQUESTS} requests coalesced per trial",
+        )
+        report.target(
+            target,
+            median(latencies),
+            50.0,
+            op="<=",
+            unit=" ms",
+            note=f"max {max(latencies):.1f} ms over {len(latencies)} trials",
+        )
+
+    def _wait(self, predicate: Any, what: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline or not (self.worker and self.worker.alive()):
+                raise RuntimeError(
+                    f"timed out waiting for {what}\n{self.worker.tail() if self.worker else ''}"
+                )
+            time.sleep(0.005)

@@ -1,0 +1,128 @@
+"""Uncontended acquire + release on Redis: the package against the raw floor and other locks."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from benchmarks.harness import (
+    REDIS_PREFIX,
+    REDIS_URL,
+    Plan,
+    Report,
+    interleave,
+    median,
+    reachable,
+    round_ratios,
+)
+
+SECTION = "redis"
+FLOOR = "raw redis-py: SET NX PX + EVALSHA compare-and-delete"
+WIRE = "wire floor: the same 2 commands on one raw connection"
+REDIS_PY_LOCK = "redis-py Lock (acquire(blocking=False) + release)"
+PY_REDIS_LOCK = "python-redis-lock (auto_renewal=False)"
+PROVIDER = "celery-exclusive RedisLockProvider.acquire + release"
+SERVICE = "celery-exclusive LockService.lock + release (public API)"
+ROWS = [FLOOR, WIRE, REDIS_PY_LOCK, PY_REDIS_LOCK, PROVIDER, SERVICE]
+TARGET_FLOOR = "redis: LockService vs raw redis-py floor"
+TARGET_LOCK = "redis: LockService vs redis-py Lock"
+TARGETS = [(TARGET_FLOOR, 0.95, ">=", "x"), (TARGET_LOCK, 1.15, ">=", "x")]
+
+TTL = 900.0
+KEYS = 256  # distinct keys cycled through by each approach
+COMPARE_AND_DELETE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+
+
+def run(report: Report, plan: Plan) -> None:
+    """Interleave the six approaches; rows for each, and the two targets."""
+    reason = reachable(REDIS_URL)
+    if reason:
+        report.unavailable(SECTION, ROWS, TARGETS, reason)
+        return
+    import redis
+    import redis_lock
+
+    from celery_exclusive import LockService
+
+    # The floor's client is built as the provider builds its own (hiredis parser, same timeouts).
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=10.0, socket_connect_timeout=5.0)
+    service = LockService(REDIS_URL, prefix=REDIS_PREFIX + "svc:", ttl=TTL)
+    provider: Any = service.provider
+    try:
+        sha = client.script_load(COMPARE_AND_DELETE)
+        ttl_ms = int(TTL * 1000)
+        keys = {
+            name: [f"{REDIS_PREFIX}{tag}:{i}" for i in range(KEYS)]
+            for name, tag in (("floor", "floor"), ("wire", "wire"), ("lock", "rpl"), ("prov", "prov"))
+        }
+        # python-redis-lock names its keys "lock:<name>" and "lock-signal:<name>".
+        prl_names = [f"{REDIS_PREFIX}prl:{i}" for i in range(KEYS)]
+        svc_keys = [f"k{i}" for i in range(KEYS)]
+        wire: Any = client.connection_pool.get_connection()
+
+        def floor(i: int) -> None:
+            key, token = keys["floor"][i % KEYS], secrets.token_hex(16)
+            if not client.set(key, token, nx=True, px=ttl_ms):
+                raise RuntimeError("floor: key unexpectedly held")
+            client.evalsha(sha, 1, key, token)
+
+        def wire_floor(i: int) -> None:
+            key, token = keys["wire"][i % KEYS], secrets.token_hex(16)
+            wire.send_command("SET", key, token, "NX", "PX", ttl_ms)
+            if wire.read_response() is None:
+                raise RuntimeError("wire: key unexpectedly held")
+            wire.send_command("EVALSHA", sha, 1, key, token)
+            wire.read_response()
+
+        def redis_py_lock(i: int) -> None:
+            lock = client.lock(keys["lock"][i % KEYS], timeout=TTL)
+            if not lock.acquire(blocking=False):
+                raise RuntimeError("redis-py Lock: key unexpectedly held")
+            lock.release()
+
+        def python_redis_lock(i: int) -> None:
+            lock = redis_lock.Lock(client, prl_names[i % KEYS], expire=int(TTL))
+            if not lock.acquire(blocking=False):
+                raise RuntimeError("python-redis-lock: key unexpectedly held")
+            lock.release()
+
+        def provider_only(i: int) -> None:
+            key, token = keys["prov"][i % KEYS], secrets.token_hex(16)
+            provider.acquire(key, token, TTL, TTL, "{}")
+            provider.release(key, token)
+
+        def package(i: int) -> None:
+            service.lock(svc_keys[i % KEYS]).release()
+
+        series = interleave(
+            {
+                FLOOR: floor,
+                WIRE: wire_floor,
+                REDIS_PY_LOCK: redis_py_lock,
+                PY_REDIS_LOCK: python_redis_lock,
+                PROVIDER: provider_only,
+                SERVICE: package,
+            },
+            rounds=plan.rounds,
+            ops=plan.redis_ops,
+            warmup=max(50, plan.redis_ops // 5),
+        )
+        client.connection_pool.release(wire)
+        report.series_rows(
+            SECTION,
+            series,
+            {
+                FLOOR: "baseline: what the issue calls the floor (same redis-py client)",
+                WIRE: "info: no pool checkout, no command wrapper",
+                SERVICE: "token, holder JSON, Lease, heartbeat registration, 2 Lua scripts",
+            },
+        )
+        vs_floor = round_ratios(series[SERVICE], series[FLOOR])
+        vs_lock = round_ratios(series[SERVICE], series[REDIS_PY_LOCK])
+        report.target(TARGET_FLOOR, median(vs_floor), 0.95, rounds=vs_floor)
+        report.target(TARGET_LOCK, median(vs_lock), 1.15, rounds=vs_lock)
+    finally:
+        service.close()
+        client.close()
