@@ -41,6 +41,21 @@ def require_server(url: str) -> None:
         pytest.skip(message)
 
 
+def drop_lock_table(url: str, table: str) -> None:
+    """Drop a lock table with its fence counter table and fence sequence, on any dialect."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
+            if engine.dialect.name == "postgresql":
+                conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+    finally:
+        engine.dispose()
+
+
 def with_option(url: str, name: str, value: str) -> str:
     """``url`` with a celery-exclusive query option (``ce_<name>``) added."""
     return f"{url}{'&' if '?' in url else '?'}ce_{name}={value}"
@@ -68,18 +83,9 @@ def sql_tables() -> Iterator[dict[str, str]]:
     """One fresh table name per SQL server for the whole session, dropped afterwards."""
     tables = {name: f"ce_contract_{uuid.uuid4().hex[:10]}" for name in ("postgres", "mariadb")}
     yield tables
-    from sqlalchemy import create_engine, text
-
     for name, url in (("postgres", POSTGRES_URL), ("mariadb", MYSQL_URL)):
-        table = tables[name]
         try:
-            engine = create_engine(url)
-            with engine.begin() as conn:
-                conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-                conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
-                if name == "postgres":
-                    conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
-            engine.dispose()
+            drop_lock_table(url, tables[name])
         except Exception:  # noqa: S112 - an unreachable server was already reported by its tests
             continue
 
@@ -121,10 +127,10 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, sql_tables: dict[str, 
     for service in services:
         service.close(release=True)
     if name == "redis":
-        _delete_redis_keys(prefix)
+        delete_redis_keys(prefix)
 
 
-def _delete_redis_keys(prefix: str) -> None:
+def delete_redis_keys(prefix: str) -> None:
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)

@@ -45,7 +45,14 @@ from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task
 from celery_exclusive.urls import provider_from_url
 from celery_exclusive.worker import get_lock_service
-from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_server
+from tests.conftest import (
+    MYSQL_URL,
+    POSTGRES_URL,
+    REDIS_URL,
+    delete_redis_keys,
+    drop_lock_table,
+    require_server,
+)
 
 #: Every password below contains this marker; it must never be shown.
 MARKER = "Zq8SECRETpw"
@@ -669,12 +676,8 @@ def real_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RealS
             for service in services:
                 service.close()
             services.clear()
-            with engine.begin() as conn:
-                conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
-                conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}_fence"))
-                if name == "postgres":
-                    conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
             engine.dispose()
+            drop_lock_table(server, table)
     else:
         require_server(REDIS_URL)
         import redis
@@ -690,7 +693,7 @@ def real_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RealS
             for service in services:
                 service.close()
             services.clear()
-            _delete_redis_keys(prefix)
+            delete_redis_keys(prefix)
             client.close()
     for service in services:
         service.close()
@@ -900,10 +903,8 @@ def test_heartbeat_and_release_warnings_never_show_credentials(caplog: pytest.Lo
         assert lease.release().value == "unknown"
     finally:
         service.close()
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
         engine.dispose()
+        drop_lock_table(POSTGRES_URL, table)
     messages = [r.getMessage() for r in caplog.records if r.name == "celery_exclusive"]
     assert any("could not refresh" in m for m in messages)
     assert any("LOST" in m for m in messages)

@@ -25,7 +25,14 @@ from click.testing import CliRunner, Result
 
 from celery_exclusive import LockService
 from celery_exclusive.cli import cli, human_duration
-from tests.conftest import POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_server, with_option
+from tests.conftest import (
+    POSTGRES_URL,
+    REDIS_URL,
+    delete_redis_keys,
+    drop_lock_table,
+    require_server,
+    with_option,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -102,20 +109,11 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     else:
         require_server(REDIS_URL)
         yield Store("redis", REDIS_URL, prefix)
-        _delete_redis_keys(prefix)
+        delete_redis_keys(prefix)
 
 
 def _drop_table(table: str) -> None:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(POSTGRES_URL)
-    try:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
-            conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
-    finally:
-        engine.dispose()
+    drop_lock_table(POSTGRES_URL, table)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 
 from example_worker import records
 from example_worker.demo import check
-from tests.conftest import POSTGRES_URL, REDIS_URL, require_server, with_option
+from tests.conftest import POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,15 +208,7 @@ def test_demo_on_postgres(data_dir: Path) -> None:
         assert_demo_passed(result)
         assert "lock store : postgresql" in result.stdout
     finally:
-        from sqlalchemy import create_engine, text
-
-        engine = create_engine(POSTGRES_URL)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-                conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
-        finally:
-            engine.dispose()
+        drop_lock_table(POSTGRES_URL, table)
 
 
 @pytest.mark.celery

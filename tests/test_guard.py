@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from celery_exclusive import InvalidArgumentError, LockLost, LockService
 from celery_exclusive.providers.base import Grant, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
-from tests.conftest import POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_server, with_option
+from tests.conftest import POSTGRES_URL, REDIS_URL, delete_redis_keys, require_server, with_option
 
 
 class _IdleThread(threading.Thread):
@@ -242,4 +242,4 @@ def test_guard_on_other_stores_raises_invalid_argument(store: str, tmp_path: Pat
     finally:
         engine.dispose()
         if store == "redis":
-            _delete_redis_keys(prefix)
+            delete_redis_keys(prefix)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from celery_exclusive import LockService, MissingDriverError, signals
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.metrics import Metrics, install, installed, uninstall
-from tests.conftest import REDIS_URL, _delete_redis_keys, require_server
+from tests.conftest import REDIS_URL, delete_redis_keys, require_server
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -114,7 +114,7 @@ def service(request: pytest.FixtureRequest) -> Iterator[LockService]:
     yield service
     service.close()
     if request.param == "redis":
-        _delete_redis_keys(prefix)
+        delete_redis_keys(prefix)
 
 
 def test_importing_without_prometheus_client_raises_missing_driver_error() -> None:
@@ -192,7 +192,7 @@ def test_a_store_outage_counts_heartbeat_failures_and_the_lost_lease(registry: C
     finally:
         proxy.stop()
         service.close()
-        _delete_redis_keys(prefix)
+        delete_redis_keys(prefix)
 
 
 def test_installing_twice_does_not_double_count(registry: CollectorRegistry) -> None:

@@ -48,7 +48,14 @@ from celery_exclusive.lease import safety_margin
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest, encode_holder
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.providers.sql import SqlLockProvider
-from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, _delete_redis_keys, require_server
+from tests.conftest import (
+    MYSQL_URL,
+    POSTGRES_URL,
+    REDIS_URL,
+    delete_redis_keys,
+    drop_lock_table,
+    require_server,
+)
 
 N_CLIENTS = 3
 KEYS = ("a", "b/'; DROP TABLE x; --")
@@ -115,12 +122,8 @@ def _sql_harness(name: str, url: str, run: str) -> Iterator[Harness]:
         yield Harness(name, run, provider=lambda _clock: shared, forget=forget, fake_clock=False)
     finally:
         shared.close()
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}_fence"))
-            if engine.dialect.name == "postgresql":
-                conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
         engine.dispose()
+        drop_lock_table(url, table)
 
 
 def _redis_harness(run: str) -> Iterator[Harness]:
@@ -141,7 +144,7 @@ def _redis_harness(run: str) -> Iterator[Harness]:
     finally:
         shared.close()
         other.close()
-        _delete_redis_keys(f"m{run}:")
+        delete_redis_keys(f"m{run}:")
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres", "mariadb", "redis"])

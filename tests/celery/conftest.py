@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from celery_exclusive import LockService
-from tests.conftest import POSTGRES_URL, REDIS_URL, require_server, with_option
+from tests.conftest import POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY_BIN = str(Path(sys.executable).with_name("celery"))
@@ -78,18 +78,7 @@ def delete_redis_prefix(url: str, prefix: str) -> None:
         client.close()
 
 
-def drop_sql_table(url: str, table: str) -> None:
-    """Drop a lock table of the SQL provider and its fence counter."""
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
-            conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
-    finally:
-        engine.dispose()
+drop_sql_table = drop_lock_table
 
 
 @dataclass

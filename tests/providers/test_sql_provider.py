@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
+from tests.conftest import drop_lock_table
 
 POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
@@ -45,16 +46,7 @@ def require(url: str) -> None:
         engine.dispose()
 
 
-def drop(url: str, table: str) -> None:
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}_fence"))
-            if engine.dialect.name == "postgresql":
-                conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
-    finally:
-        engine.dispose()
+drop = drop_lock_table
 
 
 @dataclass

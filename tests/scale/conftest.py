@@ -20,10 +20,9 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 import redis
-from sqlalchemy import create_engine, text
 
 from celery_exclusive import LockService
-from tests.conftest import POSTGRES_URL, Store, require_server
+from tests.conftest import POSTGRES_URL, Store, drop_lock_table, require_server
 from tests.scale._servers import binary, free_port, processes, start, unavailable, wait_for
 
 
@@ -167,10 +166,4 @@ logfile = {folder / "pgbouncer.log"}
 
 def drop_table(table: str) -> None:
     """Drop a lock table and its fence sequence on the shared PostgreSQL, directly."""
-    engine = create_engine(POSTGRES_URL)
-    try:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
-    finally:
-        engine.dispose()
+    drop_lock_table(POSTGRES_URL, table)
