@@ -804,11 +804,6 @@ def test_longest_key_works_and_one_more_character_is_rejected(real_store: RealSt
 
 def test_keys_differing_only_by_trailing_space_are_distinct(real_store: RealStore) -> None:
     """'job' and 'job ' are two different keys, as on every other store."""
-    if real_store.name == "mariadb":
-        pytest.xfail(
-            "MariaDB's utf8mb4_bin is a PAD SPACE collation: 'job' = 'job ' in the lock table, "
-            "so both names are one lock there (needs a NO PAD collation, e.g. utf8mb4_nopad_bin)"
-        )
     service = real_store.service()
     with service.lock("job") as first, service.lock("job ") as second:
         assert first.fence > 0

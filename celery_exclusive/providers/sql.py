@@ -56,10 +56,29 @@ _ATTEMPTS = 5
 _STALE = int(MAX_LIFETIME_CAP)
 _CHUNK = 500
 
-# Binary collation on MySQL: 'A' and 'a' are different keys and different tokens.
-_KEY = sa.String(512).with_variant(
-    mysql.VARCHAR(512, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-)
+class _Key(sa.types.TypeDecorator[str]):
+    """The key column: on MySQL/MariaDB a binary collation that also keeps trailing spaces.
+
+    'A' and 'a', and 'a' and 'a ' are different keys. ``utf8mb4_bin`` is PAD SPACE (it
+    ignores trailing spaces), so the NO PAD binary collation of the connected server is
+    used where it has one: MariaDB >= 10.2 ``utf8mb4_nopad_bin``, MySQL 8 ``utf8mb4_0900_bin``.
+    """
+
+    impl = sa.String(512)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name not in ("mysql", "mariadb"):
+            return dialect.type_descriptor(sa.String(512))
+        version = dialect.server_version_info or ()
+        if getattr(dialect, "is_mariadb", False):
+            collation = "utf8mb4_nopad_bin" if version >= (10, 2) else "utf8mb4_bin"
+        else:
+            collation = "utf8mb4_0900_bin" if version >= (8, 0) else "utf8mb4_bin"
+        return dialect.type_descriptor(mysql.VARCHAR(512, charset="utf8mb4", collation=collation))
+
+
+_KEY = _Key()
 _TOKEN = sa.Text().with_variant(mysql.TEXT(charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb")
 _STAMP = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 _Rows = list[tuple[Any, ...]]
