@@ -56,6 +56,7 @@ _ATTEMPTS = 5
 _STALE = int(MAX_LIFETIME_CAP)
 _CHUNK = 500
 
+
 class _Key(sa.types.TypeDecorator[str]):
     """The key column: on MySQL/MariaDB a binary collation that also keeps trailing spaces.
 
