@@ -18,13 +18,12 @@ outcome) lines, so every message can be followed to its end from the log alone.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -33,6 +32,7 @@ from celery import Celery
 from celery.signals import after_task_publish, task_postrun, task_prerun
 
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task, is_skipped
+from example_worker import records
 
 
 def _default_broker() -> str:
@@ -78,18 +78,8 @@ def redis_client() -> redis.Redis:
 def append(event: dict[str, Any]) -> None:
     """Append one JSON line to the shared log under an exclusive ``flock`` (no-op without a log)."""
     path = os.environ.get("CE_STRESS_LOG")
-    if not path:
-        return
-    line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            os.write(fd, line)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    if path:
+        records.append(Path(path), event)
 
 
 def _lock_retries(task: Any) -> int:
