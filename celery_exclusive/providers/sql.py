@@ -611,7 +611,20 @@ class SqlLockProvider:
                 if self._ready:
                     return
                 try:
-                    with self._serial, self._engine.begin() as conn:
+                    # On PostgreSQL CREATE ... IF NOT EXISTS still races in the catalog (a
+                    # unique violation on pg_class), so creators queue on a transaction-scoped
+                    # lock (PgBouncer-safe), in a real transaction rather than autocommit.
+                    options = {"isolation_level": "READ COMMITTED"} if self._pg else {}
+                    with (
+                        self._serial,
+                        self._engine.connect().execution_options(**options) as conn,
+                        conn.begin(),
+                    ):
+                        if self._pg:
+                            conn.execute(
+                                sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+                                {"name": f"celery_exclusive.schema.{self.table.name}"},
+                            )
                         self.table.create(conn, checkfirst=True)
                         _create_fence(self.table, conn)
                     self._ready = True
