@@ -58,9 +58,26 @@ class ExclusiveResult(Generic[T]):
     holder: LockInfo | None = None
 
 
+class _ThisProcess:
+    """Who this process is, as holder metadata and a token prefix; rebuilt in a forked child
+    (so the hot path neither asks the kernel for its pid nor encodes the same JSON again)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        pid = os.getpid()
+        self.meta: dict[str, Any] = {"host": _HOST, "pid": pid}
+        self.holder = encode_holder(self.meta)
+        self.token_prefix = f"{_HOST}:{pid}:"
+
+
+_this = _ThisProcess()
+
+
 def new_token() -> str:
     """A fresh owner token: host, pid, wall time (for people) and 64 random bits."""
-    return f"{_HOST}:{os.getpid()}:{int(time.time() * 1000)}:{secrets.token_hex(8)}"
+    return f"{_this.token_prefix}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
 
 
 class LockService:
@@ -191,10 +208,11 @@ class LockService:
         self._check_open()
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         ttl_s, interval_s, lifetime_s = self._durations(ttl, refresh_interval, max_lifetime)
-        meta = {"host": _HOST, "pid": os.getpid(), **(self._check_holder(holder))}
+        encoded = (
+            _this.holder if holder is None else encode_holder({**_this.meta, **self._check_holder(holder)})
+        )
         store_key = self.prefix + key
         token = new_token()
-        encoded = encode_holder(meta)
         sent = self.clock()
         answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded)
         if not isinstance(answer, Grant):
@@ -437,6 +455,7 @@ _live_services: weakref.WeakSet[LockService] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    _this.reset()
     for service in list(_live_services):
         service._after_fork_in_child()
 
