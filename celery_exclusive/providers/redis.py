@@ -62,6 +62,10 @@ if TYPE_CHECKING:
     import redis
     from redis.cluster import RedisCluster
 
+#: Seconds a kept connection may sit idle before it is checked for a server-side close;
+#: under Redis's smallest idle ``timeout`` (1 s) so no live connection goes unchecked.
+_POLL_AFTER = 0.5
+
 #: Milliseconds a lock hash outlives its lease's hard deadline, or its release.
 RETAIN_MS = int(MAX_LIFETIME_CAP * 1000)
 
@@ -278,7 +282,7 @@ class RedisLockProvider:
         self._connecting = threading.Lock()
         self._password: Any = None
         self._pool: Any = None
-        self._idle: list[Any] = []
+        self._idle: list[tuple[Any, float]] = []  # (connection, monotonic time of its last use)
         self._pid = os.getpid()
         self._execute: Callable[..., Any]
         if client is None:
@@ -355,21 +359,25 @@ class RedisLockProvider:
 
         redis-py's pool checkout and command wrapper cost about as much Python time as the
         round trip; this fast path keeps its safety checks: fork (the pool resets itself in
-        a child; the parent's sockets are dropped, never reused), and a connection the
-        server closed or left unread data on is reconnected before anything is sent.
+        a child; the parent's sockets are dropped, never reused), and a connection idle long
+        enough for the server to have closed it (Redis's ``timeout`` counts whole seconds)
+        is polled and reconnected before anything is sent. A connection is never left with
+        unread data: any failure mid-command disconnects it.
         """
         if self._pid != os.getpid():
             self._idle, self._pid = [], os.getpid()
+        now = time.monotonic()
         try:
-            conn = self._idle.pop()
+            conn, used = self._idle.pop()
         except IndexError:
-            conn = self._pool.get_connection()
+            conn, used = self._pool.get_connection(), 0.0
         try:
-            try:
-                if conn.is_connected and conn.can_read():
+            if now - used > _POLL_AFTER:
+                try:
+                    if conn.is_connected and conn.can_read():
+                        conn.disconnect()
+                except self._broken:
                     conn.disconnect()
-            except self._broken:
-                conn.disconnect()
             conn.send_command(*command)
             return conn.read_response()
         except self._response_error:
@@ -378,7 +386,7 @@ class RedisLockProvider:
             conn.disconnect()
             raise
         finally:
-            self._idle.append(conn)
+            self._idle.append((conn, now))
 
     def _run(self, script: str, numkeys: int, *args: Any) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once."""
@@ -560,7 +568,7 @@ class RedisLockProvider:
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             self._pool.release(conn)
         if self._owns_client and self._conn is not None:
             self._conn.close()

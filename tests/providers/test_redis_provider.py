@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from celery_exclusive.errors import BackendError, ConfigurationError
+from celery_exclusive.providers import redis as redis_module
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
 from celery_exclusive.urls import scheme_family
@@ -398,14 +399,31 @@ def test_a_key_of_another_type_is_a_backend_error(provider: RedisLockProvider, p
         provider.acquire(prefix + "str", "tok", 10.0, 60.0, "{}")
 
 
-def test_connection_closed_by_server_is_reopened(provider: RedisLockProvider, prefix: str) -> None:
-    """A connection the server closed is reopened before the next command."""
-    key = prefix + "killed"
-    assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
-    (conn,) = provider._idle
+def _kill_own_connection(provider: RedisLockProvider) -> None:
+    ((conn, _),) = provider._idle
     host, port = conn._sock.getsockname()[:2]
     provider._client.client_kill(f"{host}:{port}")  # kills only this provider's own connection
-    time.sleep(0.1)
+
+
+def test_idle_connection_closed_by_server_is_reopened(provider: RedisLockProvider, prefix: str) -> None:
+    """A connection idle past Redis's smallest ``timeout`` is checked, and reopened if closed."""
+    key = prefix + "killed"
+    assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+    _kill_own_connection(provider)
+    time.sleep(redis_module._POLL_AFTER + 0.1)
+    assert provider.release(key, "tok") is True
+
+
+def test_busy_connection_closed_by_server_fails_once_as_an_outage(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    """Within ``_POLL_AFTER`` of its last use a connection is not polled: a kill then fails
+    the next command with BackendError (never a "not held" answer), and the one after works."""
+    key = prefix + "killed-busy"
+    assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+    _kill_own_connection(provider)
+    with pytest.raises(BackendError):
+        provider.release(key, "tok")
     assert provider.release(key, "tok") is True
 
 
@@ -414,7 +432,7 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
     parent_key, child_key = prefix + "parent", prefix + "child"
     grant = provider.acquire(parent_key, "parent", 30.0, 60.0, "{}")
     assert isinstance(grant, Grant)
-    parent_sockets = {conn._sock.getsockname() for conn in provider._idle}
+    parent_sockets = {conn._sock.getsockname() for conn, _ in provider._idle}
 
     def hammer(key: str, token: str, fence: int) -> None:
         # Replies read off a socket shared with the other process would mismatch here.
@@ -437,7 +455,7 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
             assert isinstance(provider.acquire(parent_key, "child", 30.0, 60.0, "{}"), Held)
             child_grant = provider.acquire(child_key, "child", 30.0, 60.0, "{}")
             assert isinstance(child_grant, Grant)
-            assert not {conn._sock.getsockname() for conn in provider._idle} & parent_sockets
+            assert not {conn._sock.getsockname() for conn, _ in provider._idle} & parent_sockets
             os.write(ready_w, b"1")
             hammer(child_key, "child", child_grant.fence)
             code = 0
