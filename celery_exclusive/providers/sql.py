@@ -51,6 +51,9 @@ _BACKENDS = {
 _SECRET_PARAM = re.compile(r"(?i)\b(password|passwd|pwd)\s*=\s*('[^']*'|\S+)")
 _RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
 _ATTEMPTS = 5
+#: Seconds a connection the PostgreSQL fast path keeps checked out may sit unused before it
+#: goes back to the pool (whose checkout then applies the engine's pre-ping and recycling).
+_HOT_IDLE = 1.0
 # The origin's staleness threshold: a row older than the 24 h cap is dead whatever it says.
 # Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
 _STALE = int(MAX_LIFETIME_CAP)
@@ -358,6 +361,10 @@ class SqlLockProvider:
         )
         self._pg = dialect.name == "postgresql"
         self._fast = self._pg and dialect.driver == "psycopg"
+        # Connections kept out of the pool between fast-path statements, with the monotonic
+        # time of their last use: a checkout and check-in cost as much Python time as the SQL.
+        # Only for an engine we built (no reset on return, so giving one back does no I/O).
+        self._hot: list[tuple[Any, float]] | None = [] if self._fast and self._owns_engine else None
         if self._pg:
             self._pg_sql = _pg_statements(dialect, table)
             self._psycopg_sql = {
@@ -559,6 +566,7 @@ class SqlLockProvider:
 
     def close(self) -> None:
         """Dispose of the engine's connections if this provider created the engine."""
+        self._cool(everything=True)
         if self._owns_engine:
             self._engine.dispose()
 
@@ -646,30 +654,62 @@ class SqlLockProvider:
                 return rows
 
             return self._transact(op, attempt)
+        fairy, now = self._checkout(op)
+        dbapi: Any = fairy.driver_connection
         try:
-            fairy = self._engine.raw_connection()
+            rows: _Rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
+            if not dbapi.autocommit:  # an engine the caller built without autocommit
+                dbapi.commit()
+        except self._pg_error as exc:
+            if dbapi.closed:
+                # The server or the network dropped it, so likely its idle siblings too (a
+                # restart, a failover): recycle every connection pooled before now, as
+                # SQLAlchemy does on a disconnect, instead of each failing one more call.
+                self._engine.pool._invalidate(fairy, exc)
+                self._cool(everything=True)
+            elif isinstance(exc, self._pg_broken) or not dbapi.autocommit:
+                fairy.invalidate(exc)
+            fairy.close()
+            raise self._error(op, exc) from exc
+        except BaseException:
+            fairy.invalidate()  # interrupted mid-protocol: the connection state is unknown
+            fairy.close()
+            raise
+        if self._hot is None:
+            fairy.close()
+        else:
+            self._hot.append((fairy, now))
+        return rows
+
+    def _checkout(self, op: str) -> tuple[Any, float]:
+        """A pooled connection for the fast path: a hot one if one was used within
+        ``_HOT_IDLE`` seconds, else the pool's; and the monotonic time now."""
+        now = time.monotonic()
+        hot = self._hot
+        if hot:
+            with contextlib.suppress(IndexError):  # another thread may have emptied it
+                if now - hot[0][1] > _HOT_IDLE:
+                    self._cool()
+                fairy, used = hot.pop()
+                if now - used <= _HOT_IDLE:
+                    return fairy, now
+                fairy.close()
+        try:
+            return self._engine.raw_connection(), now
         except sa_exc.SQLAlchemyError as exc:
             raise self._error(op, exc) from exc
-        try:
-            dbapi: Any = fairy.driver_connection
+
+    def _cool(self, *, everything: bool = False) -> None:
+        """Give back to the pool the hot connections unused for ``_HOT_IDLE`` s (or all)."""
+        hot = self._hot
+        if not hot:
+            return
+        cutoff = time.monotonic() - _HOT_IDLE
+        while hot and (everything or hot[0][1] < cutoff):
             try:
-                rows: _Rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
-                if not dbapi.autocommit:  # an engine the caller built without autocommit
-                    dbapi.commit()
-                return rows
-            except self._pg_error as exc:
-                if dbapi.closed:
-                    # The server or the network dropped it, so likely its idle siblings too (a
-                    # restart, a failover): recycle every connection pooled before now, as
-                    # SQLAlchemy does on a disconnect, instead of each failing one more call.
-                    self._engine.pool._invalidate(fairy, exc)
-                elif isinstance(exc, self._pg_broken) or not dbapi.autocommit:
-                    fairy.invalidate(exc)
-                raise self._error(op, exc) from exc
-            except BaseException:
-                fairy.invalidate()  # interrupted mid-protocol: the connection state is unknown
-                raise
-        finally:
+                fairy, _ = hot.pop(0)
+            except IndexError:
+                return
             fairy.close()
 
     def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
@@ -702,7 +742,10 @@ class SqlLockProvider:
         self._schema_lock = threading.Lock()
         if self._memory:
             self._serial = threading.RLock()
-        self._engine.dispose(close=False)  # never share the parent's sockets
+        # The parent's hot connections go back to its (dropped) pool without I/O, and the
+        # child never shares the parent's sockets.
+        self._cool(everything=True)
+        self._engine.dispose(close=False)
 
 
 def _after_fork(ref: weakref.ReferenceType[SqlLockProvider]) -> None:

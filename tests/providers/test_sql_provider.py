@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.providers import sql as sql_module
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import drop_lock_table
@@ -424,16 +425,16 @@ def test_fork_child_gets_its_own_connections(pg: Db) -> None:
     provider = pg.provider()
     try:
         assert isinstance(provider.acquire("k", "parent", 30, 60, "{}"), Grant)
-        with provider._engine.connect() as conn:
-            parent_pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        assert provider._hot is not None
+        ((fairy, _),) = provider._hot  # kept checked out for the next statement
+        parent_pid = fairy.driver_connection.info.backend_pid
         read, write = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the child
             status = 1
             try:
                 answer = provider.acquire("k", "child", 30, 60, "{}")
-                with provider._engine.connect() as conn:
-                    pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+                pid = provider._hot[0][0].driver_connection.info.backend_pid
                 os.write(write, f"{isinstance(answer, Held)} {pid}".encode())
                 status = 0
             finally:
@@ -446,6 +447,7 @@ def test_fork_child_gets_its_own_connections(pg: Db) -> None:
         assert child_held == "True"
         assert int(child_pid) != parent_pid
         assert provider.release("k", "parent")  # the parent's connection still works
+        assert provider._hot[0][0] is fairy
     finally:
         provider.close()
 
@@ -510,15 +512,56 @@ def test_pg_broken_connection_is_replaced(pg: Db) -> None:
     provider = pg.provider()
     try:
         provider.peek("k")
-        with provider._engine.connect() as conn:
-            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
-        pg.execute("SELECT pg_terminate_backend(:pid)", pid=pid)
+        assert provider._hot is not None
+        ((fairy, _),) = provider._hot  # the connection the next statement will use
+        pg.execute("SELECT pg_terminate_backend(:pid)", pid=fairy.driver_connection.info.backend_pid)
         time.sleep(0.1)
         with pytest.raises(BackendError):
             provider.peek("k")
         assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
     finally:
         provider.close()
+
+
+def test_pg_fast_path_keeps_connections_out_of_the_pool_only_while_busy(
+    pg: Db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back-to-back statements reuse one checked-out connection; connections unused for
+    ``_HOT_IDLE`` seconds, and all of them at close, go back to the pool."""
+    provider = pg.provider()
+    pool = provider._engine.pool
+    try:
+        for _ in range(5):
+            provider.peek("k")
+        assert pool.checkedout() == 1
+        assert provider._hot is not None
+        assert len(provider._hot) == 1
+        # Two threads' worth of hot connections, then a quiet spell longer than _HOT_IDLE.
+        extra = provider._engine.raw_connection()
+        provider._hot.append((extra, time.monotonic()))
+        assert pool.checkedout() == 2
+        monkeypatch.setattr(sql_module, "_HOT_IDLE", 0.05)
+        time.sleep(0.1)
+        assert provider.peek("k") is None
+        assert pool.checkedout() == 1  # both cold ones returned; one checked out anew and kept
+        provider._cool(everything=True)
+        assert pool.checkedout() == 0
+    finally:
+        provider.close()
+
+
+def test_pg_caller_engine_connections_always_go_back_to_its_pool(pg: Db) -> None:
+    """With an engine the caller built (its pool's reset and pre-ping rules apply), no
+    connection stays checked out between statements."""
+    engine = sa.create_engine(pg.url, pool_pre_ping=True)
+    provider = SqlLockProvider(engine, table=pg.table)
+    try:
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
+        assert provider._hot is None
+        assert engine.pool.checkedout() == 0
+    finally:
+        provider.close()
+        engine.dispose()
 
 
 def test_pg_engine_without_autocommit_commits(pg: Db) -> None:
