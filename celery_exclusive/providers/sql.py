@@ -338,6 +338,11 @@ class SqlLockProvider:
     ) -> None:
         _check_name(table)
         if isinstance(engine_or_url, str):
+            if split_options(engine_or_url, ("table", "create_table", "pgbouncer"))[1]:
+                raise ConfigurationError(
+                    f"ce_ options in {mask_url(engine_or_url)!r} are read by SqlLockProvider.from_url() "
+                    "(and LockService); the constructor takes table=, create_table= and pgbouncer="
+                )
             self._engine, self._owns_engine = _engine_from_url(engine_or_url, prepare=not pgbouncer), True
         elif isinstance(engine_or_url, Engine):
             self._engine, self._owns_engine = engine_or_url, False

@@ -183,6 +183,14 @@ def test_url_options() -> None:
         SqlLockProvider("oracle://u@h/db")
 
 
+def test_constructor_refuses_url_options_it_would_not_read() -> None:
+    """The constructor takes keyword arguments, not ce_ options: a URL carrying them is
+    refused up front (naming from_url), not sent to the driver to fail at first use."""
+    with pytest.raises(ConfigurationError, match=r"from_url\(\).*table=") as raised:
+        SqlLockProvider("postgresql+psycopg://u:pw-SECRET@127.0.0.1:1/test?ce_table=locks")
+    assert "pw-SECRET" not in str(raised.value)
+
+
 def test_missing_driver_names_the_extra() -> None:
     """A driver that is not installed raises MissingDriverError naming the pip extra."""
     with pytest.raises(MissingDriverError) as raised:
