@@ -172,7 +172,7 @@ class LockService:
         holder: Mapping[str, Any] | None = None,
     ) -> Lease | None:
         """Acquire ``key`` and keep it alive; None if someone else holds it."""
-        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder)
+        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
         return taken if isinstance(taken, Lease) else None
 
     def lock(
@@ -202,9 +202,13 @@ class LockService:
         refresh_interval: float | timedelta | None,
         max_lifetime: float | timedelta | None,
         holder: Mapping[str, Any] | None,
+        *,
+        name_holder: bool = True,
     ) -> Lease | Held:
         """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
-        raises as LockedError, without the cost of an exception on the contended path."""
+        raises as LockedError, without the cost of an exception on the contended path.
+        Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
+        as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
         self._check_open()
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         ttl_s, interval_s, lifetime_s = self._durations(ttl, refresh_interval, max_lifetime)
@@ -216,6 +220,8 @@ class LockService:
         sent = self.clock()
         answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded)
         if not isinstance(answer, Grant):
+            if not name_holder and not signals.lock_contended.receivers:
+                return answer  # a failed try_lock, the hot path under contention
             holder_info = None if answer.holder is None else self._unprefixed(answer.holder)
             signals.send(signals.lock_contended, self, key=key, holder=holder_info)
             return Held(holder_info)
