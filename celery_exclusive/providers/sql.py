@@ -51,6 +51,16 @@ _BACKENDS = {
 _SECRET_PARAM = re.compile(r"(?i)\b(password|passwd|pwd)\s*=\s*('[^']*'|\S+)")
 _RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
 _ATTEMPTS = 5
+#: libpq options for engines built from a URL: give up on an unanswered connect after 10 s,
+#: on unacknowledged data after 30 s, and on a silent peer after 10 + 3 x 5 s of keepalives.
+_PG_NETWORK_DEFAULTS = {
+    "connect_timeout": 10,
+    "tcp_user_timeout": 30_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
 #: Seconds a connection the PostgreSQL fast path keeps checked out may sit unused before it
 #: goes back to the pool (whose checkout then applies the engine's pre-ping and recycling).
 _HOT_IDLE = 1.0
@@ -283,8 +293,11 @@ def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
     connect_args: dict[str, Any] = {}
     if backend == "postgresql":
         kwargs.update(isolation_level="AUTOCOMMIT", pool_reset_on_return=None)
-        if "connect_timeout" not in url.query:
-            connect_args["connect_timeout"] = 10
+        # libpq has no read timeout: without these a call on a network that went silent
+        # waits for TCP to give up (about 15 minutes on Linux). The URL may override each.
+        for option, value in _PG_NETWORK_DEFAULTS.items():
+            if option not in url.query:
+                connect_args[option] = value
         if not prepare and driver == "psycopg":
             # Behind PgBouncer < 1.21 (transaction pooling) a statement psycopg prepared on
             # one server connection is missing, or already there, on the next one.

@@ -572,6 +572,22 @@ def test_pg_caller_engine_connections_always_go_back_to_its_pool(pg: Db) -> None
         engine.dispose()
 
 
+def test_pg_connections_give_up_on_a_silent_network(pg: Db) -> None:
+    """Engines built from a URL bound how long a dead network can block a call (libpq's
+    keepalives and tcp_user_timeout reach the live connection); the URL overrides each."""
+    for url, idle in ((pg.url, "10"), (f"{pg.url}?keepalives_idle=7", "7")):
+        provider = SqlLockProvider(url, table=pg.table)
+        try:
+            provider.peek("k")
+            assert provider._hot is not None
+            params = provider._hot[0][0].driver_connection.info.get_parameters()
+            assert params["tcp_user_timeout"] == "30000"
+            assert (params["keepalives"], params["keepalives_idle"]) == ("1", idle)
+            assert (params["keepalives_interval"], params["keepalives_count"]) == ("5", "3")
+        finally:
+            provider.close()
+
+
 def test_pg_engine_without_autocommit_commits(pg: Db) -> None:
     """A caller's engine (no autocommit) works: writes are committed and nothing stays open."""
     engine = sa.create_engine(pg.url)
