@@ -236,12 +236,14 @@ def wait_ready(workers: list[Process], timeout: float = 60.0) -> None:
 
 @contextlib.contextmanager
 def terminate_on_signals() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into KeyboardInterrupt, so cleanup runs as on Ctrl-C."""
+    """Turn SIGTERM/SIGHUP into KeyboardInterrupt, so cleanup runs as on Ctrl-C; and make
+    SIGINT raise it too even if it was inherited ignored (a shell's background job)."""
 
     def interrupt(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
