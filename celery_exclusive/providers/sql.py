@@ -61,9 +61,13 @@ _PG_NETWORK_DEFAULTS = {
     "keepalives_interval": 5,
     "keepalives_count": 3,
 }
-#: Seconds a connection the PostgreSQL fast path keeps checked out may sit unused before it
-#: goes back to the pool (whose checkout then applies the engine's pre-ping and recycling).
-_HOT_IDLE = 1.0
+#: Connections the PostgreSQL fast path keeps for itself, out of the pool (more concurrent
+#: callers than this use the pool's, which then bounds them).
+_KEEP = 4
+
+#: In a forked child, the parent's kept connections: never used, never closed (that would
+#: end the parent's sessions) and never collected (psycopg would warn they were left open).
+_inherited_connections: list[Any] = []
 # The origin's staleness threshold: a row older than the 24 h cap is dead whatever it says.
 # Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
 _STALE = int(MAX_LIFETIME_CAP)
@@ -379,10 +383,10 @@ class SqlLockProvider:
         )
         self._pg = dialect.name == "postgresql"
         self._fast = self._pg and dialect.driver == "psycopg"
-        # Connections kept out of the pool between fast-path statements, with the monotonic
-        # time of their last use: a checkout and check-in cost as much Python time as the SQL.
-        # Only for an engine we built (no reset on return, so giving one back does no I/O).
-        self._hot: list[tuple[Any, float]] | None = [] if self._fast and self._owns_engine else None
+        # psycopg connections the fast path owns, detached from the pool: a checkout and
+        # check-in cost as much Python time as the SQL. Only for an engine we built.
+        self._kept: list[Any] | None = [] if self._fast and self._owns_engine else None
+        self._closed = False
         if self._pg:
             self._pg_sql = _pg_statements(dialect, table)
             self._psycopg_sql = {
@@ -584,7 +588,8 @@ class SqlLockProvider:
 
     def close(self) -> None:
         """Dispose of the engine's connections if this provider created the engine."""
-        self._cool(everything=True)
+        self._closed = True
+        self._drop_kept()
         if self._owns_engine:
             self._engine.dispose()
 
@@ -661,7 +666,7 @@ class SqlLockProvider:
                         raise self._error("set up the lock table", exc) from exc
 
     def _run_pg(self, op: str, params: dict[str, Any]) -> _Rows:
-        """Run one PostgreSQL statement, autocommit, on a pooled connection; its rows."""
+        """Run one PostgreSQL statement, autocommit, on a kept or pooled connection; its rows."""
         self._ensure_schema()
         if not self._fast:
             statement = sa.text(self._pg_sql[op])
@@ -672,63 +677,80 @@ class SqlLockProvider:
                 return rows
 
             return self._transact(op, attempt)
-        fairy, now = self._checkout(op)
-        dbapi: Any = fairy.driver_connection
+        fairy, dbapi = self._connection(op)
         try:
             rows: _Rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
             if not dbapi.autocommit:  # an engine the caller built without autocommit
                 dbapi.commit()
         except self._pg_error as exc:
-            if dbapi.closed:
-                # The server or the network dropped it, so likely its idle siblings too (a
-                # restart, a failover): recycle every connection pooled before now, as
-                # SQLAlchemy does on a disconnect, instead of each failing one more call.
-                self._engine.pool._invalidate(fairy, exc)
-                self._cool(everything=True)
-            elif isinstance(exc, self._pg_broken) or not dbapi.autocommit:
-                fairy.invalidate(exc)
-            fairy.close()
+            self._failed(fairy, dbapi, exc)
             raise self._error(op, exc) from exc
         except BaseException:
-            fairy.invalidate()  # interrupted mid-protocol: the connection state is unknown
-            fairy.close()
+            # Interrupted mid-protocol: the connection's state is unknown.
+            if fairy is None:
+                dbapi.close()
+            else:
+                fairy.invalidate()
+                fairy.close()
             raise
-        if self._hot is None:
-            fairy.close()
+        if fairy is not None and self._kept is not None and len(self._kept) < _KEEP:
+            fairy.detach()  # ours from now on; the pool forgets it
+            fairy = None
+        if fairy is None:
+            self._keep(dbapi)
         else:
-            self._hot.append((fairy, now))
+            fairy.close()
         return rows
 
-    def _checkout(self, op: str) -> tuple[Any, float]:
-        """A pooled connection for the fast path: a hot one if one was used within
-        ``_HOT_IDLE`` seconds, else the pool's; and the monotonic time now."""
-        now = time.monotonic()
-        hot = self._hot
-        if hot:
-            with contextlib.suppress(IndexError):  # another thread may have emptied it
-                if now - hot[0][1] > _HOT_IDLE:
-                    self._cool()
-                fairy, used = hot.pop()
-                if now - used <= _HOT_IDLE:
-                    return fairy, now
-                fairy.close()
+    def _failed(self, fairy: Any, dbapi: Any, exc: Exception) -> None:
+        """Put away the connection a statement failed on (``fairy`` None: a kept one)."""
+        if dbapi.closed:
+            # The server or the network dropped it, so likely its idle siblings too (a
+            # restart, a failover): recycle every connection made before now, as
+            # SQLAlchemy does on a disconnect, instead of each failing one more call.
+            self._drop_kept()
+            if fairy is None:
+                self._engine.dispose()
+            else:
+                self._engine.pool._invalidate(fairy, exc)
+        if fairy is not None:
+            if isinstance(exc, self._pg_broken) or not dbapi.autocommit:
+                fairy.invalidate(exc)
+            fairy.close()
+        elif dbapi.closed or isinstance(exc, self._pg_broken):
+            dbapi.close()
+        else:
+            self._keep(dbapi)
+
+    def _connection(self, op: str) -> tuple[Any, Any]:
+        """``(None, a kept psycopg connection)``, or ``(pool checkout, its connection)``."""
+        if self._kept:
+            with contextlib.suppress(IndexError):  # another thread took the last one
+                return None, self._kept.pop()
         try:
-            return self._engine.raw_connection(), now
+            fairy = self._engine.raw_connection()
         except sa_exc.SQLAlchemyError as exc:
             raise self._error(op, exc) from exc
+        return fairy, fairy.driver_connection
 
-    def _cool(self, *, everything: bool = False) -> None:
-        """Give back to the pool the hot connections unused for ``_HOT_IDLE`` s (or all)."""
-        hot = self._hot
-        if not hot:
-            return
-        cutoff = time.monotonic() - _HOT_IDLE
-        while hot and (everything or hot[0][1] < cutoff):
+    def _keep(self, connection: Any) -> None:
+        """Keep an owned connection for the next statement, or close it if we are full or closed."""
+        kept = self._kept
+        if kept is not None and not self._closed and len(kept) < _KEEP:
+            kept.append(connection)
+        else:
+            connection.close()
+
+    def _drop_kept(self) -> None:
+        """Close every kept connection."""
+        kept = self._kept
+        while kept:
             try:
-                fairy, _ = hot.pop(0)
+                connection = kept.pop()
             except IndexError:
                 return
-            fairy.close()
+            with contextlib.suppress(Exception):  # a dead connection still closes locally
+                connection.close()
 
     def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
         """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying deadlocks."""
@@ -760,9 +782,11 @@ class SqlLockProvider:
         self._schema_lock = threading.Lock()
         if self._memory:
             self._serial = threading.RLock()
-        # The parent's hot connections go back to its (dropped) pool without I/O, and the
-        # child never shares the parent's sockets.
-        self._cool(everything=True)
+        # The child never shares the parent's sockets: neither the kept connections nor the
+        # pool's (dropped without closing, as SQLAlchemy recommends after fork).
+        if self._kept:
+            _inherited_connections.extend(self._kept)
+            self._kept = []
         self._engine.dispose(close=False)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -433,16 +434,16 @@ def test_fork_child_gets_its_own_connections(pg: Db) -> None:
     provider = pg.provider()
     try:
         assert isinstance(provider.acquire("k", "parent", 30, 60, "{}"), Grant)
-        assert provider._hot is not None
-        ((fairy, _),) = provider._hot  # kept checked out for the next statement
-        parent_pid = fairy.driver_connection.info.backend_pid
+        assert provider._kept is not None
+        (kept,) = provider._kept  # the connection the parent's next statement will use
+        parent_pid = kept.info.backend_pid
         read, write = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the child
             status = 1
             try:
                 answer = provider.acquire("k", "child", 30, 60, "{}")
-                pid = provider._hot[0][0].driver_connection.info.backend_pid
+                pid = provider._kept[0].info.backend_pid
                 os.write(write, f"{isinstance(answer, Held)} {pid}".encode())
                 status = 0
             finally:
@@ -455,7 +456,7 @@ def test_fork_child_gets_its_own_connections(pg: Db) -> None:
         assert child_held == "True"
         assert int(child_pid) != parent_pid
         assert provider.release("k", "parent")  # the parent's connection still works
-        assert provider._hot[0][0] is fairy
+        assert provider._kept == [kept]
     finally:
         provider.close()
 
@@ -520,9 +521,9 @@ def test_pg_broken_connection_is_replaced(pg: Db) -> None:
     provider = pg.provider()
     try:
         provider.peek("k")
-        assert provider._hot is not None
-        ((fairy, _),) = provider._hot  # the connection the next statement will use
-        pg.execute("SELECT pg_terminate_backend(:pid)", pid=fairy.driver_connection.info.backend_pid)
+        assert provider._kept is not None
+        (kept,) = provider._kept  # the connection the next statement will use
+        pg.execute("SELECT pg_terminate_backend(:pid)", pid=kept.info.backend_pid)
         time.sleep(0.1)
         with pytest.raises(BackendError):
             provider.peek("k")
@@ -531,29 +532,52 @@ def test_pg_broken_connection_is_replaced(pg: Db) -> None:
         provider.close()
 
 
-def test_pg_fast_path_keeps_connections_out_of_the_pool_only_while_busy(
-    pg: Db, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Back-to-back statements reuse one checked-out connection; connections unused for
-    ``_HOT_IDLE`` seconds, and all of them at close, go back to the pool."""
+def test_pg_fast_path_keeps_its_own_connections(pg: Db) -> None:
+    """Statements reuse connections the provider keeps out of the pool, at most ``_KEEP``
+    of them however many threads call at once; the rest go back to the pool, and close()
+    closes the kept ones."""
     provider = pg.provider()
     pool = provider._engine.pool
     try:
-        for _ in range(5):
-            provider.peek("k")
-        assert pool.checkedout() == 1
-        assert provider._hot is not None
-        assert len(provider._hot) == 1
-        # Two threads' worth of hot connections, then a quiet spell longer than _HOT_IDLE.
-        extra = provider._engine.raw_connection()
-        provider._hot.append((extra, time.monotonic()))
-        assert pool.checkedout() == 2
-        monkeypatch.setattr(sql_module, "_HOT_IDLE", 0.05)
-        time.sleep(0.1)
-        assert provider.peek("k") is None
-        assert pool.checkedout() == 1  # both cold ones returned; one checked out anew and kept
-        provider._cool(everything=True)
+        provider.peek("k")
+        assert provider._kept is not None
+        (kept,) = provider._kept
+        for _ in range(3):
+            assert provider.peek("k") is None
+        assert provider._kept == [kept]  # the same connection every time, no checkout
         assert pool.checkedout() == 0
+
+        start = threading.Barrier(8)
+
+        def hammer() -> None:
+            start.wait()
+            for _ in range(30):
+                provider.peek("k")
+
+        threads = [threading.Thread(target=hammer) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert 1 <= len(provider._kept) <= sql_module._KEEP
+        assert pool.checkedout() == 0
+
+        def detached() -> Any:
+            fairy = provider._engine.raw_connection()
+            connection = fairy.driver_connection
+            fairy.detach()
+            return connection
+
+        while len(provider._kept) < sql_module._KEEP:
+            provider._keep(detached())
+        one_too_many = detached()
+        provider._keep(one_too_many)
+        assert one_too_many.closed
+        kept_now = list(provider._kept)
+        assert len(kept_now) == sql_module._KEEP
+        provider.close()
+        assert provider._kept == []
+        assert all(connection.closed for connection in kept_now)
     finally:
         provider.close()
 
@@ -565,7 +589,7 @@ def test_pg_caller_engine_connections_always_go_back_to_its_pool(pg: Db) -> None
     provider = SqlLockProvider(engine, table=pg.table)
     try:
         assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
-        assert provider._hot is None
+        assert provider._kept is None
         assert engine.pool.checkedout() == 0
     finally:
         provider.close()
@@ -579,8 +603,8 @@ def test_pg_connections_give_up_on_a_silent_network(pg: Db) -> None:
         provider = SqlLockProvider(url, table=pg.table)
         try:
             provider.peek("k")
-            assert provider._hot is not None
-            params = provider._hot[0][0].driver_connection.info.get_parameters()
+            assert provider._kept is not None
+            params = provider._kept[0].info.get_parameters()
             assert params["tcp_user_timeout"] == "30000"
             assert (params["keepalives"], params["keepalives_idle"]) == ("1", idle)
             assert (params["keepalives_interval"], params["keepalives_count"]) == ("5", "3")
