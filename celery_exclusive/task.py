@@ -294,10 +294,18 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
         if self.lock_settings.on_lost == "terminate":
             interrupter = _Interrupter(threading.get_ident())
             lease.on_lost(interrupter.fire)
+        # The worker's tracer (and apply()) pushed this task and its request before calling
+        # us; Task.__call__ would push a copy of both (10 us a run). Only when it is the
+        # next __call__ in line, and not for a call from inside this task's own body.
+        traced = (
+            not self.request.called_directly
+            and _celerys_call_is_next(type(self))
+            and all(task is not self for task, _ in _running.stack)
+        )
         _running.stack.append((self, lease))
         try:
             try:
-                result = super().__call__(*args, **kwargs)
+                result = self.run(*args, **kwargs) if traced else super().__call__(*args, **kwargs)
             finally:
                 if interrupter is not None:
                     interrupter.disarm()
@@ -500,6 +508,19 @@ _mixins_mutex = threading.Lock()
 
 #: Holder metadata flag of runs that send a pending rerun when they finish.
 HANDS_ON_RERUNS = "hands_on_reruns"
+
+
+_celerys_call_next: dict[type, bool] = {}
+
+
+def _celerys_call_is_next(cls: type) -> bool:
+    """Whether ``super().__call__`` in ExclusiveTask is Celery's own for tasks of ``cls``."""
+    known = _celerys_call_next.get(cls)
+    if known is None:
+        mro = cls.__mro__
+        following = [k for k in mro[mro.index(ExclusiveTask) + 1 :] if "__call__" in vars(k)]
+        known = _celerys_call_next[cls] = bool(following) and vars(following[0])["__call__"] is Task.__call__
+    return known
 
 
 def _waits_for(policy: object, holder: LockInfo | None) -> bool:

@@ -228,6 +228,20 @@ class AuditedTask(Task):  # type: ignore[misc]
         return super().__call__(*args, **kwargs)
 
 
+@exclusive_task(app=app, bind=True, key="context:{n}")
+def context_task(self: Task, n: str) -> dict[str, Any]:
+    """What the body sees of its request: id, args, the stack depth, current_task."""
+    from celery import current_task
+
+    return {
+        "id": self.request.id,
+        "args": list(self.request.args or ()),
+        "depth": len(self.request_stack.stack),
+        "current": current_task.request.id if current_task else None,
+        "nested": context_task(f"{n}-inner")["args"] if not n.endswith("-inner") else None,
+    }
+
+
 @exclusive_task(app=app, base=AuditedTask, key="based:{n}")
 def based_task(n: str) -> str:
     """Declared with a custom base: ExclusiveTask is mixed in."""
@@ -601,6 +615,21 @@ def test_direct_call_is_locked_too(locks: LockService) -> None:
     with locks.lock(f"skip:{n}"):
         assert is_skipped(skip_task(n))
     assert skip_task(n)["key"] == f"skip:{n}"
+
+
+def test_body_sees_its_own_request_under_the_worker(locks: LockService) -> None:
+    """Under the worker the body runs in the request the worker pushed (no second copy),
+    with its id, args and current_task; a direct call from inside its own body still gets
+    a request of its own."""
+    n = uid()
+    result = context_task.delay(n)
+    seen = result.get(timeout=10, interval=0.01)
+    assert seen["id"] == result.id
+    assert seen["current"] == result.id
+    assert seen["args"] == [n]
+    assert seen["depth"] == 1
+    assert seen["nested"] == [f"{n}-inner"]
+    assert locks.peek(f"context:{n}") is None
 
 
 @pytest.fixture
