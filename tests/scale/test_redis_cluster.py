@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 from redis.cluster import RedisCluster
 
 from celery_exclusive import LockService
@@ -157,6 +158,71 @@ def test_lock_service_on_the_cluster(redis_cluster: str) -> None:
     finally:
         service.close()
         rival.close()
+
+
+def _primaries(cluster: RedisCluster) -> dict[str, redis.Redis]:
+    """A plain client per primary, by node name (``host:port``)."""
+    return {
+        node.name: redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+        for node in cluster.get_primaries()
+    }
+
+
+def test_a_held_lease_survives_resharding(provider: RedisLockProvider) -> None:
+    """Moving a held key's slot to another primary (MIGRATING/IMPORTING, MIGRATE, SETSLOT
+    NODE) keeps the lease: during the move scripts follow ASK, after it MOVED; token, fence
+    and TTL travel with the hash, a rival stays out, and the next fence is higher."""
+    cluster = provider._client
+    key = f"{{m{uuid.uuid4().hex[:8]}}}:moving"
+    other = f"o{uuid.uuid4().hex[:8]}:still"
+    slot = cluster.keyslot(key)
+    grant = provider.acquire(key, "tok", 30.0, 600.0, "{}")
+    assert isinstance(grant, Grant)
+    assert isinstance(provider.acquire(other, "tok", 30.0, 600.0, "{}"), Grant)
+    source = cluster.nodes_manager.get_node_from_slot(slot)
+    nodes = _primaries(cluster)
+    target_name = next(name for name in nodes if name != source.name)
+    ids = {name: client.cluster("MYID") for name, client in nodes.items()}
+    ids = {name: (i.decode() if isinstance(i, bytes) else i) for name, i in ids.items()}
+    src, dst = nodes[source.name], nodes[target_name]
+    moved = False
+    try:
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.name])
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target_name])
+        host, port = target_name.rsplit(":", 1)
+        src.execute_command("MIGRATE", host, int(port), "", 0, 5000, "KEYS", key)
+        asking = dst.pipeline(transaction=False)
+        asking.execute_command("ASKING")
+        asking.exists(key)
+        assert asking.execute()[1] == 1  # the hash is on the target; the source now says ASK
+        # Mid-move: the source answers ASK for the key, which now lives on the target.
+        assert provider.refresh([RefreshRequest(key, "tok", 40.0)]) == [pytest.approx(40.0, abs=1.0)]
+        assert isinstance(provider.acquire(key, "rival", 30.0, 600.0, "{}"), Held)
+        for client in nodes.values():
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target_name])
+        moved = True
+        # After it: MOVED, and the client learns the new owner; a pipelined refresh across
+        # two slots (two nodes) works too.
+        answers = provider.refresh([RefreshRequest(key, "tok", 50.0), RefreshRequest(other, "tok", 50.0)])
+        assert answers == [pytest.approx(50.0, abs=1.0), pytest.approx(50.0, abs=1.0)]
+        info = provider.peek(key)
+        assert info is not None
+        assert (info.token, info.fence) == ("tok", grant.fence)
+        assert cluster.nodes_manager.get_node_from_slot(slot).name == target_name
+        assert dst.pttl(key) > RETAIN_MS  # the retention TTL moved with the hash
+        assert isinstance(provider.acquire(key, "rival", 30.0, 600.0, "{}"), Held)
+        assert provider.release(key, "tok") is True
+        again = provider.acquire(key, "next", 30.0, 600.0, "{}")
+        assert isinstance(again, Grant)
+        assert again.fence > grant.fence
+        assert provider.release(key, "next") is True
+        assert provider.release(other, "tok") is True
+    finally:
+        if not moved:  # leave the shared test cluster without a half-done move
+            for client in (src, dst):
+                client.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        for client in nodes.values():
+            client.close()
 
 
 @pytest.fixture
