@@ -7,8 +7,10 @@ contract suite is run once more against the cluster at the end of this module.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -20,6 +22,7 @@ from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
 from tests.conftest import Store
 from tests.contract import test_lock_contract as _contract
+from tests.scale._servers import binary, free_port, processes, start, wait_for
 from tests.scale.conftest import contract_store
 
 
@@ -223,6 +226,90 @@ def test_a_held_lease_survives_resharding(provider: RedisLockProvider) -> None:
                 client.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
         for client in nodes.values():
             client.close()
+
+
+@pytest.fixture
+def primary_and_replica(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, redis.Redis]]:
+    """A private one-primary cluster (all slots) with one replica; its URL and both nodes."""
+    server = binary("redis-server")
+    ports: list[int] = []
+    while len(ports) < 2:
+        port = free_port(with_bus=True)
+        if not {port, port + 10000} & {p for q in ports for p in (q, q + 10000)}:
+            ports.append(port)
+    with processes() as started:
+        clients: list[redis.Redis] = []
+        for port in ports:
+            node = tmp_path / str(port)
+            node.mkdir()
+            args = [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
+            args += ["--cluster-config-file", str(node / "nodes.conf"), "--cluster-node-timeout", "3000"]
+            args += ["--save", "", "--appendonly", "no", "--dir", str(node)]
+            proc = start(started, args, node / "redis.log")
+            client = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+            wait_for(client.ping, f"cluster node on port {port}", proc)
+            clients.append(client)
+        primary, replica = clients
+        try:
+            primary_id = primary.execute_command("CLUSTER", "MYID")
+            primary.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            replica.execute_command("CLUSTER", "MEET", "127.0.0.1", ports[0])
+            wait_for(
+                lambda: primary_id in replica.execute_command("CLUSTER", "NODES"), "the meet", started[1]
+            )
+            replica.execute_command("CLUSTER", "REPLICATE", primary_id)
+            wait_for(
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                "replication",
+                started[1],
+            )
+            wait_for(
+                lambda: all(c.cluster("INFO")["cluster_state"] == "ok" for c in clients),
+                "cluster state ok",
+                started[0],
+            )
+            yield f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", primary, replica
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_a_held_lease_survives_a_manual_failover(
+    primary_and_replica: tuple[str, redis.Redis, redis.Redis],
+) -> None:
+    """CLUSTER FAILOVER (the replica takes over once it has caught up, as in maintenance)
+    keeps a held lease: the client follows MOVED to the new primary; token, fence and the
+    exclusion hold, and the next fence is higher."""
+    url, primary, replica = primary_and_replica
+    provider = RedisLockProvider(url)
+    try:
+        key = f"fo{uuid.uuid4().hex[:8]}"
+        grant = provider.acquire(key, "tok", 30.0, 600.0, "{}")
+        assert isinstance(grant, Grant)
+        assert primary.execute_command("WAIT", 1, 5000) == 1  # the replica has the lease
+        replica.execute_command("CLUSTER", "FAILOVER")
+
+        def swapped() -> bool:
+            return replica.info("replication")["role"] == "master" and (
+                primary.info("replication")["role"] == "slave"
+            )
+
+        deadline = time.monotonic() + 20
+        while not swapped():
+            assert time.monotonic() < deadline, "the manual failover did not complete"
+            time.sleep(0.05)
+        answers = provider.refresh([RefreshRequest(key, "tok", 40.0)])
+        assert answers == [pytest.approx(40.0, abs=1.0)]
+        info = provider.peek(key)
+        assert info is not None
+        assert (info.token, info.fence) == ("tok", grant.fence)
+        assert isinstance(provider.acquire(key, "rival", 30.0, 600.0, "{}"), Held)
+        assert provider.release(key, "tok") is True
+        again = provider.acquire(key, "next", 30.0, 600.0, "{}")
+        assert isinstance(again, Grant)
+        assert again.fence > grant.fence
+    finally:
+        provider.close()
 
 
 @pytest.fixture
