@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.conftest import IN_CI
 
@@ -99,3 +100,33 @@ def start(
         proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, **kwargs)  # type: ignore[call-overload]
     started.append(proc)
     return proc
+
+
+def cluster_ports(count: int) -> list[int]:
+    """``count`` free ports for Redis Cluster nodes, none clashing with another's bus port."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(with_bus=True)
+        if not {port, port + 10000} & {p for q in ports for p in (q, q + 10000)}:
+            ports.append(port)
+    return ports
+
+
+def start_cluster_node(
+    started: list[subprocess.Popen[bytes]], folder: Path, port: int, node_timeout_ms: int
+) -> redis.Redis:
+    """Start an empty cluster-enabled Redis (no persistence) on ``port``; a client of it."""
+    node = folder / str(port)
+    node.mkdir()
+    args = [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
+    args += [
+        "--cluster-config-file",
+        str(node / "nodes.conf"),
+        "--cluster-node-timeout",
+        str(node_timeout_ms),
+    ]
+    args += ["--save", "", "--appendonly", "no", "--dir", str(node)]
+    proc = start(started, args, node / "redis.log")
+    client = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+    wait_for(client.ping, f"cluster node on port {port}", proc)
+    return client

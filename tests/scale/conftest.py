@@ -23,7 +23,16 @@ import redis
 
 from celery_exclusive import LockService
 from tests.conftest import POSTGRES_URL, Store, drop_lock_table, require_server
-from tests.scale._servers import binary, free_port, processes, start, unavailable, wait_for
+from tests.scale._servers import (
+    binary,
+    cluster_ports,
+    free_port,
+    processes,
+    start,
+    start_cluster_node,
+    unavailable,
+    wait_for,
+)
 
 
 def contract_store(name: str, url: str) -> Iterator[Store]:
@@ -45,24 +54,12 @@ def contract_store(name: str, url: str) -> Iterator[Store]:
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private Redis Cluster of three primaries on loopback; its ``redis+cluster://`` URL."""
-    server, cli = binary("redis-server"), binary("redis-cli")
+    cli = binary("redis-cli")
     folder = tmp_path_factory.mktemp("cluster")
-    ports: list[int] = []
-    while len(ports) < 3:
-        port = free_port(with_bus=True)
-        if not {port, port + 10000} & {p for q in ports for p in (q, q + 10000)}:
-            ports.append(port)
+    ports = cluster_ports(3)
     with processes() as started:
         for port in ports:
-            node = folder / str(port)
-            node.mkdir()
-            args = [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
-            args += ["--cluster-config-file", str(node / "nodes.conf"), "--cluster-node-timeout", "5000"]
-            args += ["--save", "", "--appendonly", "no", "--dir", str(node)]
-            proc = start(started, args, node / "redis.log")
-            client = redis.Redis(port=port, socket_timeout=5)
-            wait_for(client.ping, f"cluster node on port {port}", proc)
-            client.close()
+            start_cluster_node(started, folder, port, 5000).close()
         addresses = [f"127.0.0.1:{port}" for port in ports]
         created = subprocess.run(
             [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],

@@ -22,7 +22,7 @@ from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
 from tests.conftest import Store
 from tests.contract import test_lock_contract as _contract
-from tests.scale._servers import binary, free_port, processes, start, wait_for
+from tests.scale._servers import cluster_ports, processes, start_cluster_node, wait_for
 from tests.scale.conftest import contract_store
 
 
@@ -231,24 +231,9 @@ def test_a_held_lease_survives_resharding(provider: RedisLockProvider) -> None:
 @pytest.fixture
 def primary_and_replica(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, redis.Redis]]:
     """A private one-primary cluster (all slots) with one replica; its URL and both nodes."""
-    server = binary("redis-server")
-    ports: list[int] = []
-    while len(ports) < 2:
-        port = free_port(with_bus=True)
-        if not {port, port + 10000} & {p for q in ports for p in (q, q + 10000)}:
-            ports.append(port)
+    ports = cluster_ports(2)
     with processes() as started:
-        clients: list[redis.Redis] = []
-        for port in ports:
-            node = tmp_path / str(port)
-            node.mkdir()
-            args = [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
-            args += ["--cluster-config-file", str(node / "nodes.conf"), "--cluster-node-timeout", "3000"]
-            args += ["--save", "", "--appendonly", "no", "--dir", str(node)]
-            proc = start(started, args, node / "redis.log")
-            client = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
-            wait_for(client.ping, f"cluster node on port {port}", proc)
-            clients.append(client)
+        clients = [start_cluster_node(started, tmp_path, port, 3000) for port in ports]
         primary, replica = clients
         try:
             primary_id = primary.execute_command("CLUSTER", "MYID")
