@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,17 @@ POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://post
 REDIS_URL = os.environ.get("CE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+class IdleThread(threading.Thread):
+    """A ``thread_factory`` thread that exits at once: no heartbeat runs, so leases keep
+    their first grant unless the test calls ``heartbeat.beat()`` itself."""
+
+    def __init__(self, **_: Any) -> None:
+        super().__init__(daemon=True)
+
+    def run(self) -> None:
+        return
 
 
 def require_server(url: str) -> None:

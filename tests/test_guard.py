@@ -22,17 +22,7 @@ from sqlalchemy.orm import Session
 from celery_exclusive import InvalidArgumentError, LockLost, LockService
 from celery_exclusive.providers.base import Grant, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
-from tests.conftest import POSTGRES_URL, REDIS_URL, delete_redis_keys, require_server, with_option
-
-
-class _IdleThread(threading.Thread):
-    """A heartbeat thread that never runs: leases keep their first grant and are never refreshed."""
-
-    def __init__(self, **_: Any) -> None:
-        super().__init__(daemon=True)
-
-    def run(self) -> None:
-        return
+from tests.conftest import POSTGRES_URL, REDIS_URL, IdleThread, delete_redis_keys, require_server, with_option
 
 
 @dataclass
@@ -147,7 +137,7 @@ def test_takeover_waits_until_the_guarding_transaction_commits(pg: Pg) -> None:
     events: list[str] = []
     result: dict[str, Any] = {}
     competitor = pg.provider()
-    with pg.service(thread_factory=_IdleThread) as service:
+    with pg.service(thread_factory=IdleThread) as service:
         lease = service.lock("job", ttl=0.5, refresh_interval=0.4)  # never refreshed: expires at 0.5 s
         conn = pg.engine.connect()
         try:

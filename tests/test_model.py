@@ -23,13 +23,11 @@ store forgot a key: SQL counters outlive the row, Redis fences come from its clo
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -52,6 +50,7 @@ from tests.conftest import (
     MYSQL_URL,
     POSTGRES_URL,
     REDIS_URL,
+    IdleThread,
     delete_redis_keys,
     drop_lock_table,
     require_server,
@@ -417,16 +416,6 @@ class ProviderModel(RuleBasedStateMachine):
 # -- the service-level model (memory store, fake clock) ------------------------------------------
 
 
-class _IdleThread(threading.Thread):
-    """A heartbeat thread that exits at once: the model runs ``heartbeat.beat()`` itself."""
-
-    def __init__(self, **_: Any) -> None:
-        super().__init__(daemon=True)
-
-    def run(self) -> None:
-        return
-
-
 @dataclass
 class Tracked:
     """A lease some client took, and what the model knows about it."""
@@ -463,7 +452,7 @@ class ServiceModel(RuleBasedStateMachine):
         return self.now
 
     def new_service(self) -> LockService:
-        return LockService(self.provider, prefix=self.prefix, clock=self.clock, thread_factory=_IdleThread)
+        return LockService(self.provider, prefix=self.prefix, clock=self.clock, thread_factory=IdleThread)
 
     def alive(self, tracked: Tracked) -> bool:
         return self.fleet.generations[tracked.client] == tracked.generation

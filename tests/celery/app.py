@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -27,6 +26,7 @@ from celery.signals import worker_ready
 
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
 from celery_exclusive.worker import get_lock_service
+from tests.fork_safe_redis import ForkSafeRedis
 
 BROKER = os.environ.get("CE_CELERY_BROKER", "redis://127.0.0.1:6379/11")
 KEYPREFIX = os.environ.get("CE_CELERY_KEYPREFIX", "cetest:")
@@ -53,17 +53,12 @@ if os.environ.get("CE_BEAT_INTERVAL"):
         }
     }
 
-_client: tuple[int, redis.Redis] | None = None
-_client_mutex = threading.Lock()
+_clients = ForkSafeRedis(BROKER)
 
 
 def records_client() -> redis.Redis:
     """A Redis client for the records list, never shared across fork."""
-    global _client
-    with _client_mutex:
-        if _client is None or _client[0] != os.getpid():
-            _client = (os.getpid(), redis.Redis.from_url(BROKER))
-        return _client[1]
+    return _clients.get()
 
 
 def record(kind: str, tag: str, **fields: Any) -> None:

@@ -105,12 +105,14 @@ class Process:
             self.popen.wait(10)
 
 
-def spawn(name: str, args: list[str], env: dict[str, str], logdir: Path) -> Process:
-    """Start ``celery <args>`` from the repository root in a new process group."""
+def spawn(
+    name: str, args: list[str], env: dict[str, str], logdir: Path, app: str = "tests.celery.app"
+) -> Process:
+    """Start ``celery -A <app> <args>`` from the repository root in a new process group."""
     log = logdir / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(
-            [CELERY_BIN, "-A", "tests.celery.app", *args],
+            [CELERY_BIN, "-A", app, *args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **env},
             stdout=out,

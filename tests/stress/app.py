@@ -33,6 +33,7 @@ from celery.signals import after_task_publish, task_postrun, task_prerun
 
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task, is_skipped
 from example_worker import records
+from tests.fork_safe_redis import ForkSafeRedis
 
 
 def _default_broker() -> str:
@@ -62,17 +63,12 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 
-_client: tuple[int, redis.Redis] | None = None
-_client_mutex = threading.Lock()
+_clients = ForkSafeRedis(BROKER)
 
 
 def redis_client() -> redis.Redis:
     """A client of the broker's Redis DB (the oracle's counter), never shared across fork."""
-    global _client
-    with _client_mutex:
-        if _client is None or _client[0] != os.getpid():
-            _client = (os.getpid(), redis.Redis.from_url(BROKER))
-        return _client[1]
+    return _clients.get()
 
 
 def append(event: dict[str, Any]) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import random
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,11 +29,10 @@ import pytest
 from celery_exclusive import LockService
 from celery_exclusive.task import RERUN_SUFFIX
 from tests.celery.conftest import (
-    CELERY_BIN,
-    ROOT,
     Process,
     delete_redis_prefix,
     drop_sql_table,
+    spawn,
     wait_ready,
 )
 from tests.conftest import POSTGRES_URL, REDIS_URL, require_server, with_option
@@ -81,11 +79,7 @@ class StressGroup:
 
 def spawn_worker(name: str, env: dict[str, str], logdir: Path, queue: str) -> Process:
     """Start ``celery -A tests.stress.app worker`` (prefork) in a new process group."""
-    log = logdir / f"{name}.log"
     args = [
-        CELERY_BIN,
-        "-A",
-        "tests.stress.app",
         "worker",
         "-P",
         "prefork",
@@ -101,16 +95,7 @@ def spawn_worker(name: str, env: dict[str, str], logdir: Path, queue: str) -> Pr
         "--without-mingle",
         "--without-heartbeat",
     ]
-    with log.open("wb") as out:
-        popen = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return Process(name, popen, log)
+    return spawn(name, args, env, logdir, app="tests.stress.app")
 
 
 @pytest.fixture(params=["postgres", "redis"])
