@@ -285,6 +285,7 @@ class RedisLockProvider:
         self._idle: list[tuple[Any, float]] = []  # (connection, monotonic time of its last use)
         self._pid = os.getpid()
         self._execute: Callable[..., Any]
+        self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
         if client is None:
             if url is None:
                 raise ConfigurationError("RedisLockProvider needs a url or a client")
@@ -328,6 +329,11 @@ class RedisLockProvider:
         self._pool = self._conn.connection_pool
         self._password = self._pool.connection_kwargs.get("password")
         self._execute = self._send
+        try:  # redis-py packs through it too, after per-argument checks our arguments never need
+            from hiredis import pack_command
+        except ImportError:  # pragma: no cover - hiredis comes with the redis extra
+            return
+        self._pack = pack_command
 
     def __repr__(self) -> str:
         return f"RedisLockProvider({self._display!r})"
@@ -378,7 +384,10 @@ class RedisLockProvider:
                         conn.disconnect()
                 except self._broken:
                     conn.disconnect()
-            conn.send_command(*command)
+            if self._pack is None:
+                conn.send_command(*command)
+            else:
+                conn.send_packed_command([self._pack(command)])
             return conn.read_response()
         except self._response_error:
             raise
