@@ -6,8 +6,10 @@ time comparison uses the database's clock. Fences come from a counter that survi
 deletion: the sequence ``<table>_fence_seq`` on PostgreSQL, the one-row table
 ``<table>_fence`` elsewhere.
 
-On PostgreSQL with psycopg 3 each operation is one autocommit statement on a pooled DBAPI
-connection, and a contended acquire writes nothing (no transaction id, no WAL).
+On PostgreSQL with psycopg 3 each operation is one autocommit statement on a connection the
+provider keeps (acquire and release as prepared statements through libpq directly, see
+``libpq.py``), and a contended acquire writes nothing (no transaction id, no WAL). Taking
+over a dead row is the one case that needs a second statement.
 """
 
 from __future__ import annotations
@@ -71,7 +73,14 @@ _inherited_connections: list[Any] = []
 # The origin's staleness threshold: a row older than the 24 h cap is dead whatever it says.
 # Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
 _STALE = int(MAX_LIFETIME_CAP)
+#: The hot statements sent through libpq directly, with their result column types.
+_LIBPQ_COLUMNS = {"acquire": "bttiffft", "take_over": "bttiffft", "release": "b"}
 _CHUNK = 500
+
+
+def _live(info: LockInfo) -> bool:
+    """Whether a row read from the store (times relative to the store's clock) is a live lease."""
+    return info.expires_in > 0 and info.hard_expires_in > 0 and info.age < _STALE
 
 
 class _Key(sa.types.TypeDecorator[str]):
@@ -173,13 +182,27 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
 
     fields = "key, value, expires_at, created_at, deadline, fence, holder"
     returning = "t." + fields.replace(", ", ", t.")
-    # A live row (anyone's) makes the UPDATE and the INSERT touch nothing: no xid, no WAL, no
-    # nextval. A dead row is taken over by an UPDATE that only matches it while it is dead;
-    # no row at all by an INSERT ... DO NOTHING. Neither locks a row it does not change, so
-    # contenders racing a winner's in-flight insert wait for its commit and then write
-    # nothing (ON CONFLICT DO UPDATE ... WHERE would lock the row, take an xid and flush a
-    # commit, delaying the winner's release: measured 2 xids per success instead of 4).
+    # The common case, one cheap statement: a free key (no row) is inserted; an existing row
+    # is only read and returned (live or not, see _live), so a contended attempt takes no
+    # xid, writes no WAL and calls no nextval. ON CONFLICT covers a racing inserter: it
+    # waits for that insert's commit and then does nothing (no rows come back at all).
     acquire = f"""{now},
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT CAST(:key AS varchar), CAST(:token AS text), n.ts + make_interval(secs => :ttl), n.ts,
+         n.ts + make_interval(secs => :life), nextval('{seq}'), CAST(:holder AS text)
+  FROM n WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
+  ON CONFLICT (key) DO NOTHING
+  RETURNING {returning})
+SELECT true, {cols("ins")} FROM ins CROSS JOIN n
+UNION ALL
+SELECT false, {cols("c")} FROM {t} AS c CROSS JOIN n WHERE c.key = :key"""
+    # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
+    # matches it while it is dead; a row deleted meanwhile by an INSERT ... DO NOTHING.
+    # Neither locks a row it does not change, so contenders racing a winner wait for its
+    # commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE would lock the row,
+    # take an xid and flush a commit, delaying the winner's release).
+    take_over = f"""{now},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {_STALE})) AS live
   FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
@@ -206,6 +229,7 @@ SELECT false, {cols("cur")} FROM cur CROSS JOIN n
 WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
     return {
         "acquire": acquire,
+        "take_over": take_over,
         "refresh": f"""{now}
 UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
 FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS float8[]))
@@ -397,6 +421,10 @@ class SqlLockProvider:
         if self._fast:
             import psycopg
 
+            from celery_exclusive.providers import libpq
+
+            self._libpq = libpq.Runner(prepare=not pgbouncer)
+            self._libpq_sql = libpq.statements(self._pg_sql, _LIBPQ_COLUMNS)
             self._pg_error: type[Exception] = psycopg.Error
             self._pg_broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
         if hasattr(os, "register_at_fork"):
@@ -407,8 +435,9 @@ class SqlLockProvider:
     def from_url(cls, url: str) -> SqlLockProvider:
         """A provider for ``url``; ``?ce_table=name&ce_create_table=false`` are our options.
 
-        ``ce_pgbouncer=true`` turns off psycopg's automatic prepared statements, which
-        PgBouncer before 1.21 (or without ``max_prepared_statements``) cannot pool.
+        ``ce_pgbouncer=true`` sends every statement unprepared (the provider prepares acquire
+        and release, psycopg any statement run five times), as PgBouncer before 1.21 (or
+        without ``max_prepared_statements``) cannot pool prepared statements.
         """
         base, options = split_options(url, ("table", "create_table", "pgbouncer"))
         create = _parse_bool("create_table", options.get("create_table", "true"))
@@ -426,21 +455,17 @@ class SqlLockProvider:
         granted = float(min(ttl, max_lifetime))
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
         if self._pg:
-            rows = self._run_pg("acquire", params)
-            if not rows:
-                return Held(None)  # a concurrent acquirer won between our read and our insert
-            fresh, *row = rows[0]
-            if fresh:
-                return Grant(int(row[2]), granted)
-            info = self._info(row)
-            return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
+            answer = self._pg_answer(self._run_pg("acquire", params), token, granted)
+            if answer is None:  # a dead row (its holder crashed or lost it): take it over
+                answer = self._pg_answer(self._run_pg("take_over", params), token, granted)
+            return Held(None) if answer is None else answer
 
         def attempt(conn: Connection) -> Grant | Held:
             conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
             row = conn.execute(self._sql["select"], params).first()
             if row is not None:
                 info = self._info(row)
-                if info.expires_in > 0 and info.hard_expires_in > 0 and info.age < MAX_LIFETIME_CAP:
+                if _live(info):
                     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
                 conn.execute(self._sql["delete"], params)
             fence = int(conn.execute(self._sql["fence"]).scalar_one())
@@ -449,6 +474,21 @@ class SqlLockProvider:
             return Grant(fence, granted)
 
         return self._transact("acquire", attempt)
+
+    def _pg_answer(self, rows: _Rows, token: str, granted: float) -> Grant | Held | None:
+        """What an acquire statement's rows mean; None for a dead row (left to take_over).
+
+        No rows: a concurrent acquirer inserted the key between our read and our insert.
+        """
+        if not rows:
+            return Held(None)
+        fresh, *row = rows[0]
+        if fresh:
+            return Grant(int(row[2]), granted)
+        info = self._info(row)
+        if not _live(info):
+            return None
+        return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
 
     def refresh(self, requests: Sequence[RefreshRequest]) -> _Answers:
         wanted = {(r.key, r.token): float(r.ttl) for r in requests}  # a repeated request: the last ttl wins
@@ -669,17 +709,21 @@ class SqlLockProvider:
         """Run one PostgreSQL statement, autocommit, on a kept or pooled connection; its rows."""
         self._ensure_schema()
         if not self._fast:
-            statement = sa.text(self._pg_sql[op])
+            text = sa.text(self._pg_sql[op])
 
             def attempt(conn: Connection) -> _Rows:
-                rows = [tuple(row) for row in conn.execute(statement, params)]
+                rows = [tuple(row) for row in conn.execute(text, params)]
                 conn.commit()
                 return rows
 
             return self._transact(op, attempt)
         fairy, dbapi = self._connection(op)
         try:
-            rows: _Rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
+            hot = self._libpq_sql.get(op)
+            if hot is not None:  # acquire and release skip psycopg's cursor layer
+                rows: _Rows = self._libpq.run(dbapi, hot, params)
+            else:
+                rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
             if not dbapi.autocommit:  # an engine the caller built without autocommit
                 dbapi.commit()
         except self._pg_error as exc:

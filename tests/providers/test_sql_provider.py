@@ -516,9 +516,13 @@ def test_pg_refreshes_ten_thousand_leases_in_one_call(pg: Db) -> None:
         provider.close()
 
 
-def test_pg_broken_connection_is_replaced(pg: Db) -> None:
-    """A pooled connection killed by the server costs one BackendError; the next call reconnects."""
+@pytest.mark.parametrize("op", ["peek", "acquire"])  # psycopg's cursor path; libpq's direct path
+def test_pg_broken_connection_is_replaced(pg: Db, op: str) -> None:
+    """A kept connection killed by the server costs one BackendError; the next call reconnects."""
     provider = pg.provider()
+    call = {"peek": lambda: provider.peek("k"), "acquire": lambda: provider.acquire("k", "t", 5, 60, "{}")}[
+        op
+    ]
     try:
         provider.peek("k")
         assert provider._kept is not None
@@ -526,8 +530,51 @@ def test_pg_broken_connection_is_replaced(pg: Db) -> None:
         pg.execute("SELECT pg_terminate_backend(:pid)", pid=kept.info.backend_pid)
         time.sleep(0.1)
         with pytest.raises(BackendError):
-            provider.peek("k")
+            call()
+        assert kept.closed
         assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
+        assert provider._kept
+        assert provider._kept[0] is not kept
+    finally:
+        provider.close()
+
+
+def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
+    """acquire and release run as statements prepared on each connection; a session that
+    dropped them (DISCARD ALL from a pooler, say) prepares them again, unnoticed."""
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
+        assert provider._kept is not None
+        (kept,) = provider._kept
+        names = {row[0] for row in kept.execute("SELECT name FROM pg_prepared_statements").fetchall()}
+        assert provider._libpq_sql["acquire"].name.decode() in names
+        kept.execute("DISCARD ALL")
+        assert kept.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
+        assert provider.release("k", "t")
+        assert isinstance(provider.acquire("k", "u", 5, 60, "{}"), Grant)
+        assert provider._kept == [kept]  # the same connection, not replaced
+    finally:
+        provider.close()
+
+
+def test_pg_hot_statement_errors_are_backend_errors(pg: Db) -> None:
+    """A server error on the libpq path is a BackendError naming it (an outage, never
+    "held"); the connection stays in use, and the statement works again once it can."""
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
+        assert provider._kept is not None
+        (kept,) = provider._kept
+        pg.execute(f"ALTER TABLE {pg.table} RENAME TO {pg.table}_away")
+        with pytest.raises(BackendError, match=r"UndefinedTable.*does not exist"):
+            provider.acquire("k2", "t", 5, 60, "{}")
+        with pytest.raises(BackendError, match="UndefinedTable"):
+            provider.release("k", "t")
+        assert provider._kept == [kept]
+        pg.execute(f"ALTER TABLE {pg.table}_away RENAME TO {pg.table}")
+        assert isinstance(provider.acquire("k", "u", 5, 60, "{}"), Held)
+        assert provider.release("k", "t")
     finally:
         provider.close()
 

@@ -1,0 +1,156 @@
+"""The PostgreSQL provider's hot statements, sent through libpq directly (``psycopg.pq``).
+
+psycopg's cursor layer (query conversion, adaptation, row making, its non-blocking wait
+loop) costs about 50 µs of Python per statement: more than the statement's own execution
+on the server. The lock's hot path is a few fixed statements with text parameters and a
+handful of result columns, so it needs none of that: each runs as one prepared statement
+(``PQexecPrepared``, which releases the GIL while it waits) and its text results are
+converted here. Errors come back as the psycopg exception psycopg would have raised.
+
+Statements are prepared once per connection under a name derived from their text.
+A connection that lost them (``DISCARD ALL``, a pooler that moved the session) prepares
+them again. ``prepare=False`` (for PgBouncer before 1.21) sends each as an unnamed
+statement instead.
+
+Trade-off: a signal (Ctrl-C, a Celery soft time limit) that arrives during a statement is
+handled when the statement returns. The provider's network timeouts bound that wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_PLACEHOLDER = re.compile(r"(?<![:\w]):(\w+)")
+_COMMAND_OK, _TUPLES_OK = 1, 2  # psycopg.pq.ExecStatus
+_SQLSTATE, _PRIMARY = ord("C"), ord("M")  # psycopg.pq.DiagnosticField
+_MISSING = "26000"  # invalid_sql_statement_name: not prepared on this session
+_DUPLICATE = "42P05"  # duplicate_prepared_statement: already prepared on this session
+
+
+def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]:
+    """Text-format result converters: b(ool), i(nt), f(loat), t(ext in ``encoding``)."""
+
+    def text(raw: bytes) -> str:
+        return raw.decode(encoding)
+
+    by_type: dict[str, Callable[[bytes], Any]] = {"b": b"t".__eq__, "i": int, "f": float, "t": text}
+    return tuple(by_type[t] for t in types)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One statement: ``:name`` placeholders become ``$n``; ``columns`` is one type letter
+    per result column (``b`` bool, ``i`` int, ``f`` float, ``t`` text; NULL stays None)."""
+
+    name: bytes
+    sql: bytes
+    params: tuple[str, ...]
+    columns: str
+
+    @classmethod
+    def build(cls, sql: str, columns: str) -> Statement:
+        params: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(1) not in params:
+                params.append(match.group(1))
+            return f"${params.index(match.group(1)) + 1}"
+
+        text = _PLACEHOLDER.sub(number, sql)
+        digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+        return cls(
+            f"celery_exclusive_{digest}".encode(),
+            text.encode(),
+            tuple(params),
+            columns,
+        )
+
+
+class Runner:
+    """Runs :class:`Statement` objects on psycopg connections; one per provider, thread-safe
+    as long as each connection is used by one thread at a time (as psycopg requires)."""
+
+    def __init__(self, *, prepare: bool) -> None:
+        import psycopg
+
+        self._prepare = prepare
+        self._errors = psycopg.errors
+        # Per live connection: its client encoding and the names it has prepared.
+        self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, set[bytes]]] = weakref.WeakKeyDictionary()
+        self._converters: dict[tuple[str, str], tuple[Callable[[bytes], Any], ...]] = {}
+
+    def run(self, connection: Any, statement: Statement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """The statement's rows, converted; raises the psycopg error for a failure."""
+        session = self._sessions.get(connection)
+        if session is None:
+            session = self._sessions[connection] = (connection.info.encoding, set())
+        encoding, prepared = session
+        values = [
+            None if (v := params[name]) is None else str(v).encode(encoding) for name in statement.params
+        ]
+        pgconn = connection.pgconn
+        if not self._prepare:
+            result = pgconn.exec_params(statement.sql, values)
+        else:
+            if statement.name not in prepared:
+                self._check(
+                    pgconn,
+                    pgconn.prepare(statement.name, statement.sql),
+                    expect=_COMMAND_OK,
+                    allow=_DUPLICATE,
+                )
+                prepared.add(statement.name)
+            result = pgconn.exec_prepared(statement.name, values)
+            if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
+                prepared.clear()  # the session lost every statement, not just this one
+                self._check(
+                    pgconn,
+                    pgconn.prepare(statement.name, statement.sql),
+                    expect=_COMMAND_OK,
+                    allow=_DUPLICATE,
+                )
+                prepared.add(statement.name)
+                result = pgconn.exec_prepared(statement.name, values)
+        self._check(pgconn, result, expect=_TUPLES_OK)
+        columns = self._converters.get((statement.columns, encoding))
+        if columns is None:
+            columns = self._converters[(statement.columns, encoding)] = _converters(
+                statement.columns, encoding
+            )
+        return [
+            tuple(
+                None if (raw := result.get_value(row, col)) is None else convert(raw)
+                for col, convert in enumerate(columns)
+            )
+            for row in range(result.ntuples)
+        ]
+
+    @staticmethod
+    def _sqlstate(result: Any) -> str | None:
+        code = result.error_field(_SQLSTATE)
+        return code.decode() if code else None
+
+    def _check(self, pgconn: Any, result: Any, *, expect: int, allow: str | None = None) -> None:
+        """Raise what psycopg would raise unless ``result`` has status ``expect``."""
+        if result.status == expect:
+            return
+        sqlstate = self._sqlstate(result)
+        if allow is not None and sqlstate == allow:
+            return
+        raw = result.error_field(_PRIMARY) or result.error_message or pgconn.error_message
+        message = (raw or b"no error message").decode("utf-8", "replace")
+        try:
+            kind = self._errors.lookup(sqlstate) if sqlstate else self._errors.OperationalError
+        except KeyError:
+            kind = self._errors.DatabaseError
+        raise kind(message.strip())
+
+
+def statements(sql: Mapping[str, str], columns: Mapping[str, str]) -> dict[str, Statement]:
+    """The statements of ``sql`` named in ``columns``, built for :class:`Runner`."""
+    return {op: Statement.build(sql[op], types) for op, types in columns.items()}
