@@ -37,6 +37,12 @@ WATCH_POLL = 0.1
 _refresh_interval = operator.attrgetter("refresh_interval")
 
 
+def _request(lease: Lease) -> RefreshRequest:
+    """The lease's refresh request, made once: it never changes."""
+    request = lease._request = RefreshRequest(lease.store_key, lease.token, lease.ttl)
+    return request
+
+
 class Heartbeat:
     """Refreshes the registered leases; ``mutex`` guards every lease's state."""
 
@@ -183,7 +189,7 @@ class Heartbeat:
 
     def _refresh(self, leases: Sequence[Lease]) -> None:
         sent = self._clock()
-        requests = [RefreshRequest(lease.store_key, lease.token, lease.ttl) for lease in leases]
+        requests = [lease._request or _request(lease) for lease in leases]
         try:
             answers = self._provider.refresh(requests)
         except Exception as exc:

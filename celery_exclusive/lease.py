@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import InvalidArgumentError, LockLost
+from celery_exclusive.providers.base import RefreshRequest
 
 if TYPE_CHECKING:
     from celery_exclusive.service import LockService
@@ -66,9 +67,11 @@ class Lease:
         "_deadline",
         "_final",
         "_lost",
+        "_margin",
         "_mutex",
         "_next_refresh",
         "_on_lost",
+        "_request",
         "_service",
         "_state",
         "acquired_at",
@@ -108,6 +111,8 @@ class Lease:
         self.max_lifetime = max_lifetime
         self.acquired_at = sent_at
         self.hard_deadline = sent_at + max_lifetime
+        self._margin = safety_margin(ttl)
+        self._request: RefreshRequest | None = None  # made by the heartbeat's first refresh
         self._lost: threading.Event | None = None  # made on first use of ``lost``
         self._on_lost: list[Callable[[Lease, str], object]] = []
         self._state = LeaseState.HELD
@@ -213,7 +218,7 @@ class Lease:
 
     def _confirm(self, sent_at: float, granted: float, *, clamped: bool) -> None:
         """The store granted ``granted`` seconds to a request sent at ``sent_at``."""
-        self._deadline = sent_at + granted - safety_margin(self.ttl)
+        self._deadline = sent_at + granted - self._margin
         self._next_refresh = sent_at + self.refresh_interval
         # Once the store clamps at the hard deadline, refreshing again cannot help.
         self._final = clamped or self._next_refresh >= self.hard_deadline
