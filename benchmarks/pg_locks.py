@@ -108,7 +108,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             {
                 RAW: "baseline: same statements, prepared by psycopg after 5 uses",
                 ADVISORY: "info: session locks, no row, no WAL, no fsync; no ttl, no fence",
-                SERVICE: "SQLAlchemy pool checkout per statement, autocommit, no reset round trip",
+                SERVICE: "a kept connection; acquire and release prepared, sent through libpq directly",
                 ORIGIN: "3 transactions (BEGIN; statement; COMMIT): 9 round trips per acquire+release",
             },
         )

@@ -98,23 +98,11 @@ class Runner:
             result = pgconn.exec_params(statement.sql, values)
         else:
             if statement.name not in prepared:
-                self._check(
-                    pgconn,
-                    pgconn.prepare(statement.name, statement.sql),
-                    expect=_COMMAND_OK,
-                    allow=_DUPLICATE,
-                )
-                prepared.add(statement.name)
+                self._prepare_on(pgconn, statement, prepared)
             result = pgconn.exec_prepared(statement.name, values)
             if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
                 prepared.clear()  # the session lost every statement, not just this one
-                self._check(
-                    pgconn,
-                    pgconn.prepare(statement.name, statement.sql),
-                    expect=_COMMAND_OK,
-                    allow=_DUPLICATE,
-                )
-                prepared.add(statement.name)
+                self._prepare_on(pgconn, statement, prepared)
                 result = pgconn.exec_prepared(statement.name, values)
         self._check(pgconn, result, expect=_TUPLES_OK)
         columns = self._converters.get((statement.columns, encoding))
@@ -129,6 +117,11 @@ class Runner:
             )
             for row in range(result.ntuples)
         ]
+
+    def _prepare_on(self, pgconn: Any, statement: Statement, prepared: set[bytes]) -> None:
+        result = pgconn.prepare(statement.name, statement.sql)
+        self._check(pgconn, result, expect=_COMMAND_OK, allow=_DUPLICATE)
+        prepared.add(statement.name)
 
     @staticmethod
     def _sqlstate(result: Any) -> str | None:
