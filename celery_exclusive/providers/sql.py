@@ -173,11 +173,11 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
     def live(a: str) -> str:
         return f"{a}.expires_at > n.ts AND {a}.deadline > n.ts"
 
-    def cols(a: str) -> str:
+    def cols(a: str, ts: str = "n.ts") -> str:
         return (
-            f"{a}.key, {a}.value, {a}.fence, extract(epoch FROM n.ts - {a}.created_at)::float8, "
-            f"extract(epoch FROM {a}.expires_at - n.ts)::float8, "
-            f"extract(epoch FROM {a}.deadline - n.ts)::float8, {a}.holder"
+            f"{a}.key, {a}.value, {a}.fence, extract(epoch FROM {ts} - {a}.created_at)::float8, "
+            f"extract(epoch FROM {a}.expires_at - {ts})::float8, "
+            f"extract(epoch FROM {a}.deadline - {ts})::float8, {a}.holder"
         )
 
     fields = "key, value, expires_at, created_at, deadline, fence, holder"
@@ -186,17 +186,20 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
     # is only read and returned (live or not, see _live), so a contended attempt takes no
     # xid, writes no WAL and calls no nextval. ON CONFLICT covers a racing inserter: it
     # waits for that insert's commit and then does nothing (no rows come back at all).
-    acquire = f"""{now},
-ins AS (
+    # Its clock is statement_timestamp(), when the server received it: stable within the
+    # statement without a CTE, and never later than the truth, so the lease it grants
+    # expires no earlier than the holder's own deadline, which counts from before sending.
+    ts = "statement_timestamp()"
+    acquire = f"""WITH ins AS (
   INSERT INTO {t} AS t ({fields})
-  SELECT CAST(:key AS varchar), CAST(:token AS text), n.ts + make_interval(secs => :ttl), n.ts,
-         n.ts + make_interval(secs => :life), nextval('{seq}'), CAST(:holder AS text)
-  FROM n WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
+  SELECT CAST(:key AS varchar), CAST(:token AS text), {ts} + make_interval(secs => :ttl), {ts},
+         {ts} + make_interval(secs => :life), nextval('{seq}'), CAST(:holder AS text)
+  WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
   ON CONFLICT (key) DO NOTHING
-  RETURNING {returning})
-SELECT true, {cols("ins")} FROM ins CROSS JOIN n
+  RETURNING t.fence)
+SELECT true, NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL::float8, NULL::text FROM ins
 UNION ALL
-SELECT false, {cols("c")} FROM {t} AS c CROSS JOIN n WHERE c.key = :key"""
+SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
     # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
     # matches it while it is dead; a row deleted meanwhile by an INSERT ... DO NOTHING.
     # Neither locks a row it does not change, so contenders racing a winner wait for its
