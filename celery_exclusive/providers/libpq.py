@@ -23,7 +23,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 _PLACEHOLDER = re.compile(r"(?<![:\w]):(\w+)")
 _COMMAND_OK, _TUPLES_OK = 1, 2  # psycopg.pq.ExecStatus
@@ -104,23 +104,27 @@ class Runner:
                 prepared.clear()  # the session lost every statement, not just this one
                 self._prepare_on(pgconn, statement, prepared)
                 result = pgconn.exec_prepared(statement.name, values)
-        self._check(pgconn, result, expect=_TUPLES_OK)
+        if result.status != _TUPLES_OK:
+            self._raise(pgconn, result)
         columns = self._converters.get((statement.columns, encoding))
         if columns is None:
-            columns = self._converters[(statement.columns, encoding)] = _converters(
-                statement.columns, encoding
-            )
+            columns = _converters(statement.columns, encoding)
+            self._converters[(statement.columns, encoding)] = columns
+        get = result.get_value
         return [
             tuple(
-                None if (raw := result.get_value(row, col)) is None else convert(raw)
-                for col, convert in enumerate(columns)
+                [
+                    None if (raw := get(row, col)) is None else convert(raw)
+                    for col, convert in enumerate(columns)
+                ]
             )
             for row in range(result.ntuples)
         ]
 
     def _prepare_on(self, pgconn: Any, statement: Statement, prepared: set[bytes]) -> None:
         result = pgconn.prepare(statement.name, statement.sql)
-        self._check(pgconn, result, expect=_COMMAND_OK, allow=_DUPLICATE)
+        if result.status != _COMMAND_OK and self._sqlstate(result) != _DUPLICATE:
+            self._raise(pgconn, result)
         prepared.add(statement.name)
 
     @staticmethod
@@ -128,13 +132,9 @@ class Runner:
         code = result.error_field(_SQLSTATE)
         return code.decode() if code else None
 
-    def _check(self, pgconn: Any, result: Any, *, expect: int, allow: str | None = None) -> None:
-        """Raise what psycopg would raise unless ``result`` has status ``expect``."""
-        if result.status == expect:
-            return
+    def _raise(self, pgconn: Any, result: Any) -> NoReturn:
+        """Raise what psycopg would raise for the failed ``result``."""
         sqlstate = self._sqlstate(result)
-        if allow is not None and sqlstate == allow:
-            return
         raw = result.error_field(_PRIMARY) or result.error_message or pgconn.error_message
         message = (raw or b"no error message").decode("utf-8", "replace")
         try:
