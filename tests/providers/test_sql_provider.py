@@ -539,6 +539,35 @@ def test_pg_broken_connection_is_replaced(pg: Db, op: str) -> None:
         provider.close()
 
 
+def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -> None:
+    """A free key and a held key (contention) cost one statement; only a dead lease (its
+    holder crashed) costs a second, the take-over, which also raises the fence."""
+    provider = pg.provider()
+    sent: list[str] = []
+    run = provider._run_pg
+
+    def counting(op: str, params: dict[str, Any]) -> Any:
+        sent.append(op)
+        return run(op, params)
+
+    provider._run_pg = counting  # type: ignore[method-assign]
+    try:
+        first = provider.acquire("k", "a", 0.3, 60, "{}")
+        assert isinstance(first, Grant)
+        assert sent == ["acquire"]
+        sent.clear()
+        assert isinstance(provider.acquire("k", "b", 5, 60, "{}"), Held)
+        assert sent == ["acquire"]
+        sent.clear()
+        time.sleep(0.4)
+        taken = provider.acquire("k", "b", 5, 60, "{}")
+        assert isinstance(taken, Grant)
+        assert taken.fence > first.fence
+        assert sent == ["acquire", "take_over"]
+    finally:
+        provider.close()
+
+
 def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
     """acquire and release run as statements prepared on each connection; a session that
     dropped them (DISCARD ALL from a pooler, say) prepares them again, unnoticed."""
