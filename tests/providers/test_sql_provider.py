@@ -568,6 +568,28 @@ def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -
         provider.close()
 
 
+def test_pg_hot_statements_use_the_connection_encoding(pg: Db) -> None:
+    """The libpq path encodes parameters and decodes results in the session's client
+    encoding, as psycopg does: a LATIN1 session stores and reports the same text."""
+    provider = SqlLockProvider(f"{pg.url}?client_encoding=latin1", table=pg.table)
+    try:
+        assert isinstance(provider.acquire("café", "jeton-é", 5, 60, '{"host":"hôte"}'), Grant)
+        held = provider.acquire("café", "autre", 5, 60, "{}")
+        assert isinstance(held, Held)
+        assert held.holder is not None
+        assert (held.holder.key, held.holder.token, held.holder.holder) == (
+            "café",
+            "jeton-é",
+            {"host": "hôte"},
+        )
+        assert provider._kept is not None
+        assert provider._kept[0].info.encoding == "iso8859-1"
+        assert pg.rows()["café"][1] == "jeton-é"  # read back through a UTF-8 session
+        assert provider.release("café", "jeton-é")
+    finally:
+        provider.close()
+
+
 def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
     """acquire and release run as statements prepared on each connection; a session that
     dropped them (DISCARD ALL from a pooler, say) prepares them again, unnoticed."""
