@@ -201,10 +201,10 @@ SELECT true, NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL:
 UNION ALL
 SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
     # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
-    # matches it while it is dead; a row deleted meanwhile by an INSERT ... DO NOTHING.
-    # Neither locks a row it does not change, so contenders racing a winner wait for its
-    # commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE would lock the row,
-    # take an xid and flush a commit, delaying the winner's release).
+    # matches it while it is dead; if the row was deleted meanwhile, an INSERT ... DO
+    # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
+    # a winner wait for its commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE
+    # would lock the row, take an xid and flush a commit, delaying the winner's release).
     take_over = f"""{now},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {_STALE})) AS live
