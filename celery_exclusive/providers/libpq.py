@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-_PLACEHOLDER = re.compile(r"(?<![:\w]):(\w+)")
+#: A ``:name`` bind parameter in the provider's SQL (not a ``::type`` cast).
+PLACEHOLDER = re.compile(r"(?<![:\w]):(\w+)")
 _COMMAND_OK, _TUPLES_OK = 1, 2  # psycopg.pq.ExecStatus
 _SQLSTATE, _PRIMARY = ord("C"), ord("M")  # psycopg.pq.DiagnosticField
 _MISSING = "26000"  # invalid_sql_statement_name: not prepared on this session
@@ -61,7 +62,7 @@ class Statement:
                 params.append(match.group(1))
             return f"${params.index(match.group(1)) + 1}"
 
-        text = _PLACEHOLDER.sub(number, sql)
+        text = PLACEHOLDER.sub(number, sql)
         digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
         return cls(
             f"celery_exclusive_{digest}".encode(),

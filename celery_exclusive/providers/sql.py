@@ -38,6 +38,7 @@ from celery_exclusive.errors import (
     LockLost,
     MissingDriverError,
 )
+from celery_exclusive.providers import libpq
 from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
 from celery_exclusive.urls import mask_url, split_options
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -416,15 +417,11 @@ class SqlLockProvider:
         self._closed = False
         if self._pg:
             self._pg_sql = _pg_statements(dialect, table)
-            self._psycopg_sql = {
-                n: re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", s) for n, s in self._pg_sql.items()
-            }
+            self._psycopg_sql = {n: libpq.PLACEHOLDER.sub(r"%(\1)s", s) for n, s in self._pg_sql.items()}
         else:
             self._sql = _generic_statements(dialect, table)
         if self._fast:
             import psycopg
-
-            from celery_exclusive.providers import libpq
 
             self._libpq = libpq.Runner(prepare=not pgbouncer)
             self._libpq_sql = libpq.statements(self._pg_sql, _LIBPQ_COLUMNS)
