@@ -24,9 +24,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 #: Everything started here and not yet stopped, stopped at interpreter exit at the latest.
-_RUNNING: set[PrivatePostgres | PrivateRedis | TcpProxy] = set()
+_RUNNING: set[PrivatePostgres | PrivateRedis | PrivateSentinel | TcpProxy] = set()
 
 
 class ServerUnavailable(RuntimeError):
@@ -82,9 +83,11 @@ class PrivatePostgres:
     ``restart()`` and ``admin()`` act on this cluster only.
     """
 
-    def __init__(self, bindir: Path) -> None:
+    def __init__(self, bindir: Path, settings: dict[str, str] | None = None) -> None:
         self.bindir = bindir
         self.port = 0
+        #: postgresql.conf lines on top of this suite's defaults (values quoted as SQL needs).
+        self.settings = dict(settings or {})
         self.root = Path(tempfile.mkdtemp(prefix="ce-faults-pg-"))
         self.data = self.root / "data"
         self.log = self.root / "server.log"
@@ -153,13 +156,19 @@ class PrivatePostgres:
             "max_connections": "60",
             "shared_buffers": "16MB",
             "log_min_messages": "warning",
+            **self.settings,
         }
         with (self.data / "postgresql.conf").open("a") as conf:
             conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
+        return self._launch()
+
+    def _launch(self, auto_conf: str = "", port: int | None = None) -> PrivatePostgres:
+        """Start the cluster in ``self.data`` on ``port`` or a free one (``auto_conf``: more
+        postgresql.auto.conf lines)."""
         _RUNNING.add(self)
-        for _ in range(5):  # a port picked free may be taken before the server binds it
-            self.port = free_port()
-            self._set_port()
+        for _ in range(1 if port else 5):  # a port picked free may be taken before the server binds it
+            self.port = port or free_port()
+            self._set_port(auto_conf)
             started = self._ctl("start", "-w", "-t", "60", "-l", str(self.log))
             if started.returncode == 0:
                 return self
@@ -167,11 +176,70 @@ class PrivatePostgres:
         self.stop()
         raise ServerUnavailable(f"PostgreSQL did not start: {tail.strip()}")
 
-    def _set_port(self) -> None:
-        (self.data / "postgresql.auto.conf").write_text(f"port = {self.port}\n")
+    def _set_port(self, auto_conf: str = "") -> None:
+        self._write(self.data / "postgresql.auto.conf", f"port = {self.port}\n{auto_conf}")
+
+    def _write(self, path: Path, text: str) -> None:
+        path.write_text(text)
         if self._user is not None:
             entry = pwd.getpwnam(self._user)
-            os.chown(self.data / "postgresql.auto.conf", entry.pw_uid, entry.pw_gid)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def standby(self, name: str, port: int | None = None) -> PrivatePostgres:
+        """A streaming-replication standby of this (running) cluster, started, as ``name``.
+
+        Made by ``pg_basebackup``; its ``primary_conninfo`` carries ``application_name=name``,
+        the name this cluster's ``synchronous_standby_names`` must list for it to be
+        synchronous. The standby itself requires no synchronous standby once promoted.
+        ``port``: the port to listen on (a dead server's, say) instead of a free one.
+        """
+        standby = PrivatePostgres(self.bindir)
+        copied = standby._run(
+            str(self.bindir / "pg_basebackup"),
+            "-D",
+            str(standby.data),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "-X",
+            "stream",
+            "--no-sync",
+            "-c",
+            "fast",
+        )
+        if copied.returncode != 0:
+            standby.stop()
+            raise ServerUnavailable(f"pg_basebackup failed: {copied.stderr.strip()[-500:]}")
+        with (standby.data / "postgresql.conf").open("a") as conf:
+            conf.write(f"unix_socket_directories = '{standby.root}'\nsynchronous_standby_names = ''\n")
+        standby._write(standby.data / "standby.signal", "")
+        conninfo = f"host=127.0.0.1 port={self.port} user=postgres application_name={name}"
+        return standby._launch(f"primary_conninfo = '{conninfo}'\n", port)
+
+    def promote(self) -> float:
+        """``pg_ctl promote`` a standby and wait until it accepts writes; seconds it took."""
+        began = time.monotonic()
+        done = self._ctl("promote", "-w", "-t", "60")
+        if done.returncode != 0:
+            raise ServerUnavailable(f"pg_ctl promote failed: {done.stderr.strip()[-500:]}")
+        return time.monotonic() - began
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every process it started (a crash: nothing is flushed)."""
+        pid = self._postmaster_pid()
+        if pid is None:
+            return
+        children = _children(pid)
+        for each in (pid, *children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, signal.SIGKILL)
+        for each in (pid, *children):
+            _wait_gone(each)
+        with contextlib.suppress(FileNotFoundError):  # its pid may be reused: never signal it again
+            (self.data / "postmaster.pid").unlink()
 
     def restart(self, mode: str = "fast") -> float:
         """``pg_ctl restart -m mode`` (waits until it accepts connections); seconds it took."""
@@ -222,12 +290,39 @@ class PrivatePostgres:
         _RUNNING.discard(self)
 
 
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s direct children (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # the field after the parenthesised command name is the state, then the ppid
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+    """Wait until ``pid`` has exited (a zombie counts as gone: its sockets are closed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.02)
+
+
 class PrivateRedis:
     """A throwaway redis-server (no RDB, no AOF) on a free loopback port, as a child process."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, extra: tuple[str, ...] = ()) -> None:
         self.binary = binary
         self.port = 0
+        #: More redis-server options (``("--replicaof", "127.0.0.1", "7000")``, say).
+        self.extra = extra
         self.root = Path(tempfile.mkdtemp(prefix="ce-faults-redis-"))
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -257,6 +352,7 @@ class PrivateRedis:
                 str(self.root / "server.log"),
                 "--protected-mode",
                 "no",
+                *self.extra,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -313,6 +409,10 @@ class PrivateRedis:
         finally:
             client.close()
 
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); ``stop()`` still cleans up."""
+        self._kill()
+
     def _kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
         proc, self._proc = self._proc, None
         if proc is None:
@@ -327,6 +427,99 @@ class PrivateRedis:
 
     def stop(self) -> None:
         """Stop the server and delete its directory; safe to call twice."""
+        self._kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+        _RUNNING.discard(self)
+
+
+class PrivateSentinel:
+    """A throwaway ``redis-server --sentinel`` monitoring one primary as ``service``.
+
+    Quorum 1 (it is the only sentinel), so it fails over alone once the primary has not
+    answered for ``down_after_ms``.
+    """
+
+    def __init__(
+        self, binary: str, primary_port: int, service: str = "mymaster", down_after_ms: int = 500
+    ) -> None:
+        self.binary = binary
+        self.service = service
+        self.primary_port = primary_port
+        self.down_after_ms = down_after_ms
+        self.port = 0
+        self.root = Path(tempfile.mkdtemp(prefix="ce-faults-sentinel-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"<PrivateSentinel 127.0.0.1:{self.port} {self.service}>"
+
+    @property
+    def url(self) -> str:
+        """The lock store URL of the primary this sentinel names."""
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}/0"
+
+    def start(self) -> PrivateSentinel:
+        """Start on a free port; ServerUnavailable unless it names the primary within 15 s."""
+        _RUNNING.add(self)
+        for _ in range(5):
+            self.port = free_port()
+            config = self.root / "sentinel.conf"  # the sentinel rewrites it: it must be writable
+            config.write_text(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.root}\nprotected-mode no\n"
+                f"logfile {self.root / 'sentinel.log'}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} 1\n"
+                f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.service} 5000\n"
+            )
+            self._proc = subprocess.Popen(
+                [self.binary, str(config), "--sentinel"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and self._proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    if self.primary() == self.primary_port:
+                        return self
+                time.sleep(0.05)
+            self._kill()
+        self.stop()
+        raise ServerUnavailable(f"redis sentinel did not start (log in {self.root})")
+
+    def command(self, *args: str) -> Any:
+        """Send one command to the sentinel on a fresh connection; its reply."""
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True)
+        try:
+            return client.execute_command(*args)
+        finally:
+            client.close()
+
+    def primary(self) -> int | None:
+        """The port of the primary the sentinel names now."""
+        reply = self.command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+        return int(reply[1]) if reply else None
+
+    def replicas(self) -> list[int]:
+        """Ports of the replicas the sentinel knows of that it does not consider down."""
+        found = []
+        for row in self.command("SENTINEL", "REPLICAS", self.service):
+            fields = dict(zip(row[::2], row[1::2], strict=False)) if isinstance(row, list) else row
+            flags = str(fields.get("flags", ""))
+            if "s_down" not in flags and "disconnected" not in flags:
+                found.append(int(fields["port"]))
+        return found
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def stop(self) -> None:
+        """Stop the sentinel and delete its directory; safe to call twice."""
         self._kill()
         shutil.rmtree(self.root, ignore_errors=True)
         _RUNNING.discard(self)

@@ -1,0 +1,311 @@
+"""Failover of replicated stores: kill the primary while leases are held, count what survives.
+
+* PostgreSQL: a private primary with one synchronous standby (``synchronous_standby_names``,
+  streaming replication from ``pg_basebackup``); SIGKILL the primary and every backend,
+  ``pg_ctl promote`` the standby; the holder reconnects through a multi-host URL with
+  ``target_session_attrs=read-write``. Goal and assertion: nothing lost, no double holder.
+* Redis: a private primary, one replica and one sentinel (quorum 1). Before the kill the
+  replica's link is held back (a lagging replica, through a stalled proxy) and a few more
+  leases are taken: without ``ce_wait_replicas`` they exist on the dead primary only and
+  are lost (a rival gets them); with it their acquires fail instead. The leases taken
+  before the lag survive either way.
+
+Counts per failover: *kept* (held before, still held and still the store's after),
+*lost* (the holder believed it held the lease; after the failover it is gone), *double*
+(a rival was granted a key while its holder still believed it held it), *refused* (an
+acquire that raised instead of granting). Short mode: one failover per store and mode.
+``CE_LONG=1``: PostgreSQL fails over 5 times back and forth under one holder; Redis runs
+its scenario 5 times per mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from celery_exclusive import BackendError, Lease, LeaseState, LockService, signals
+from tests.faults.conftest import LONG, Faults, unavailable, wait_until
+from tests.faults.servers import (
+    PrivatePostgres,
+    PrivateRedis,
+    PrivateSentinel,
+    ServerUnavailable,
+    TcpProxy,
+    postgres_bindir,
+)
+
+LEASES = 50
+LATE = 10  # leases taken right before the kill (PostgreSQL) or while the replica lags (Redis)
+ROUNDS = 5 if LONG else 1
+TTL = 6.0
+
+
+@dataclass
+class Tally:
+    """What one failover did to the leases a holder believed it held."""
+
+    kept: int = 0
+    lost: int = 0
+    double: int = 0
+    refused: int = 0
+    failover_s: float = 0.0
+    doubles: list[str] = field(default_factory=list)
+
+
+class Confirmations:
+    """Which leases a service's heartbeat confirmed after a moment (``since``)."""
+
+    def __init__(self, service: LockService) -> None:
+        self.service = service
+        self.since = float("inf")
+        self.seen: set[int] = set()
+        self._lock = threading.Lock()
+        signals.lock_refreshed.connect(self._refreshed, sender=service, weak=False)
+
+    def _refreshed(self, sender: object = None, leases: list[Lease] = (), **_: Any) -> None:  # type: ignore[assignment]
+        if time.monotonic() > self.since:
+            with self._lock:
+                self.seen.update(id(lease) for lease in leases)
+
+    def reset(self, since: float) -> None:
+        with self._lock:
+            self.since, self.seen = since, set()
+
+    def settled(self, leases: list[Lease]) -> bool:
+        """Every lease is LOST, or confirmed by a refresh after ``since``."""
+        with self._lock:
+            return all(lease.state is LeaseState.LOST or id(lease) in self.seen for lease in leases)
+
+    def close(self) -> None:
+        signals.lock_refreshed.disconnect(self._refreshed, sender=self.service)
+
+
+def retrying(call: Callable[[], Any], timeout: float = 15.0) -> Any:
+    """``call()``, retried while it raises BackendError (the store is still failing over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except BackendError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def count(holder: LockService, rival: LockService, leases: list[Lease], confirmations: Confirmations) -> Tally:
+    """After a failover: the rival tries every key at once (a grant while the holder still
+    believes it holds the key is a double holder), then the holder's heartbeat settles
+    every lease (confirmed on the new primary, or LOST) within the ttl."""
+    tally = Tally()
+    for lease in leases:
+        granted = retrying(lambda lease=lease: rival.try_lock(lease.key))
+        if granted is not None:
+            if lease.state is not LeaseState.LOST:
+                tally.double += 1
+                tally.doubles.append(lease.key)
+            granted.release()
+    assert wait_until(lambda: confirmations.settled(leases), TTL + 5), "the heartbeat did not settle"
+    for lease in leases:
+        if lease.state is LeaseState.LOST:
+            tally.lost += 1
+            continue
+        info = retrying(lambda lease=lease: rival.peek(lease.key))
+        if info is not None and info.token == lease.token:
+            tally.kept += 1
+        else:
+            tally.lost += 1
+    return tally
+
+
+def close_quietly(*services: LockService) -> None:
+    for service in services:
+        with contextlib.suppress(Exception):
+            service.close(release=False)
+
+
+# -- PostgreSQL: synchronous standby ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pg_pair() -> Iterator[list[PrivatePostgres]]:
+    """[primary, standby]: the standby synchronous (``synchronous_commit = on``); every
+    server later added to the list is stopped (and its directory removed) on exit too."""
+    bindir = postgres_bindir()
+    if bindir is None:
+        unavailable("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; set CE_TEST_PG_BIN")
+    assert bindir is not None
+    servers: list[PrivatePostgres] = []
+    try:
+        try:
+            primary = PrivatePostgres(
+                bindir, {"synchronous_commit": "on", "synchronous_standby_names": "'ce_standby_0'"}
+            )
+            servers.append(primary)
+            primary.start()
+            servers.append(primary.standby("ce_standby_0"))
+        except ServerUnavailable as exc:
+            unavailable(f"private PostgreSQL pair could not start: {exc}")
+        wait_synchronous(servers[0], "ce_standby_0")
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def wait_synchronous(primary: PrivatePostgres, name: str) -> None:
+    rows: list[Any] = []
+
+    def streaming() -> bool:
+        nonlocal rows
+        rows = primary.admin("SELECT application_name, state, sync_state FROM pg_stat_replication")
+        return (name, "streaming", "sync") in rows
+
+    assert wait_until(streaming, 30, 0.05), f"standby {name} not synchronous: {rows}"
+
+
+def test_postgres_failover_to_a_synchronous_standby(faults: Faults) -> None:
+    """SIGKILL of the primary, standby promoted: every lease is kept, none is given away, and
+    the holder reconnects by itself through the multi-host URL (target_session_attrs)."""
+    with pg_pair() as servers:
+        ports = [servers[0].port, servers[1].port]
+        hosts = "&".join(f"host=127.0.0.1:{port}" for port in ports)
+        url = (
+            f"postgresql+psycopg://postgres@/postgres?{hosts}"
+            "&target_session_attrs=read-write&connect_timeout=2&application_name=ce-failover"
+        )
+        holder = LockService(url, prefix=faults.prefix, ttl=TTL)
+        rival = LockService(url, prefix=faults.prefix, ttl=TTL)
+        confirmations = Confirmations(holder)
+        try:
+            leases = [holder.lock(f"job:{i}") for i in range(LEASES)]
+            highest = max(lease.fence for lease in leases)
+            for round_ in range(ROUNDS):
+                primary, standby = servers[-2], servers[-1]
+                # Taken just before the crash: each acquire's commit waited for the standby.
+                late = [holder.lock(f"late:{round_}:{i}") for i in range(LATE)]
+                killed = time.monotonic()
+                primary.kill()
+                standby.promote()
+                promoted = time.monotonic()
+                confirmations.reset(promoted)
+                tally = count(holder, rival, leases + late, confirmations)
+                tally.failover_s = promoted - killed
+                faults.record(store="postgres", round=round_, **vars(tally))
+                assert (tally.kept, tally.lost, tally.double) == (LEASES + LATE, 0, 0), tally
+                # Fences still grow on the new primary.
+                highest = max(highest, *(lease.fence for lease in late))
+                fresh = retrying(lambda round_=round_: holder.lock(f"fresh:{round_}"))
+                assert fresh.fence > highest
+                highest = fresh.fence
+                for lease in (*late, fresh):
+                    lease.release()
+                if round_ + 1 < ROUNDS:  # the dead primary's port comes back as the next standby
+                    name = f"ce_standby_{round_ + 1}"
+                    dead_port = primary.port
+                    primary.stop()
+                    servers.append(standby.standby(name, port=dead_port))
+                    standby.admin(f"ALTER SYSTEM SET synchronous_standby_names = '{name}'")
+                    standby.admin("SELECT pg_reload_conf()")
+                    wait_synchronous(standby, name)
+        finally:
+            confirmations.close()
+            close_quietly(holder, rival)
+
+
+# -- Redis: Sentinel with one asynchronous replica ---------------------------------------------
+
+
+@contextlib.contextmanager
+def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, PrivateSentinel]]:
+    """(primary, replica, proxy, sentinel): the replica replicates through ``proxy`` (so a
+    test can hold replication back) and is in sync; the sentinel knows both."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        unavailable("redis-server not found on PATH")
+    assert binary is not None
+    started: list[PrivateRedis | PrivateSentinel] = []
+    proxy: TcpProxy | None = None
+    try:
+        try:
+            primary = PrivateRedis(binary, ("--repl-diskless-sync-delay", "0"))
+            started.append(primary)
+            primary.start()
+            proxy = TcpProxy(primary.port)
+            replica = PrivateRedis(
+                binary, ("--replicaof", "127.0.0.1", str(proxy.port), "--repl-diskless-sync-delay", "0")
+            )
+            started.append(replica)
+            replica.start()
+            assert wait_until(lambda: primary.command("WAIT", "1", "100") == 1, 15, 0.05), "replica not in sync"
+            sentinel = PrivateSentinel(binary, primary.port)
+            started.append(sentinel)
+            sentinel.start()
+        except ServerUnavailable as exc:
+            unavailable(f"private Redis Sentinel set could not start: {exc}")
+        assert wait_until(lambda: replica.port in sentinel.replicas(), 15, 0.05), "sentinel sees no replica"
+        yield primary, replica, proxy, sentinel
+    finally:
+        for server in reversed(started):
+            server.stop()
+        if proxy is not None:
+            proxy.close()
+
+
+def redis_failover(faults: Faults, *, wait: bool) -> Tally:
+    """One Sentinel failover with LEASES leases held and LATE more taken while the replica lags."""
+    with sentinel_set() as (primary, replica, proxy, sentinel):
+        options = "?socket_timeout=2&socket_connect_timeout=1"
+        if wait:
+            options += "&ce_wait_replicas=1&ce_wait_timeout=0.2"
+        holder = LockService(sentinel.url + options, prefix=faults.prefix, ttl=TTL)
+        rival = LockService(sentinel.url + options, prefix=faults.prefix, ttl=TTL)
+        confirmations = Confirmations(holder)
+        try:
+            leases = [holder.lock(f"job:{i}") for i in range(LEASES)]
+            proxy.stall()  # the replica lags: what the primary writes now, only it has
+            late: list[Lease] = []
+            refused = 0
+            for i in range(LATE):
+                try:
+                    lease = holder.try_lock(f"late:{i}")
+                except BackendError:
+                    refused += 1
+                else:
+                    assert lease is not None
+                    late.append(lease)
+            killed = time.monotonic()
+            primary.kill()
+            proxy.close()  # what it held back never reaches the replica
+            assert wait_until(lambda: sentinel.primary() == replica.port, 30, 0.02), "no failover"
+            promoted = time.monotonic()
+            confirmations.reset(promoted)
+            tally = count(holder, rival, leases + late, confirmations)
+            tally.refused, tally.failover_s = refused, promoted - killed
+            return tally
+        finally:
+            confirmations.close()
+            close_quietly(holder, rival)
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["async", "ce_wait_replicas"])
+def test_redis_sentinel_failover(faults: Faults, wait: bool) -> None:
+    """Leases replicated before the failover are kept. Leases granted while the replica
+    lagged are lost without ce_wait_replicas (asynchronous replication: inherent); with it
+    those acquires fail instead, so nothing a holder believes it holds is lost."""
+    for round_ in range(ROUNDS):
+        tally = redis_failover(faults, wait=wait)
+        faults.record(store="redis-sentinel", wait_replicas=int(wait), round=round_, **vars(tally))
+        if wait:
+            assert (tally.kept, tally.lost, tally.double, tally.refused) == (LEASES, 0, 0, LATE), tally
+        else:
+            # The late grants never reached the replica: each is lost, and the rival may get it
+            # before the holder's next refresh finds the token gone (a double holder).
+            assert (tally.kept, tally.lost, tally.refused) == (LEASES, LATE, 0), tally
+            assert tally.double <= LATE
