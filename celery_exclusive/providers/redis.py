@@ -1,7 +1,7 @@
 """Redis lock store; needs redis-py and Redis >= 6.
 
-URLs (query parameters are redis-py's, e.g. ``socket_timeout=2.5``; there are no ``ce_``
-options):
+URLs (query parameters are redis-py's, e.g. ``socket_timeout=2.5``, except the ``ce_``
+options below):
 
 * ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS),
   ``unix:///path/redis.sock?db=0``: one server, the primary.
@@ -11,6 +11,13 @@ options):
 * ``redis+sentinel://[[user]:password@]host[:26379][,host[:26379]...]/service[/db]``
   (``rediss+sentinel://``): the primary that the sentinels name ``service``. The password
   is the primary's; the sentinels are asked without one (pass ``client=`` for that).
+
+Replica acknowledgement (opt-in, not on Redis Cluster): ``?ce_wait_replicas=N`` sends
+``WAIT N timeout`` pipelined right after each acquire and refresh script (one round trip;
+Redis does not allow ``WAIT`` inside a script), and ``ce_wait_timeout=S`` (seconds,
+default 0.5) bounds it. A grant or refresh that fewer than N replicas acknowledged within
+the timeout is a BackendError, not a lease: it may exist on the primary only, which a
+failover would lose. A contended acquire wrote nothing and is answered as usual.
 
 Each lock is one hash at exactly the key given, with fields ``token``, ``fence``,
 ``created``, ``expires`` and ``deadline`` (milliseconds on the Redis server's clock,
@@ -45,6 +52,7 @@ live locks: use ``noeviction`` (``diagnose()`` fails otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -175,6 +183,9 @@ _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 _SENTINEL = ("redis+sentinel", "rediss+sentinel")
 _TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
+_OPTIONS = ("wait_replicas", "wait_timeout")
+#: ``ce_wait_timeout`` unless the URL sets it, in seconds.
+DEFAULT_WAIT_TIMEOUT = 0.5
 
 
 def _ms(seconds: float) -> int:
@@ -227,6 +238,28 @@ def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], 
     return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs.get("password")
 
 
+def _wait_settings(replicas: object, timeout: object, socket_timeout: object) -> tuple[int, int]:
+    """``(replicas, timeout in ms)`` for ``WAIT``, checked; ConfigurationError if out of range.
+
+    The timeout must end before the socket's, or a slow acknowledgement would read as a
+    broken connection instead of a clear answer.
+    """
+    if isinstance(replicas, str) and replicas.isdigit():
+        replicas = int(replicas)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 100:
+        raise ConfigurationError(f"ce_wait_replicas must be a whole number from 0 to 100, got {replicas!r}")
+    if isinstance(timeout, str):
+        with contextlib.suppress(ValueError):
+            timeout = float(timeout)
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0.001 <= timeout <= 60:
+        raise ConfigurationError(f"ce_wait_timeout must be seconds from 0.001 to 60, got {timeout!r}")
+    if replicas and isinstance(socket_timeout, int | float) and timeout >= socket_timeout:
+        raise ConfigurationError(
+            f"ce_wait_timeout ({timeout:g} s) must be shorter than the socket timeout ({socket_timeout:g} s)"
+        )
+    return replicas, _ms(timeout)
+
+
 def _sentinel_client(url: str, retry: Any) -> redis.Redis:
     """A client of the primary the URL's sentinels name (nothing is contacted yet)."""
     from redis import sentinel
@@ -258,13 +291,22 @@ class RedisLockProvider:
     sets them, and no automatic command retries (a cluster client still follows MOVED and
     ASK redirections, which are safe). A ``client`` you pass (``redis.Redis``, a Sentinel
     ``master_for()`` client or ``redis.cluster.RedisCluster``) is used as configured and
-    not closed by :meth:`close`.
+    not closed by :meth:`close`. ``wait_replicas`` and ``wait_timeout`` (the URL's
+    ``ce_wait_replicas`` and ``ce_wait_timeout`` win) turn on replica acknowledgement, see
+    the module docstring.
     """
 
     #: Redis takes far longer keys; 1024 bounds memory per lock and matches the other stores.
     max_key_length = 1024
 
-    def __init__(self, url: str | None = None, *, client: redis.Redis | RedisCluster | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        client: redis.Redis | RedisCluster | None = None,
+        wait_replicas: int = 0,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+    ) -> None:
         try:
             import redis
             from redis.cluster import RedisCluster
@@ -286,6 +328,7 @@ class RedisLockProvider:
         self._pid = os.getpid()
         self._execute: Callable[..., Any]
         self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
+        self._wait: tuple[object, object] = (wait_replicas, wait_timeout)
         if client is None:
             if url is None:
                 raise ConfigurationError("RedisLockProvider needs a url or a client")
@@ -302,6 +345,10 @@ class RedisLockProvider:
             self._display = f"<client {where}>"
             self._execute = client.execute_command
         self._cluster = self._factory is not None or isinstance(client, RedisCluster)
+        socket_timeout = None if self._pool is None else self._pool.connection_kwargs.get("socket_timeout")
+        self._wait_replicas, self._wait_ms = _wait_settings(*self._wait, socket_timeout)
+        if self._wait_replicas and self._cluster:
+            raise ConfigurationError("ce_wait_replicas is not supported on Redis Cluster")
 
     def _from_url(self, url: str) -> None:
         """Build (or, for a cluster, prepare to build) the client ``url`` describes."""
@@ -310,7 +357,8 @@ class RedisLockProvider:
         from redis.retry import Retry
 
         self._display = mask_url(url)
-        base, _ = split_options(url, ())
+        base, options = split_options(url, _OPTIONS)
+        self._wait = (options.get("wait_replicas", self._wait[0]), options.get("wait_timeout", self._wait[1]))
         scheme = base.partition("://")[0].lower()
         retry = Retry(NoBackoff(), 0)
         try:
@@ -384,6 +432,10 @@ class RedisLockProvider:
                         conn.disconnect()
                 except self._broken:
                     conn.disconnect()
+            if not conn.is_connected:
+                # Its own connect(): a Sentinel-managed connection asks where the primary is
+                # now (sending would silently reconnect to the address it had before).
+                conn.connect()
             if self._pack is None:
                 conn.send_command(*command)
             else:
@@ -430,6 +482,36 @@ class RedisLockProvider:
                 raise self._fail(reply) from reply
         return replies
 
+    def _run_acked(self, script: str, calls: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int]:
+        """Like :meth:`_run_many`, then ``WAIT`` for the replicas, all in one round trip;
+        the replies and how many replicas acknowledged (one connection: never a cluster)."""
+        for attempt in (1, 2):
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for args in calls:
+                    pipe.execute_command("EVALSHA", _SHA[script], *args)
+                pipe.execute_command("WAIT", self._wait_replicas, self._wait_ms)
+                *replies, acks = pipe.execute(raise_on_error=False)
+            except self._errors as exc:
+                raise self._fail(exc) from exc
+            if attempt == 1 and any(isinstance(r, self._noscript) for r in replies):
+                try:  # nothing ran, so nothing to undo: load the script and send it all again
+                    self._execute("SCRIPT", "LOAD", script)
+                except self._errors as exc:
+                    raise self._fail(exc) from exc
+                continue
+            for reply in (*replies, acks):
+                if isinstance(reply, Exception):
+                    raise self._fail(reply) from reply
+            return replies, int(acks)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _unacknowledged(self, what: str, acks: int) -> BackendError:
+        return BackendError(
+            f"redis {self._display}: the {what} reached {acks} of {self._wait_replicas} replica(s) "
+            f"within {self._wait_ms} ms (ce_wait_replicas): a failover now could lose it"
+        )
+
     def _groups(self, keys: Sequence[str]) -> list[range | list[int]]:
         """Indices of ``keys`` in groups for one script call each: at most ``_CHUNK`` keys,
         consecutive on one server, of one hash slot on a cluster (first-seen slot order)."""
@@ -442,7 +524,13 @@ class RedisLockProvider:
         return [group[s : s + _CHUNK] for group in slots.values() for s in range(0, len(group), _CHUNK)]
 
     def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
-        reply = self._run(ACQUIRE, 1, key, token, _ms(ttl), _ms(max_lifetime), holder)
+        args = (1, key, token, _ms(ttl), _ms(max_lifetime), holder)
+        if self._wait_replicas:
+            (reply,), acks = self._run_acked(ACQUIRE, [args])
+            if reply[0] == 1 and acks < self._wait_replicas:
+                raise self._unacknowledged("grant", acks)
+        else:
+            reply = self._run(ACQUIRE, *args)
         if reply[0] == 1:
             return Grant(reply[1], reply[2] / 1000)
         return Held(self._info(key, reply[1:7], reply[7]))
@@ -459,7 +547,13 @@ class RedisLockProvider:
                 (len(chunk), *[r.key for r in chunk], *[r.token for r in chunk], *[_ms(r.ttl) for r in chunk])
             )
         answers: list[float | None] = [None] * len(requests)
-        for group, reply in zip(groups, self._run_many(REFRESH, calls), strict=True):
+        if self._wait_replicas:
+            replies, acks = self._run_acked(REFRESH, calls)
+            if acks < self._wait_replicas:
+                raise self._unacknowledged("refresh", acks)
+        else:
+            replies = self._run_many(REFRESH, calls)
+        for group, reply in zip(groups, replies, strict=True):
             for i, ms in zip(group, reply, strict=True):
                 answers[i] = None if ms < 0 else ms / 1000
         return answers
@@ -523,6 +617,16 @@ class RedisLockProvider:
         if role != "master":
             found.append(
                 Diagnosis("replica", "fail", f"{where}connected to a {role}: point the URL at the primary")
+            )
+        elif self._wait_replicas:
+            enough = replicas >= self._wait_replicas
+            found.append(
+                Diagnosis(
+                    "replica",
+                    "ok" if enough else "fail",
+                    f"{where}{replicas} replica(s) connected; grants and refreshes wait for "
+                    f"{self._wait_replicas} (ce_wait_replicas)" + ("" if enough else ", so every one fails"),
+                )
             )
         elif replicas:
             found.append(

@@ -99,7 +99,9 @@ def retrying(call: Callable[[], Any], timeout: float = 15.0) -> Any:
             time.sleep(0.05)
 
 
-def count(holder: LockService, rival: LockService, leases: list[Lease], confirmations: Confirmations) -> Tally:
+def count(
+    holder: LockService, rival: LockService, leases: list[Lease], confirmations: Confirmations
+) -> Tally:
     """After a failover: the rival tries every key at once (a grant while the holder still
     believes it holds the key is a double holder), then the holder's heartbeat settles
     every lease (confirmed on the new primary, or LOST) within the ttl."""
@@ -243,7 +245,9 @@ def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, Priva
             )
             started.append(replica)
             replica.start()
-            assert wait_until(lambda: primary.command("WAIT", "1", "100") == 1, 15, 0.05), "replica not in sync"
+            assert wait_until(lambda: primary.command("WAIT", "1", "100") == 1, 15, 0.05), (
+                "replica not in sync"
+            )
             sentinel = PrivateSentinel(binary, primary.port)
             started.append(sentinel)
             sentinel.start()
@@ -270,21 +274,31 @@ def redis_failover(faults: Faults, *, wait: bool) -> Tally:
         try:
             leases = [holder.lock(f"job:{i}") for i in range(LEASES)]
             proxy.stall()  # the replica lags: what the primary writes now, only it has
-            late: list[Lease] = []
-            refused = 0
-            for i in range(LATE):
+            outcomes: list[Lease | BackendError | None] = []
+
+            def take(key: str) -> None:
                 try:
-                    lease = holder.try_lock(f"late:{i}")
-                except BackendError:
-                    refused += 1
-                else:
-                    assert lease is not None
-                    late.append(lease)
+                    outcomes.append(holder.try_lock(key))
+                except BackendError as exc:
+                    outcomes.append(exc)
+
+            takers = [threading.Thread(target=take, args=(f"late:{i}",)) for i in range(LATE)]
+            for taker in takers:  # at once: the lag must stay well inside the held leases' ttl
+                taker.start()
+            for taker in takers:
+                taker.join(10)
+            late = [o for o in outcomes if isinstance(o, Lease)]
+            refused = sum(isinstance(o, BackendError) for o in outcomes)
+            assert len(late) + refused == LATE, outcomes
             killed = time.monotonic()
             primary.kill()
             proxy.close()  # what it held back never reaches the replica
             assert wait_until(lambda: sentinel.primary() == replica.port, 30, 0.02), "no failover"
             promoted = time.monotonic()
+            # The crashed server comes back empty as a replica of the new primary (as an
+            # orchestrator would do), so that there is again a replica to acknowledge.
+            primary.extra = (*primary.extra, "--replicaof", "127.0.0.1", str(replica.port))
+            primary.restart()
             confirmations.reset(promoted)
             tally = count(holder, rival, leases + late, confirmations)
             tally.refused, tally.failover_s = refused, promoted - killed
