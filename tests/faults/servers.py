@@ -185,13 +185,15 @@ class PrivatePostgres:
             entry = pwd.getpwnam(self._user)
             os.chown(path, entry.pw_uid, entry.pw_gid)
 
-    def standby(self, name: str, port: int | None = None) -> PrivatePostgres:
+    def standby(self, name: str, port: int | None = None, via: int | None = None) -> PrivatePostgres:
         """A streaming-replication standby of this (running) cluster, started, as ``name``.
 
         Made by ``pg_basebackup``; its ``primary_conninfo`` carries ``application_name=name``,
         the name this cluster's ``synchronous_standby_names`` must list for it to be
         synchronous. The standby itself requires no synchronous standby once promoted.
-        ``port``: the port to listen on (a dead server's, say) instead of a free one.
+        ``port``: the port to listen on (a dead server's, say) instead of a free one; ``via``:
+        the port it streams from (a :class:`TcpProxy` in front of this cluster) if not this
+        cluster's own.
         """
         standby = PrivatePostgres(self.bindir)
         copied = standby._run(
@@ -216,7 +218,7 @@ class PrivatePostgres:
         with (standby.data / "postgresql.conf").open("a") as conf:
             conf.write(f"unix_socket_directories = '{standby.root}'\nsynchronous_standby_names = ''\n")
         standby._write(standby.data / "standby.signal", "")
-        conninfo = f"host=127.0.0.1 port={self.port} user=postgres application_name={name}"
+        conninfo = f"host=127.0.0.1 port={via or self.port} user=postgres application_name={name}"
         return standby._launch(f"primary_conninfo = '{conninfo}'\n", port)
 
     def promote(self) -> float:

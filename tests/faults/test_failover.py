@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import redis
 
 from celery_exclusive import BackendError, Lease, LeaseState, LockService, signals
 from tests.faults.conftest import LONG, Faults, unavailable, wait_until
@@ -135,48 +136,117 @@ def close_quietly(*services: LockService) -> None:
 # -- PostgreSQL: synchronous standby ---------------------------------------------------------
 
 
+@dataclass
+class PgSet:
+    """The current primary and standby, the proxy the standby streams through, and every
+    server and proxy ever started (all stopped on exit)."""
+
+    sync: bool
+    primary: PrivatePostgres
+    started: list[PrivatePostgres | TcpProxy]
+    standby: PrivatePostgres | None = None
+    proxy: TcpProxy | None = None
+
+    def name(self, generation: int) -> str:
+        return f"ce_standby_{generation}"
+
+    def require(self, primary: PrivatePostgres, generation: int) -> None:
+        """Make ``primary`` wait for standby ``generation`` (if sync) once it streams."""
+        name = self.name(generation)
+        if self.sync:
+            primary.admin(f"ALTER SYSTEM SET synchronous_standby_names = '{name}'")
+            primary.admin("SELECT pg_reload_conf()")
+        rows: list[Any] = []
+        wanted = (name, "streaming", "sync" if self.sync else "async")
+
+        def streaming() -> bool:
+            nonlocal rows
+            rows = primary.admin("SELECT application_name, state, sync_state FROM pg_stat_replication")
+            return wanted in rows
+
+        assert wait_until(streaming, 30, 0.05), f"standby {name} not {wanted}: {rows}"
+
+    def catch_up(self) -> None:
+        """Wait until the standby has replayed everything the primary has written so far."""
+        lsn = self.primary.admin("SELECT pg_current_wal_lsn()")[0][0]
+        query = "SELECT bool_and(replay_lsn >= %s::pg_lsn) FROM pg_stat_replication"
+        assert wait_until(lambda: self.primary.admin(query, (lsn,))[0][0], 30, 0.02), "standby lags"
+
+    def attach(self, generation: int, port: int | None = None) -> None:
+        """A new standby of the current primary (on ``port``), streaming through a new proxy."""
+        self.proxy = TcpProxy(self.primary.port)
+        self.started.append(self.proxy)
+        self.standby = self.primary.standby(self.name(generation), port=port, via=self.proxy.port)
+        self.started.append(self.standby)
+        self.require(self.primary, generation)
+
+
 @contextlib.contextmanager
-def pg_pair() -> Iterator[list[PrivatePostgres]]:
-    """[primary, standby]: the standby synchronous (``synchronous_commit = on``); every
-    server later added to the list is stopped (and its directory removed) on exit too."""
+def pg_set(sync: bool) -> Iterator[PgSet]:
+    """A primary (``synchronous_commit = on``) and one standby, synchronous if ``sync``."""
     bindir = postgres_bindir()
     if bindir is None:
         unavailable("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; set CE_TEST_PG_BIN")
     assert bindir is not None
-    servers: list[PrivatePostgres] = []
+    started: list[PrivatePostgres | TcpProxy] = []
     try:
         try:
-            primary = PrivatePostgres(
-                bindir, {"synchronous_commit": "on", "synchronous_standby_names": "'ce_standby_0'"}
-            )
-            servers.append(primary)
+            primary = PrivatePostgres(bindir, {"synchronous_commit": "on"})
+            started.append(primary)
             primary.start()
-            servers.append(primary.standby("ce_standby_0"))
+            pair = PgSet(sync, primary, started)
+            pair.attach(0)
         except ServerUnavailable as exc:
             unavailable(f"private PostgreSQL pair could not start: {exc}")
-        wait_synchronous(servers[0], "ce_standby_0")
-        yield servers
+        yield pair
     finally:
-        for server in servers:
-            server.stop()
+        for thing in reversed(started):
+            thing.close() if isinstance(thing, TcpProxy) else thing.stop()
 
 
-def wait_synchronous(primary: PrivatePostgres, name: str) -> None:
-    rows: list[Any] = []
+def take_while_lagging(
+    holder: LockService, keys: list[str], settle: float
+) -> Callable[[], tuple[list[Lease], int]]:
+    """Start acquiring ``keys`` at once (threads); after ``settle`` s the caller crashes the
+    primary. Returns a function that joins them: (leases granted, acquires that raised)."""
+    outcomes: list[Lease | BackendError | None] = []
 
-    def streaming() -> bool:
-        nonlocal rows
-        rows = primary.admin("SELECT application_name, state, sync_state FROM pg_stat_replication")
-        return (name, "streaming", "sync") in rows
+    def take(key: str) -> None:
+        try:
+            outcomes.append(holder.try_lock(key))
+        except BackendError as exc:
+            outcomes.append(exc)
 
-    assert wait_until(streaming, 30, 0.05), f"standby {name} not synchronous: {rows}"
+    takers = [threading.Thread(target=take, args=(key,)) for key in keys]
+    for taker in takers:
+        taker.start()
+    time.sleep(settle)
+
+    def join() -> tuple[list[Lease], int]:
+        for taker in takers:
+            taker.join(30)
+        assert len(outcomes) == len(keys), outcomes
+        assert None not in outcomes, outcomes  # each key was free
+        return [o for o in outcomes if isinstance(o, Lease)], sum(
+            isinstance(o, BackendError) for o in outcomes
+        )
+
+    return join
 
 
-def test_postgres_failover_to_a_synchronous_standby(faults: Faults) -> None:
-    """SIGKILL of the primary, standby promoted: every lease is kept, none is given away, and
-    the holder reconnects by itself through the multi-host URL (target_session_attrs)."""
-    with pg_pair() as servers:
-        ports = [servers[0].port, servers[1].port]
+@pytest.mark.parametrize("sync", [True, False], ids=["synchronous", "asynchronous"])
+def test_postgres_failover_to_a_standby(faults: Faults, sync: bool) -> None:
+    """SIGKILL of the primary while the standby lags, standby promoted; the holder reconnects
+    by itself through the multi-host URL (target_session_attrs=read-write).
+
+    Synchronous: acquires made while the standby lags wait for it, and fail when the primary
+    dies (or succeed later on the new primary): every lease a holder was granted is kept,
+    none is given away. Asynchronous (the baseline): those grants are lost and a rival gets
+    the keys. The leases replicated before the lag are kept either way.
+    """
+    with pg_set(sync) as pair:
+        assert pair.standby is not None
+        ports = [pair.primary.port, pair.standby.port]
         hosts = "&".join(f"host=127.0.0.1:{port}" for port in ports)
         url = (
             f"postgresql+psycopg://postgres@/postgres?{hosts}"
@@ -189,33 +259,40 @@ def test_postgres_failover_to_a_synchronous_standby(faults: Faults) -> None:
             leases = [holder.lock(f"job:{i}") for i in range(LEASES)]
             highest = max(lease.fence for lease in leases)
             for round_ in range(ROUNDS):
-                primary, standby = servers[-2], servers[-1]
-                # Taken just before the crash: each acquire's commit waited for the standby.
-                late = [holder.lock(f"late:{round_}:{i}") for i in range(LATE)]
+                primary, standby, proxy = pair.primary, pair.standby, pair.proxy
+                assert standby is not None
+                assert proxy is not None
+                pair.catch_up()  # the leases so far are on the standby (asynchronous too)
+                proxy.stall()  # the standby lags: it receives nothing from here on
+                join = take_while_lagging(holder, [f"late:{round_}:{i}" for i in range(LATE)], 0.5)
                 killed = time.monotonic()
                 primary.kill()
+                proxy.close()  # what it held back never reaches the standby
                 standby.promote()
                 promoted = time.monotonic()
+                late, refused = join()
                 confirmations.reset(promoted)
                 tally = count(holder, rival, leases + late, confirmations)
-                tally.failover_s = promoted - killed
-                faults.record(store="postgres", round=round_, **vars(tally))
-                assert (tally.kept, tally.lost, tally.double) == (LEASES + LATE, 0, 0), tally
+                tally.refused, tally.failover_s = refused, promoted - killed
+                faults.record(store="postgres", sync=sync, round=round_, **vars(tally))
+                if sync:
+                    assert (tally.kept, tally.lost, tally.double) == (LEASES + len(late), 0, 0), tally
+                else:
+                    assert (tally.kept, tally.lost, tally.refused) == (LEASES, LATE, 0), tally
+                    assert tally.double <= LATE
                 # Fences still grow on the new primary.
                 highest = max(highest, *(lease.fence for lease in late))
                 fresh = retrying(lambda round_=round_: holder.lock(f"fresh:{round_}"))
                 assert fresh.fence > highest
                 highest = fresh.fence
                 for lease in (*late, fresh):
-                    lease.release()
+                    if lease.state is not LeaseState.LOST:
+                        lease.release()
                 if round_ + 1 < ROUNDS:  # the dead primary's port comes back as the next standby
-                    name = f"ce_standby_{round_ + 1}"
                     dead_port = primary.port
                     primary.stop()
-                    servers.append(standby.standby(name, port=dead_port))
-                    standby.admin(f"ALTER SYSTEM SET synchronous_standby_names = '{name}'")
-                    standby.admin("SELECT pg_reload_conf()")
-                    wait_synchronous(standby, name)
+                    pair.primary = standby
+                    pair.attach(round_ + 1, port=dead_port)
         finally:
             confirmations.close()
             close_quietly(holder, rival)
@@ -262,6 +339,17 @@ def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, Priva
             proxy.close()
 
 
+def caught_up(primary: PrivateRedis) -> None:
+    """Wait until the replica has everything the primary has written so far: a write and a
+    WAIT on one connection (replication is in order)."""
+    client = redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=10)
+    try:
+        client.set("ce-faults:caught-up", "1")
+        assert client.execute_command("WAIT", 1, 5000) == 1, "replica lags"
+    finally:
+        client.close()
+
+
 def redis_failover(faults: Faults, *, wait: bool) -> Tally:
     """One Sentinel failover with LEASES leases held and LATE more taken while the replica lags."""
     with sentinel_set() as (primary, replica, proxy, sentinel):
@@ -273,23 +361,9 @@ def redis_failover(faults: Faults, *, wait: bool) -> Tally:
         confirmations = Confirmations(holder)
         try:
             leases = [holder.lock(f"job:{i}") for i in range(LEASES)]
+            caught_up(primary)  # the leases so far are on the replica
             proxy.stall()  # the replica lags: what the primary writes now, only it has
-            outcomes: list[Lease | BackendError | None] = []
-
-            def take(key: str) -> None:
-                try:
-                    outcomes.append(holder.try_lock(key))
-                except BackendError as exc:
-                    outcomes.append(exc)
-
-            takers = [threading.Thread(target=take, args=(f"late:{i}",)) for i in range(LATE)]
-            for taker in takers:  # at once: the lag must stay well inside the held leases' ttl
-                taker.start()
-            for taker in takers:
-                taker.join(10)
-            late = [o for o in outcomes if isinstance(o, Lease)]
-            refused = sum(isinstance(o, BackendError) for o in outcomes)
-            assert len(late) + refused == LATE, outcomes
+            late, refused = take_while_lagging(holder, [f"late:{i}" for i in range(LATE)], 0.0)()
             killed = time.monotonic()
             primary.kill()
             proxy.close()  # what it held back never reaches the replica
