@@ -217,6 +217,9 @@ class PrivatePostgres:
             raise ServerUnavailable(f"pg_basebackup failed: {copied.stderr.strip()[-500:]}")
         with (standby.data / "postgresql.conf").open("a") as conf:
             conf.write(f"unix_socket_directories = '{standby.root}'\nsynchronous_standby_names = ''\n")
+            # A standby whose stream broke waits this long before it looks for WAL again, and
+            # does not notice a promote request meanwhile (5 s by default: a 5 s failover).
+            conf.write("wal_retrieve_retry_interval = '100ms'\n")
         standby._write(standby.data / "standby.signal", "")
         conninfo = f"host=127.0.0.1 port={via or self.port} user=postgres application_name={name}"
         return standby._launch(f"primary_conninfo = '{conninfo}'\n", port)

@@ -31,7 +31,9 @@ from typing import Any
 import pytest
 import redis
 
-from celery_exclusive import BackendError, Lease, LeaseState, LockService, signals
+from celery_exclusive import BackendError, ConfigurationError, Lease, LeaseState, LockService, signals
+from celery_exclusive.providers.base import Grant, Held, RefreshRequest
+from celery_exclusive.providers.redis import RedisLockProvider
 from tests.faults.conftest import LONG, Faults, unavailable, wait_until
 from tests.faults.servers import (
     PrivatePostgres,
@@ -39,6 +41,7 @@ from tests.faults.servers import (
     PrivateSentinel,
     ServerUnavailable,
     TcpProxy,
+    free_port,
     postgres_bindir,
 )
 
@@ -322,9 +325,7 @@ def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, Priva
             )
             started.append(replica)
             replica.start()
-            assert wait_until(lambda: primary.command("WAIT", "1", "100") == 1, 15, 0.05), (
-                "replica not in sync"
-            )
+            caught_up(primary)
             sentinel = PrivateSentinel(binary, primary.port)
             started.append(sentinel)
             sentinel.start()
@@ -342,10 +343,11 @@ def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, Priva
 def caught_up(primary: PrivateRedis) -> None:
     """Wait until the replica has everything the primary has written so far: a write and a
     WAIT on one connection (replication is in order)."""
-    client = redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=10)
+    client = redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=20)
     try:
         client.set("ce-faults:caught-up", "1")
-        assert client.execute_command("WAIT", 1, 5000) == 1, "replica lags"
+        # A replica still loading its first full copy counts only once it acknowledges.
+        assert client.execute_command("WAIT", 1, 15000) == 1, "replica lags"
     finally:
         client.close()
 
@@ -397,3 +399,111 @@ def test_redis_sentinel_failover(faults: Faults, wait: bool) -> None:
             # before the holder's next refresh finds the token gone (a double holder).
             assert (tally.kept, tally.lost, tally.refused) == (LEASES, LATE, 0), tally
             assert tally.double <= LATE
+
+
+# -- The pieces on their own ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("ce_wait_replicas=one", "ce_wait_replicas must be a whole number"),
+        ("ce_wait_replicas=-1", "ce_wait_replicas must be a whole number"),
+        ("ce_wait_replicas=101", "ce_wait_replicas must be a whole number"),
+        ("ce_wait_replicas=1&ce_wait_timeout=0", "ce_wait_timeout must be seconds"),
+        ("ce_wait_replicas=1&ce_wait_timeout=nan", "ce_wait_timeout must be seconds"),
+        ("ce_wait_replicas=1&ce_wait_timeout=soon", "ce_wait_timeout must be seconds"),
+        ("ce_wait_replicas=1&ce_wait_timeout=3&socket_timeout=2", "shorter than the socket timeout"),
+        ("ce_wait_replica=1", "unknown option 'ce_wait_replica'"),
+    ],
+)
+def test_wait_options_are_checked_before_any_server_is_asked(query: str, message: str) -> None:
+    """Bad replica-acknowledgement options: ConfigurationError at construction, password masked."""
+    url = f"redis://:s3cret@127.0.0.1:1/0?{query}"  # port 1: nothing is ever contacted
+    with pytest.raises(ConfigurationError, match=message) as raised:
+        LockService(url)
+    assert "s3cret" not in str(raised.value)
+
+
+def test_wait_is_refused_on_a_cluster() -> None:
+    with pytest.raises(ConfigurationError, match="not supported on Redis Cluster"):
+        LockService("redis+cluster://127.0.0.1:1?ce_wait_replicas=1")
+
+
+def test_wait_replicas_refuses_what_no_replica_acknowledged(faults: Faults) -> None:
+    """With ce_wait_replicas a grant or refresh the replica did not acknowledge in time is a
+    BackendError (the lease may exist on the primary only); a contended acquire, a release
+    and a peek are answered as usual; once the replica catches up grants work again."""
+    with sentinel_set() as (primary, _replica, proxy, _sentinel):
+        url = f"redis://:@127.0.0.1:{primary.port}/0?ce_wait_replicas=1&ce_wait_timeout=0.1"
+        provider = RedisLockProvider(url)
+        greedy = RedisLockProvider(url.replace("ce_wait_replicas=1", "ce_wait_replicas=2"))
+        key = faults.prefix + "acked"
+        try:
+            assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+            with pytest.raises(BackendError, match=r"reached 1 of 2 replica\(s\) within 100 ms"):
+                greedy.acquire(faults.prefix + "greedy", "tok", 10.0, 60.0, "{}")
+            checks = {d.check: (d.status, d.detail) for d in greedy.diagnose()}
+            assert checks["replica"][0] == "fail"
+            assert {d.check: d.status for d in provider.diagnose()}["replica"] == "ok"
+            proxy.stall()
+            began = time.monotonic()
+            with pytest.raises(BackendError, match=r"grant reached 0 of 1 replica\(s\)"):
+                provider.acquire(faults.prefix + "lagging", "tok", 10.0, 60.0, "{}")
+            assert time.monotonic() - began < 2  # bounded by ce_wait_timeout, not the socket's
+            with pytest.raises(BackendError, match=r"refresh reached 0 of 1 replica\(s\)"):
+                provider.refresh([RefreshRequest(key, "tok", 10.0)])
+            assert isinstance(provider.acquire(key, "rival", 10.0, 60.0, "{}"), Held)
+            info = provider.peek(key)
+            assert info is not None
+            assert info.token == "tok"
+            proxy.resume()
+            assert provider.refresh([RefreshRequest(key, "tok", 10.0)]) == [pytest.approx(10.0, abs=0.1)]
+            assert provider.release(key, "tok") is True
+        finally:
+            proxy.resume()
+            provider.close()
+            greedy.close()
+
+
+def test_multi_host_postgres_urls_are_accepted_and_masked(faults: Faults) -> None:
+    """Both spellings of a host list reach the server that accepts writes; the password is in
+    no repr and no error."""
+    bindir = postgres_bindir()
+    if bindir is None:
+        unavailable("PostgreSQL server binaries not found; set CE_TEST_PG_BIN")
+    assert bindir is not None
+    server = PrivatePostgres(bindir)
+    try:
+        try:
+            server.start()
+        except ServerUnavailable as exc:
+            unavailable(f"private PostgreSQL could not start: {exc}")
+        server.admin("ALTER USER postgres PASSWORD 's3cret'")
+        dead = free_port()
+        tail = "target_session_attrs=read-write&connect_timeout=2"
+        urls = [
+            f"postgresql+psycopg://postgres:s3cret@/postgres?host=127.0.0.1:{dead}&host=127.0.0.1:{server.port}&{tail}",
+            f"postgresql://postgres:s3cret@127.0.0.1:{dead},127.0.0.1:{server.port}/postgres?{tail}",
+        ]
+        for url in urls:
+            service = LockService(url, prefix=faults.prefix)
+            try:
+                assert "s3cret" not in repr(service)
+                assert "s3cret" not in repr(service.provider)
+                lease = service.lock("multi")
+                lease.release()
+            finally:
+                service.close()
+        nowhere = LockService(
+            f"postgresql://postgres:s3cret@127.0.0.1:{dead},127.0.0.1:{free_port()}/postgres?{tail}",
+            prefix=faults.prefix,
+        )
+        try:
+            with pytest.raises(BackendError) as raised:
+                nowhere.lock("multi")
+            assert "s3cret" not in str(raised.value)
+        finally:
+            nowhere.close()
+    finally:
+        server.stop()
