@@ -309,16 +309,18 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     return texts
 
 
-def _host_list_as_query(rest: str) -> str:
-    """libpq's ``user@h1:p1,h2:p2/db?q`` as SQLAlchemy's ``user@/db?host=h1:p1&host=h2:p2&q``
-    (which psycopg connects to in order, with ``target_session_attrs`` deciding which fits)."""
-    authority, slash, tail = rest.partition("/")
+def _host_list_as_query(backend: str, rest: str) -> str:
+    """PostgreSQL: libpq's ``user@h1:p1,h2:p2/db?q`` as SQLAlchemy's ``user@/db?host=h1:p1&
+    host=h2:p2&q`` (psycopg tries them in order, ``target_session_attrs`` decides which fits)."""
+    if backend != "postgresql":
+        return rest
+    before_query, _, query = rest.partition("?")
+    authority, _, path = before_query.partition("/")
     userinfo, at, hosts = authority.rpartition("@")
     if "," not in hosts:
         return rest
-    path, _, query = tail.partition("?")
     params = [f"host={host}" for host in hosts.split(",")] + ([query] if query else [])
-    return f"{userinfo}{at}{slash or '/'}{path}?{'&'.join(params)}"
+    return f"{userinfo}{at}/{path}?{'&'.join(params)}"
 
 
 def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
@@ -329,8 +331,7 @@ def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         raise ConfigurationError(f"not an SQL lock store URL: {mask_url(raw)!r}")
     module, extra = _BACKENDS.get(backend, ("sqlite3", "sqlite"))
     driver = driver or (module if backend != "sqlite" else "")
-    if backend == "postgresql":
-        rest = _host_list_as_query(rest)
+    rest = _host_list_as_query(backend, rest)
     try:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
     except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
