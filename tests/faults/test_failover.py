@@ -45,6 +45,8 @@ from tests.faults.servers import (
     postgres_bindir,
 )
 
+pytestmark = pytest.mark.slow
+
 LEASES = 50
 LATE = 10  # leases taken right before the kill (PostgreSQL) or while the replica lags (Redis)
 ROUNDS = 5 if LONG else 1
