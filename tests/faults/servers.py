@@ -195,6 +195,8 @@ class PrivatePostgres:
         the port it streams from (a :class:`TcpProxy` in front of this cluster) if not this
         cluster's own.
         """
+        if not (self.bindir / "pg_basebackup").is_file():
+            raise ServerUnavailable(f"no pg_basebackup in {self.bindir}")
         standby = PrivatePostgres(self.bindir)
         copied = standby._run(
             str(self.bindir / "pg_basebackup"),

@@ -1,7 +1,8 @@
 """The Redis store through Sentinel (``redis+sentinel://``): a private primary and sentinel.
 
 Only discovery and normal operation are tested here; what a failover does to leases
-(async replication can lose them) is documented in docs/scaling.md, not tested.
+(async replication can lose them) is tested in tests/faults/test_failover.py and
+documented in docs/scaling.md.
 """
 
 from __future__ import annotations
