@@ -505,9 +505,11 @@ class PrivateSentinel:
             client.close()
 
     def primary(self) -> int | None:
-        """The port of the primary the sentinel names now."""
-        reply = self.command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
-        return int(reply[1]) if reply else None
+        """The port of the primary the sentinel names to clients now (as redis-py asks: by
+        ``SENTINEL MASTER``), or None while it is down or a failover is still switching."""
+        reply = self.command("SENTINEL", "MASTER", self.service)
+        fields = dict(zip(reply[::2], reply[1::2], strict=False)) if isinstance(reply, list) else reply
+        return int(fields["port"]) if fields.get("flags") == "master" else None
 
     def replicas(self) -> list[int]:
         """Ports of the replicas the sentinel knows of that it does not consider down."""
