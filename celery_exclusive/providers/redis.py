@@ -52,7 +52,6 @@ live locks: use ``noeviction`` (``diagnose()`` fails otherwise).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import threading
@@ -238,19 +237,24 @@ def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], 
     return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs.get("password")
 
 
+def _number(text: str | None, kind: Callable[[str], object], default: object) -> object:
+    """A URL option's value as ``kind`` (the text itself if it is not one, for the error)."""
+    if text is None:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        return text
+
+
 def _wait_settings(replicas: object, timeout: object, socket_timeout: object) -> tuple[int, int]:
     """``(replicas, timeout in ms)`` for ``WAIT``, checked; ConfigurationError if out of range.
 
     The timeout must end before the socket's, or a slow acknowledgement would read as a
     broken connection instead of a clear answer.
     """
-    if isinstance(replicas, str) and replicas.isdigit():
-        replicas = int(replicas)
     if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 100:
         raise ConfigurationError(f"ce_wait_replicas must be a whole number from 0 to 100, got {replicas!r}")
-    if isinstance(timeout, str):
-        with contextlib.suppress(ValueError):
-            timeout = float(timeout)
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0.001 <= timeout <= 60:
         raise ConfigurationError(f"ce_wait_timeout must be seconds from 0.001 to 60, got {timeout!r}")
     if replicas and isinstance(socket_timeout, int | float) and timeout >= socket_timeout:
@@ -358,7 +362,10 @@ class RedisLockProvider:
 
         self._display = mask_url(url)
         base, options = split_options(url, _OPTIONS)
-        self._wait = (options.get("wait_replicas", self._wait[0]), options.get("wait_timeout", self._wait[1]))
+        self._wait = (
+            _number(options.get("wait_replicas"), int, self._wait[0]),
+            _number(options.get("wait_timeout"), float, self._wait[1]),
+        )
         scheme = base.partition("://")[0].lower()
         retry = Retry(NoBackoff(), 0)
         try:

@@ -432,6 +432,16 @@ def test_wait_is_refused_on_a_cluster() -> None:
         LockService("redis+cluster://127.0.0.1:1?ce_wait_replicas=1")
 
 
+@pytest.mark.parametrize(("replicas", "timeout"), [(True, 0.5), (1.5, 0.5), ("1", 0.5), (1, 0), (1, "0.5")])
+def test_wait_arguments_of_a_passed_client_are_checked(replicas: Any, timeout: Any) -> None:
+    client = redis.Redis(host="127.0.0.1", port=1, socket_timeout=2)
+    try:
+        with pytest.raises(ConfigurationError, match="ce_wait_"):
+            RedisLockProvider(client=client, wait_replicas=replicas, wait_timeout=timeout)
+    finally:
+        client.close()
+
+
 def test_wait_replicas_refuses_what_no_replica_acknowledged(faults: Faults) -> None:
     """With ce_wait_replicas a grant or refresh the replica did not acknowledge in time is a
     BackendError (the lease may exist on the primary only); a contended acquire, a release
@@ -440,8 +450,12 @@ def test_wait_replicas_refuses_what_no_replica_acknowledged(faults: Faults) -> N
         url = f"redis://:@127.0.0.1:{primary.port}/0?ce_wait_replicas=1&ce_wait_timeout=0.1"
         provider = RedisLockProvider(url)
         greedy = RedisLockProvider(url.replace("ce_wait_replicas=1", "ce_wait_replicas=2"))
+        direct = redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=5)
+        passed = RedisLockProvider(client=direct, wait_replicas=2, wait_timeout=0.1)
         key = faults.prefix + "acked"
         try:
+            with pytest.raises(BackendError, match=r"reached 1 of 2 replica\(s\)"):
+                passed.acquire(faults.prefix + "passed", "tok", 10.0, 60.0, "{}")
             assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
             with pytest.raises(BackendError, match=r"reached 1 of 2 replica\(s\) within 100 ms"):
                 greedy.acquire(faults.prefix + "greedy", "tok", 10.0, 60.0, "{}")
@@ -464,8 +478,9 @@ def test_wait_replicas_refuses_what_no_replica_acknowledged(faults: Faults) -> N
             assert provider.release(key, "tok") is True
         finally:
             proxy.resume()
-            provider.close()
-            greedy.close()
+            for each in (provider, greedy, passed):
+                each.close()
+            direct.close()
 
 
 def test_multi_host_postgres_urls_are_accepted_and_masked(faults: Faults, pg_server: PrivatePostgres) -> None:
