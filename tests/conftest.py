@@ -7,12 +7,12 @@ server is unreachable skips locally with the reason, and fails when ``CI=true``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from celery_exclusive import LockService
+from celery_exclusive.testing.contract import OUTAGE_SECRET, Store
 
 POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -73,21 +74,27 @@ def with_option(url: str, name: str, value: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}ce_{name}={value}"
 
 
-@dataclass
-class Store:
-    """One lock store under test: its URL (for other processes) and a service factory."""
-
-    name: str
-    url: str
-    cross_process: bool
-    make: Callable[..., LockService]
-
-    def service(self, **kwargs: Any) -> LockService:
-        """A LockService on this store with this test's unique prefix."""
-        return self.make(**kwargs)
-
-
 STORE_NAMES = ["memory", "sqlite", "postgres", "mariadb", "redis"]
+#: Each server store's URL with nothing listening, its password the contract's secret.
+DEAD_URLS = {
+    "sqlite": "sqlite:////nonexistent-dir/for/celery-exclusive/locks.sqlite3",
+    "postgres": f"postgresql+psycopg://postgres:{OUTAGE_SECRET}@127.0.0.1:1/test",
+    "mariadb": f"mysql+pymysql://root:{OUTAGE_SECRET}@127.0.0.1:1/test",
+    "redis": f"redis://:{OUTAGE_SECRET}@127.0.0.1:1/0",
+}
+
+
+@contextlib.contextmanager
+def postgres_transaction() -> Iterator[Any]:
+    """An open transaction on the test PostgreSQL database (for ``lease.guard``)."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(POSTGRES_URL)
+    try:
+        with engine.begin() as conn:
+            yield conn
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +142,14 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, sql_tables: dict[str, 
         services.append(service)
         return service
 
-    yield Store(name=name, url=url, cross_process=name != "memory", make=make)
+    yield Store(
+        name=name,
+        url=url,
+        cross_process=name != "memory",
+        make=make,
+        outage=None if name == "memory" else lambda: LockService(DEAD_URLS[name]),
+        guard=postgres_transaction if name == "postgres" else None,
+    )
     for service in services:
         service.close(release=True)
     if name == "redis":

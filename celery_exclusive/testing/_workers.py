@@ -1,19 +1,33 @@
-"""Functions run in separate processes by the contract suite (importable under spawn)."""
+"""Functions run in separate processes by the contract suite (importable under spawn).
+
+``url`` is a store URL or a picklable provider factory (see ContractStore.target).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
-from celery_exclusive import LockService
+from celery_exclusive import LockProvider, LockService
 
 
-def race_once(url: str, prefix: str, key: str, barriers: tuple[Barrier, Barrier], results: Any) -> None:
+def _connect(target: str | Callable[[], LockProvider], prefix: str) -> LockService:
+    return LockService(target if isinstance(target, str) else target(), prefix=prefix)
+
+
+def race_once(
+    url: str | Callable[[], LockProvider],
+    prefix: str,
+    key: str,
+    barriers: tuple[Barrier, Barrier],
+    results: Any,
+) -> None:
     """Try the key once when every racer is ready; hold it until every racer has tried."""
     start, done = barriers
-    service = LockService(url, prefix=prefix)
+    service = _connect(url, prefix)
     try:
         start.wait()
         lease = service.try_lock(key, ttl=30)
@@ -25,9 +39,11 @@ def race_once(url: str, prefix: str, key: str, barriers: tuple[Barrier, Barrier]
         service.close()
 
 
-def increment_under_lock(url: str, prefix: str, key: str, counter: str, times: int) -> None:
+def increment_under_lock(
+    url: str | Callable[[], LockProvider], prefix: str, key: str, counter: str, times: int
+) -> None:
     """Unprotected read-modify-write of a counter file, ``times`` times, each under the lock."""
-    service = LockService(url, prefix=prefix)
+    service = _connect(url, prefix)
     path = Path(counter)
     try:
         done = 0

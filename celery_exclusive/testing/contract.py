@@ -1,30 +1,145 @@
-"""The lock contract, run against every provider: memory, SQLite, PostgreSQL, MariaDB, Redis.
+"""The lock contract: the behaviour every lock store must have, as a pytest suite.
 
 Each test is one sentence of behaviour. Times are short real leases (about a second);
-expiry is always judged by the store's clock.
+expiry is always judged by the store's clock. celery-exclusive runs its own five stores
+(memory, SQLite, PostgreSQL, MariaDB, Redis) through exactly these tests; a third-party
+store runs them with one subclass and one fixture::
+
+    from celery_exclusive.testing.contract import LockContract, open_store
+
+    class TestMyStore(LockContract):
+        @pytest.fixture
+        def store(self):
+            with open_store("mine", provider_factory=my_provider) as store:
+                yield store
+
+A store declares what it cannot do with :class:`ContractStore`'s capability fields
+(``cross_process``, ``outage``, ``fencing``, ``guard``); the tests needing one then skip
+with the reason, as tooz's driver characteristics do. See docs/testing.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from celery_exclusive import (
     BackendError,
     ExclusiveResult,
+    InvalidArgumentError,
     LeaseState,
     LockedError,
     LockLost,
+    LockProvider,
     LockService,
     ReleaseOutcome,
 )
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
-from tests.conftest import Store
-from tests.contract import _workers
+from celery_exclusive.testing import _workers
+
+#: Put this string in the credentials of ``ContractStore.outage``'s unreachable store: the
+#: outage test checks that it never appears in an error or a repr.
+OUTAGE_SECRET = "pw-SECRET"  # noqa: S105 - a marker to look for, not a credential
+
+
+@dataclass
+class ContractStore:
+    """One lock store under test, and what it can do.
+
+    ``make(**kwargs)`` returns a new :class:`LockService` on the store, with a key prefix
+    unique to the test (``kwargs`` are LockService's and pass through). Other processes
+    reach the same store through ``url`` (a URL :class:`LockService` accepts) or
+    ``provider_factory`` (a module-level, so picklable, callable returning a provider).
+
+    Capabilities; the tests needing one skip, saying why, where it is absent:
+
+    * ``cross_process``: separate processes exclude each other (False for an in-process store);
+    * ``outage``: makes a LockService on this kind of store that cannot be reached, its
+      credentials containing :data:`OUTAGE_SECRET` (None: the store cannot be unreachable);
+    * ``fencing``: every acquisition of a key gets a greater fence number than the last;
+    * ``guard``: opens a transaction on the store's database (a context manager yielding the
+      connection) in which ``lease.guard(conn)`` fences writes; None if the store cannot share
+      a transaction with the caller's data, and ``lease.guard`` must then refuse clearly.
+    """
+
+    name: str
+    make: Callable[..., LockService]
+    url: str | None = None
+    provider_factory: Callable[[], LockProvider] | None = None
+    cross_process: bool = True
+    outage: Callable[[], LockService] | None = None
+    fencing: bool = True
+    guard: Callable[[], AbstractContextManager[Any]] | None = None
+
+    def service(self, **kwargs: Any) -> LockService:
+        """A LockService on this store with this test's unique prefix."""
+        return self.make(**kwargs)
+
+    def target(self) -> str | Callable[[], LockProvider]:
+        """What another process builds its LockService on: ``url``, else ``provider_factory``."""
+        if self.url is not None:
+            return self.url
+        if self.provider_factory is not None:
+            return self.provider_factory
+        pytest.skip(f"store {self.name!r} gives neither url nor provider_factory for other processes")
+
+
+@contextlib.contextmanager
+def open_store(
+    name: str,
+    *,
+    url: str | None = None,
+    provider_factory: Callable[[], LockProvider] | None = None,
+    shared_provider: bool = False,
+    **capabilities: Any,
+) -> Iterator[ContractStore]:
+    """A :class:`ContractStore` on ``url`` or ``provider_factory`` with a unique key prefix.
+
+    Every service it made is closed (its leases released) on exit. With ``shared_provider``
+    all services of a test share one provider: an in-process store, whose separate
+    providers would not contend. ``capabilities`` are ContractStore's fields.
+    """
+    if (url is None) == (provider_factory is None):
+        raise InvalidArgumentError("give exactly one of url and provider_factory")
+    prefix = f"t{uuid.uuid4().hex[:12]}:"
+    services: list[LockService] = []
+    shared: list[LockProvider] = []
+
+    def make(**kwargs: Any) -> LockService:
+        kwargs.setdefault("prefix", prefix)
+        if shared_provider and shared:
+            service = LockService(shared[0], **kwargs)
+        else:
+            service = LockService(url if provider_factory is None else provider_factory(), **kwargs)
+            shared.append(service.provider)
+        services.append(service)
+        return service
+
+    try:
+        yield ContractStore(name=name, make=make, url=url, provider_factory=provider_factory, **capabilities)
+    finally:
+        for service in services:
+            service.close(release=True)
+
+
+#: The name the tests' annotations use.
+Store = ContractStore
+
+
+def require_fencing(store: ContractStore) -> None:
+    """Skip unless the store hands out increasing fences."""
+    if not store.fencing:
+        pytest.skip(f"store {store.name!r} gives no fencing numbers")
 
 
 def wait_until(predicate: object, timeout: float, interval: float = 0.02) -> bool:
@@ -52,7 +167,7 @@ def test_acquire_then_contend_then_release(store: Store) -> None:
     assert lease.release() is ReleaseOutcome.RELEASED
     assert lease.state is LeaseState.RELEASED
     again = second.lock("job")
-    assert again.fence > lease.fence
+    assert again.fence > lease.fence or not store.fencing
     again.release()
 
 
@@ -94,13 +209,13 @@ def test_thread_contention_exactly_one_wins(store: Store) -> None:
 def test_process_contention_exactly_one_wins(store: Store) -> None:
     """Of six processes racing for one key, exactly one acquires it."""
     if not store.cross_process:
-        pytest.skip("the memory store is per-process by design")
+        pytest.skip(f"store {store.name!r} is per-process by design")
     ctx = multiprocessing.get_context("spawn")
     racers = 6
     start, done, results = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
     prefix = store.service().prefix
     procs = [
-        ctx.Process(target=_workers.race_once, args=(store.url, prefix, "race", (start, done), results))
+        ctx.Process(target=_workers.race_once, args=(store.target(), prefix, "race", (start, done), results))
         for _ in range(racers)
     ]
     for proc in procs:
@@ -115,14 +230,14 @@ def test_process_contention_exactly_one_wins(store: Store) -> None:
 def test_processes_lose_no_update_under_the_lock(store: Store, tmp_path: Path) -> None:
     """Four processes doing an unprotected read-modify-write under the lock lose no update."""
     if not store.cross_process:
-        pytest.skip("the memory store is per-process by design")
+        pytest.skip(f"store {store.name!r} is per-process by design")
     counter = tmp_path / "counter"
     counter.write_text("0")
     ctx = multiprocessing.get_context("spawn")
     prefix = store.service().prefix
     procs = [
         ctx.Process(
-            target=_workers.increment_under_lock, args=(store.url, prefix, "counter", str(counter), 25)
+            target=_workers.increment_under_lock, args=(store.target(), prefix, "counter", str(counter), 25)
         )
         for _ in range(4)
     ]
@@ -154,7 +269,7 @@ def test_expiry_reclaims_a_dead_holders_lock_after_the_ttl_and_not_before(store:
     assert service.try_lock("dead") is None
     assert wait_until(lambda: service.peek("dead") is None, timeout=3.0)
     lease = service.lock("dead")
-    assert lease.fence > dead.fence
+    assert lease.fence > dead.fence or not store.fencing
     lease.release()
 
 
@@ -213,6 +328,7 @@ def test_acquire_is_idempotent_for_its_own_token(store: Store) -> None:
 
 def test_fences_increase_across_release_and_expiry(store: Store) -> None:
     """Every acquisition of a key gets a larger fence: after release and after expiry takeover."""
+    require_fencing(store)
     service = store.service()
     store_key = service.prefix + "fence"
     fences = []
@@ -310,21 +426,15 @@ def test_run_exclusive_reports_acquired_result_and_on_locked(store: Store) -> No
 
 def test_outage_is_an_error_not_contention(store: Store) -> None:
     """A store that cannot be reached raises BackendError instead of reporting "not acquired"."""
-    dead_urls = {
-        "sqlite": "sqlite:////nonexistent-dir/for/celery-exclusive/locks.sqlite3",
-        "postgres": "postgresql+psycopg://postgres:pw-SECRET@127.0.0.1:1/test",
-        "mariadb": "mysql+pymysql://root:pw-SECRET@127.0.0.1:1/test",
-        "redis": "redis://:pw-SECRET@127.0.0.1:1/0",
-    }
-    if store.name not in dead_urls:
-        pytest.skip("the memory store cannot be unreachable")
-    service = LockService(dead_urls[store.name])
+    if store.outage is None:
+        pytest.skip(f"store {store.name!r} cannot be unreachable")
+    service = store.outage()
     try:
         for call in (lambda: service.try_lock("k"), lambda: service.run_exclusive("k", lambda: 1)):
             with pytest.raises(BackendError) as raised:
                 call()
-            assert "pw-SECRET" not in str(raised.value)
-        assert "pw-SECRET" not in repr(service)
+            assert OUTAGE_SECRET not in str(raised.value)
+        assert OUTAGE_SECRET not in repr(service)
     finally:
         service.close()
 
@@ -353,3 +463,46 @@ def test_a_thousand_cycles_leave_nothing_behind(store: Store) -> None:
     assert service.locks() == []
     assert service.held() == []
     assert wait_until(lambda: not service.heartbeat.running, timeout=5.0)
+
+
+def test_guard_fences_a_transaction_while_the_lease_is_current(store: Store) -> None:
+    """lease.guard(conn) passes for the current lease and raises LockLost once it is gone."""
+    if store.guard is None:
+        pytest.skip(f"store {store.name!r} cannot share a transaction with the caller's data")
+    holder, rival = store.service(), store.service()
+    lease = holder.lock("guarded", ttl=30)
+    with store.guard() as conn:
+        lease.guard(conn)
+    # The store drops the lease behind its holder's back (its heartbeat has not noticed yet).
+    assert holder.provider.release(lease.store_key, lease.token) is True
+    assert lease.state is LeaseState.HELD
+    with store.guard() as conn, pytest.raises(LockLost):
+        lease.guard(conn)
+    successor = rival.lock("guarded", ttl=30)
+    with store.guard() as conn, pytest.raises(LockLost):
+        lease.guard(conn)
+    with store.guard() as conn:
+        successor.guard(conn)
+    successor.release()
+
+
+def test_guard_is_refused_clearly_where_the_store_cannot_fence(store: Store) -> None:
+    """A store without the guard capability rejects lease.guard() with InvalidArgumentError."""
+    if store.guard is not None:
+        pytest.skip(f"store {store.name!r} supports lease.guard()")
+    service = store.service()
+    with service.lock("unguarded") as lease, pytest.raises(InvalidArgumentError):
+        lease.guard(object())
+
+
+class LockContract:
+    """Every contract test as a method: subclass it as ``Test<YourStore>`` and give the
+    subclass (or its conftest) a ``store`` fixture yielding a :class:`ContractStore`."""
+
+
+for _name, _test in list(globals().items()):
+    if _name.startswith("test_") and callable(_test):
+        setattr(LockContract, _name, staticmethod(_test))
+del _name, _test
+
+__all__ = ["OUTAGE_SECRET", "ContractStore", "LockContract", "Store", "open_store", "wait_until"]

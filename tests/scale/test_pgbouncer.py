@@ -19,8 +19,8 @@ import pytest
 from celery_exclusive import BackendError, LockService
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
+from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
-from tests.contract import test_lock_contract as _contract
 from tests.scale._servers import binary
 from tests.scale.conftest import contract_store, drop_table
 
@@ -147,11 +147,11 @@ def store(pgbouncer: Callable[..., str], table: str) -> Iterator[Store]:
 
 
 # The shared contract suite, collected here once more against the store above. The outage
-# test is left out: it only knows the shared servers' dead URLs.
+# and guard tests are left out (this store declares neither capability).
 globals().update(
     {
         name: getattr(_contract, name)
         for name in dir(_contract)
-        if name.startswith("test_") and name != "test_outage_is_an_error_not_contention"
+        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
     }
 )

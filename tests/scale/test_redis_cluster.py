@@ -20,8 +20,8 @@ from redis.cluster import RedisCluster
 from celery_exclusive import LockService
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
+from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
-from tests.contract import test_lock_contract as _contract
 from tests.scale._servers import cluster_ports, processes, start_cluster_node, wait_for
 from tests.scale.conftest import contract_store
 
@@ -304,11 +304,11 @@ def store(redis_cluster: str) -> Iterator[Store]:
 
 
 # The shared contract suite, collected here once more against the store above. The outage
-# test is left out: it only knows the shared servers' dead URLs (see the provider tests).
+# and guard tests are left out (this store declares neither capability).
 globals().update(
     {
         name: getattr(_contract, name)
         for name in dir(_contract)
-        if name.startswith("test_") and name != "test_outage_is_an_error_not_contention"
+        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
     }
 )
