@@ -26,6 +26,8 @@ POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://post
 REDIS_URL = os.environ.get("CE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() == "true"
+#: A user's project that tests/test_plugin.py runs in its own pytest (pytester), never here.
+collect_ignore = ["plugin_example"]
 
 
 class IdleThread(threading.Thread):

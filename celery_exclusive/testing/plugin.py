@@ -1,0 +1,41 @@
+"""The pytest plugin of celery-exclusive (entry point ``pytest11``: ``celery_exclusive``).
+
+Inert unless a test asks for one of its fixtures: loading it imports nothing of Celery or
+celery-exclusive and adds no hook or option. Disable it with ``-p no:celery_exclusive``.
+
+* ``exclusive_app``: the Celery app the store is installed for; the current app unless
+  you override this fixture (``return my_project.celery_app``).
+* ``exclusive_store``: an :class:`~celery_exclusive.testing.ExclusiveStore` installed for
+  ``exclusive_app`` for the test, removed (and its leases dropped) afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from celery_exclusive.testing import ExclusiveStore
+
+
+@pytest.fixture
+def exclusive_app() -> Any:
+    """The Celery app whose tasks use ``exclusive_store``: override it to name yours."""
+    from celery import current_app
+
+    return current_app._get_current_object()
+
+
+@pytest.fixture
+def exclusive_store(exclusive_app: Any) -> Iterator[ExclusiveStore]:
+    """An in-memory lock store on a fake clock, used by every task of ``exclusive_app``."""
+    from celery_exclusive.testing import ExclusiveStore
+
+    store = ExclusiveStore()
+    store.install(exclusive_app)
+    try:
+        yield store
+    finally:
+        store.close()
