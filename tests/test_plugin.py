@@ -51,9 +51,10 @@ def test_the_docs_show_the_example_exactly() -> None:
 
 
 def test_the_plugin_is_inert_unless_its_fixtures_are_used(pytester: pytest.Pytester) -> None:
-    """Loaded by its entry point, the plugin adds fixtures only: no hook, no option, no store."""
+    """Loaded by its entry point, the plugin adds fixtures only: no hook, no option, no store;
+    ``-p no:celery_exclusive`` removes them."""
     pytester.makepyfile(
-        """
+        test_plain="""
         from celery import Celery
 
         from celery_exclusive import worker
@@ -65,16 +66,14 @@ def test_the_plugin_is_inert_unless_its_fixtures_are_used(pytester: pytest.Pytes
             assert request.config.pluginmanager.get_hookcallers(plugin) == []
             app = Celery("plain", set_as_current=False)
             assert worker._current().services.get(app) is None
-        """
-    )
-    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
-    pytester.makepyfile(
+        """,
         test_fixture="""
         def test_uses_it(exclusive_store):
-            pass
-        """
+            assert exclusive_store.locks() == []
+        """,
     )
-    disabled = pytester.runpytest_subprocess(
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    disabled = pytester.runpytest_inprocess(
         "-p", "no:cacheprovider", "-p", "no:celery_exclusive", "test_fixture.py"
     )
     disabled.assert_outcomes(errors=1)
