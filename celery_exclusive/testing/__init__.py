@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from celery_exclusive.errors import InvalidArgumentError
@@ -63,12 +64,11 @@ class FakeClock:
     def __repr__(self) -> str:
         return f"FakeClock({self()!r})"
 
-    def advance(self, by: float) -> float:
-        """Move the clock ``by`` seconds forward (never back); returns the new time."""
-        if isinstance(by, bool) or not isinstance(by, (int, float)) or not by >= 0:
-            raise InvalidArgumentError(f"a clock moves forward by seconds >= 0, got {by!r}")
+    def advance(self, by: float | timedelta) -> float:
+        """Move the clock ``by`` seconds (or a timedelta) forward; returns the new time."""
+        step = seconds("by", by)
         with self._mutex:
-            self._now += float(by)
+            self._now += step
             return self._now
 
 
@@ -235,8 +235,8 @@ class ExclusiveStore:
         found._service._lose(found, reason)
         return found
 
-    def advance(self, by: float) -> None:
-        """Let ``by`` seconds pass with healthy heartbeats.
+    def advance(self, by: float | timedelta) -> None:
+        """Let ``by`` seconds (or a timedelta) pass with healthy heartbeats.
 
         The clock moves in steps no longer than the shortest refresh interval of the
         leases held, each followed by a heartbeat pass: this process's leases are kept

@@ -1,7 +1,7 @@
 """The pytest plugin of celery-exclusive (entry point ``pytest11``: ``celery_exclusive``).
 
-Inert unless a test asks for one of its fixtures: loading it imports nothing of Celery or
-celery-exclusive and adds no hook or option. Disable it with ``-p no:celery_exclusive``.
+Inert unless a test asks for one of its fixtures: it adds fixtures only, no hook, option or
+setting, and creates nothing until a fixture is used. ``-p no:celery_exclusive`` disables it.
 
 * ``exclusive_app``: the Celery app the store is installed for; the current app unless
   you override this fixture (``return my_project.celery_app``).
