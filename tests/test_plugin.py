@@ -214,6 +214,10 @@ def test_bad_input_is_rejected_before_the_store_is_touched(store: ExclusiveStore
         lambda: store.hold("k", ttl=-1),
         lambda: store.expire("\x00"),
         lambda: store.advance(-5),
+        lambda: store.install(object()),
+        lambda: store.lose(object()),  # type: ignore[arg-type]
+        lambda: ExclusiveStore(clock=lambda: 1.0),  # type: ignore[arg-type]
+        lambda: ExclusiveStore(prefix="bad\x00"),
     ):
         with pytest.raises(InvalidArgumentError):
             call()

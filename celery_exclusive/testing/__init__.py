@@ -30,7 +30,7 @@ from celery_exclusive.providers.base import Grant, LockInfo, encode_holder
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
 from celery_exclusive.task import COALESCED, MARKER_FIELD, SKIPPED, is_skipped, skip_marker
-from celery_exclusive.validation import check_key, seconds
+from celery_exclusive.validation import check_key, check_prefix, seconds
 from celery_exclusive.worker import _current, _resolve_app, app_settings
 
 __all__ = [
@@ -115,6 +115,10 @@ class ExclusiveStore:
     """
 
     def __init__(self, *, clock: FakeClock | None = None, prefix: str | None = None) -> None:
+        if clock is not None and not isinstance(clock, FakeClock):
+            raise InvalidArgumentError(f"clock must be a FakeClock, got {type(clock).__name__}")
+        if prefix is not None:
+            check_prefix(prefix)
         self.clock = clock if clock is not None else FakeClock()
         self.provider = MemoryLockProvider(clock=self.clock)
         self._prefix = prefix
@@ -147,6 +151,8 @@ class ExclusiveStore:
     def install(self, app: Any = None) -> LockService:
         """Make ``app`` (default: the current app) use this store; returns its service."""
         app = _resolve_app(app)
+        if not hasattr(app, "conf") or not hasattr(app, "tasks"):
+            raise InvalidArgumentError(f"install() needs a Celery app, got {type(app).__name__}")
         settings = app_settings(app)
         if self._prefix is not None and settings.prefix != self._prefix:
             raise InvalidArgumentError(
