@@ -141,6 +141,22 @@ def test_a_hold_expires_with_the_clock_but_an_own_lease_is_kept_by_its_heartbeat
     own.release()
 
 
+def test_advance_moves_the_clock_by_exactly_the_time_given(
+    store: ExclusiveStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many heartbeat steps it takes (capped), the clock ends exactly ``by`` later."""
+    from celery_exclusive import testing
+
+    lease = store.service.lock("busy", ttl=3, refresh_interval=1)
+    start = store.clock()
+    store.advance(10.5)
+    assert store.clock() == pytest.approx(start + 10.5)
+    monkeypatch.setattr(testing, "MAX_ADVANCE_STEPS", 3)
+    store.advance(100)
+    assert store.clock() == pytest.approx(start + 110.5)
+    assert lease.state is LeaseState.LOST  # the last jump was longer than its ttl
+
+
 def test_without_heartbeat_passes_a_lease_dies_at_its_ttl(store: ExclusiveStore) -> None:
     """Moving only the clock (a frozen process) makes the lease LOST at its local deadline."""
     lease = store.service.lock("frozen", ttl=30)

@@ -247,18 +247,17 @@ class ExclusiveStore:
         The clock moves in steps no longer than the shortest refresh interval of the
         leases held, each followed by a heartbeat pass: this process's leases are kept
         (up to their max lifetime), while holds and leases whose holder stopped
-        refreshing expire as their ttl runs out.
+        refreshing expire as their ttl runs out. After :data:`MAX_ADVANCE_STEPS` steps the
+        rest of the time passes in one jump (lease refresh intervals that short are rare).
         """
-        by = seconds("by", by)
-        steps = 0
-        while True:
+        left = seconds("by", by)
+        for steps in range(1, MAX_ADVANCE_STEPS + 1):
             intervals = [lease.refresh_interval for lease in self._leases()]
-            step = min([by, *intervals]) if intervals else by
+            step = left if steps == MAX_ADVANCE_STEPS else min([left, *intervals])
             self.clock.advance(step)
             self.heartbeat()
-            by -= step
-            steps += 1
-            if by <= 0 or steps >= MAX_ADVANCE_STEPS:
+            left -= step
+            if left <= 0:
                 return
 
     def heartbeat(self) -> None:
