@@ -26,7 +26,6 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import click
 
@@ -38,7 +37,7 @@ from celery_exclusive.errors import (
 )
 from celery_exclusive.providers.base import Diagnosis, LockInfo
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
-from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, scheme_family
+from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, scheme_family, url_secrets
 
 EXIT_OK = 0
 EXIT_NOT_RELEASED = 1
@@ -99,23 +98,8 @@ class Target:
                 service.close(release=False)
 
     def scrub(self, text: str) -> str:
-        """``text`` with every URL masked and this URL's password replaced by ``***``."""
-        text = mask_url(text)
-        for secret in _secrets(self.url or self.explicit_url or ""):
-            text = text.replace(secret, "***")
-        return text
-
-
-def _secrets(url: str) -> list[str]:
-    """The password parts of ``url`` (raw and percent-decoded), longest first."""
-    try:
-        parts = urlsplit(url)
-        found = [parts.password or ""]
-        found += [v for k, v in parse_qsl(parts.query) if k.lower() in ("password", "passwd", "pass", "pwd")]
-    except ValueError:
-        return []
-    values = {s for raw in found if raw for s in (raw, unquote(raw))}
-    return sorted(values, key=len, reverse=True)
+        """``text`` with every URL masked and this URL's secrets replaced by ``***``."""
+        return mask_url(text, url_secrets(self.url or self.explicit_url or ""))
 
 
 def _target(ctx: click.Context) -> Target:

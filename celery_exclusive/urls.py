@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from celery_exclusive.errors import ConfigurationError
 
@@ -39,22 +39,91 @@ KNOWN_SCHEMES = (
 )
 
 _REDIS_VARIANTS = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
-# Userinfo runs to the last "@" of the authority, as urlsplit reads it (an unescaped "@" in a
-# password must not leave its tail visible).
-_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
-_PASSWORD_PARAM = re.compile(r"(?i)([?&](?:password|passwd|pass|pwd)=)[^&#]*")
+
+MASK = "***"
+# Text is masked token by token; a token ends at whitespace or a quote (URLs are shown in
+# repr quotes), never at ",", ";" or brackets, which occur inside URLs (hosts, passwords).
+_TOKENS = re.compile(r"""([^\s'"]+)""")
+_SCHEME_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+#: Query (or libpq ``key=value``) parameters whose value is a secret.
+_SECRET_PARAM = re.compile(
+    r"(?i)(^|[?&;])([\w.-]*?(?:pass|pwd|token|secret|credential|api_?key)[\w.-]*)=([^&#]*)"
+)
+_BARE_USERINFO = re.compile(r"^([^:@/]*):(.+)@")
 
 
-def mask_url(url: str) -> str:
-    """The URL with any password (userinfo or query parameter) replaced by ``***``."""
+def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every credential of every URL in it replaced by ``***``.
 
-    def _mask(match: re.Match[str]) -> str:
-        userinfo = match.group("userinfo")
-        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-        masked = f"{user}:***" if user else "***"
-        return f"{match.group('scheme')}{masked}@"
+    The one masker of the package: whatever shows a URL or a driver's message goes
+    through it. Hidden: the password of a URL's userinfo (``user:***@``: the user name
+    stays, and a user-only URL is left as it is: it has no secret), the value of every
+    query or libpq ``key=value`` parameter whose name contains ``pass``, ``pwd``,
+    ``token``, ``secret``, ``credential`` or ``apikey`` (``password``, ``ssl_password``,
+    ``sslpassword``, ``token``...), in each URL of a ``;``-separated list, in a URL
+    without ``scheme://`` (``user:pw@host``), and every exact occurrence of ``secrets``
+    (the configured URL's, see :func:`url_secrets`, for drivers that echo them outside
+    a URL). Everything else, including the rest of the message, is kept.
+    """
+    known = sorted({s for s in secrets if s}, key=len, reverse=True)
+    for secret in known:
+        text = text.replace(secret, MASK)
+    return _TOKENS.sub(lambda m: _mask_token(m.group(0), None), text)
 
-    return _PASSWORD_PARAM.sub(r"\1***", _CREDENTIALS.sub(_mask, url))
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets :func:`mask_url` hides in ``url``, raw and percent-decoded, longest first."""
+    found: list[str] = []
+    for token in _TOKENS.findall(url):
+        _mask_token(token, found)
+    values = {form for raw in found if raw and raw != MASK for form in (raw, unquote(raw))}
+    return sorted(values, key=len, reverse=True)
+
+
+def _mask_token(token: str, found: list[str] | None) -> str:
+    starts = [m.start() for m in _SCHEME_START.finditer(token)]
+    if not starts:
+        return _mask_params(_mask_bare(token, found), found)
+    parts = [_mask_params(token[: starts[0]], found)]
+    for start, end in zip(starts, [*starts[1:], len(token)], strict=True):
+        parts.append(_mask_one(token[start:end], found))
+    return "".join(parts)
+
+
+def _mask_one(url: str, found: list[str] | None) -> str:
+    """One ``scheme://...`` URL (a trailing ``;`` separator is kept as it is)."""
+    body = url.rstrip(";")
+    tail = url[len(body) :]
+    scheme, _, rest = body.partition("://")
+    # The userinfo runs to the last "@" (SQLAlchemy and urlsplit read "@", "/" and ":" in a
+    # password differently; masking up to the last one hides it for both).
+    at = rest.rfind("@")
+    if at >= 0:
+        user, colon, password = rest[:at].partition(":")
+        if colon:
+            if found is not None:
+                found.append(password)
+            rest = f"{user}:{MASK}{rest[at:]}"
+    return f"{scheme}://{_mask_params(rest, found)}{tail}"
+
+
+def _mask_bare(token: str, found: list[str] | None) -> str:
+    """``user:password@host...`` without a scheme (a URL missing its ``scheme://``)."""
+    match = _BARE_USERINFO.match(token)
+    if match is None:
+        return token
+    if found is not None:
+        found.append(match.group(2))
+    return f"{match.group(1)}:{MASK}@{token[match.end() :]}"
+
+
+def _mask_params(text: str, found: list[str] | None) -> str:
+    def hide(match: re.Match[str]) -> str:
+        if found is not None:
+            found.append(match.group(3))
+        return f"{match.group(1)}{match.group(2)}={MASK}"
+
+    return _SECRET_PARAM.sub(hide, text)
 
 
 def resolve_url(explicit: str | None = None, conf: Mapping[str, Any] | None = None) -> str:

@@ -244,6 +244,8 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("unknown-scheme", f"foo://u:{MARKER}@h/x", "unknown lock store scheme 'foo'"),
     ("http", "http://h/x", "unknown lock store scheme 'http'"),
     ("no-scheme", "not a url", "malformed lock store URL"),
+    ("no-scheme-credentials", f"user:{MARKER}@host/db", "malformed lock store URL 'user:***@host/db'"),
+    ("no-scheme-password-only", f":{MARKER}@host:6379/0", "malformed lock store URL"),
     ("scheme-only-colon", "redis:/h", "malformed lock store URL"),
     ("whitespace-scheme", " redis://h/0", "unknown lock store scheme"),
     ("unknown-ce-option-sql", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
@@ -553,6 +555,7 @@ CLI_CASES: list[tuple[str, list[str], list[str], str]] = [
 CLI_URL_CASES: list[tuple[str, str, str]] = [
     ("unknown-scheme", f"foo://u:{MARKER}@h/x", "unknown lock store scheme"),
     ("malformed", "not a url", "malformed lock store URL"),
+    ("no-scheme-credentials", f"user:{MARKER}@host/db", "malformed lock store URL"),
     ("unknown-option", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
     ("bad-table", f"{UNREACHABLE_PG}?ce_table=x;y", "invalid lock table name"),
     ("bad-port", f"postgresql+psycopg://u:{MARKER}@h:notaport/x", "malformed SQL lock store URL"),

@@ -408,9 +408,8 @@ class RedisLockProvider:
         reason = str(exc) or type(exc).__name__
         if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
             reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
-        if self._password:
-            reason = reason.replace(str(self._password), "***")
-        return BackendError(f"redis {self._display}: {reason}")
+        secrets = [str(self._password)] if self._password else []
+        return BackendError(f"redis {self._display}: {mask_url(reason, secrets)}")
 
     def _via_client(self, *command: Any) -> Any:
         return self._client.execute_command(*command)

@@ -40,7 +40,7 @@ from celery_exclusive.errors import (
 )
 from celery_exclusive.providers import libpq
 from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
-from celery_exclusive.urls import mask_url, split_options
+from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 _T = TypeVar("_T")
@@ -51,7 +51,6 @@ _BACKENDS = {
     "mysql": ("pymysql", "mysql"),
     "mariadb": ("pymysql", "mysql"),
 }
-_SECRET_PARAM = re.compile(r"(?i)\b(password|passwd|pwd)\s*=\s*('[^']*'|\S+)")
 _RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
 _ATTEMPTS = 5
 #: libpq options for engines built from a URL: give up on an unanswered connect after 10 s,
@@ -415,8 +414,7 @@ class SqlLockProvider:
             raise ConfigurationError(f"unsupported SQL dialect {dialect.name!r} for a lock store")
         self.table = lock_table(sa.MetaData(), table)
         self._masked = mask_url(url.render_as_string(hide_password=True))
-        query_secrets = [url.query.get(p) for p in ("password", "passwd", "pwd")]
-        self._secrets = [s for s in (url.password, *query_secrets) if isinstance(s, str) and s]
+        self._secrets = url_secrets(url.render_as_string(hide_password=False))
         self._ready = not create_table
         self._schema_lock = threading.Lock()
         self._memory = dialect.name == "sqlite" and url.database in (None, "", ":memory:")
@@ -832,9 +830,7 @@ class SqlLockProvider:
     def _error(self, op: str, exc: BaseException) -> BackendError:
         cause = getattr(exc, "orig", None) or exc
         lines = str(cause).strip().splitlines()
-        reason = mask_url(_SECRET_PARAM.sub(r"\1=***", lines[0][:300] if lines else ""))
-        for secret in self._secrets:
-            reason = reason.replace(secret, "***")
+        reason = mask_url(lines[0] if lines else "", self._secrets)[:300]  # cut after masking
         return BackendError(f"SQL lock store {self._masked} failed to {op}: {type(cause).__name__}: {reason}")
 
     def _after_fork(self) -> None:

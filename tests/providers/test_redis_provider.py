@@ -347,7 +347,7 @@ def test_password_never_shown_and_outage_is_an_error() -> None:
         with pytest.raises(BackendError) as raised:
             call()
         assert "s3cret" not in str(raised.value)
-        assert str(raised.value).startswith("redis redis://***@127.0.0.1:1/0?password=***: ")
+        assert str(raised.value).startswith("redis redis://:***@127.0.0.1:1/0?password=***: ")
     assert time.monotonic() - started < 5.0
     provider.close()
 
@@ -514,7 +514,8 @@ def test_cluster_and_sentinel_urls_parse_without_connecting() -> None:
     cluster = RedisLockProvider("redis+cluster://:s3cret@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2")
     assert scheme_family("redis+cluster://h:1") == scheme_family("rediss+sentinel://h/m") == "redis"
     assert (
-        repr(cluster) == "RedisLockProvider('redis+cluster://***@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2')"
+        repr(cluster)
+        == "RedisLockProvider('redis+cluster://:***@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2')"
     )
     assert cluster._conn is None  # built on first use
     cluster.close()
