@@ -159,7 +159,7 @@ def _fail(ctx: click.Context, exc: BaseException) -> NoReturn:
     if not isinstance(exc, ExclusiveError):
         message = f"unexpected {type(exc).__name__}: {message}"
     message = target.scrub(message) if isinstance(target, Target) else mask_url(message)
-    click.echo(f"error: {' '.join(message.split())}", err=True)
+    click.echo(f"error: {printable(' '.join(message.split()))}", err=True)
     ctx.exit(_exit_code(exc))
 
 
@@ -203,6 +203,20 @@ def human_duration(value: float) -> str:
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
+def printable(text: object) -> str:
+    """``text`` safe for a terminal: every non-printable character as a visible escape.
+
+    Keys and holder fields come from task arguments; raw, an ESC sequence would recolour or
+    clear the operator's terminal and a newline would forge a table row. Control, format
+    (bidi overrides, zero-width) and separator characters are shown as Python escapes
+    (``\\x1b``, ``\\n``, ``\\u202e``); everything printable, emoji included, is kept.
+    """
+    value = str(text)
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+
+
 def describe_holder(info: LockInfo) -> str:
     """Who holds a lease, for messages: task name and id, host and pid where known."""
     holder = info.holder
@@ -214,7 +228,7 @@ def describe_holder(info: LockInfo) -> str:
     where = ":".join(str(holder[k]) for k in ("host", "pid") if holder.get(k) not in (None, ""))
     if where:
         parts.append(f"on {where}")
-    return " ".join(parts) or f"token {info.token}"
+    return printable(" ".join(parts) or f"token {info.token}")
 
 
 def lock_json(info: LockInfo) -> dict[str, Any]:
@@ -235,7 +249,7 @@ def _dump(value: object) -> None:
 
 
 def _cell(value: object) -> str:
-    return "-" if value is None or value == "" else str(value)
+    return "-" if value is None or value == "" else printable(value)
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:
@@ -269,7 +283,7 @@ def list_command(filter_prefix: str, as_json: bool) -> int:
     headers = ["KEY", "HOST", "PID", "TASK ID", "TASK NAME", "AGE", "EXPIRES IN", "FENCE"]
     rows = [
         [
-            info.key,
+            printable(info.key),
             _cell(info.holder.get("host")),
             _cell(info.holder.get("pid")),
             _cell(info.holder.get("task_id")),
@@ -302,7 +316,7 @@ def show_command(key: str, as_json: bool) -> int:
         click.echo(f"{key!r} is free")
         return EXIT_OK
     fields = [
-        ("key", info.key),
+        ("key", printable(info.key)),
         ("holder", describe_holder(info)),
         ("task name", _cell(info.holder.get("task_name"))),
         ("task id", _cell(info.holder.get("task_id"))),
@@ -312,10 +326,10 @@ def show_command(key: str, as_json: bool) -> int:
         ("age", human_duration(info.age)),
         ("expires in", human_duration(info.expires_in)),
         ("hard deadline in", human_duration(info.hard_expires_in)),
-        ("token", info.token),
+        ("token", printable(info.token)),
     ]
     extra = sorted(k for k in info.holder if k not in ("task_name", "task_id", "host", "pid"))
-    fields += [(f"holder.{k}", _cell(info.holder[k])) for k in extra]
+    fields += [(f"holder.{printable(k)}", _cell(info.holder[k])) for k in extra]
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         click.echo(f"{name.ljust(width)}  {value}")
@@ -398,7 +412,7 @@ def doctor_command(as_json: bool) -> int:
     else:
         width = max(len(d.check) for d in checks)
         for d in checks:
-            click.echo(f"{d.status:<4}  {d.check.ljust(width)}  {d.detail}")
+            click.echo(f"{d.status:<4}  {d.check.ljust(width)}  {printable(d.detail)}")
         warned = sum(d.status == "warn" for d in checks)
         click.echo(f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok")
     return EXIT_CHECK_FAILED if failed else EXIT_OK

@@ -126,6 +126,22 @@ def _mask_params(text: str, found: list[str] | None) -> str:
     return _SECRET_PARAM.sub(hide, text)
 
 
+def hide_from_celery_reports() -> None:
+    """Make Celery censor the ``exclusive_url`` setting as it censors its own secrets.
+
+    ``celery report``, ``app.conf.humanize(censored=True)`` and ``app.conf.table(censored=True)``
+    replace a setting's value by ``********`` when its name matches Celery's
+    ``celery.app.utils.HIDDEN_SETTINGS`` pattern (``PASS``, ``SECRET``, ``DATABASE``...),
+    which ``exclusive_url`` does not; the pattern is extended once, when this package is
+    imported (a ``celery`` command imports it through its ``celery.commands`` entry point).
+    """
+    from celery.app import utils
+
+    hidden = utils.HIDDEN_SETTINGS
+    if not hidden.search(SETTING):
+        utils.HIDDEN_SETTINGS = re.compile(f"{hidden.pattern}|{SETTING}", hidden.flags | re.IGNORECASE)
+
+
 def resolve_url(explicit: str | None = None, conf: Mapping[str, Any] | None = None) -> str:
     """Pick the lock store URL by precedence, or raise naming every place to set it."""
     for candidate in (explicit, (conf or {}).get(SETTING), os.environ.get(ENV_VAR)):
@@ -213,3 +229,6 @@ def provider_from_url(url: str) -> LockProvider:
     from celery_exclusive.providers.sql import SqlLockProvider
 
     return SqlLockProvider.from_url(url)
+
+
+hide_from_celery_reports()

@@ -354,6 +354,40 @@ def test_release_of_a_free_key_reports_it(store: Store) -> None:
     assert "key is free" in result.stdout
 
 
+# -- hostile keys ----------------------------------------------------------------------------
+
+#: A key built from task arguments: terminal escapes (clear screen, colour, window title),
+#: a newline and carriage return that would forge table rows, and a bidi override.
+HOSTILE_KEY = "evil\x1b[2J\x1b[31mred\nFAKE  row\rx\u202etxt"
+HOSTILE_HOLDER = {"task_name": "t\x1b]0;title\x07", "task_id": "id\nforged", "host": "h\x1b[0m"}
+RAW_CONTROLS = ("\x1b", "\x07", "\r", "\u202e")
+
+
+def test_keys_and_holders_are_shown_escaped_never_raw(store: Store) -> None:
+    """list/show/release print control characters of keys and holder fields as visible escapes."""
+    with store.service() as service, service.lock(HOSTILE_KEY, holder=HOSTILE_HOLDER) as lease:
+        outputs = {
+            "list": invoke(store, "list"),
+            "show": invoke(store, "show", HOSTILE_KEY),
+            "release": invoke(store, "release", HOSTILE_KEY, "--token", "not-the-token"),
+            "prompt": invoke(store, "release", HOSTILE_KEY, input="n\n"),
+        }
+        for name, result in outputs.items():
+            assert result.exit_code in (0, 1), (name, result.output)
+            assert not [c for c in RAW_CONTROLS if c in result.output], (name, result.output)
+            assert "\\x1b[2J" in result.output or "\\x1b" in result.output, (name, result.output)
+        listing = outputs["list"].stdout.splitlines()
+        assert len(listing) == 2, listing  # the header and one row: no forged row
+        assert "evil\\x1b[2J\\x1b[31mred\\nFAKE  row\\rx\\u202etxt" in listing[1]
+        assert "id\\nforged" in listing[1]
+        shown = outputs["show"].stdout
+        assert len(shown.splitlines()) == len([line for line in shown.splitlines() if "  " in line])
+        assert "t\\x1b]0;title\\x07" in shown
+        as_json = json.loads(invoke(store, "show", HOSTILE_KEY, "--json").stdout)
+        assert (as_json["key"], as_json["holder"]["task_id"]) == (HOSTILE_KEY, "id\nforged")  # JSON: exact
+        assert lease.fence > 0
+
+
 # -- doctor and errors -------------------------------------------------------------------------
 
 

@@ -11,11 +11,19 @@ Prometheus exposition.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from celery import Celery
 
 from celery_exclusive.urls import mask_url, url_secrets
 
 PW = "Zq8SECRETpw"
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
 
 MASK_CASES: list[tuple[str, str, str]] = [
     ("userinfo", f"postgresql://app:{PW}@db/app", "postgresql://app:***@db/app"),
@@ -96,3 +104,43 @@ def test_url_secrets_of_a_url_without_any() -> None:
     assert url_secrets("postgresql://app@db/app") == []
     assert url_secrets("redis://h/0") == []
     assert mask_url("app db", url_secrets("postgresql://app@db/app")) == "app db"
+
+
+# -- Celery's own output: celery report, conf.humanize()/table() --------------------------------
+
+CHANNEL_URLS = {
+    "postgres": f"postgresql+psycopg://postgres:{PW}@127.0.0.1:1/x?sslpassword=k{PW}",
+    "redis": f"redis://u:{PW}@127.0.0.1:1/0?token=t{PW}",
+    "mariadb": f"mysql+pymysql://root:{PW}@127.0.0.1:1/x",
+}
+
+
+@pytest.mark.parametrize("url", list(CHANNEL_URLS.values()), ids=list(CHANNEL_URLS))
+def test_celery_censoring_hides_the_lock_store_url(url: str) -> None:
+    """Celery's censored views (humanize, table) hide exclusive_url as they hide its own secrets."""
+    import celery_exclusive  # noqa: F401  # importing the package is what teaches Celery
+
+    app = Celery("censor", broker="memory://", set_as_current=False)
+    app.conf.exclusive_url = url
+    shown = app.conf.humanize(with_defaults=False, censored=True)
+    assert "exclusive_url" in shown
+    assert PW not in shown
+    assert PW not in repr(app.conf.table(with_defaults=True, censored=True))
+    assert PW in app.conf.humanize(with_defaults=False, censored=False)  # only censoring hides it
+
+
+def test_celery_report_hides_the_lock_store_url() -> None:
+    """``celery -A proj report``, which users paste into public issues, never shows the password."""
+    env = {**os.environ, "CE_TEST_CLI_URL": CHANNEL_URLS["postgres"], "CE_TEST_CLI_PREFIX": "rep:"}
+    done = subprocess.run(
+        [str(BIN / "celery"), "-A", "tests.cli_app:app", "report"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exclusive_url" in done.stdout
+    assert PW not in done.stdout + done.stderr
