@@ -7,6 +7,14 @@ name). Attribute and index lookups (``{pr.id}``, ``{ids[0]}``) and format specs 
 A template naming a parameter the task does not have is rejected when the task is
 declared. A callable key receives the same arguments as the task (defaults applied) and
 returns the key. No key spec means one global lock named after the task.
+
+Equal arguments give equal keys: a ``dict``, ``set`` or ``frozenset`` in a template field
+(also nested in lists and tuples) is written with its items sorted (by value where they
+compare, else by their text), so ``{'b': 2, 'a': 1}`` and ``{'a': 1, 'b': 2}`` give one
+key, and a set of strings the same key in every process. A value that already formatted
+the same every time (scalars, lists, tuples, dicts built in sorted order) keeps its text.
+Other mapping types (``OrderedDict``...) keep their own text. A callable key gets the raw
+arguments: canonicalising them is its job.
 """
 
 from __future__ import annotations
@@ -25,21 +33,65 @@ KeySpec = str | Callable[..., str] | None
 _FIELD_ROOT = re.compile(r"^[^.\[]*")
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _check_stable(value: Any) -> None:
+    kind: Any = type(value)
+    if (
+        kind.__format__ is object.__format__
+        and kind.__str__ is object.__str__
+        and kind.__repr__ is object.__repr__
+    ):
+        raise InvalidArgumentError(
+            f"a {kind.__name__} has no stable text form (it would format as its memory "
+            "address, so every call would get a different key); use one of its attributes, "
+            "e.g. {param.id}, or a key callable"
+        )
+
+
+def _sorted(items: list[tuple[Any, str]]) -> list[str]:
+    """The texts of ``(value, text)`` pairs ordered by value, or by text if values do not compare."""
+    try:
+        return [text for _, text in sorted(items, key=lambda item: item[0])]
+    except TypeError:
+        return sorted(text for _, text in items)
+
+
+def canonical_text(value: Any) -> str:
+    """``repr(value)`` with the items of every dict and set sorted (see the module docstring)."""
+    kind = type(value)
+    if kind is dict:
+        items = [(k, f"{canonical_text(k)}: {canonical_text(v)}") for k, v in value.items()]
+        return "{" + ", ".join(_sorted(items)) + "}"
+    if kind in (set, frozenset):
+        texts = _sorted([(item, canonical_text(item)) for item in value])
+        inner = "{" + ", ".join(texts) + "}" if texts else "()"
+        return inner if kind is set and texts else f"{kind.__name__}({inner if texts else ''})"
+    if kind is list:
+        return "[" + ", ".join(canonical_text(item) for item in value) + "]"
+    if kind is tuple:
+        texts = [canonical_text(item) for item in value]
+        return "(" + ", ".join(texts) + ("," if len(texts) == 1 else "") + ")"
+    _check_stable(value)
+    return repr(value)
+
+
 class _StrictFormatter(string.Formatter):
-    """Refuses values whose text would differ per object (``<Foo object at 0x...>``)."""
+    """Refuses values whose text would differ per object (``<Foo object at 0x...>``).
+
+    Plain dicts, sets, lists and tuples are formatted through :func:`canonical_text`.
+    """
+
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
+        if conversion in ("r", "s") and type(value) in _CONTAINERS:
+            return canonical_text(value)
+        return super().convert_field(value, conversion)
 
     def format_field(self, value: Any, format_spec: str) -> Any:
-        kind: Any = type(value)
-        if (
-            kind.__format__ is object.__format__
-            and kind.__str__ is object.__str__
-            and kind.__repr__ is object.__repr__
-        ):
-            raise InvalidArgumentError(
-                f"a {kind.__name__} has no stable text form (it would format as its memory "
-                "address, so every call would get a different key); use one of its attributes, "
-                "e.g. {param.id}, or a key callable"
-            )
+        if type(value) in _CONTAINERS:
+            return format(canonical_text(value), format_spec)
+        _check_stable(value)
         return super().format_field(value, format_spec)
 
 

@@ -1,0 +1,106 @@
+"""Equal arguments give equal lock keys: mappings and sets in a template are canonical.
+
+``str(dict)`` follows insertion order and ``str(set)`` follows hash order (randomised per
+process for strings), so two calls with equal arguments could otherwise get different keys
+and run at the same time. Keys of calls whose text was already deterministic stay as they
+were.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+
+from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.keys import KeyBuilder
+
+
+def _run(filters: Any, n: int = 0) -> None: ...
+
+
+BUILDER = KeyBuilder.for_function("report:{filters}:{n}", _run, bound=False)
+
+
+def _key(filters: Any) -> str:
+    return BUILDER.build("t", (filters,), {})
+
+
+def test_equal_dicts_built_in_another_order_give_one_key() -> None:
+    """{'a': 1, 'b': 2} and {'b': 2, 'a': 1} are the same call, so the same key (nested too)."""
+    assert _key({"b": 2, "a": 1}) == _key({"a": 1, "b": 2}) == "report:{'a': 1, 'b': 2}:0"
+    nested_1 = {"z": {"y": 1, "x": [{"q": 1, "p": 2}]}, "a": (1, {"d": 0, "c": 0})}
+    nested_2 = {"a": (1, {"c": 0, "d": 0}), "z": {"x": [{"p": 2, "q": 1}], "y": 1}}
+    assert _key(nested_1) == _key(nested_2)
+    assert _key(nested_1) == "report:{'a': (1, {'c': 0, 'd': 0}), 'z': {'x': [{'p': 2, 'q': 1}], 'y': 1}}:0"
+
+
+def test_keys_of_already_deterministic_calls_are_unchanged() -> None:
+    """Scalars, lists, tuples and dicts already in sorted order format exactly as str() did."""
+    for value in (
+        1,
+        "x",
+        [3, 1, 2],
+        (1,),
+        (),
+        [],
+        {},
+        {"a": 1, "b": "two"},
+        {9: "a", 10: "b"},
+        [{"a": None}, (True, 1.5)],
+        {"k": [1, (2, 3)]},
+    ):
+        assert _key(value) == f"report:{value}:0", value
+
+
+def test_sets_are_sorted_whatever_the_hash_seed() -> None:
+    """A set of strings gives the same key in every process (hash order is randomised per process)."""
+    code = (
+        "from celery_exclusive.keys import KeyBuilder\n"
+        "def run(tags, n=0): ...\n"
+        "b = KeyBuilder.for_function('k:{tags}', run, bound=False)\n"
+        "print(b.build('t', ({'delta', 'alpha', 'charlie', 'bravo', 'echo'},), {}))\n"
+        "print(b.build('t', (frozenset({'zz', 'aa', 'mm'}),), {}))\n"
+    )
+    outputs = set()
+    for seed in ("1", "2", "3", "4"):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        outputs.add(done.stdout)
+    assert outputs == {"k:{'alpha', 'bravo', 'charlie', 'delta', 'echo'}\nk:frozenset({'aa', 'mm', 'zz'})\n"}
+    assert _key(set()) == "report:set():0"
+
+
+def test_mixed_key_types_still_give_one_key() -> None:
+    """Keys that do not compare (1 and 'a') are ordered by their text instead."""
+    assert _key({1: "x", "a": "y"}) == _key({"a": "y", 1: "x"})
+
+
+def test_conversions_and_format_specs_are_canonical_too() -> None:
+    """{filters!r}, {filters!s} and {filters:>30} see the canonical text."""
+
+    for template in ("k:{f!r}", "k:{f!s}", "k:{f:>30}"):
+        builder = KeyBuilder.for_function(template, lambda f: None, bound=False)
+        assert builder.build("t", ({"b": 1, "a": 2},), {}) == builder.build("t", ({"a": 2, "b": 1},), {})
+
+
+def test_other_mapping_types_keep_their_own_text() -> None:
+    """Only plain dicts, lists, tuples and sets are rewritten; an OrderedDict means its order."""
+    ordered = OrderedDict([("b", 1), ("a", 2)])
+    assert _key(ordered) == f"report:{ordered}:0"
+
+
+def test_an_object_inside_a_dict_without_stable_text_is_refused() -> None:
+    """A value formatting as its memory address is refused inside a container as on its own."""
+    with pytest.raises(InvalidArgumentError, match="memory address"):
+        _key({"a": object()})
