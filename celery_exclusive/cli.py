@@ -364,7 +364,7 @@ def release_command(key: str, yes: bool, token: str | None) -> int:
     if token is not None and info.token != token:
         click.echo(f"{key!r}: held by {who} with another token; nothing released")
         return EXIT_NOT_RELEASED
-    if not yes and not click.confirm(f"Release the lease of {who} on {key!r}?", default=False):
+    if not yes and not _confirm(f"Release the lease of {who} on {key!r}?"):
         click.echo("nothing released")
         return EXIT_NOT_RELEASED
     if service.force_release(key, info.token):
@@ -372,6 +372,18 @@ def release_command(key: str, yes: bool, token: str | None) -> int:
         return EXIT_OK
     click.echo(f"{key!r}: lease changed hands; nothing released")
     return EXIT_NOT_RELEASED
+
+
+def _confirm(question: str) -> bool:
+    """Ask on the terminal; no answer (stdin closed, Ctrl-C) is an input error naming --yes."""
+    try:
+        return click.confirm(question, default=False)
+    except click.Abort:
+        click.echo()  # end the unanswered prompt's line
+        raise InvalidArgumentError(
+            "no answer to the confirmation prompt (no terminal?); nothing released; "
+            "pass --yes to release without asking"
+        ) from None
 
 
 @click.command(name="doctor")
@@ -492,7 +504,36 @@ COMMANDS = (list_command, show_command, release_command, doctor_command)
 # -- front ends -----------------------------------------------------------------------------
 
 
-@click.group(name="celery-exclusive", context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """A command group whose usage errors (bad option, missing argument, unknown command)
+    are one ``error: ...`` line and exit 2, like every other error of the CLI, under both
+    front ends (under ``celery`` the group's own options are parsed by Celery's group)."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            _usage_error(exc)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            _usage_error(exc)
+
+
+def _usage_error(exc: click.UsageError) -> NoReturn:
+    if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a bare group shows its help
+        raise exc
+    where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    click.echo(f"error: {printable(message)}{where}", err=True)
+    raise click.exceptions.Exit(EXIT_USAGE)
+
+
+@click.group(name="celery-exclusive", cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @_url_option(f"${ENV_VAR}")
 @_prefix_option(f"${PREFIX_ENV_VAR}")
 @click.version_option(package_name="celery-exclusive", prog_name="celery-exclusive")
@@ -502,7 +543,7 @@ def cli(ctx: click.Context, url: str | None, prefix: str | None) -> None:
     ctx.meta[_META_KEY] = Target(explicit_url=url, conf=None, prefix=_prefix(prefix, None), celery=False)
 
 
-@click.group(name="exclusive")
+@click.group(name="exclusive", cls=_Group)
 @_url_option(f"app.conf.exclusive_url, then ${ENV_VAR}")
 @_prefix_option(f"app.conf.exclusive_prefix, then ${PREFIX_ENV_VAR}")
 @click.pass_context

@@ -34,15 +34,17 @@ class ConfigurationError(ExclusiveError, ValueError):
 
 
 class MissingDriverError(ConfigurationError, ImportError):
-    """The driver a provider needs is not installed; the message names the pip line."""
+    """The driver a provider needs is not installed; the message names the pip line.
 
-    def __init__(self, extra: str, module: str) -> None:
+    ``install`` replaces the default ``pip install 'celery-exclusive[<extra>]'`` when the
+    extra would not help (a URL naming a driver the extra does not install).
+    """
+
+    def __init__(self, extra: str, module: str, install: str | None = None) -> None:
         self.extra = extra
         self.module = module
-        super().__init__(
-            f"the {module!r} package is required for this lock store; "
-            f"install it with: pip install 'celery-exclusive[{extra}]'"
-        )
+        line = install or f"pip install 'celery-exclusive[{extra}]'"
+        super().__init__(f"the {module!r} package is required for this lock store; install it with: {line}")
 
 
 class InvalidArgumentError(ExclusiveError, ValueError):

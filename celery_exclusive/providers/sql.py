@@ -51,6 +51,12 @@ _BACKENDS = {
     "mysql": ("pymysql", "mysql"),
     "mariadb": ("pymysql", "mysql"),
 }
+#: pip names of SQLAlchemy drivers the extras do not install.
+_PIP_NAMES = {
+    "psycopg2": "psycopg2-binary",
+    "mysqldb": "mysqlclient",
+    "mysqlconnector": "mysql-connector-python",
+}
 _RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
 _ATTEMPTS = 5
 #: libpq options for engines built from a URL: give up on an unanswered connect after 10 s,
@@ -360,11 +366,20 @@ def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
     try:
         engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
     except (ImportError, sa_exc.NoSuchModuleError) as exc:
-        raise MissingDriverError(extra, driver or module) from exc
+        raise _missing_driver(backend, driver, module, extra) from exc
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_connect)
         event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
     return engine
+
+
+def _missing_driver(backend: str, driver: str, module: str, extra: str) -> MissingDriverError:
+    if not driver or driver == module:
+        return MissingDriverError(extra, module)
+    # The URL names a driver the extra does not install: the extra would not help.
+    package = _PIP_NAMES.get(driver, driver)
+    alternative = f"{backend}+{module}:// (pip install 'celery-exclusive[{extra}]')"
+    return MissingDriverError(extra, driver, f"pip install {package}, or use {alternative}")
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
