@@ -222,7 +222,8 @@ class LockService:
         if not isinstance(answer, Grant):
             if not name_holder and not signals.lock_contended.receivers:
                 return answer  # a failed try_lock, the hot path under contention
-            holder_info = None if answer.holder is None else self._unprefixed(answer.holder)
+            found = answer.holder if answer.holder is not None else self._winner(store_key)
+            holder_info = None if found is None else self._unprefixed(found)
             signals.send(signals.lock_contended, self, key=key, holder=holder_info)
             return Held(holder_info)
         lease = Lease(
@@ -423,6 +424,14 @@ class LockService:
             raise
         except Exception as exc:
             raise BackendError(f"lock store failed during {what}: {type(exc).__name__}") from exc
+
+    def _winner(self, store_key: str) -> LockInfo | None:
+        """Who holds a key whose acquire lost a race and could not say (PostgreSQL: the
+        racing insert committed after the statement's snapshot); None if already gone."""
+        try:
+            return self.provider.peek(store_key)
+        except Exception:  # the key was held: that stands even if this extra look fails
+            return None
 
     def _unprefixed(self, info: LockInfo) -> LockInfo:
         key = info.key[len(self.prefix) :] if info.key.startswith(self.prefix) else info.key

@@ -59,6 +59,7 @@ from celery.utils.log import get_task_logger
 from celery_exclusive import signals
 from celery_exclusive.errors import (
     BackendError,
+    ExclusiveError,
     InvalidArgumentError,
     LockedError,
     LockLost,
@@ -154,15 +155,36 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
     lock_retry_backoff_max: float | timedelta | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
+    _own_throws: tuple[type[BaseException], ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a task class per decorated function: reject bad options right here.
         super().__init_subclass__(**kwargs)
+        own = vars(cls).get("throws")
+        if own is not None and not isinstance(own, property):  # app.task(throws=...) or a class attribute
+            cls._own_throws = tuple(own)
+            delattr(cls, "throws")
         cls._lock_keys = _key_builder_for(cls)
         # Methods a subclass defines are its own business; data attributes are options.
         options = [n for n, v in vars(cls).items() if not isinstance(v, _CLASS_MEMBERS)]
         check_lock_attributes(options, _LOCK_ATTRIBUTES)
         check_task_options(**{name: _raw_attribute(cls, attr) for name, attr in TASK_OPTIONS.items()})
+
+    @property
+    def throws(self) -> tuple[type[BaseException], ...]:
+        """The task's own expected errors (Celery's ``Task.throws``), and under
+        ``on_locked="raise"`` LockedError: contention is then an expected outcome, which
+        Celery logs at INFO without a traceback (the state is still FAILURE)."""
+        own = self._own_throws
+        try:
+            raising = self.lock_settings.on_locked == "raise"
+        except ExclusiveError:  # a misconfigured app fails elsewhere, loudly; not while logging
+            raising = False
+        return (*own, LockedError) if raising and LockedError not in own else own
+
+    @throws.setter
+    def throws(self, value: tuple[type[BaseException], ...]) -> None:
+        self._own_throws = tuple(value)
 
     # -- public helpers -------------------------------------------------------------------
 
@@ -352,8 +374,8 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
             return policy(self, key, holder)
         if policy == "skip":
             return self._skipped(key, holder, coalesced=False)
-        if policy == "raise":
-            raise LockedError(key, holder)
+        if policy == "raise":  # an answer, not a failure of the contended acquire: no chained context
+            raise LockedError(key, holder) from None
         if policy == "retry" or _waits_for(policy, holder):
             self._retry_for_lock(key, holder, args, kwargs)
         return self._coalesce(key, holder, args, kwargs)
