@@ -34,6 +34,7 @@ KNOWN_SCHEMES = (
     "rediss",
     "rediss+cluster",
     "rediss+sentinel",
+    "sentinel",
     "sqlite",
     "unix",
 )
@@ -174,7 +175,7 @@ def scheme_family(url: str) -> str:
     base = scheme.split("+", 1)[0]
     if scheme == "memory":
         return "memory"
-    if scheme in ("redis", "rediss", "unix", *_REDIS_VARIANTS):
+    if scheme in ("redis", "rediss", "unix", "sentinel", *_REDIS_VARIANTS):
         return "redis"
     if base in ("postgresql", "postgres", "sqlite", "mysql", "mariadb"):
         return "sql"
@@ -182,6 +183,45 @@ def scheme_family(url: str) -> str:
         f"unknown lock store scheme {scheme!r} in {mask_url(url)!r}; "
         f"known schemes: {', '.join(KNOWN_SCHEMES)}"
     )
+
+
+_SENTINEL_ALIAS = {"sentinel": "redis+sentinel"}
+_URL_LIST = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def sentinel_url(url: str) -> str:
+    """Kombu's Sentinel form as the package's own: ``sentinel://`` means ``redis+sentinel://``
+    and ``sentinel://h1:26379/svc;sentinel://h2:26379`` means
+    ``redis+sentinel://h1:26379,h2:26379/svc``. The parts' schemes must be equal, and their
+    userinfo, path (``/<service>[/<db>]``) and query may be given once or repeated, never
+    different. Any other URL is returned as it is.
+    """
+    parts = _URL_LIST.split(url)
+    if len(parts) == 1 and not url.lower().startswith("sentinel://"):
+        return url
+    schemes = {_SENTINEL_ALIAS.get(s, s) for s in (p.partition("://")[0].lower() for p in parts)}
+    if len(schemes) != 1 or not schemes <= {"redis+sentinel", "rediss+sentinel"}:
+        raise ConfigurationError(
+            f"a ;-separated lock store URL lists Sentinel URLs of one scheme (sentinel:// or "
+            f"redis+sentinel://), got {mask_url(url)!r}"
+        )
+    hosts, seen = [], {"userinfo": "", "path": "", "query": ""}
+    for part in parts:
+        rest = part.partition("://")[2]
+        rest, _, query = rest.partition("?")
+        authority, _, path = rest.partition("/")
+        userinfo, _, hostlist = authority.rpartition("@")
+        hosts.append(hostlist)
+        for name, value in (("userinfo", userinfo), ("path", path), ("query", query)):
+            if value and seen[name] and value != seen[name]:
+                raise ConfigurationError(
+                    f"the parts of lock store URL {mask_url(url)!r} give different {name}s; "
+                    "give it once (in the first part) or the same in every part"
+                )
+            seen[name] = seen[name] or value
+    userinfo = f"{seen['userinfo']}@" if seen["userinfo"] else ""
+    query = f"?{seen['query']}" if seen["query"] else ""
+    return f"{schemes.pop()}://{userinfo}{','.join(hosts)}/{seen['path']}{query}"
 
 
 def split_options(url: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, str]]:

@@ -228,9 +228,11 @@ def test_kombu_style_sentinel_urls_must_agree() -> None:
     """Parts naming different services or schemes are rejected rather than guessed."""
     from celery_exclusive import ConfigurationError
 
-    for url in (
-        "sentinel://h1:26379/a;sentinel://h2:26379/b",
-        "sentinel://h1:26379/a;redis://h2:6379/0",
+    for url, fragment in (
+        ("sentinel://h1:26379/a;sentinel://h2:26379/b", "different paths"),
+        ("sentinel://:x@h1:26379/a;sentinel://:y@h2:26379", "different userinfos"),
+        ("sentinel://h1:26379/a;redis://h2:6379/0", "of one scheme"),
     ):
-        with pytest.raises(ConfigurationError):
+        with pytest.raises(ConfigurationError, match=fragment) as raised:
             provider_from_url(url)
+        assert ":x@" not in str(raised.value)

@@ -62,7 +62,7 @@ from urllib.parse import urlsplit
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
-from celery_exclusive.urls import mask_url, split_options
+from celery_exclusive.urls import mask_url, sentinel_url, split_options
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 if TYPE_CHECKING:
@@ -361,7 +361,7 @@ class RedisLockProvider:
         from redis.retry import Retry
 
         self._display = mask_url(url)
-        base, options = split_options(url, _OPTIONS)
+        base, options = split_options(sentinel_url(url), _OPTIONS)  # kombu's "sentinel://h1;..." too
         self._wait = (
             _number(options.get("wait_replicas"), int, self._wait[0]),
             _number(options.get("wait_timeout"), float, self._wait[1]),
