@@ -11,15 +11,36 @@ Prometheus exposition.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
+import traceback
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
 
+from celery_exclusive import ExclusiveError, LockService, metrics
+from celery_exclusive.cli import cli, exclusive
+from celery_exclusive.settings import ExclusiveSettings
+from celery_exclusive.task import exclusive_task
 from celery_exclusive.urls import mask_url, url_secrets
+from celery_exclusive.worker import get_lock_service
+from tests.conftest import (
+    MYSQL_URL,
+    POSTGRES_URL,
+    REDIS_URL,
+    delete_redis_keys,
+    drop_lock_table,
+    require_server,
+)
 
 PW = "Zq8SECRETpw"
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,3 +165,177 @@ def test_celery_report_hides_the_lock_store_url() -> None:
     assert done.returncode == 0, done.stderr
     assert "exclusive_url" in done.stdout
     assert PW not in done.stdout + done.stderr
+
+
+# -- every output channel, for PostgreSQL, Redis and MariaDB ----------------------------------------
+
+
+def _texts_of(exc: BaseException) -> list[str]:
+    """str, repr and traceback of an exception and of everything chained to it."""
+    texts = ["".join(traceback.format_exception(exc))]
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts += [str(current), repr(current), repr(current.args)]
+        current = current.__cause__ or current.__context__
+    return texts
+
+
+def _channel_urls(table: str) -> dict[str, list[str]]:
+    """Per store: URLs with PW planted as userinfo and as query secrets; reachable ones first.
+
+    PostgreSQL trusts 127.0.0.1, so its URL works (the password is ignored) and every
+    success path is exercised too; Redis and MariaDB refuse the password (the server
+    answers with an error); the port-1 URLs are unreachable (the driver fails to connect).
+    """
+    return {
+        "postgres": [
+            f"postgresql+psycopg://postgres:{PW}@127.0.0.1:5432/test?sslpassword=s{PW}&ce_table={table}",
+            f"postgresql+psycopg://postgres@127.0.0.1:1/x?password={PW}&application_name=ce",
+        ],
+        "redis": [
+            f"redis://default:{PW}@127.0.0.1:6379/0",
+            f"redis://127.0.0.1:6379/0?password={PW}&socket_timeout=5",
+            f"redis://:{PW}@127.0.0.1:1/0",
+        ],
+        "mariadb": [
+            f"mysql+pymysql://root:{PW}@127.0.0.1:3306/test",
+            f"mysql+pymysql://u:{PW}@127.0.0.1:1/x",
+        ],
+    }
+
+
+def _cli_invocations() -> list[list[str]]:
+    """Every sub-command the CLI has (including ones added later), with and without --json."""
+    known = {
+        "list": [["list"], ["list", "--json"], ["list", "pre"]],
+        "show": [["show", "k"], ["show", "k", "--json"]],
+        "release": [["release", "--yes", "k"], ["release", "k"], ["release", "k", "--token", "t"]],
+        "doctor": [["doctor"], ["doctor", "--json"]],
+    }
+    calls: list[list[str]] = []
+    for name in sorted(cli.commands):
+        calls += known.get(name, [[name], [name, "k"], [name, "--json"], [name, "--yes", "k"]])
+    return calls
+
+
+def _api_texts(service: LockService) -> list[str]:
+    """Reprs, and every call's outcome or error with its chain."""
+    texts = [repr(service), repr(service.provider)]
+    for call in (
+        lambda s: s.lock("k").release(),
+        lambda s: s.try_lock("k"),
+        lambda s: s.run_exclusive("k", lambda: None),
+        lambda s: s.peek("k"),
+        lambda s: s.locks(),
+        lambda s: s.force_release("k", "t"),
+    ):
+        try:
+            texts.append(repr(call(service)))
+        except ExclusiveError as exc:
+            texts += _texts_of(exc)
+    return texts
+
+
+def _celery_texts(url: str, prefix: str, service: LockService) -> list[str]:
+    """A task run through Celery's tracer and its logging, with the key held if the store works."""
+    app = Celery("sec_app", broker="memory://", set_as_current=False)
+    app.conf.exclusive_url = url
+    app.conf.exclusive_prefix = prefix
+    app.conf.task_store_eager_result = True
+
+    @exclusive_task(app=app, key="k", on_locked="skip")
+    def job() -> str:
+        return "ran"
+
+    held = None
+    with contextlib.suppress(ExclusiveError):
+        held = service.lock("k")
+    result = job.apply()
+    texts = [repr(result.result), str(result.traceback), repr(job.lock_settings)]
+    texts += [repr(get_lock_service(app)), app.conf.humanize(with_defaults=False, censored=True)]
+    if isinstance(result.result, BaseException):
+        texts += _texts_of(result.result)
+    if held is not None:
+        held.release()
+    get_lock_service(app).close()
+    return texts
+
+
+def _cli_texts(url: str, sweep: list[list[str]]) -> tuple[list[str], int]:
+    """Both in-process front ends on ``sweep`` and on error paths; and how many showed ``***``."""
+    texts: list[str] = []
+    for args in [*sweep, ["--prefix", "bad prefix", "list"], ["list", "--bogus"], ["show", "a\x00b"]]:
+        for result in _cli_both(url, args):
+            texts += [result.output, result.stdout, result.stderr]
+            if result.exception is not None and not isinstance(result.exception, SystemExit):
+                texts += _texts_of(result.exception)
+    masked = 0
+    for result in _cli_both(f"{url}{'&' if '?' in url else '?'}ce_bogus=1", ["list"]):
+        assert result.exit_code == 2, result.output
+        texts.append(result.output)
+        masked += "***" in result.output
+    return texts, masked
+
+
+@pytest.mark.parametrize("name", ["postgres", "redis", "mariadb"])
+def test_a_planted_password_appears_on_no_channel(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Errors, logs at DEBUG, reprs, both CLI front ends (all commands, error paths), Celery's
+    own output and the Prometheus exposition never show a password, however it was given."""
+    require_server({"postgres": POSTGRES_URL, "redis": REDIS_URL, "mariadb": MYSQL_URL}[name])
+    caplog.set_level(logging.DEBUG)
+    table = f"ce_sec_{uuid.uuid4().hex[:10]}"
+    prefix = f"sec{uuid.uuid4().hex[:8]}:"
+    urls = _channel_urls(table)[name]
+    texts: list[str] = []
+    shown_masked = 0
+    registry = CollectorRegistry()
+    metrics.uninstall()
+    metrics.install(registry=registry)
+    try:
+        for url in urls:
+            service = LockService(url, prefix=prefix)
+            texts += [*_api_texts(service), repr(ExclusiveSettings(url=url))]
+            texts += _celery_texts(url, prefix, service)
+            service.close()
+            sweep = _cli_invocations() if url == urls[0] else [["list"], ["doctor", "--json"]]
+            cli_texts, masked = _cli_texts(url, sweep)
+            texts += cli_texts
+            shown_masked += masked
+        # Real processes: the console script and the Celery sub-command.
+        for command in (
+            [str(BIN / "celery-exclusive"), "--url", urls[-1], "list"],
+            [str(BIN / "celery"), "-A", "tests.cli_app:app", "exclusive", "doctor", "--json"],
+        ):
+            env = {**os.environ, "CE_TEST_CLI_URL": urls[0], "CE_TEST_CLI_PREFIX": prefix}
+            env.pop("CELERY_EXCLUSIVE_URL", None)
+            done = subprocess.run(
+                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+            )
+            texts += [done.stdout, done.stderr]
+        exposition = generate_latest(registry).decode()
+    finally:
+        metrics.uninstall()
+        if name == "postgres":
+            drop_lock_table(POSTGRES_URL, table)
+        elif name == "redis":
+            delete_redis_keys(prefix)
+    texts += [exposition, caplog.text, *(r.getMessage() for r in caplog.records)]
+    texts += [repr(r.args) for r in caplog.records]
+    texts += ["".join(traceback.format_exception(*r.exc_info)) for r in caplog.records if r.exc_info]
+    leaks = [text for text in texts if PW in text]
+    assert not leaks, leaks[0]
+    assert shown_masked  # the URLs were shown, masked: the sweep looked at real output
+    assert "celery_exclusive_acquisitions_total" in exposition
+
+
+def _cli_both(url: str, args: list[str]) -> list[Any]:
+    """The standalone front end, and for the commands both share the same way, the Celery one."""
+    env = {"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None}
+    results = [CliRunner().invoke(cli, ["--url", url, *args], env=env, input="")]
+    if args in (["list"], ["doctor", "--json"], ["list", "--bogus"]):
+        app = Celery("sec_cli", broker="memory://", set_as_current=False)
+        app.conf.exclusive_url = url
+        results.append(CliRunner().invoke(exclusive, args, env=env, obj=SimpleNamespace(app=app), input=""))
+    return results
