@@ -429,8 +429,8 @@ class LockService:
         """Who holds a key whose acquire lost a race and could not say (PostgreSQL: the
         racing insert committed after the statement's snapshot); None if already gone."""
         try:
-            return self.provider.peek(store_key)
-        except Exception:  # the key was held: that stands even if this extra look fails
+            return self._call("peek", self.provider.peek, store_key)
+        except BackendError:  # the key was held: that stands even if this extra look fails
             return None
 
     def _unprefixed(self, info: LockInfo) -> LockInfo:
