@@ -120,9 +120,14 @@ def _mask_bare(token: str, found: list[str] | None) -> str:
 
 def _mask_params(text: str, found: list[str] | None) -> str:
     def hide(match: re.Match[str]) -> str:
+        value = match.group(3)
+        # Already masked, then punctuation of the message ("?password=***: refused"): keep it.
+        tail = (
+            value[len(MASK) :] if value.startswith(MASK) and not value[len(MASK) :].strip(":,.;)]}>") else ""
+        )
         if found is not None:
-            found.append(match.group(3))
-        return f"{match.group(1)}{match.group(2)}={MASK}"
+            found.append(value[: len(value) - len(tail)])
+        return f"{match.group(1)}{match.group(2)}={MASK}{tail}"
 
     return _SECRET_PARAM.sub(hide, text)
 

@@ -96,6 +96,11 @@ MASK_CASES: list[tuple[str, str, str]] = [
         "'redis://:***@a/0' then (postgresql://u:***@b/x) failed",
     ),
     ("ipv6", f"redis://:{PW}@[::1]:6379/0", "redis://:***@[::1]:6379/0"),
+    (
+        "already-masked-keeps-its-punctuation",
+        "error: redis redis://h:6399/11?password=***: Error 111 connecting",
+        "error: redis redis://h:6399/11?password=***: Error 111 connecting",
+    ),
     ("plain-text-untouched", "lock 'report:42' is held by task x", "lock 'report:42' is held by task x"),
 ]
 
@@ -118,6 +123,17 @@ def test_mask_url_also_hides_known_secrets_anywhere() -> None:
     masked = mask_url(text, secrets)
     assert PW not in masked
     assert masked == "auth failed for password *** (raw ***), key ***"
+
+
+def test_cli_error_keeps_the_reason_after_a_query_password() -> None:
+    """The issue's command: the reason after ``?password=x`` is printed, the password is not."""
+    url = f"redis://127.0.0.1:1/11?password={PW}"
+    result = CliRunner().invoke(cli, ["--url", url, "list"], env={"CELERY_EXCLUSIVE_URL": None})
+    assert result.exit_code == 3, result.output
+    assert PW not in result.output
+    line = result.output.strip()
+    assert line.startswith("error: redis redis://127.0.0.1:1/11?password=***: "), line
+    assert "onnect" in line.split("password=***: ", 1)[1]  # the driver's reason survives
 
 
 def test_url_secrets_of_a_url_without_any() -> None:
