@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -88,6 +90,25 @@ def test_usage_errors_are_one_line(args: list[str], fragment: str) -> None:
         assert fragment in lines[0]
         assert "Usage:" not in result.output
         assert "Try '" not in result.output
+
+
+def test_usage_errors_under_a_real_celery_parent_are_one_line() -> None:
+    """Under ``celery -A proj exclusive`` Celery's own group parses first; still one line."""
+    env = {**os.environ, "CE_TEST_CLI_URL": "memory://"}
+    for args in (["exclusive", "--bogus", "list"],):
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "celery"), "-A", "tests.cli_app:app", *args],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: "), done.stderr
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+        assert "Usage:" not in done.stdout + done.stderr
 
 
 def test_help_and_version_still_work() -> None:
