@@ -192,11 +192,11 @@ def test_raise_contention_is_logged_as_expected_without_traceback(
     app.conf.exclusive_url = url
     app.conf.exclusive_prefix = "raise:"
 
-    @exclusive_task(app=app, key="k", on_locked="raise", throws=(KeyError,))
+    @exclusive_task(app=app, key="k", on_locked="raise", throws=(KeyError,), shared=False)
     def guarded() -> str:
         return "ran"
 
-    @exclusive_task(app=app, key="k", on_locked="retry", lock_max_retries=0)
+    @exclusive_task(app=app, key="k", on_locked="retry", lock_max_retries=0, shared=False)
     def retried() -> str:
         return "ran"
 

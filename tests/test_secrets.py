@@ -261,7 +261,8 @@ def _celery_texts(url: str, prefix: str, service: LockService) -> list[str]:
     app.conf.exclusive_prefix = prefix
     app.conf.task_store_eager_result = True
 
-    @exclusive_task(app=app, key="k", on_locked="skip")
+    # shared=False and a unique name: a shared task would be added to every app made later.
+    @exclusive_task(app=app, key="k", on_locked="skip", name=f"sec.{uuid.uuid4().hex[:8]}", shared=False)
     def job() -> str:
         return "ran"
 
