@@ -24,13 +24,13 @@ from typing import Any
 
 from celery.utils.dispatch import Signal
 
-lock_acquired = Signal(name="lock_acquired", providing_args={"key", "lease"})
-lock_contended = Signal(name="lock_contended", providing_args={"key", "holder"})
-lock_refreshed = Signal(name="lock_refreshed", providing_args={"leases", "duration"})
-refresh_failed = Signal(name="refresh_failed", providing_args={"leases", "error"})
-lock_lost = Signal(name="lock_lost", providing_args={"key", "lease", "reason"})
-lock_released = Signal(name="lock_released", providing_args={"key", "lease", "outcome", "held_for"})
-task_skipped = Signal(name="task_skipped", providing_args={"key", "task", "holder"})
+lock_acquired = Signal(name="lock_acquired", providing_args=["key", "lease"])
+lock_contended = Signal(name="lock_contended", providing_args=["key", "holder"])
+lock_refreshed = Signal(name="lock_refreshed", providing_args=["leases", "duration"])
+refresh_failed = Signal(name="refresh_failed", providing_args=["leases", "error"])
+lock_lost = Signal(name="lock_lost", providing_args=["key", "lease", "reason"])
+lock_released = Signal(name="lock_released", providing_args=["key", "lease", "outcome", "held_for"])
+task_skipped = Signal(name="task_skipped", providing_args=["key", "task", "holder"])
 
 
 def send(signal: Signal, sender: object, **kwargs: Any) -> None:

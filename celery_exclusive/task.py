@@ -49,7 +49,20 @@ import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar, NoReturn
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Concatenate,
+    Generic,
+    Literal,
+    NoReturn,
+    ParamSpec,
+    TypeGuard,
+    TypeVar,
+    cast,
+    overload,
+)
 
 from celery import Task, shared_task
 from celery.exceptions import Retry
@@ -78,6 +91,10 @@ from celery_exclusive.settings import (
 from celery_exclusive.validation import check_key
 from celery_exclusive.worker import HOST, app_settings, get_lock_service
 
+if TYPE_CHECKING:
+    from celery.canvas import Signature
+    from celery.result import AsyncResult
+
 logger = get_task_logger("celery_exclusive.task")
 
 #: Key of the marker field in a skipped or coalesced task's result.
@@ -96,7 +113,7 @@ def skip_marker(key: str, holder: LockInfo | None, *, coalesced: bool = False) -
     return {MARKER_FIELD: COALESCED if coalesced else SKIPPED, "key": key, "holder": who}
 
 
-def is_skipped(value: object) -> bool:
+def is_skipped(value: object) -> TypeGuard[dict[str, Any]]:
     """True if ``value`` is the result of an exclusive task that skipped (or coalesced) its run."""
     return isinstance(value, Mapping) and value.get(MARKER_FIELD) in (SKIPPED, COALESCED)
 
@@ -135,8 +152,21 @@ def _key_builder_for(cls: Any) -> KeyBuilder:
     return KeyBuilder.for_function(spec, cls.run, bound=False)
 
 
-class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+if not hasattr(Task, "__class_getitem__"):  # pragma: no cover - Celery releases before 5.4
+    # What celery-types asks projects to add, so that ``Task[P, R]`` also runs.
+    Task.__class_getitem__ = classmethod(lambda cls, _params: cls)  # type: ignore[attr-defined, unused-ignore]
+
+
+# Without celery-types Task is Any, which --strict forbids subclassing; with them it is fine.
+class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused-ignore]
     """A Celery task whose runs hold a lock on their key; see the module docs for policies.
+
+    Generic like ``celery-types``' ``Task[P, R]``: ``ExclusiveTask[[int], str]`` is a task
+    whose body takes an int and returns a str (a skip/coalesce marker is typed as ``R``
+    too: tell it apart with :func:`is_skipped`).
 
     Lock options are class attributes (``app.task(base=ExclusiveTask, lock_key=...)``),
     None meaning "the app's setting": ``lock_key``, ``lock_on_locked``, ``lock_ttl``,
@@ -225,7 +255,17 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
 
     # -- execution ------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if TYPE_CHECKING:
+        # Celery's own methods, typed by the body's parameters and result as celery-types
+        # types them (the same signatures, so they also stand where celery-types is absent).
+        def run(self, *args: _P.args, **kwargs: _P.kwargs) -> _R: ...
+        def delay(self, *args: _P.args, **kwargs: _P.kwargs) -> AsyncResult[_R]: ...
+        def si(self, *args: _P.args, **kwargs: _P.kwargs) -> Signature[_R]: ...
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return cast("_R", self._call(args, kwargs))
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         settings = self.lock_settings
         key = self.lock_key_for(args, kwargs)
         service = self.lock_service
@@ -270,9 +310,9 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
         if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
             options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
         return super().retry(
-            args=args,
-            kwargs=kwargs,
-            exc=exc,
+            args=None if args is None else tuple(args),
+            kwargs=None if kwargs is None else dict(kwargs),
+            exc=exc,  # type: ignore[arg-type]  # celery-types says Exception; Celery takes any
             throw=throw,
             eta=eta,
             countdown=countdown,
@@ -434,10 +474,11 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
         headers[LOCK_RETRIES_HEADER] = attempt + 1
         # Like Task.retry, but ``retries`` stays as it is: max_retries is the task's own budget.
         signature = self.signature_from_request(
-            request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+            request, tuple(args), dict(kwargs), countdown=countdown, retries=request.retries, headers=headers
         )
         signature.apply_async()
-        raise Retry(exc=LockedError(key, holder), when=countdown, sig=signature)
+        # celery-types wants numbers.Real, which mypy cannot match a float against.
+        raise Retry(exc=LockedError(key, holder), when=cast(Any, countdown), sig=signature)
 
     # -- on_locked="rerun" ----------------------------------------------------------------
 
@@ -511,7 +552,7 @@ class ExclusiveTask(Task):  # type: ignore[misc]  # celery is untyped
             options = recorded.get("options") or {}
             args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
             if name in self.app.tasks:
-                sent = self.app.tasks[name].apply_async(args=args, kwargs=kwargs, **options)
+                sent = self.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)
             else:
                 sent = self.app.send_task(name, args=args, kwargs=kwargs, **options)
             logger.info(
@@ -622,6 +663,42 @@ def exclusive_base(base: type | str | None = None) -> type:
         return mixed
 
 
+@overload
+def exclusive_task(fun: Callable[_P, _R], /) -> ExclusiveTask[_P, _R]: ...
+@overload
+def exclusive_task(
+    *,
+    bind: Literal[True],
+    key: KeySpec = None,
+    on_locked: str | Callable[..., Any] | None = None,
+    ttl: float | timedelta | None = None,
+    max_lifetime: float | timedelta | None = None,
+    refresh_interval: float | timedelta | None = None,
+    on_lost: str | None = None,
+    lock_max_retries: int | None = None,
+    lock_retry_backoff: float | timedelta | None = None,
+    lock_retry_backoff_max: float | timedelta | None = None,
+    app: Any = None,
+    base: type | str | None = None,
+    **options: Any,
+) -> Callable[[Callable[Concatenate[ExclusiveTask[Any, Any], _P], _R]], ExclusiveTask[_P, _R]]: ...
+@overload
+def exclusive_task(
+    *,
+    bind: Literal[False] = False,
+    key: KeySpec = None,
+    on_locked: str | Callable[..., Any] | None = None,
+    ttl: float | timedelta | None = None,
+    max_lifetime: float | timedelta | None = None,
+    refresh_interval: float | timedelta | None = None,
+    on_lost: str | None = None,
+    lock_max_retries: int | None = None,
+    lock_retry_backoff: float | timedelta | None = None,
+    lock_retry_backoff_max: float | timedelta | None = None,
+    app: Any = None,
+    base: type | str | None = None,
+    **options: Any,
+) -> Callable[[Callable[_P, _R]], ExclusiveTask[_P, _R]]: ...
 def exclusive_task(
     fun: Callable[..., Any] | None = None,
     *,
@@ -644,6 +721,10 @@ def exclusive_task(
     one global lock). Other options are Celery's (``bind``, ``autoretry_for``,
     ``max_retries``, ``acks_late``, time limits, ``name``...). ``base`` may be any Task
     subclass: ExclusiveTask is mixed in. A bad key or option raises InvalidArgumentError here.
+
+    Typed: the task is an ``ExclusiveTask[P, R]`` of the function's parameters ``P`` (less
+    the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
+    ``task(...)``, ``.delay(...)`` and ``.si(...)`` arguments and what ``.delay(...).get()`` returns.
     """
     lock_options = {
         "lock_key": key,
