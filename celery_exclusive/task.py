@@ -69,7 +69,7 @@ from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import signals
+from celery_exclusive import observe, signals
 from celery_exclusive.errors import (
     BackendError,
     ExclusiveError,
@@ -266,6 +266,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         return cast("_R", self._call(args, kwargs))
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        observe.begin()
         settings = self.lock_settings
         key = self.lock_key_for(args, kwargs)
         service = self.lock_service
@@ -332,26 +333,21 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         return holder
 
     def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease:
-        return service.lock(
-            key,
-            ttl=settings.lease_ttl,
-            max_lifetime=settings.max_lifetime,
-            refresh_interval=settings.refresh_interval,
-            holder=self._holder(),
-        )
+        started = time.perf_counter()
+        try:
+            return service.lock(
+                key,
+                ttl=settings.lease_ttl,
+                max_lifetime=settings.max_lifetime,
+                refresh_interval=settings.refresh_interval,
+                holder=self._holder(),
+            )
+        finally:
+            observe.spent_acquiring(time.perf_counter() - started)
 
     def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        task_id = self.request.id
-        lease.on_lost(
-            lambda lost, reason: logger.warning(
-                "%s[%s]: lock %r (fence %d) was lost while the task ran (%s); another run may now hold it",
-                self.name,
-                task_id,
-                lost.key,
-                lost.fence,
-                reason,
-            )
-        )
+        report = observe.holding(self, lease)
+        lease.on_lost(report.lost)
         interrupter = None
         if self.lock_settings.on_lost == "terminate":
             interrupter = _Interrupter(threading.get_ident())
@@ -379,9 +375,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 "the lease was lost while the task ran, so it was interrupted (lock_on_lost='terminate')",
             ) from None
         except BaseException as exc:
-            self._finish(lease, retrying=isinstance(exc, Retry))
+            report.finished(lease, self._finish(lease, retrying=isinstance(exc, Retry)))
             raise
-        if self._finish(lease, retrying=False) and self.lock_settings.on_lost == "raise":
+        lost = self._finish(lease, retrying=False)
+        report.finished(lease, lost)
+        if lost and self.lock_settings.on_lost == "raise":
             raise LockLost(
                 lease.key,
                 lease.fence,
@@ -411,10 +409,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     ) -> Any:
         policy = self.lock_settings.on_locked
         if callable(policy):
+            observe.not_acquired(self, key, holder, observe.SKIPPED, reason="held")
             return policy(self, key, holder)
         if policy == "skip":
             return self._skipped(key, holder, coalesced=False)
         if policy == "raise":  # an answer, not a failure of the contended acquire: no chained context
+            observe.not_acquired(self, key, holder, observe.RAISED)
             raise LockedError(key, holder) from None
         if policy == "retry" or _waits_for(policy, holder):
             self._retry_for_lock(key, holder, args, kwargs)
@@ -427,6 +427,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         else:
             logger.info("skipped: lock %r is held by %s", key, who)
         signals.send(signals.task_skipped, self, key=key, task=self, holder=holder)
+        outcome = observe.COALESCED if coalesced else observe.SKIPPED
+        observe.not_acquired(self, key, holder, outcome, reason="held")
         return skip_marker(key, holder, coalesced=coalesced)
 
     # -- on_locked="retry" ----------------------------------------------------------------
@@ -435,6 +437,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         self, key: str, holder: LockInfo | None, attempt: int, settings: ExclusiveSettings
     ) -> None:
         if attempt >= settings.lock_max_retries:
+            observe.not_acquired(self, key, holder, observe.RAISED)
             who = f" by {holder.describe()}" if holder is not None else ""
             raise LockRetriesExceeded(
                 key,
@@ -477,6 +480,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             request, tuple(args), dict(kwargs), countdown=countdown, retries=request.retries, headers=headers
         )
         signature.apply_async()
+        observe.not_acquired(self, key, holder, observe.RETRIED)
         # celery-types wants numbers.Real, which mypy cannot match a float against.
         raise Retry(exc=LockedError(key, holder), when=cast(Any, countdown), sig=signature)
 

@@ -4,6 +4,15 @@
 first use and never shared across ``fork``. The signal receivers below are connected when
 this module is imported (``celery_exclusive.task`` imports it):
 
+* ``celeryd_after_setup`` (worker start, before the pool starts): if any registered task is
+  exclusive and the lock store is not configured (or its settings are invalid), an ERROR
+  line names the setting; ``exclusive_startup_check = "fatal"`` (or
+  ``CELERY_EXCLUSIVE_STARTUP_CHECK=fatal``) stops the worker instead, ``"off"`` says
+  nothing. Also notes whether the worker sends task events (``-E``), for
+  :mod:`celery_exclusive.observe`.
+* ``worker_process_init`` (each prefork child; the main process for other pools, at start):
+  the lock store's connection is opened, so the first task does not pay for importing
+  its driver and connecting. A failure there is a WARNING; the first task retries it.
 * ``worker_process_shutdown`` / ``worker_shutdown``: leases still held are released.
 * ``task_revoked`` (``terminated=True``) and ``task_failure`` with ``TimeLimitExceeded``:
   both fire in the worker's *main* process, the first right after the pool child was sent
@@ -27,11 +36,13 @@ from typing import Any
 
 from celery import signals as celery_signals
 from celery.app import app_or_default
-from celery.exceptions import TimeLimitExceeded
+from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
+from celery_exclusive import observe
+from celery_exclusive.errors import ConfigurationError
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
-from celery_exclusive.urls import resolve_url
+from celery_exclusive.urls import ENV_VAR, SETTING, resolve_url
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -42,6 +53,15 @@ KILL_RELEASE_WAIT = 30.0
 #: How long a kill hook looks for the killed run's lease, which it may be acquiring just now.
 KILL_LOOKUP_WINDOW = 1.0
 _POLL = 0.05
+#: ``app.conf`` setting / environment variable: what a worker does at start when exclusive
+#: tasks cannot get a lock store: ``"log"`` (an ERROR line, the default), ``"fatal"``, ``"off"``.
+STARTUP_CHECK_SETTING = "exclusive_startup_check"
+STARTUP_CHECK_ENV = "CELERY_EXCLUSIVE_STARTUP_CHECK"
+STARTUP_CHECKS = ("log", "fatal", "off")
+#: The worker's exit status when the fatal start-up check fails (sysexits' EX_CONFIG).
+EX_CONFIG = 78
+#: Key peeked to open the store's connection in a new pool process.
+WARM_UP_KEY = "celery-exclusive-warm-up"
 
 
 class _ProcessState:
@@ -126,6 +146,81 @@ def close_lock_services(*, release: bool = True) -> None:
             logger.exception("closing %r failed", service)
 
 
+def exclusive_task_names(app: Any) -> list[str]:
+    """Names of the exclusive tasks registered on ``app`` (finalizing it), sorted."""
+    from celery_exclusive.task import ExclusiveTask
+
+    return sorted(name for name, task in app.tasks.items() if isinstance(task, ExclusiveTask))
+
+
+def startup_check_mode(conf: Mapping[str, Any]) -> str:
+    """The start-up check mode from ``app.conf`` or the environment; ConfigurationError if unknown."""
+    value = conf.get(STARTUP_CHECK_SETTING) or os.environ.get(STARTUP_CHECK_ENV) or "log"
+    if value not in STARTUP_CHECKS:
+        raise ConfigurationError(
+            f"{STARTUP_CHECK_SETTING} must be one of {', '.join(map(repr, STARTUP_CHECKS))}, got {value!r}"
+        )
+    return str(value)
+
+
+def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """At worker start: say so loudly if exclusive tasks have no usable lock store."""
+    if instance is None:
+        return
+    app = _resolve_app(instance.app)
+    observe.events.enabled = bool(getattr(instance, "task_events", False))
+    mode = startup_check_mode(app.conf)
+    if mode == "off":
+        return
+    names = exclusive_task_names(app)
+    if not names:
+        return
+    try:
+        resolve_url(app_settings(app).url, app.conf)
+    except ConfigurationError as exc:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        message = (
+            f"celery-exclusive: this worker has {len(names)} exclusive task(s) ({shown}) that will "
+            f"all fail until app.conf.{SETTING} (or {ENV_VAR}) is right: {exc}"
+        )
+        if mode == "fatal":
+            logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
+            raise WorkerShutdown(EX_CONFIG) from None
+        logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
+        return
+    if not _pool_forks(instance):
+        warm_up(app)
+
+
+def _pool_forks(instance: Any) -> bool:
+    """Whether the worker's pool runs tasks in child processes (prefork)."""
+    pool = getattr(instance, "pool_cls", None)
+    module = getattr(pool, "__module__", "") or str(pool or "")
+    return "prefork" in module
+
+
+def warm_up(app: Any = None) -> None:
+    """Open ``app``'s lock store connection now (driver import, connect, schema check).
+
+    Errors are logged as a WARNING and otherwise ignored: the first task retries and
+    reports them itself.
+    """
+    try:
+        app = _resolve_app(app)
+        if not exclusive_task_names(app):
+            return
+        get_lock_service(app).peek(WARM_UP_KEY)
+    except ConfigurationError as exc:
+        logger.debug("celery-exclusive: no lock store to open at process start: %s", exc)
+    except Exception as exc:
+        logger.warning("celery-exclusive could not open the lock store at process start: %s", exc)
+
+
+def warm_up_process(**_: Any) -> None:
+    """``worker_process_init``: open the current app's lock store in this new pool process."""
+    warm_up()
+
+
 def release_on_process_shutdown(**_: Any) -> None:
     """Release the leases a pool process still holds when it exits."""
     close_lock_services()
@@ -156,6 +251,8 @@ def release_on_hard_time_limit(
 
 
 for _signal, _receiver in (
+    (celery_signals.celeryd_after_setup, check_at_worker_start),
+    (celery_signals.worker_process_init, warm_up_process),
     (celery_signals.worker_process_shutdown, release_on_process_shutdown),
     (celery_signals.worker_shutdown, release_on_worker_shutdown),
     (celery_signals.task_revoked, release_on_terminate),

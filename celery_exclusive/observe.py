@@ -1,0 +1,226 @@
+"""What each exclusive run did, made visible where Celery users look.
+
+* **OpenTelemetry**: when ``opentelemetry-api`` is importable (it is never required), the
+  task's own span (the current span while the worker runs the task, e.g. the one
+  ``opentelemetry-instrumentation-celery`` starts) gets the attributes below. Nothing is
+  set on direct calls of the task function (they have no span of their own) or when no SDK
+  records the span.
+* **Celery events**: a skipped, coalesced or lost run sends a task event (``task.send_event``)
+  when the worker sends task events (``-E`` / ``worker_send_task_events``) and the task's
+  ``send_events`` is true, so ``celery events`` and Flower show it next to the task.
+* **Logs**: the lost-lease WARNING is logged from the heartbeat thread with the task's name
+  and id on the record, so Celery's task log format prints ``name[id]`` rather than ``???[???]``.
+
+===================================== ====== ================================================
+span attribute                        type   value
+===================================== ====== ================================================
+``celery_exclusive.lock.key``         str    the lock key (without the service prefix)
+``celery_exclusive.lock.outcome``     str    ``acquired``, ``skipped``, ``coalesced``,
+                                             ``retried``, ``raised`` or ``lost`` (the last word)
+``celery_exclusive.lock.fence``       int    this run's fence (runs that acquired)
+``celery_exclusive.lock.acquire.duration`` double seconds spent in lock-store calls to acquire
+``celery_exclusive.lock.holder.task_id``   str    the holder's task id (runs that did not acquire)
+``celery_exclusive.lock.holder.fence``     int    the holder's fence (runs that did not acquire)
+``celery_exclusive.lock.skip_reason``      str    why the body was skipped (``held``)
+``celery_exclusive.lock.lost_reason``      str    why the lease was lost
+===================================== ====== ================================================
+
+Events: ``task-exclusive-skipped``, ``task-exclusive-coalesced``, ``task-exclusive-lost``,
+each with ``uuid`` (the task id) and the fields ``exclusive_key``, ``exclusive_outcome``,
+``exclusive_reason``, and ``exclusive_holder`` (holder metadata with its fence; skip and
+coalesce) or ``exclusive_fence`` (lost). The ``exclusive_`` prefix keeps them apart from
+the task fields Celery's event state merges them into.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery.utils.log import get_task_logger
+
+if TYPE_CHECKING:
+    from celery_exclusive.lease import Lease
+    from celery_exclusive.providers.base import LockInfo
+
+
+# The task module's logger: in a worker, Celery's task format prints "name[id]: " before each line.
+logger = get_task_logger("celery_exclusive.task")
+
+KEY = "celery_exclusive.lock.key"
+OUTCOME = "celery_exclusive.lock.outcome"
+FENCE = "celery_exclusive.lock.fence"
+ACQUIRE_DURATION = "celery_exclusive.lock.acquire.duration"
+HOLDER_TASK_ID = "celery_exclusive.lock.holder.task_id"
+HOLDER_FENCE = "celery_exclusive.lock.holder.fence"
+SKIP_REASON = "celery_exclusive.lock.skip_reason"
+LOST_REASON = "celery_exclusive.lock.lost_reason"
+
+ACQUIRED = "acquired"
+SKIPPED = "skipped"
+COALESCED = "coalesced"
+RETRIED = "retried"
+RAISED = "raised"
+LOST = "lost"
+OUTCOMES = (ACQUIRED, SKIPPED, COALESCED, RETRIED, RAISED, LOST)
+
+EVENT_SKIPPED = "task-exclusive-skipped"
+EVENT_COALESCED = "task-exclusive-coalesced"
+EVENT_LOST = "task-exclusive-lost"
+
+
+class _Events:
+    """Whether this worker sends task events; set by the worker hook before pool processes fork."""
+
+    enabled = False
+
+
+events = _Events()
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.acquiring = 0.0
+
+
+_local = _Local()
+
+
+def begin() -> None:
+    """A task call starts in this thread: its acquisition time starts from zero."""
+    _local.acquiring = 0.0
+
+
+def spent_acquiring(seconds: float) -> None:
+    """Add ``seconds`` spent in a lock-store call to acquire, for this thread's current call."""
+    _local.acquiring += seconds
+
+
+def _task_span(task: Any) -> Any:
+    """The task's own recording span in this thread, or None."""
+    # Never imported here: a span can only be recording if an SDK, which imports this
+    # module, is set up; so the package costs nothing where OpenTelemetry is not used.
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None or task.request.called_directly:
+        return None
+    span = trace.get_current_span()
+    return span if span.is_recording() else None
+
+
+def _ids(task: Any) -> tuple[str, str | None, str | None]:
+    request = task.request
+    return task.name, request.id, request.hostname
+
+
+def _wants_events(task: Any) -> bool:
+    return events.enabled and bool(getattr(task, "send_events", True)) and bool(task.request.hostname)
+
+
+def _send_event(task: Any, type_: str, **fields: Any) -> None:
+    """``task.send_event`` that never fails the task: a broker hiccup is logged, not raised."""
+    try:
+        task.send_event(type_, **fields)
+    except Exception:
+        logger.warning("could not send the %s event of this run", type_, exc_info=True)
+
+
+def not_acquired(
+    task: Any, key: str, holder: LockInfo | None, outcome: str, *, reason: str | None = None
+) -> None:
+    """The run did not get ``key``: ``outcome`` is skipped, coalesced, retried or raised."""
+    span = _task_span(task)
+    if span is not None:
+        span.set_attribute(KEY, key)
+        span.set_attribute(OUTCOME, outcome)
+        span.set_attribute(ACQUIRE_DURATION, _local.acquiring)
+        if holder is not None:
+            span.set_attribute(HOLDER_FENCE, holder.fence)
+            holder_id = holder.holder.get("task_id")
+            if isinstance(holder_id, str):
+                span.set_attribute(HOLDER_TASK_ID, holder_id)
+        if reason is not None:
+            span.set_attribute(SKIP_REASON, reason)
+    if outcome in (SKIPPED, COALESCED) and _wants_events(task):
+        who = None if holder is None else {**holder.holder, "fence": holder.fence}
+        _send_event(
+            task,
+            EVENT_COALESCED if outcome == COALESCED else EVENT_SKIPPED,
+            exclusive_key=key,
+            exclusive_outcome=outcome,
+            exclusive_reason=reason or "held",
+            exclusive_holder=who,
+        )
+
+
+class Run:
+    """Reporting for one run that holds its lease: made in the task's thread by :func:`holding`."""
+
+    def __init__(self, task: Any, lease: Lease) -> None:
+        self.task_name, self.task_id, self.hostname = _ids(task)
+        self.app = task.app
+        self.events = _wants_events(task)
+        self.span = _task_span(task)
+        self._reported = False
+        self._mutex = threading.Lock()
+        if self.span is not None:
+            self.span.set_attribute(KEY, lease.key)
+            self.span.set_attribute(FENCE, lease.fence)
+            self.span.set_attribute(OUTCOME, ACQUIRED)
+            self.span.set_attribute(ACQUIRE_DURATION, _local.acquiring)
+
+    def lost(self, lease: Lease, reason: str) -> None:
+        """The ``lease.on_lost`` callback (usually on the heartbeat thread): log, span, event."""
+        with self._mutex:
+            if self._reported:
+                return
+            self._reported = True
+        logger.warning(
+            "lock %r (fence %d) was lost while the task ran (%s); another run may now hold it",
+            lease.key,
+            lease.fence,
+            reason,
+            extra={"task_name": self.task_name, "task_id": self.task_id},
+        )
+        self._mark_lost(lease, reason)
+
+    def finished(self, lease: Lease, lost: bool) -> None:
+        """The run ended; ``lost`` if the release found the lease gone (already logged there)."""
+        if not lost:
+            return
+        with self._mutex:
+            if self._reported:
+                return
+            self._reported = True
+        self._mark_lost(lease, "the lease was no longer held at release")
+
+    def _mark_lost(self, lease: Lease, reason: str) -> None:
+        if self.span is not None:
+            # An SDK span takes attributes from any thread until it ends.
+            self.span.set_attribute(OUTCOME, LOST)
+            self.span.set_attribute(LOST_REASON, reason)
+        if self.events:
+            # Off the heartbeat thread: a slow broker must not delay the refresh of other leases.
+            fields = {
+                "exclusive_key": lease.key,
+                "exclusive_outcome": LOST,
+                "exclusive_reason": reason,
+                "exclusive_fence": lease.fence,
+            }
+            threading.Thread(
+                target=self._send_lost, args=(fields,), name="celery-exclusive-event", daemon=True
+            ).start()
+
+    def _send_lost(self, fields: dict[str, Any]) -> None:
+        try:
+            policy = self.app.conf.task_publish_retry_policy
+            with self.app.events.default_dispatcher(hostname=self.hostname) as dispatcher:
+                dispatcher.send(EVENT_LOST, uuid=self.task_id, retry=True, retry_policy=policy, **fields)
+        except Exception:
+            context = {"task_name": self.task_name, "task_id": self.task_id}
+            logger.warning("could not send the %s event", EVENT_LOST, exc_info=True, extra=context)
+
+
+def holding(task: Any, lease: Lease) -> Run:
+    """The run acquired ``lease`` and is about to run its body: annotate its span."""
+    return Run(task, lease)
