@@ -478,14 +478,19 @@ def test_rerun_behind_a_holder_of_another_policy_waits_and_runs(locks: LockServi
 def test_on_lost_log_warns_and_keeps_the_result(
     locks: LockService, task_log: list[logging.LogRecord]
 ) -> None:
-    """lock_on_lost='log' (default): a WARNING names the task and key; the result is kept."""
+    """lock_on_lost='log' (default): a WARNING names the key, and carries the task's name and
+    id for Celery's task format (it is logged from the heartbeat thread); the result is kept."""
     n = uid()
     result = lost_log_task.delay(n)
     info = wait_held(locks, f"lost-log:{n}")
     assert locks.force_release(f"lost-log:{n}", info.token)
     assert result.get(timeout=10, interval=0.01) == "returned"
-    warnings = [r.getMessage() for r in task_log if r.levelno == logging.WARNING]
-    assert any(f"lost-log:{n}" in line and result.id in line for line in warnings)
+    warnings = [r for r in task_log if r.levelno == logging.WARNING and f"lost-log:{n}" in r.getMessage()]
+    assert warnings, [r.getMessage() for r in task_log]
+    assert all(
+        getattr(r, "task_id", None) == result.id and getattr(r, "task_name", None) == lost_log_task.name
+        for r in warnings
+    )
 
 
 def test_self_retry_releases_the_lock_before_the_retry_is_sent(locks: LockService) -> None:
