@@ -166,26 +166,32 @@ def test_skipped_run_is_told_apart_from_a_real_run(spans: InMemorySpanExporter, 
     assert attrs[observe.ACQUIRE_DURATION] > 0
 
 
-def test_raise_retry_and_rerun_outcomes(spans: InMemorySpanExporter, locks: LockService) -> None:
+def test_raise_outcome(spans: InMemorySpanExporter, locks: LockService) -> None:
     n = uid()
-    with (
-        locks.lock(f"obs-raise:{n}", ttl=30),
-        locks.lock(f"obs-retry:{n}", ttl=30),
-        locks.lock(f"obs-rerun:{n}", ttl=30, holder={HANDS_ON_RERUNS: True}),
-    ):
+    with locks.lock(f"obs-raise:{n}", ttl=30):
         raised = raising.delay(n)
         with pytest.raises(LockedError):
             raised.get(timeout=15)
-        retried = retrying.delay(n)
-        with pytest.raises(LockRetriesExceeded):
-            retried.get(timeout=15)
+    assert lock_attributes(run_span(spans, raised.id))[observe.OUTCOME] == "raised"
+
+
+def test_coalesced_outcome(spans: InMemorySpanExporter, locks: LockService) -> None:
+    n = uid()
+    with locks.lock(f"obs-rerun:{n}", ttl=30, holder={HANDS_ON_RERUNS: True}):
         coalesced = rerunning.delay(n)
         assert coalesced.get(timeout=15)["celery_exclusive"] == "coalesced"
     # (The recorded rerun's marker key goes with the prefix at the end of the module.)
-    assert lock_attributes(run_span(spans, raised.id))[observe.OUTCOME] == "raised"
     assert lock_attributes(run_span(spans, coalesced.id))[observe.OUTCOME] == "coalesced"
 
-    # The same task id runs twice: first it sends its lock retry, then it gives up.
+
+def test_retried_then_raised_outcomes(spans: InMemorySpanExporter, locks: LockService) -> None:
+    """The same task id runs twice: first it sends its lock retry, then it gives up."""
+    n = uid()
+    with locks.lock(f"obs-retry:{n}", ttl=30):
+        retried = retrying.delay(n)
+        with pytest.raises(LockRetriesExceeded):
+            retried.get(timeout=20)
+
     def retried_runs() -> list[ReadableSpan]:
         return [
             s
@@ -194,8 +200,7 @@ def test_raise_retry_and_rerun_outcomes(spans: InMemorySpanExporter, locks: Lock
         ]
 
     wait_for(lambda: len(retried_runs()) >= 2, 15, what="both runs of the retried task")
-    runs = [lock_attributes(s)[observe.OUTCOME] for s in retried_runs()]
-    assert sorted(runs) == ["raised", "retried"]
+    assert sorted(lock_attributes(s)[observe.OUTCOME] for s in retried_runs()) == ["raised", "retried"]
 
 
 def test_lost_lease_marks_the_span_and_logs_with_the_task_context(
