@@ -12,7 +12,8 @@ this module is imported (``celery_exclusive.task`` imports it):
   :mod:`celery_exclusive.observe`.
 * ``worker_process_init`` (each prefork child; the main process for other pools, at start):
   the lock store's connection is opened, so the first task does not pay for importing
-  its driver and connecting. A failure there is a WARNING; the first task retries it.
+  its driver and connecting (a prefork worker imports the driver once, in the main
+  process before it forks). A failure there is a WARNING; the first task retries it.
 * ``worker_process_shutdown`` / ``worker_shutdown``: leases still held are released.
 * ``task_revoked`` (``terminated=True``) and ``task_failure`` with ``TimeLimitExceeded``:
   both fire in the worker's *main* process, the first right after the pool child was sent
@@ -176,7 +177,7 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
     if not names:
         return
     try:
-        resolve_url(app_settings(app).url, app.conf)
+        url = resolve_url(app_settings(app).url, app.conf)
     except ConfigurationError as exc:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         message = (
@@ -188,8 +189,24 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
             raise WorkerShutdown(EX_CONFIG) from None
         logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
         return
-    if not _pool_forks(instance):
+    if _pool_forks(instance):
+        preload_driver(url)
+    else:
         warm_up(app)
+
+
+def preload_driver(url: str) -> None:
+    """Import the store's driver in the main process before the pool forks, connecting nothing.
+
+    Every pool process inherits the imported modules (SQLAlchemy and psycopg cost most of a
+    cold first task), so what is left for it at ``worker_process_init`` is the connection.
+    """
+    from celery_exclusive.urls import provider_from_url
+
+    try:
+        provider_from_url(url).close()
+    except Exception as exc:
+        logger.warning("celery-exclusive could not load the lock store's driver at worker start: %s", exc)
 
 
 def _pool_forks(instance: Any) -> bool:
