@@ -86,14 +86,15 @@ def kill(popen: subprocess.Popen[bytes], log: Path) -> None:
         log.unlink()
 
 
-def one(store: str, kind: str, concurrency: int, idle: float, rep: int) -> list[float]:
-    """Start a worker, send one task per pool process, return their latencies in seconds."""
+def one(store: str, kind: str, concurrency: int, idle: float, rep: int) -> tuple[float, list[float]]:
+    """Start a worker, send one task per pool process: seconds to ``ready.``, task latencies."""
     # Imported here: main() has set the broker and key prefix it reads from the environment.
     from benchmarks.first_task_app import STARTS, exclusive_first, plain_first
 
     queue = f"cefirst-{RUN_ID}-{store}-{list(KINDS).index(kind)}-{rep}"
     client = redis.Redis.from_url(CELERY_BROKER)
     client.delete(STARTS)
+    launched = time.monotonic()
     popen, log = start_worker(store, kind, concurrency, queue)
     try:
         deadline = time.monotonic() + 60
@@ -101,6 +102,7 @@ def one(store: str, kind: str, concurrency: int, idle: float, rep: int) -> list[
             if popen.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"worker did not start:\n{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.02)
+        ready = time.monotonic() - launched
         time.sleep(idle)
         task = plain_first if kind == "plain task" else exclusive_first
         sent = {}
@@ -115,7 +117,7 @@ def one(store: str, kind: str, concurrency: int, idle: float, rep: int) -> list[
             time.sleep(0.01)
         starts = [json.loads(raw) for raw in client.lrange(STARTS, 0, -1)]
         client.delete(STARTS)
-        return [s["at"] - sent[s["tag"]] for s in starts]
+        return ready, [s["at"] - sent[s["tag"]] for s in starts]
     finally:
         kill(popen, log)
         client.close()
@@ -133,16 +135,20 @@ def main() -> None:
     try:
         print(
             f"| store | worker | first-task latency, median (max) of {args.repeat} starts x "
-            f"{args.concurrency} processes, sent {args.idle:g} s after ready |"
+            f"{args.concurrency} processes, sent {args.idle:g} s after ready | start to ready., median |"
         )
-        print("|---|---|---|")
+        print("|---|---|---|---|")
         for store in args.stores.split(","):
             for kind in KINDS:
                 latencies: list[float] = []
+                readies: list[float] = []
                 for rep in range(args.repeat):
-                    latencies += one(store, kind, args.concurrency, args.idle, rep)
+                    ready, measured = one(store, kind, args.concurrency, args.idle, rep)
+                    readies.append(ready)
+                    latencies += measured
                 p50, worst = median(latencies) * 1000, max(latencies) * 1000
-                print(f"| {store} | {kind} | {p50:.0f} ms ({worst:.0f} ms) |", flush=True)
+                row = f"| {store} | {kind} | {p50:.0f} ms ({worst:.0f} ms) | {median(readies):.2f} s |"
+                print(row, flush=True)
     finally:
         delete_redis_keys(CELERY_BROKER, glob_escape(KEYPREFIX) + "*")
         delete_redis_keys(REDIS_URL, glob_escape(REDIS_PREFIX) + "*")
