@@ -113,7 +113,7 @@ def skip_marker(key: str, holder: LockInfo | None, *, coalesced: bool = False) -
     return {MARKER_FIELD: COALESCED if coalesced else SKIPPED, "key": key, "holder": who}
 
 
-def is_skipped(value: object) -> TypeGuard[dict[str, Any]]:
+def is_skipped(value: object) -> TypeGuard[Mapping[str, Any]]:
     """True if ``value`` is the result of an exclusive task that skipped (or coalesced) its run."""
     return isinstance(value, Mapping) and value.get(MARKER_FIELD) in (SKIPPED, COALESCED)
 

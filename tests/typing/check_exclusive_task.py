@@ -9,6 +9,7 @@ because ``warn_unused_ignores`` (part of --strict) fails mypy if it is accepted.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
@@ -74,7 +75,7 @@ def bound_without_self() -> None:
 
 def not_a_result(value: object) -> None:
     if is_skipped(value):
-        assert_type(value, dict[str, Any])
+        assert_type(value, Mapping[str, Any])
 
 
 # app.task(base=ExclusiveTask): celery-types types it as the base class; annotate it.
