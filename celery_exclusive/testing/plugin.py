@@ -25,7 +25,7 @@ def exclusive_app() -> Any:
     """The Celery app whose tasks use ``exclusive_store``: override it to name yours."""
     from celery import current_app
 
-    return current_app._get_current_object()
+    return current_app._get_current_object()  # type: ignore[attr-defined, unused-ignore]  # a Proxy; celery-types says Celery
 
 
 @pytest.fixture
