@@ -70,7 +70,10 @@ def raising(n: str) -> str:
     return "ran"
 
 
-@exclusive_task(app=app, key="obs-retry:{n}", on_locked="retry", lock_max_retries=1, lock_retry_backoff=0.05)
+# A backoff of 1 s (a countdown of 0.5-1 s): the instrumentation keys its spans by task id,
+# so a lock retry starting before the first run's span ended would clobber it (see
+# docs/observability.md).
+@exclusive_task(app=app, key="obs-retry:{n}", on_locked="retry", lock_max_retries=1, lock_retry_backoff=1.0)
 def retrying(n: str) -> str:
     return "ran"
 
