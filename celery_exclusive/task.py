@@ -185,7 +185,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     lock_retry_backoff_max: float | timedelta | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
-    _own_throws: tuple[type[BaseException], ...] = ()
+    _own_throws: tuple[type[Exception], ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a task class per decorated function: reject bad options right here.
@@ -201,7 +201,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         check_task_options(**{name: _raw_attribute(cls, attr) for name, attr in TASK_OPTIONS.items()})
 
     @property
-    def throws(self) -> tuple[type[BaseException], ...]:
+    def throws(self) -> tuple[type[Exception], ...]:
         """The task's own expected errors (Celery's ``Task.throws``), and under
         ``on_locked="raise"`` LockedError: contention is then an expected outcome, which
         Celery logs at INFO without a traceback (the state is still FAILURE)."""
@@ -213,7 +213,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         return (*own, LockedError) if raising and LockedError not in own else own
 
     @throws.setter
-    def throws(self, value: tuple[type[BaseException], ...]) -> None:
+    def throws(self, value: tuple[type[Exception], ...]) -> None:
         self._own_throws = tuple(value)
 
     # -- public helpers -------------------------------------------------------------------

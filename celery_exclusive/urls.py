@@ -143,9 +143,12 @@ def hide_from_celery_reports() -> None:
     """
     from celery.app import utils
 
-    hidden = utils.HIDDEN_SETTINGS
+    # celery-types does not declare HIDDEN_SETTINGS.
+    hidden: re.Pattern[str] = utils.HIDDEN_SETTINGS  # type: ignore[attr-defined, unused-ignore]
     if not hidden.search(SETTING):
-        utils.HIDDEN_SETTINGS = re.compile(f"{hidden.pattern}|{SETTING}", hidden.flags | re.IGNORECASE)
+        utils.HIDDEN_SETTINGS = re.compile(  # type: ignore[attr-defined, unused-ignore]
+            f"{hidden.pattern}|{SETTING}", hidden.flags | re.IGNORECASE
+        )
 
 
 def resolve_url(explicit: str | None = None, conf: Mapping[str, Any] | None = None) -> str:
