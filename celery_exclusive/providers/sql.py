@@ -3,8 +3,9 @@
 Leases are rows of one table (``cache_entries`` by default) that may be shared with other
 application rows; only the row of the exact key being operated on is ever touched. Every
 time comparison uses the database's clock. Fences come from a counter that survives row
-deletion: the sequence ``<table>_fence_seq`` on PostgreSQL, the one-row table
-``<table>_fence`` elsewhere.
+deletion: the sequence ``<table>_fence_seq`` on PostgreSQL (drawn under a per-key
+transaction-scoped advisory lock, so one key's fences grow in commit order), the one-row
+table ``<table>_fence`` elsewhere (bumped first in every acquire, which serialises them).
 
 On PostgreSQL with psycopg 3 each operation is one autocommit statement on a connection the
 provider keeps (acquire and release as prepared statements through libpq directly, see
@@ -188,18 +189,37 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
 
     fields = "key, value, expires_at, created_at, deadline, fence, holder"
     returning = "t." + fields.replace(", ", ", t.")
+    # Every statement that can grant the key draws its fence only while holding the key's
+    # lock (a transaction-scoped advisory lock on (hashtext(table), hashtext(key)), taken
+    # just before the draw and kept until commit), so the fences of one key are drawn in
+    # the order their grants commit: a statement that drew a fence and stalled before its
+    # insert makes the next acquirer wait for it instead of letting that acquirer take,
+    # use and release the key with a larger fence before the stalled insert commits the
+    # smaller one. The lock is taken only where a fence is drawn, so a contended acquire
+    # (a live row in its snapshot) still takes no lock, no xid and writes no WAL.
+    # The same step raises the transaction's synchronous_commit to "on" (keeping
+    # remote_apply), so a grant is durable whatever the server's default; the refresh
+    # does the same in its "n" step.
+    durable = (
+        "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+        "WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)"
+    )
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS text)))"
+    key_lock = f"lk AS MATERIALIZED (SELECT {lock}, {durable})"
+    fence = f"(SELECT nextval('{seq}') FROM lk)"
     # The common case, one cheap statement: a free key (no row) is inserted; an existing row
     # is only read and returned (live or not, see _live), so a contended attempt takes no
-    # xid, writes no WAL and calls no nextval. ON CONFLICT covers a racing inserter: it
-    # waits for that insert's commit and then does nothing (no rows come back at all).
+    # xid, takes no key lock, writes no WAL and calls no nextval. A racing inserter holds
+    # the key lock until it commits; ON CONFLICT then does nothing (no rows come back).
     # Its clock is statement_timestamp(), when the server received it: stable within the
     # statement without a CTE, and never later than the truth, so the lease it grants
     # expires no earlier than the holder's own deadline, which counts from before sending.
     ts = "statement_timestamp()"
-    acquire = f"""WITH ins AS (
+    acquire = f"""WITH {key_lock},
+ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT CAST(:key AS varchar), CAST(:token AS text), {ts} + make_interval(secs => :ttl), {ts},
-         {ts} + make_interval(secs => :life), nextval('{seq}'), CAST(:holder AS text)
+         {ts} + make_interval(secs => :life), {fence}, CAST(:holder AS text)
   WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
   ON CONFLICT (key) DO NOTHING
   RETURNING t.fence)
@@ -211,13 +231,13 @@ SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
     # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
     # a winner wait for its commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE
     # would lock the row, take an xid and flush a commit, delaying the winner's release).
-    take_over = f"""{now},
+    take_over = f"""{now}, {key_lock},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {_STALE})) AS live
   FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
 upd AS (
   UPDATE {t} AS t SET value = :token, expires_at = n.ts + make_interval(secs => :ttl), created_at = n.ts,
-    deadline = n.ts + make_interval(secs => :life), fence = nextval('{seq}'), holder = :holder
+    deadline = n.ts + make_interval(secs => :life), fence = {fence}, holder = :holder
   FROM n
   WHERE t.key = :key AND EXISTS (SELECT 1 FROM cur WHERE NOT cur.live)
     AND (t.expires_at <= n.ts OR t.deadline <= n.ts
@@ -226,7 +246,7 @@ upd AS (
 ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
-         nextval('{seq}'), :holder
+         {fence}, :holder
   FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live) AND NOT EXISTS (SELECT 1 FROM upd)
   ON CONFLICT (key) DO NOTHING
   RETURNING {returning})
@@ -239,7 +259,7 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
     return {
         "acquire": acquire,
         "take_over": take_over,
-        "refresh": f"""{now}
+        "refresh": f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts, {durable} AS durable)
 UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
 FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS float8[]))
   WITH ORDINALITY AS r(key, token, ttl, i)
@@ -662,7 +682,8 @@ class SqlLockProvider:
             self._engine.dispose()
 
     def diagnose(self) -> _Findings:
-        """Schema presence, server clock vs this machine's, and a read-only server."""
+        """Schema presence, server clock vs this machine's, a read-only server, and on
+        PostgreSQL the server's ``synchronous_commit`` (which acquire and refresh override)."""
         findings: _Findings = []
         try:
             with self._engine.connect() as conn:
@@ -683,6 +704,17 @@ class SqlLockProvider:
                     read_only = bool(conn.execute(sa.text(ro_sql)).scalar_one())
                     findings.append(
                         Diagnosis("writable", "fail" if read_only else "ok", f"read-only: {read_only}")
+                    )
+                if self._pg:
+                    setting = str(conn.execute(sa.text("SHOW synchronous_commit")).scalar_one())
+                    findings.append(
+                        Diagnosis(
+                            "synchronous_commit",
+                            "ok",
+                            f"server synchronous_commit is {setting!r}; acquire and refresh commit with "
+                            f"{'remote_apply' if setting == 'remote_apply' else 'on'} regardless, "
+                            "release with 'off'",
+                        )
                     )
         except sa_exc.SQLAlchemyError as exc:
             findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
