@@ -21,6 +21,7 @@ import random
 import re
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -287,17 +288,22 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     q = dialect.identifier_preparer.quote
     t, f, k, v = q(name), q(name + "_fence"), q("key"), q("value")
     if dialect.name == "sqlite":
-        now, least, lock = "julianday('now')", "min", ""
+        # The time comes from Python (:now, a Julian day on the boot clock, see _LeaseClock);
+        # stamps are stored as Julian day REALs, which julianday() reads back as they are,
+        # as it reads the text stamps of earlier versions (and they read ours).
+        least, lock, before = "min", "", "julianday(expires_at) < julianday(deadline)"
         match = f"substr({k}, 1, length(:prefix)) = :prefix"  # LIKE ignores case in SQLite
         t_scan = t
 
         def secs(c: str) -> str:
-            return f"round((julianday({c}) - {now}) * 86400.0, 3)"  # stamps are whole milliseconds
+            return f"((julianday({c}) - :now) * 86400.0)"
 
-        def stamp(p: str) -> str:  # fixed-width UTC text, millisecond precision
-            return f"strftime('%Y-%m-%d %H:%M:%f', {now} + {p} / 86400.0)"
+        def stamp(p: str) -> str:
+            return f"(:now + {p} / 86400.0)"
+
+        deadline = "julianday(deadline)"
     else:
-        now, least, lock = "UTC_TIMESTAMP(6)", "LEAST", " FOR UPDATE"
+        now, least, lock, before = "UTC_TIMESTAMP(6)", "LEAST", " FOR UPDATE", "expires_at < deadline"
         # Not through the key index: MariaDB's range for LIKE 'p%' on this PAD SPACE binary
         # collation misses keys whose next character sorts below a space or above U+FFFF.
         match = f"{k} LIKE :pattern ESCAPE '!'"
@@ -309,6 +315,8 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         def stamp(p: str) -> str:
             return f"({now} + INTERVAL ROUND({p} * 1000000) MICROSECOND)"
 
+        deadline = "deadline"
+
     live = f"{secs('expires_at')} > 0 AND {secs('deadline')} > 0"
     cols = f"{k}, {v}, fence, -{secs('created_at')}, {secs('expires_at')}, {secs('deadline')}, holder"
     sql = {
@@ -318,17 +326,25 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         "delete": f"DELETE FROM {t} WHERE {k} = :key",
         "insert": f"INSERT INTO {t} ({k}, {v}, expires_at, created_at, deadline, fence, holder) "
         f"VALUES (:key, :token, {stamp(':ttl')}, {stamp('0')}, {stamp(':life')}, :fence, :holder)",
-        "refresh": f"UPDATE {t} SET expires_at = {least}({stamp(':ttl')}, deadline) "
+        "refresh": f"UPDATE {t} SET expires_at = {least}({stamp(':ttl')}, {deadline}) "
         f"WHERE {k} = :key AND {v} = :token AND {live}",
-        "remaining": f"SELECT {k}, {v}, {secs('expires_at')} FROM {t} WHERE {k} IN :keys AND {live}",
+        # Whether the refresh stopped short of the hard deadline (it then granted exactly
+        # the ttl asked for), read with the row: never inferred from the time left, which
+        # shrinks with any delay between the two statements.
+        "remaining": f"SELECT {k}, {v}, {secs('expires_at')}, {before} FROM {t} "
+        f"WHERE {k} IN :keys AND {live}",
         "release_live": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token AND {live}",
         "release_any": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token",
         "peek": f"SELECT {cols} FROM {t} WHERE {k} = :key AND {live}",
         "scan": f"SELECT {cols} FROM {t_scan} WHERE {match} AND {live}",
-        "now": f"SELECT ({now} - 2440587.5) * 86400.0"
+        "now": "SELECT :now"
         if dialect.name == "sqlite"
         else "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) / 1e6",
     }
+    if dialect.name == "sqlite":  # the boot clock's anchor, one row per boot (negative ids)
+        sql["anchor_put"] = f"INSERT OR IGNORE INTO {f} (id, n) VALUES (:boot, :base)"
+        sql["anchor_get"] = f"SELECT n FROM {f} WHERE id = :boot"
+        sql["anchor_gc"] = f"DELETE FROM {f} WHERE id < 0 AND id <> :boot"
     texts = {name: sa.text(s) for name, s in sql.items()}
     texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
     return texts
@@ -346,6 +362,53 @@ def _host_list_as_query(backend: str, rest: str) -> str:
         return rest
     params = [f"host={host}" for host in hosts.split(",")] + ([query] if query else [])
     return f"{userinfo}{at}/{path}?{'&'.join(params)}"
+
+
+_UNIX_EPOCH_JD = 2440587.5
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+class _LeaseClock:
+    """SQLite's lease clock: ``CLOCK_BOOTTIME`` plus a per-boot anchor every process shares.
+
+    The wall clock steps (an operator, NTP at boot, a VM resumed): leases measured on it
+    expire early after a step forward and outlive their holder after a step back. The boot
+    clock of Linux never steps (NTP only slews it) and is the same for every process of
+    the machine, containers included (not across time namespaces, which can offset it).
+    The first process of each boot stores ``anchor = wall clock - boot clock`` in the fence
+    table (row ``id`` derived from the boot id, negative, so ``id = 1`` stays the counter);
+    every process reads it back and measures ``anchor + boot clock``: close to the wall
+    clock, so stamps stay readable and comparable with rows of earlier versions, but
+    unaffected by any later step. Without a boot clock (not Linux) it is the wall clock.
+    """
+
+    def __init__(self) -> None:
+        self.boot: int | None = None
+        self.anchor: float | None = None
+        if hasattr(time, "CLOCK_BOOTTIME"):
+            with contextlib.suppress(OSError, ValueError), open(_BOOT_ID, encoding="ascii") as source:
+                self.boot = -1 - (uuid.UUID(source.read().strip()).int >> 66)
+
+    def setup(self, conn: Connection, sql: dict[str, sa.TextClause]) -> None:
+        """Agree on this boot's anchor through the store (first writer wins), once."""
+        if self.boot is None or self.anchor is not None:
+            return
+        base = round((time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)) * 1e6)
+        conn.execute(sql["anchor_put"], {"boot": self.boot, "base": base})
+        stored = int(conn.execute(sql["anchor_get"], {"boot": self.boot}).scalar_one())
+        conn.execute(sql["anchor_gc"], {"boot": self.boot})
+        conn.commit()
+        self.anchor = stored / 1e6
+
+    def seconds(self) -> float:
+        """Now on the lease clock, in seconds since the Unix epoch (approximately)."""
+        if self.boot is None or self.anchor is None:
+            return time.time()
+        return self.anchor + time.clock_gettime(time.CLOCK_BOOTTIME)
+
+    def julian(self) -> float:
+        """Now on the lease clock as a Julian day, SQLite's time format."""
+        return _UNIX_EPOCH_JD + self.seconds() / 86400.0
 
 
 def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
@@ -458,6 +521,7 @@ class SqlLockProvider:
             threading.RLock() if self._memory else contextlib.nullcontext()
         )
         self._pg = dialect.name == "postgresql"
+        self._clock = _LeaseClock() if dialect.name == "sqlite" else None
         self._fast = self._pg and dialect.driver == "psycopg"
         # psycopg connections the fast path owns, detached from the pool: a checkout and
         # check-in cost as much Python time as the SQL. Only for an engine we built.
@@ -510,6 +574,7 @@ class SqlLockProvider:
 
         def attempt(conn: Connection) -> Grant | Held:
             conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
+            params.update(self._now(conn))
             row = conn.execute(self._sql["select"], params).first()
             if row is not None:
                 info = self._info(row)
@@ -555,27 +620,32 @@ class SqlLockProvider:
             return [answers.get((r.key, r.token)) for r in requests]
 
         def attempt(conn: Connection) -> None:
+            now = self._now(conn)  # one instant for both statements on SQLite
             conn.execute(
-                self._sql["refresh"], [{"key": k, "token": t, "ttl": wanted[(k, t)]} for k, t in pairs]
+                self._sql["refresh"], [{"key": k, "token": t, "ttl": wanted[(k, t)], **now} for k, t in pairs]
             )
             keys = sorted({k for k, _ in pairs})
             for start in range(0, len(keys), _CHUNK):
-                for key, value, remaining in conn.execute(
-                    self._sql["remaining"], {"keys": keys[start : start + _CHUNK]}
+                for key, value, remaining, short in conn.execute(
+                    self._sql["remaining"], {"keys": keys[start : start + _CHUNK], **now}
                 ):
                     if (key, value) in wanted:
-                        answers[(key, value)] = min(float(remaining), wanted[(key, value)])
+                        ttl = wanted[(key, value)]
+                        # Short of the hard deadline: the store granted exactly ttl from the
+                        # refresh's own instant, however late this read comes.
+                        answers[(key, value)] = ttl if short else min(float(remaining), ttl)
             conn.commit()
 
         self._transact("refresh", attempt)
         return [answers.get((r.key, r.token)) for r in requests]
 
     def release(self, key: str, token: str) -> bool:
-        params = {"key": key, "token": token}
+        params: dict[str, Any] = {"key": key, "token": token}
         if self._pg:
             return any(bool(live) for (live,) in self._run_pg("release", params))
 
         def attempt(conn: Connection) -> bool:
+            params.update(self._now(conn))
             owned = conn.execute(self._sql["release_live"], params).rowcount == 1
             if not owned:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
@@ -588,7 +658,9 @@ class SqlLockProvider:
         if self._pg:
             rows = self._run_pg("peek", {"key": key})
         else:
-            rows = self._transact("peek", lambda conn: list(conn.execute(self._sql["peek"], {"key": key})))
+            rows = self._transact(
+                "peek", lambda conn: list(conn.execute(self._sql["peek"], {"key": key, **self._now(conn)}))
+            )
         return self._info(rows[0]) if rows else None
 
     def scan(self, prefix: str) -> _Infos:
@@ -597,7 +669,9 @@ class SqlLockProvider:
         if self._pg:
             rows = self._run_pg("scan", params)
         else:
-            rows = self._transact("scan", lambda conn: list(conn.execute(self._sql["scan"], params)))
+            rows = self._transact(
+                "scan", lambda conn: list(conn.execute(self._sql["scan"], {**params, **self._now(conn)}))
+            )
         return sorted((self._info(row) for row in rows), key=lambda info: info.key)
 
     @property
@@ -693,12 +767,15 @@ class SqlLockProvider:
                 now_sql = (
                     sa.text("SELECT extract(epoch FROM clock_timestamp())") if self._pg else self._sql["now"]
                 )
-                skew = float(conn.execute(now_sql).scalar_one()) - time.time()
-                findings.append(
-                    Diagnosis(
-                        "clock", "ok" if abs(skew) < 2 else "warn", f"server clock is {skew:+.3f}s from ours"
-                    )
-                )
+                if self._clock is not None:
+                    self._clock.setup(conn, self._sql)
+                    skew = self._clock.seconds() - time.time()
+                    kind = "boot clock" if self._clock.anchor is not None else "wall clock"
+                    detail = f"lease clock ({kind}) is {skew:+.3f}s from this machine's wall clock"
+                else:
+                    skew = float(conn.execute(now_sql).scalar_one()) - time.time()
+                    detail = f"server clock is {skew:+.3f}s from ours"
+                findings.append(Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", detail))
                 if self._pg or self._engine.dialect.name != "sqlite":
                     ro_sql = "SELECT pg_is_in_recovery()" if self._pg else "SELECT @@read_only"
                     read_only = bool(conn.execute(sa.text(ro_sql)).scalar_one())
@@ -856,9 +933,25 @@ class SqlLockProvider:
             with contextlib.suppress(Exception):  # a dead connection still closes locally
                 connection.close()
 
+    def _now(self, conn: Connection) -> dict[str, float]:
+        """SQLite: ``{"now": ...}`` on the lease clock, read once the transaction has begun
+        (``BEGIN IMMEDIATE``: after any wait for the database). Elsewhere the server's clock
+        is used, and this is empty."""
+        if self._clock is None:
+            return {}
+        if not conn.in_transaction():
+            conn.begin()
+        return {"now": self._clock.julian()}
+
     def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
         """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying deadlocks."""
         self._ensure_schema()
+        if self._clock is not None and self._clock.anchor is None and self._clock.boot is not None:
+            try:
+                with self._serial, self._engine.connect() as conn:
+                    self._clock.setup(conn, self._sql)
+            except sa_exc.SQLAlchemyError as exc:
+                raise self._error(op, exc) from exc
         attempt = 0
         while True:
             attempt += 1

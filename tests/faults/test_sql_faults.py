@@ -304,3 +304,106 @@ def test_slow_refresh_is_not_taken_for_the_clamp(generic: SqlLockProvider) -> No
     info = generic.peek("c")
     assert info is not None
     assert info.expires_in <= clamped
+
+
+# -- item 4: SQLite leases do not follow wall-clock steps --------------------------------------------
+
+_TRY_ACQUIRE = """
+import json, sys
+from celery_exclusive.providers.base import Grant
+from celery_exclusive.providers.sql import SqlLockProvider
+url, table, key = sys.argv[1:4]
+provider = SqlLockProvider(url, table=table)
+answer = provider.acquire(key, "stepped", 30, 600, "{}")
+info = provider.peek(key)
+print(json.dumps({"granted": isinstance(answer, Grant), "expires_in": info and info.expires_in}))
+provider.close()
+"""
+
+
+def _acquire_with_clock_offset(offset: str, url: str, table: str, key: str) -> dict[str, Any]:
+    """Try ``key`` from a process whose wall clock is shifted by ``offset`` (libfaketime)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.faults.conftest import ROOT, faketime_wrapper, unavailable
+
+    wrapper = faketime_wrapper(offset)
+    if wrapper is None:
+        unavailable("faketime (libfaketime) is not installed; .ci/services installs it")
+    assert wrapper is not None
+    done = subprocess.run(
+        [*wrapper, sys.executable, "-c", _TRY_ACQUIRE, url, table, key],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_sqlite_lease_survives_a_wall_clock_step_forward(tmp_path: Path) -> None:
+    """A process whose wall clock is an hour ahead neither takes a live lease nor sees it
+    shortened: SQLite leases run on the machine's boot clock, which does not step."""
+    url, table = f"sqlite:///{tmp_path / 'locks.sqlite3'}", "ce_fault_clock"
+    provider = SqlLockProvider(url, table=table)
+    try:
+        assert isinstance(provider.acquire("k", "holder", 30, 600, "{}"), Grant)
+        seen = _acquire_with_clock_offset("+1h", url, table, "k")
+        assert not seen["granted"], "a rival took a live lease after a wall-clock step forward"
+        assert 25 < seen["expires_in"] <= 30
+    finally:
+        provider.close()
+
+
+def test_sqlite_dead_lease_is_not_revived_by_a_wall_clock_step_back(tmp_path: Path) -> None:
+    """A lease that expired is free for a process whose wall clock is an hour behind."""
+    url, table = f"sqlite:///{tmp_path / 'locks.sqlite3'}", "ce_fault_clock"
+    provider = SqlLockProvider(url, table=table)
+    try:
+        assert isinstance(provider.acquire("k", "holder", 0.3, 600, "{}"), Grant)
+        time.sleep(0.5)
+        seen = _acquire_with_clock_offset("-1h", url, table, "k")
+        assert seen["granted"], "an expired lease stayed live for a process whose clock stepped back"
+        info = provider.peek("k")
+        assert info is not None
+        assert info.token == "stepped"
+        assert 25 < info.expires_in <= 30
+    finally:
+        provider.close()
+
+
+def test_sqlite_reads_and_writes_stamps_earlier_versions_understand(tmp_path: Path) -> None:
+    """Rows of earlier versions (wall-clock text stamps) keep their meaning, and the Julian day
+    stamps written now read correctly through ``julianday()`` as earlier versions read them."""
+    url, table = f"sqlite:///{tmp_path / 'locks.sqlite3'}", "ce_fault_compat"
+    provider = SqlLockProvider(url, table=table)
+    engine = sa.create_engine(url)
+    try:
+        assert isinstance(provider.acquire("new", "t", 60, 600, "{}"), Grant)
+        stamp = "strftime('%Y-%m-%d %H:%M:%f', julianday('now') + {} / 86400.0)"
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO {table} VALUES ('old', 'o', {stamp.format(60)}, {stamp.format(0)}, "
+                    f"{stamp.format(600)}, 99, NULL)"
+                )
+            )
+            left = conn.execute(
+                sa.text(
+                    f"SELECT (julianday(expires_at) - julianday('now')) * 86400 "
+                    f"FROM {table} WHERE key = 'new'"
+                )
+            ).scalar_one()
+        assert 55 < left <= 60  # what an earlier version's statements compute for our row
+        info = provider.peek("old")
+        assert info is not None
+        assert 55 < info.expires_in <= 60
+        assert isinstance(provider.acquire("old", "x", 60, 600, "{}"), Held)
+    finally:
+        provider.close()
+        engine.dispose()
