@@ -16,6 +16,7 @@ over a dead row is the one case that needs a second statement.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import re
@@ -46,6 +47,7 @@ from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _MAX_NAME = 63 - len("_fence_seq")  # derived names must fit PostgreSQL's and MySQL's limits
 _BACKENDS = {
@@ -411,6 +413,81 @@ class _LeaseClock:
         return _UNIX_EPOCH_JD + self.seconds() / 86400.0
 
 
+#: How long a fork waits for the SQLite calls in flight (past SQLite's 30 s busy timeout).
+_FORK_WAIT = 40.0
+
+
+class _ForkGate:
+    """Holds ``fork()`` back while any thread of this process is inside a SQLite call.
+
+    SQLite keeps process-wide state: its mutexes, and per database file the locks this
+    process holds (which every connection of the process to that file shares). A child
+    forked mid-call inherits them held, by a thread it does not have: even a brand-new
+    connection then hangs, or waits out its busy timeout with "database is locked". So
+    every SQLite call of every provider runs inside :meth:`call`, and the at-fork hook
+    waits for the calls in flight to end (new ones wait for the fork). A fork from inside
+    a call (never done here) does not wait for itself.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        self._local = threading.local()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+    @contextlib.contextmanager
+    def call(self) -> Any:
+        depth: int = getattr(self._local, "depth", 0)
+        if not depth:
+            with self._cond:
+                while self._forking:
+                    self._cond.wait()
+                self._active += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if not depth:
+                with self._cond:
+                    self._active -= 1
+                    if not self._active:
+                        self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        if getattr(self._local, "depth", 0):
+            return
+        with self._cond:
+            self._forking = True
+            if not self._cond.wait_for(lambda: not self._active, _FORK_WAIT):
+                logger.warning(
+                    "fork() went ahead with %d SQLite lock-store call(s) still in flight after %.0f s: "
+                    "the child may not be able to use that SQLite database",
+                    self._active,
+                    _FORK_WAIT,
+                )
+
+    def after_fork_in_parent(self) -> None:
+        with self._cond:
+            self._forking = False
+            self._cond.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        self._reset()  # the threads that were waiting or in a call do not exist here
+
+
+_FORK_GATE = _ForkGate()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork_in_parent,
+        after_in_child=_FORK_GATE.after_fork_in_child,
+    )
+
+
 def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
     scheme, sep, rest = raw.partition("://")
     backend, _, driver = scheme.lower().partition("+")
@@ -522,6 +599,9 @@ class SqlLockProvider:
         )
         self._pg = dialect.name == "postgresql"
         self._clock = _LeaseClock() if dialect.name == "sqlite" else None
+        self._gate: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            _FORK_GATE.call if dialect.name == "sqlite" else contextlib.nullcontext
+        )
         self._fast = self._pg and dialect.driver == "psycopg"
         # psycopg connections the fast path owns, detached from the pool: a checkout and
         # check-in cost as much Python time as the SQL. Only for an engine we built.
@@ -753,14 +833,15 @@ class SqlLockProvider:
         self._closed = True
         self._drop_kept()
         if self._owns_engine:
-            self._engine.dispose()
+            with self._gate():
+                self._engine.dispose()
 
     def diagnose(self) -> _Findings:
         """Schema presence, server clock vs this machine's, a read-only server, and on
         PostgreSQL the server's ``synchronous_commit`` (which acquire and refresh override)."""
         findings: _Findings = []
         try:
-            with self._engine.connect() as conn:
+            with self._gate(), self._engine.connect() as conn:
                 exists = sa.inspect(conn).has_table(self.table.name)
                 status = "ok" if exists else ("warn" if not self._ready else "fail")
                 findings.append(Diagnosis("schema", status, f"table {self.table.name!r} exists: {exists}"))
@@ -824,6 +905,7 @@ class SqlLockProvider:
                     # lock (PgBouncer-safe), in a real transaction rather than autocommit.
                     options = {"isolation_level": "READ COMMITTED"} if self._pg else {}
                     with (
+                        self._gate(),
                         self._serial,
                         self._engine.connect().execution_options(**options) as conn,
                         conn.begin(),
@@ -948,7 +1030,7 @@ class SqlLockProvider:
         self._ensure_schema()
         if self._clock is not None and self._clock.anchor is None and self._clock.boot is not None:
             try:
-                with self._serial, self._engine.connect() as conn:
+                with self._gate(), self._serial, self._engine.connect() as conn:
                     self._clock.setup(conn, self._sql)
             except sa_exc.SQLAlchemyError as exc:
                 raise self._error(op, exc) from exc
@@ -956,7 +1038,7 @@ class SqlLockProvider:
         while True:
             attempt += 1
             try:
-                with self._serial, self._engine.connect() as conn:
+                with self._gate(), self._serial, self._engine.connect() as conn:
                     return work(conn)
             except sa_exc.DBAPIError as exc:
                 code = getattr(exc.orig, "args", (None,))[0] if exc.orig is not None else None
@@ -982,6 +1064,10 @@ class SqlLockProvider:
         if self._kept:
             _inherited_connections.extend(self._kept)
             self._kept = []
+        if self._clock is not None:
+            # Closing an inherited SQLite connection here would drop this process's POSIX
+            # locks on the file, those of its new connections included: keep the old pool.
+            _inherited_connections.append(self._engine.pool)
         self._engine.dispose(close=False)
 
 

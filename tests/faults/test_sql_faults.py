@@ -407,3 +407,118 @@ def test_sqlite_reads_and_writes_stamps_earlier_versions_understand(tmp_path: Pa
     finally:
         provider.close()
         engine.dispose()
+
+
+# -- item 3: SQLite across fork ---------------------------------------------------------------------
+
+_CHILD_TIMEOUT = 20.0
+
+
+def _in_child(work: Any) -> int:
+    """Fork; run ``work()`` in the child (exit 0 if it returns True); the child's exit status,
+    or -1 if it had not finished after 20 s (then killed)."""
+    import os
+    import signal
+
+    with pytest.warns(DeprecationWarning, match="fork") if _fork_warns() else contextlib.nullcontext():
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 3
+        try:
+            code = 0 if work() else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + _CHILD_TIMEOUT
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -1
+
+
+def _fork_warns() -> bool:
+    import sys
+
+    return sys.version_info >= (3, 12)
+
+
+@pytest.mark.parametrize("which", ["new-provider", "inherited-provider"])
+def test_sqlite_child_forked_while_a_thread_is_mid_call_can_use_the_store(tmp_path: Path, which: str) -> None:
+    """A process forked while another thread of its parent is inside a SQLite lock-store call
+    (its write transaction open) can use the store at once: a new provider, or the one it
+    inherited. The fork waits for the call in flight to end."""
+    url, table = f"sqlite:///{tmp_path / 'locks.sqlite3'}", "ce_fault_fork"
+    provider = SqlLockProvider(url, table=table)
+    entered, go = threading.Event(), threading.Event()
+
+    @sa.event.listens_for(provider._engine, "after_cursor_execute")
+    def stall(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if threading.current_thread().name == "ce-mid-call" and "n = n + 1" in statement:
+            entered.set()
+            go.wait(10)
+
+    try:
+        assert isinstance(provider.acquire("warm", "w", 60, 600, "{}"), Grant)
+        busy = threading.Thread(
+            target=lambda: provider.acquire("busy", "b", 60, 600, "{}"), name="ce-mid-call", daemon=True
+        )
+        busy.start()
+        assert entered.wait(10)
+        threading.Timer(0.5, go.set).start()  # the call in flight ends half a second later
+
+        def child() -> bool:
+            store = SqlLockProvider(url, table=table) if which == "new-provider" else provider
+            return isinstance(store.acquire("child", "c", 5, 60, "{}"), Grant) and store.release("child", "c")
+
+        status = _in_child(child)
+        busy.join(10)
+        assert status == 0, f"the child could not use the store (exit status {status}; -1: hung for 20 s)"
+        assert isinstance(provider.acquire("after", "a", 5, 60, "{}"), Grant)  # the parent still can
+    finally:
+        go.set()
+        provider.close()
+
+
+def test_sqlite_children_forked_under_load_can_use_the_store(tmp_path: Path) -> None:
+    """Forks at random moments while a thread hammers the store: every child can use it
+    (the at-fork wait covers SQLite's own mutexes, not just its file locks). 8 forks (100
+    with ``CE_LONG=1``)."""
+    from tests.faults.conftest import LONG
+
+    url, table = f"sqlite:///{tmp_path / 'locks.sqlite3'}", "ce_fault_fork"
+    provider = SqlLockProvider(url, table=table)
+    stop = threading.Event()
+
+    def hammer(name: str) -> None:
+        while not stop.is_set():
+            provider.acquire(name, "t", 5, 60, "{}")
+            provider.refresh([RefreshRequest(name, "t", 5)])
+            provider.release(name, "t")
+
+    threads = [threading.Thread(target=hammer, args=("h",), daemon=True)]
+    for thread in threads:
+        thread.start()
+    statuses = []
+    try:
+        for index in range(100 if LONG else 8):
+            time.sleep(random.uniform(0, 0.05))
+
+            def child(index: int = index) -> bool:
+                store = SqlLockProvider(url, table=table)
+                return isinstance(store.acquire(f"c{index}", "c", 5, 60, "{}"), Grant)
+
+            statuses.append(_in_child(child))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        provider.close()
+    assert statuses == [0] * len(statuses), f"children's exit statuses (-1: hung): {statuses}"
