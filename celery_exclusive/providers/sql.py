@@ -434,28 +434,33 @@ class _ForkGate:
         self._local = threading.local()
 
     def _reset(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken directly on the hot path; the condition's lock
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._forking = False
 
-    @contextlib.contextmanager
-    def call(self) -> Any:
-        depth: int = getattr(self._local, "depth", 0)
+    def call(self) -> _ForkGate:
+        """The gate as a context manager around one SQLite call (re-entrant per thread)."""
+        return self
+
+    def __enter__(self) -> None:
+        local = self._local
+        depth: int = getattr(local, "depth", 0)
         if not depth:
-            with self._cond:
+            with self._lock:
                 while self._forking:
                     self._cond.wait()
                 self._active += 1
-        self._local.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._local.depth = depth
-            if not depth:
-                with self._cond:
-                    self._active -= 1
-                    if not self._active:
-                        self._cond.notify_all()
+        local.depth = depth + 1
+
+    def __exit__(self, *_: object) -> None:
+        local = self._local
+        local.depth -= 1
+        if not local.depth:
+            with self._lock:
+                self._active -= 1
+                if not self._active and self._forking:
+                    self._cond.notify_all()
 
     def before_fork(self) -> None:
         if getattr(self._local, "depth", 0):
