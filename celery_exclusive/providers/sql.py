@@ -2,7 +2,8 @@
 
 Leases are rows of one table (``cache_entries`` by default) that may be shared with other
 application rows; only the row of the exact key being operated on is ever touched. Every
-time comparison uses the database's clock. Fences come from a counter that survives row
+time comparison uses the database server's clock; SQLite, which has none, uses the
+machine's boot clock (see ``_LeaseClock``). Fences come from a counter that survives row
 deletion: the sequence ``<table>_fence_seq`` on PostgreSQL (drawn under a per-key
 transaction-scoped advisory lock, so one key's fences grow in commit order), the one-row
 table ``<table>_fence`` elsewhere (bumped first in every acquire, which serialises them).
