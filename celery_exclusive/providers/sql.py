@@ -208,7 +208,7 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
         "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
         "WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)"
     )
-    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS text)))"
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS varchar)))"
     key_lock = f"lk AS MATERIALIZED (SELECT {lock}, {durable})"
     fence = f"(SELECT nextval('{seq}') FROM lk)"
     # The common case, one cheap statement: a free key (no row) is inserted; an existing row
@@ -855,7 +855,8 @@ class SqlLockProvider:
                     sa.text("SELECT extract(epoch FROM clock_timestamp())") if self._pg else self._sql["now"]
                 )
                 if self._clock is not None:
-                    self._clock.setup(conn, self._sql)
+                    if exists:
+                        self._clock.setup(conn, self._sql)
                     skew = self._clock.seconds() - time.time()
                     kind = "boot clock" if self._clock.anchor is not None else "wall clock"
                     detail = f"lease clock ({kind}) is {skew:+.3f}s from this machine's wall clock"
