@@ -2,9 +2,11 @@
 
 Leases are rows of one table (``cache_entries`` by default) that may be shared with other
 application rows; only the row of the exact key being operated on is ever touched. Every
-time comparison uses the database's clock. Fences come from a counter that survives row
-deletion: the sequence ``<table>_fence_seq`` on PostgreSQL, the one-row table
-``<table>_fence`` elsewhere.
+time comparison uses the database server's clock; SQLite, which has none, uses the
+machine's boot clock (see ``_LeaseClock``). Fences come from a counter that survives row
+deletion: the sequence ``<table>_fence_seq`` on PostgreSQL (drawn under a per-key
+transaction-scoped advisory lock, so one key's fences grow in commit order), the one-row
+table ``<table>_fence`` elsewhere (bumped first in every acquire, which serialises them).
 
 On PostgreSQL with psycopg 3 each operation is one autocommit statement on a connection the
 provider keeps (acquire and release as prepared statements through libpq directly, see
@@ -15,11 +17,13 @@ over a dead row is the one case that needs a second statement.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import re
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -44,6 +48,7 @@ from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _MAX_NAME = 63 - len("_fence_seq")  # derived names must fit PostgreSQL's and MySQL's limits
 _BACKENDS = {
@@ -188,18 +193,37 @@ def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
 
     fields = "key, value, expires_at, created_at, deadline, fence, holder"
     returning = "t." + fields.replace(", ", ", t.")
+    # Every statement that can grant the key draws its fence only while holding the key's
+    # lock (a transaction-scoped advisory lock on (hashtext(table), hashtext(key)), taken
+    # just before the draw and kept until commit), so the fences of one key are drawn in
+    # the order their grants commit: a statement that drew a fence and stalled before its
+    # insert makes the next acquirer wait for it instead of letting that acquirer take,
+    # use and release the key with a larger fence before the stalled insert commits the
+    # smaller one. The lock is taken only where a fence is drawn, so a contended acquire
+    # (a live row in its snapshot) still takes no lock, no xid and writes no WAL.
+    # The same step raises the transaction's synchronous_commit to "on" (keeping
+    # remote_apply), so a grant is durable whatever the server's default; the refresh
+    # does the same in its "n" step.
+    durable = (
+        "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+        "WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)"
+    )
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS varchar)))"
+    key_lock = f"lk AS MATERIALIZED (SELECT {lock}, {durable})"
+    fence = f"(SELECT nextval('{seq}') FROM lk)"
     # The common case, one cheap statement: a free key (no row) is inserted; an existing row
     # is only read and returned (live or not, see _live), so a contended attempt takes no
-    # xid, writes no WAL and calls no nextval. ON CONFLICT covers a racing inserter: it
-    # waits for that insert's commit and then does nothing (no rows come back at all).
+    # xid, takes no key lock, writes no WAL and calls no nextval. A racing inserter holds
+    # the key lock until it commits; ON CONFLICT then does nothing (no rows come back).
     # Its clock is statement_timestamp(), when the server received it: stable within the
     # statement without a CTE, and never later than the truth, so the lease it grants
     # expires no earlier than the holder's own deadline, which counts from before sending.
     ts = "statement_timestamp()"
-    acquire = f"""WITH ins AS (
+    acquire = f"""WITH {key_lock},
+ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT CAST(:key AS varchar), CAST(:token AS text), {ts} + make_interval(secs => :ttl), {ts},
-         {ts} + make_interval(secs => :life), nextval('{seq}'), CAST(:holder AS text)
+         {ts} + make_interval(secs => :life), {fence}, CAST(:holder AS text)
   WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
   ON CONFLICT (key) DO NOTHING
   RETURNING t.fence)
@@ -211,13 +235,13 @@ SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
     # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
     # a winner wait for its commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE
     # would lock the row, take an xid and flush a commit, delaying the winner's release).
-    take_over = f"""{now},
+    take_over = f"""{now}, {key_lock},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {_STALE})) AS live
   FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
 upd AS (
   UPDATE {t} AS t SET value = :token, expires_at = n.ts + make_interval(secs => :ttl), created_at = n.ts,
-    deadline = n.ts + make_interval(secs => :life), fence = nextval('{seq}'), holder = :holder
+    deadline = n.ts + make_interval(secs => :life), fence = {fence}, holder = :holder
   FROM n
   WHERE t.key = :key AND EXISTS (SELECT 1 FROM cur WHERE NOT cur.live)
     AND (t.expires_at <= n.ts OR t.deadline <= n.ts
@@ -226,7 +250,7 @@ upd AS (
 ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
-         nextval('{seq}'), :holder
+         {fence}, :holder
   FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live) AND NOT EXISTS (SELECT 1 FROM upd)
   ON CONFLICT (key) DO NOTHING
   RETURNING {returning})
@@ -239,7 +263,7 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
     return {
         "acquire": acquire,
         "take_over": take_over,
-        "refresh": f"""{now}
+        "refresh": f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts, {durable} AS durable)
 UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
 FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS float8[]))
   WITH ORDINALITY AS r(key, token, ttl, i)
@@ -267,17 +291,22 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     q = dialect.identifier_preparer.quote
     t, f, k, v = q(name), q(name + "_fence"), q("key"), q("value")
     if dialect.name == "sqlite":
-        now, least, lock = "julianday('now')", "min", ""
+        # The time comes from Python (:now, a Julian day on the boot clock, see _LeaseClock);
+        # stamps are stored as Julian day REALs, which julianday() reads back as they are,
+        # as it reads the text stamps of earlier versions (and they read ours).
+        least, lock, before = "min", "", "julianday(expires_at) < julianday(deadline)"
         match = f"substr({k}, 1, length(:prefix)) = :prefix"  # LIKE ignores case in SQLite
         t_scan = t
 
         def secs(c: str) -> str:
-            return f"round((julianday({c}) - {now}) * 86400.0, 3)"  # stamps are whole milliseconds
+            return f"((julianday({c}) - :now) * 86400.0)"
 
-        def stamp(p: str) -> str:  # fixed-width UTC text, millisecond precision
-            return f"strftime('%Y-%m-%d %H:%M:%f', {now} + {p} / 86400.0)"
+        def stamp(p: str) -> str:
+            return f"(:now + {p} / 86400.0)"
+
+        deadline = "julianday(deadline)"
     else:
-        now, least, lock = "UTC_TIMESTAMP(6)", "LEAST", " FOR UPDATE"
+        now, least, lock, before = "UTC_TIMESTAMP(6)", "LEAST", " FOR UPDATE", "expires_at < deadline"
         # Not through the key index: MariaDB's range for LIKE 'p%' on this PAD SPACE binary
         # collation misses keys whose next character sorts below a space or above U+FFFF.
         match = f"{k} LIKE :pattern ESCAPE '!'"
@@ -289,6 +318,8 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         def stamp(p: str) -> str:
             return f"({now} + INTERVAL ROUND({p} * 1000000) MICROSECOND)"
 
+        deadline = "deadline"
+
     live = f"{secs('expires_at')} > 0 AND {secs('deadline')} > 0"
     cols = f"{k}, {v}, fence, -{secs('created_at')}, {secs('expires_at')}, {secs('deadline')}, holder"
     sql = {
@@ -298,17 +329,25 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         "delete": f"DELETE FROM {t} WHERE {k} = :key",
         "insert": f"INSERT INTO {t} ({k}, {v}, expires_at, created_at, deadline, fence, holder) "
         f"VALUES (:key, :token, {stamp(':ttl')}, {stamp('0')}, {stamp(':life')}, :fence, :holder)",
-        "refresh": f"UPDATE {t} SET expires_at = {least}({stamp(':ttl')}, deadline) "
+        "refresh": f"UPDATE {t} SET expires_at = {least}({stamp(':ttl')}, {deadline}) "
         f"WHERE {k} = :key AND {v} = :token AND {live}",
-        "remaining": f"SELECT {k}, {v}, {secs('expires_at')} FROM {t} WHERE {k} IN :keys AND {live}",
+        # Whether the refresh stopped short of the hard deadline (it then granted exactly
+        # the ttl asked for), read with the row: never inferred from the time left, which
+        # shrinks with any delay between the two statements.
+        "remaining": f"SELECT {k}, {v}, {secs('expires_at')}, {before} FROM {t} "
+        f"WHERE {k} IN :keys AND {live}",
         "release_live": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token AND {live}",
         "release_any": f"DELETE FROM {t} WHERE {k} = :key AND {v} = :token",
         "peek": f"SELECT {cols} FROM {t} WHERE {k} = :key AND {live}",
         "scan": f"SELECT {cols} FROM {t_scan} WHERE {match} AND {live}",
-        "now": f"SELECT ({now} - 2440587.5) * 86400.0"
+        "now": "SELECT :now"
         if dialect.name == "sqlite"
         else "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) / 1e6",
     }
+    if dialect.name == "sqlite":  # the boot clock's anchor, one row per boot (negative ids)
+        sql["anchor_put"] = f"INSERT OR IGNORE INTO {f} (id, n) VALUES (:boot, :base)"
+        sql["anchor_get"] = f"SELECT n FROM {f} WHERE id = :boot"
+        sql["anchor_gc"] = f"DELETE FROM {f} WHERE id < 0 AND id <> :boot"
     texts = {name: sa.text(s) for name, s in sql.items()}
     texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
     return texts
@@ -326,6 +365,133 @@ def _host_list_as_query(backend: str, rest: str) -> str:
         return rest
     params = [f"host={host}" for host in hosts.split(",")] + ([query] if query else [])
     return f"{userinfo}{at}/{path}?{'&'.join(params)}"
+
+
+_UNIX_EPOCH_JD = 2440587.5
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+class _LeaseClock:
+    """SQLite's lease clock: ``CLOCK_BOOTTIME`` plus a per-boot anchor every process shares.
+
+    The wall clock steps (an operator, NTP at boot, a VM resumed): leases measured on it
+    expire early after a step forward and outlive their holder after a step back. The boot
+    clock of Linux never steps (NTP only slews it) and is the same for every process of
+    the machine, containers included (not across time namespaces, which can offset it).
+    The first process of each boot stores ``anchor = wall clock - boot clock`` in the fence
+    table (row ``id`` derived from the boot id, negative, so ``id = 1`` stays the counter);
+    every process reads it back and measures ``anchor + boot clock``: close to the wall
+    clock, so stamps stay readable and comparable with rows of earlier versions, but
+    unaffected by any later step. Without a boot clock (not Linux) it is the wall clock.
+    """
+
+    def __init__(self) -> None:
+        self.boot: int | None = None
+        self.anchor: float | None = None
+        if hasattr(time, "CLOCK_BOOTTIME"):
+            with contextlib.suppress(OSError, ValueError), open(_BOOT_ID, encoding="ascii") as source:
+                self.boot = -1 - (uuid.UUID(source.read().strip()).int >> 66)
+
+    def setup(self, conn: Connection, sql: dict[str, sa.TextClause]) -> None:
+        """Agree on this boot's anchor through the store (first writer wins), once."""
+        if self.boot is None or self.anchor is not None:
+            return
+        base = round((time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)) * 1e6)
+        conn.execute(sql["anchor_put"], {"boot": self.boot, "base": base})
+        stored = int(conn.execute(sql["anchor_get"], {"boot": self.boot}).scalar_one())
+        conn.execute(sql["anchor_gc"], {"boot": self.boot})
+        conn.commit()
+        self.anchor = stored / 1e6
+
+    def seconds(self) -> float:
+        """Now on the lease clock, in seconds since the Unix epoch (approximately)."""
+        if self.boot is None or self.anchor is None:
+            return time.time()
+        return self.anchor + time.clock_gettime(time.CLOCK_BOOTTIME)
+
+    def julian(self) -> float:
+        """Now on the lease clock as a Julian day, SQLite's time format."""
+        return _UNIX_EPOCH_JD + self.seconds() / 86400.0
+
+
+#: How long a fork waits for the SQLite calls in flight (past SQLite's 30 s busy timeout).
+_FORK_WAIT = 40.0
+
+
+class _ForkGate:
+    """Holds ``fork()`` back while any thread of this process is inside a SQLite call.
+
+    SQLite keeps process-wide state: its mutexes, and per database file the locks this
+    process holds (which every connection of the process to that file shares). A child
+    forked mid-call inherits them held, by a thread it does not have: even a brand-new
+    connection then hangs, or waits out its busy timeout with "database is locked". So
+    every SQLite call of every provider runs inside :meth:`call`, and the at-fork hook
+    waits for the calls in flight to end (new ones wait for the fork). A fork from inside
+    a call (never done here) does not wait for itself.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        self._local = threading.local()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()  # taken directly on the hot path; the condition's lock
+        self._cond = threading.Condition(self._lock)
+        self._active = 0
+        self._forking = False
+
+    def call(self) -> _ForkGate:
+        """The gate as a context manager around one SQLite call (re-entrant per thread)."""
+        return self
+
+    def __enter__(self) -> None:
+        local = self._local
+        depth: int = getattr(local, "depth", 0)
+        if not depth:
+            with self._lock:
+                while self._forking:
+                    self._cond.wait()
+                self._active += 1
+        local.depth = depth + 1
+
+    def __exit__(self, *_: object) -> None:
+        local = self._local
+        local.depth -= 1
+        if not local.depth:
+            with self._lock:
+                self._active -= 1
+                if not self._active and self._forking:
+                    self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        if getattr(self._local, "depth", 0):
+            return
+        with self._cond:
+            self._forking = True
+            if not self._cond.wait_for(lambda: not self._active, _FORK_WAIT):
+                logger.warning(
+                    "fork() went ahead with %d SQLite lock-store call(s) still in flight after %.0f s: "
+                    "the child may not be able to use that SQLite database",
+                    self._active,
+                    _FORK_WAIT,
+                )
+
+    def after_fork_in_parent(self) -> None:
+        with self._cond:
+            self._forking = False
+            self._cond.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        self._reset()  # the threads that were waiting or in a call do not exist here
+
+
+_FORK_GATE = _ForkGate()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork_in_parent,
+        after_in_child=_FORK_GATE.after_fork_in_child,
+    )
 
 
 def _engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
@@ -438,6 +604,10 @@ class SqlLockProvider:
             threading.RLock() if self._memory else contextlib.nullcontext()
         )
         self._pg = dialect.name == "postgresql"
+        self._clock = _LeaseClock() if dialect.name == "sqlite" else None
+        self._gate: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            _FORK_GATE.call if dialect.name == "sqlite" else contextlib.nullcontext
+        )
         self._fast = self._pg and dialect.driver == "psycopg"
         # psycopg connections the fast path owns, detached from the pool: a checkout and
         # check-in cost as much Python time as the SQL. Only for an engine we built.
@@ -490,6 +660,7 @@ class SqlLockProvider:
 
         def attempt(conn: Connection) -> Grant | Held:
             conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
+            params.update(self._now(conn))
             row = conn.execute(self._sql["select"], params).first()
             if row is not None:
                 info = self._info(row)
@@ -535,27 +706,32 @@ class SqlLockProvider:
             return [answers.get((r.key, r.token)) for r in requests]
 
         def attempt(conn: Connection) -> None:
+            now = self._now(conn)  # one instant for both statements on SQLite
             conn.execute(
-                self._sql["refresh"], [{"key": k, "token": t, "ttl": wanted[(k, t)]} for k, t in pairs]
+                self._sql["refresh"], [{"key": k, "token": t, "ttl": wanted[(k, t)], **now} for k, t in pairs]
             )
             keys = sorted({k for k, _ in pairs})
             for start in range(0, len(keys), _CHUNK):
-                for key, value, remaining in conn.execute(
-                    self._sql["remaining"], {"keys": keys[start : start + _CHUNK]}
+                for key, value, remaining, short in conn.execute(
+                    self._sql["remaining"], {"keys": keys[start : start + _CHUNK], **now}
                 ):
                     if (key, value) in wanted:
-                        answers[(key, value)] = min(float(remaining), wanted[(key, value)])
+                        ttl = wanted[(key, value)]
+                        # Short of the hard deadline: the store granted exactly ttl from the
+                        # refresh's own instant, however late this read comes.
+                        answers[(key, value)] = ttl if short else min(float(remaining), ttl)
             conn.commit()
 
         self._transact("refresh", attempt)
         return [answers.get((r.key, r.token)) for r in requests]
 
     def release(self, key: str, token: str) -> bool:
-        params = {"key": key, "token": token}
+        params: dict[str, Any] = {"key": key, "token": token}
         if self._pg:
             return any(bool(live) for (live,) in self._run_pg("release", params))
 
         def attempt(conn: Connection) -> bool:
+            params.update(self._now(conn))
             owned = conn.execute(self._sql["release_live"], params).rowcount == 1
             if not owned:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
@@ -568,7 +744,9 @@ class SqlLockProvider:
         if self._pg:
             rows = self._run_pg("peek", {"key": key})
         else:
-            rows = self._transact("peek", lambda conn: list(conn.execute(self._sql["peek"], {"key": key})))
+            rows = self._transact(
+                "peek", lambda conn: list(conn.execute(self._sql["peek"], {"key": key, **self._now(conn)}))
+            )
         return self._info(rows[0]) if rows else None
 
     def scan(self, prefix: str) -> _Infos:
@@ -577,7 +755,9 @@ class SqlLockProvider:
         if self._pg:
             rows = self._run_pg("scan", params)
         else:
-            rows = self._transact("scan", lambda conn: list(conn.execute(self._sql["scan"], params)))
+            rows = self._transact(
+                "scan", lambda conn: list(conn.execute(self._sql["scan"], {**params, **self._now(conn)}))
+            )
         return sorted((self._info(row) for row in rows), key=lambda info: info.key)
 
     @property
@@ -659,30 +839,47 @@ class SqlLockProvider:
         self._closed = True
         self._drop_kept()
         if self._owns_engine:
-            self._engine.dispose()
+            with self._gate():
+                self._engine.dispose()
 
     def diagnose(self) -> _Findings:
-        """Schema presence, server clock vs this machine's, and a read-only server."""
+        """Schema presence, server clock vs this machine's, a read-only server, and on
+        PostgreSQL the server's ``synchronous_commit`` (which acquire and refresh override)."""
         findings: _Findings = []
         try:
-            with self._engine.connect() as conn:
+            with self._gate(), self._engine.connect() as conn:
                 exists = sa.inspect(conn).has_table(self.table.name)
                 status = "ok" if exists else ("warn" if not self._ready else "fail")
                 findings.append(Diagnosis("schema", status, f"table {self.table.name!r} exists: {exists}"))
                 now_sql = (
                     sa.text("SELECT extract(epoch FROM clock_timestamp())") if self._pg else self._sql["now"]
                 )
-                skew = float(conn.execute(now_sql).scalar_one()) - time.time()
-                findings.append(
-                    Diagnosis(
-                        "clock", "ok" if abs(skew) < 2 else "warn", f"server clock is {skew:+.3f}s from ours"
-                    )
-                )
+                if self._clock is not None:
+                    if exists:
+                        self._clock.setup(conn, self._sql)
+                    skew = self._clock.seconds() - time.time()
+                    kind = "boot clock" if self._clock.anchor is not None else "wall clock"
+                    detail = f"lease clock ({kind}) is {skew:+.3f}s from this machine's wall clock"
+                else:
+                    skew = float(conn.execute(now_sql).scalar_one()) - time.time()
+                    detail = f"server clock is {skew:+.3f}s from ours"
+                findings.append(Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", detail))
                 if self._pg or self._engine.dialect.name != "sqlite":
                     ro_sql = "SELECT pg_is_in_recovery()" if self._pg else "SELECT @@read_only"
                     read_only = bool(conn.execute(sa.text(ro_sql)).scalar_one())
                     findings.append(
                         Diagnosis("writable", "fail" if read_only else "ok", f"read-only: {read_only}")
+                    )
+                if self._pg:
+                    setting = str(conn.execute(sa.text("SHOW synchronous_commit")).scalar_one())
+                    findings.append(
+                        Diagnosis(
+                            "synchronous_commit",
+                            "ok",
+                            f"server synchronous_commit is {setting!r}; acquire and refresh commit with "
+                            f"{'remote_apply' if setting == 'remote_apply' else 'on'} regardless, "
+                            "release with 'off'",
+                        )
                     )
         except sa_exc.SQLAlchemyError as exc:
             findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
@@ -715,6 +912,7 @@ class SqlLockProvider:
                     # lock (PgBouncer-safe), in a real transaction rather than autocommit.
                     options = {"isolation_level": "READ COMMITTED"} if self._pg else {}
                     with (
+                        self._gate(),
                         self._serial,
                         self._engine.connect().execution_options(**options) as conn,
                         conn.begin(),
@@ -824,14 +1022,30 @@ class SqlLockProvider:
             with contextlib.suppress(Exception):  # a dead connection still closes locally
                 connection.close()
 
+    def _now(self, conn: Connection) -> dict[str, float]:
+        """SQLite: ``{"now": ...}`` on the lease clock, read once the transaction has begun
+        (``BEGIN IMMEDIATE``: after any wait for the database). Elsewhere the server's clock
+        is used, and this is empty."""
+        if self._clock is None:
+            return {}
+        if not conn.in_transaction():
+            conn.begin()
+        return {"now": self._clock.julian()}
+
     def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
         """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying deadlocks."""
         self._ensure_schema()
+        if self._clock is not None and self._clock.anchor is None and self._clock.boot is not None:
+            try:
+                with self._gate(), self._serial, self._engine.connect() as conn:
+                    self._clock.setup(conn, self._sql)
+            except sa_exc.SQLAlchemyError as exc:
+                raise self._error(op, exc) from exc
         attempt = 0
         while True:
             attempt += 1
             try:
-                with self._serial, self._engine.connect() as conn:
+                with self._gate(), self._serial, self._engine.connect() as conn:
                     return work(conn)
             except sa_exc.DBAPIError as exc:
                 code = getattr(exc.orig, "args", (None,))[0] if exc.orig is not None else None
@@ -857,6 +1071,10 @@ class SqlLockProvider:
         if self._kept:
             _inherited_connections.extend(self._kept)
             self._kept = []
+        if self._clock is not None:
+            # Closing an inherited SQLite connection here would drop this process's POSIX
+            # locks on the file, those of its new connections included: keep the old pool.
+            _inherited_connections.append(self._engine.pool)
         self._engine.dispose(close=False)
 
 

@@ -3,9 +3,10 @@
 For a set time the test enqueues tasks of the three policies on the same five keys at random
 intervals (single requests and bursts, short and long bodies), plus the lost-update oracle
 (an unprotected read-modify-write of a Redis counter under its own lock, policy retry), on
-PostgreSQL and on Redis as the lock store. Workers log every critical section and every
-attempt to an append-only file (tests/stress/app.py); tests/stress/checker.py then checks
-the log: no overlap, fences increasing, every task accounted for, zero lost webhooks.
+PostgreSQL and on Redis as the lock store (``CE_LONG=1`` adds SQLite and MariaDB). Workers
+log every critical section and every attempt to an append-only file (tests/stress/app.py);
+tests/stress/checker.py then checks the log: no overlap, fences increasing, every task
+accounted for, zero lost webhooks.
 
 Short mode (CI): 15 s of enqueuing per store. ``CE_LONG=1``: 150 s per store;
 ``CE_STRESS_SECONDS`` overrides either, ``CE_STRESS_SEED`` fixes the random mix.
@@ -35,7 +36,7 @@ from tests.celery.conftest import (
     spawn,
     wait_ready,
 )
-from tests.conftest import POSTGRES_URL, REDIS_URL, require_server, with_option
+from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_server, with_option
 from tests.stress import app as stress
 from tests.stress import checker
 
@@ -98,7 +99,12 @@ def spawn_worker(name: str, env: dict[str, str], logdir: Path, queue: str) -> Pr
     return spawn(name, args, env, logdir, app="tests.stress.app")
 
 
-@pytest.fixture(params=["postgres", "redis"])
+#: The stores the Celery stress runs on; CE_LONG=1 adds SQLite and MariaDB (every store's
+#: fence order is also checked, in CI, by test_fence_order.py without Celery).
+STORES = ["postgres", "redis", *(["sqlite", "mariadb"] if LONG else [])]
+
+
+@pytest.fixture(params=STORES)
 def group(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[StressGroup]:
@@ -110,6 +116,11 @@ def group(
     if store == "postgres":
         require_server(POSTGRES_URL)
         url = with_option(POSTGRES_URL, "table", table)
+    elif store == "mariadb":
+        require_server(MYSQL_URL)
+        url = with_option(MYSQL_URL, "table", table)
+    elif store == "sqlite":
+        url = f"sqlite:///{tmp_path / 'stress.sqlite3'}"
     else:
         require_server(REDIS_URL)
         url = REDIS_URL
@@ -143,8 +154,8 @@ def group(
             delete_redis_prefix(stress.BROKER, stress.KEYPREFIX)
         if store == "redis":
             delete_redis_prefix(REDIS_URL, group.prefix)
-        else:
-            drop_sql_table(POSTGRES_URL, table)
+        elif store in ("postgres", "mariadb"):
+            drop_sql_table(POSTGRES_URL if store == "postgres" else MYSQL_URL, table)
 
 
 # -- load ------------------------------------------------------------------------------------
