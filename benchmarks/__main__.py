@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     description = machine()
     print(f"celery-exclusive benchmarks ({'quick' if plan.quick else 'full'}, run {RUN_ID})\n{description}\n")
     runners: dict[str, Callable[[], None]] = {
-        "redis": lambda: redis_locks.run(report, plan),
+        "redis": lambda: redis_locks.run(report, plan, cleanup),
         "postgres": lambda: pg_locks.run(report, plan, cleanup),
         "contention": lambda: contention.run(report, plan, cleanup),
         "heartbeat": lambda: heartbeat.run(report, plan, cleanup),

@@ -7,13 +7,17 @@ cleanup), ``CE_BENCH_QUEUE`` (the worker's default queue), ``CELERY_EXCLUSIVE_UR
 
 Throughput tasks do nothing but note, in memory, when they ran; a thread in each pool
 process writes those notes to Redis every 20 ms, so measuring costs the tasks no I/O.
-The rerun task records its start, and a ``lock_released`` receiver records the release.
+The floor task is the plain one plus the lock's own floor: one provider acquire + release on
+the store the exclusive tasks use, with no service or task layer around them. The rerun
+task records its start, and a ``lock_released`` receiver records the release.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import socket
 import threading
 import time
 from typing import Any
@@ -22,6 +26,8 @@ import redis
 from celery import Celery
 
 from celery_exclusive import exclusive_task, signals
+from celery_exclusive.providers.base import Grant, encode_holder
+from celery_exclusive.worker import get_lock_service
 
 BROKER = os.environ.get("CE_BENCH_BROKER", "redis://127.0.0.1:6379/12")
 KEYPREFIX = os.environ.get("CE_BENCH_KEYPREFIX", "cebench-local:")
@@ -85,6 +91,26 @@ def note(tag: str) -> None:
 @app.task(name="cebench.plain")  # type: ignore[untyped-decorator]
 def plain(i: int, tag: str) -> None:
     """A no-op task."""
+    note(tag)
+
+
+_holder: tuple[int, str, str] | None = None
+
+
+@app.task(name="cebench.floor")  # type: ignore[untyped-decorator]
+def floor(i: int, tag: str) -> None:
+    """The no-op plus one acquire + release of its own key, straight through the provider."""
+    global _holder
+    if _holder is None or _holder[0] != os.getpid():
+        host = socket.gethostname()
+        _holder = (os.getpid(), encode_holder({"host": host, "pid": os.getpid()}), f"{host}:{os.getpid()}:")
+    service = get_lock_service(app)
+    key = f"{service.prefix}f:{tag}:{i}"
+    token = f"{_holder[2]}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
+    answer = service.provider.acquire(key, token, service.ttl, service.max_lifetime, _holder[1])
+    if not isinstance(answer, Grant):
+        raise RuntimeError(f"floor: {key} unexpectedly held")
+    service.provider.release(key, token)
     note(tag)
 
 

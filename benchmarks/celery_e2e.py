@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.floors import fdatasync_latency
 from benchmarks.harness import (
     CELERY_BROKER,
     POSTGRES_URL,
@@ -32,8 +33,10 @@ from benchmarks.harness import (
     Cleanup,
     Plan,
     Report,
+    drop_pg_tables,
     median,
     percentile,
+    psycopg_dsn,
     reachable,
     with_table,
 )
@@ -47,21 +50,31 @@ HOLD = 0.25  # the holder's run, seconds
 REQUESTS = 3  # rerun requests arriving while it runs
 
 
-def _names(store: str) -> tuple[str, str, str]:
+#: What an exclusive task may add per task over a plain one, as a multiple of what the lock's
+#: own acquire + release adds (issue #16).
+ADDED_BOUND = 1.15
+DISK = "disk: write 8 KiB + fdatasync in the benchmark's temp dir"
+PG_COMMIT = "postgres: a durable commit's WAL flush (sync minus async UPDATE commit)"
+
+
+def _names(store: str) -> tuple[str, str, str, str, str]:
     return (
         f"{store} store: plain no-op task, prefork -c 2",
         f"{store} store: exclusive no-op task (a key per task)",
         f"{store} store: rerun policy, follow-up start - holder release",
+        f"{store} store: floor task: plain + provider acquire + release (a key per task)",
+        f"{store} store: added per task, exclusive and floor, over plain",
     )
 
 
-ROWS = [name for store in STORES for name in _names(store)]
+ROWS = [name for store in STORES for name in _names(store)] + [DISK, PG_COMMIT]
 TARGETS = [
     t
     for store in STORES
     for t in (
         (f"celery ({store}): exclusive vs plain no-op task throughput", BOUNDS[store], ">=", "x"),
         (f"celery ({store}): rerun follow-up start after holder release, p50", 50.0, "<=", " ms"),
+        (f"celery ({store}): added per exclusive task vs the lock's own floor", ADDED_BOUND, "<=", "x"),
     )
 ]
 
@@ -117,6 +130,7 @@ class Worker:
 
 def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
     """Per store: start a worker, interleave plain/exclusive rounds, time reruns, stop it."""
+    commit_latency(report, plan, cleanup)
     broker_down = reachable(CELERY_BROKER)
     for store in STORES:
         names = _names(store)
@@ -133,7 +147,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         cleanup.add(f"{store} celery worker", bench.close)  # in case of an interruption
         try:
             bench.start()
-            bench.throughput(report, names, targets[0][0])
+            bench.throughput(report, names, targets[0][0], targets[2][0])
             bench.reruns(report, names[2], targets[1][0])
         finally:
             bench.close()
@@ -203,19 +217,19 @@ class Bench:
         first, last = min(x[1] for x in notes), max(x[2] for x in notes)
         return {"rate": (n - 1) / (last - first) if last > first else float("nan")}
 
-    def throughput(self, report: Report, names: tuple[str, ...], target: str) -> None:
-        """Alternate plain and exclusive rounds of N no-op tasks; rows and the ratio target."""
+    def throughput(self, report: Report, names: tuple[str, ...], target: str, added_target: str) -> None:
+        """Rotate plain, exclusive and floor rounds of N no-op tasks; rows and the targets."""
         n = self.plan.celery_tasks
-        rates: dict[str, list[float]] = {"plain": [], "exclusive": []}
-        order = ["plain", "exclusive"]
+        rates: dict[str, list[float]] = {"plain": [], "exclusive": [], "floor": []}
+        order = ["plain", "exclusive", "floor"]
         for r in range(-1, self.plan.celery_rounds):  # round -1 warms the pool processes up
-            for variant in order[r % 2 :] + order[: r % 2]:
+            for variant in order[r % 3 :] + order[: r % 3]:
                 tag = f"{self.store}-{variant}-{r}"
                 queue = f"{KEYPREFIX}q-{tag}"
                 found = self._consume(queue, f"cebench.{variant}", tag, n, [(i, tag) for i in range(n)])
                 if r >= 0:
                     rates[variant].append(found["rate"])
-        for name, variant in ((names[0], "plain"), (names[1], "exclusive")):
+        for name, variant in ((names[0], "plain"), (names[1], "exclusive"), (names[3], "floor")):
             report.row(
                 SECTION,
                 name,
@@ -230,6 +244,31 @@ class Bench:
             BOUNDS[self.store],
             rounds=ratios,
             note="acquire + release (+ heartbeat registration) per task",
+        )
+        # Added wall time per task over the plain task, in the same round: exclusive's, and
+        # the floor's (the same store, the same acquire + release, nothing around them).
+        added = {
+            v: [1e6 / x - 1e6 / p for x, p in zip(rates[v], rates["plain"], strict=True)]
+            for v in ("exclusive", "floor")
+        }
+        report.row(
+            SECTION,
+            names[4],
+            rate=median(added["exclusive"]),
+            unit="µs/task",
+            note=f"exclusive {median(added['exclusive']):.0f} µs, floor {median(added['floor']):.0f} µs "
+            "(medians over rounds of 1/rate - 1/plain rate; 2 pool processes)",
+        )
+        per_round = [e / f for e, f in zip(added["exclusive"], added["floor"], strict=True) if f > 0]
+        dropped = len(added["floor"]) - len(per_round)
+        report.target(
+            added_target,
+            median(per_round),
+            ADDED_BOUND,
+            op="<=",
+            rounds=per_round,
+            note="issue #16: what an exclusive task pays beyond one acquire + one release"
+            + (f"; {dropped} round(s) whose floor added nothing left out" if dropped else ""),
         )
 
     def reruns(self, report: Report, name: str, target: str) -> None:
@@ -281,3 +320,48 @@ class Bench:
                     f"timed out waiting for {what}\n{self.worker.tail() if self.worker else ''}"
                 )
             time.sleep(0.005)
+
+
+def commit_latency(report: Report, plan: Plan, cleanup: Cleanup) -> None:
+    """The disk's commit latency, beside the Celery rows: an fdatasync loop in the temp dir,
+    and what a durable commit costs on the PostgreSQL server over an asynchronous one."""
+    samples = fdatasync_latency(0.3 if plan.quick else 2.0)
+    report.row(
+        SECTION,
+        DISK,
+        rate=len(samples) / (sum(samples) / 1e9),
+        unit="syncs/s",
+        p50_us=percentile(samples, 0.5) / 1000,
+        p99_us=percentile(samples, 0.99) / 1000,
+        note=f"{len(samples)} syncs in {tempfile.gettempdir()} (PostgreSQL's data dir may be another disk)",
+    )
+    reason = reachable(POSTGRES_URL)
+    if reason:
+        report.row(SECTION, PG_COMMIT, note=f"n/a: {reason}")
+        return
+    import psycopg
+
+    table = f"{TABLE}_commit"
+    cleanup.add("commit-latency table", lambda: drop_pg_tables(table))
+    n = 40 if plan.quick else 400
+    timings: dict[str, list[int]] = {"on": [], "off": []}
+    with psycopg.connect(psycopg_dsn(), autocommit=True, connect_timeout=10) as conn:
+        conn.execute(f'CREATE TABLE IF NOT EXISTS "{table}" (id int PRIMARY KEY, n bigint)')
+        conn.execute(f'INSERT INTO "{table}" VALUES (1, 0) ON CONFLICT DO NOTHING')
+        update = f'UPDATE "{table}" SET n = n + 1 WHERE id = 1'
+        for i in range(n):
+            mode = ("on", "off")[i % 2]
+            conn.execute(f"SET synchronous_commit = {mode}")
+            t0 = time.perf_counter_ns()
+            conn.execute(update, prepare=True)
+            timings[mode].append(time.perf_counter_ns() - t0)
+    on, off = (median(timings[m]) / 1000 for m in ("on", "off"))
+    report.row(
+        SECTION,
+        PG_COMMIT,
+        rate=on - off,
+        unit="µs",
+        p50_us=on,
+        p99_us=percentile(timings["on"], 0.99) / 1000,
+        note=f"p50 {on:.0f} µs synchronous vs {off:.0f} µs asynchronous commit; {n // 2} each, alternating",
+    )

@@ -92,8 +92,16 @@ class Series:
         return percentile(self.latencies_ns, q) / 1000
 
 
-#: One operation of an approach, given its sequence number.
-Op = Callable[[int], object]
+@dataclass(frozen=True)
+class Batch:
+    """An approach that times its own batches (an external program): ``run(n)`` performs
+    ``n`` operations and returns (the batch's elapsed ns, each operation's ns)."""
+
+    run: Callable[[int], tuple[int, list[int]]]
+
+
+#: One operation of an approach, given its sequence number; or a self-timed :class:`Batch`.
+Op = Callable[[int], object] | Batch
 
 
 def interleave(approaches: Mapping[str, Op], *, rounds: int, ops: int, warmup: int) -> dict[str, Series]:
@@ -101,19 +109,29 @@ def interleave(approaches: Mapping[str, Op], *, rounds: int, ops: int, warmup: i
 
     The approach that goes first rotates from round to round (round-robin), so a drift of
     the machine's speed over the run hits every approach alike. Each operation is timed on
-    its own (for p50/p99); the round's rate is ``ops`` over the whole batch's time.
+    its own (for p50/p99); the round's rate is ``ops`` over the whole batch's time. A
+    :class:`Batch` approach does its own timing, the same way, inside its program.
     """
     names = list(approaches)
     series = {name: Series(name) for name in names}
     for name in names:
         op = approaches[name]
+        if isinstance(op, Batch):
+            op.run(warmup)
+            continue
         for i in range(warmup):
             op(i)
     clock = time.perf_counter_ns
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             op = approaches[name]
-            lat: list[int] = []
+            if isinstance(op, Batch):
+                gc.collect()
+                batch_ns, lat = op.run(ops)
+                series[name].rates.append(ops / (batch_ns / 1e9))
+                series[name].latencies_ns.extend(lat)
+                continue
+            lat = []
             append = lat.append
             gc.collect()
             start = clock()

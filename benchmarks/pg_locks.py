@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from typing import Any
 
+from benchmarks import floors
 from benchmarks.harness import (
     ORIGIN_TABLE,
     POSTGRES_URL,
     TABLE,
     Cleanup,
+    Op,
     Plan,
     Report,
     interleave,
@@ -27,10 +30,13 @@ ADVISORY = "advisory lock: pg_try_advisory_lock + pg_advisory_unlock"
 PROVIDER = "celery-exclusive SqlLockProvider.acquire + release"
 SERVICE = "celery-exclusive LockService.lock + release (public API)"
 ORIGIN = "origin design on SQLAlchemy: DELETE expired; INSERT; SELECT on conflict"
-ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, ORIGIN]
+C_FLOOR = "C libpq floor: the package's 2 statements, prepared, its durability"
+C_DURABLE = "C libpq: the same 2 statements, both committed durably"
+ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, ORIGIN, C_FLOOR, C_DURABLE]
 TARGET_RAW = "postgres: LockService vs raw psycopg (same SQL)"
 TARGET_ORIGIN = "postgres: LockService vs origin design"
-TARGETS = [(TARGET_RAW, 0.8, ">=", "x"), (TARGET_ORIGIN, 4.0, ">=", "x")]
+TARGET_C = "postgres: LockService vs C libpq floor (same statements, same durability)"
+TARGETS = [(TARGET_RAW, 0.8, ">=", "x"), (TARGET_ORIGIN, 4.0, ">=", "x"), (TARGET_C, 0.9, ">=", "x")]
 
 TTL = 900.0
 LIFE = 86400.0
@@ -61,6 +67,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
     table.create(engine, checkfirst=True)
     origin = OriginLock(engine, table)
     holder = encode_holder({"host": "benchmark-host", "pid": os.getpid()})
+    programs: list[floors.FloorProgram] = []
     try:
 
         def raw_sql(i: int) -> None:
@@ -93,7 +100,13 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
                 raise RuntimeError("origin: key unexpectedly held")
             origin.release(key, token)
 
-        approaches = {RAW: raw_sql, ADVISORY: advisory_lock, PROVIDER: provider_only, SERVICE: package}
+        approaches: dict[str, Op] = {
+            RAW: raw_sql,
+            ADVISORY: advisory_lock,
+            PROVIDER: provider_only,
+            SERVICE: package,
+        }
+        missing = _c_floors(approaches, programs, provider, cleanup)
         series = interleave(approaches, rounds=plan.rounds, ops=plan.pg_ops, warmup=max(20, plan.pg_ops // 5))
         # The origin is 3-4x slower: its own (smaller) batches, interleaved with the service's.
         slow = interleave(
@@ -110,8 +123,12 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
                 ADVISORY: "info: session locks, no row, no WAL, no fsync; no ttl, no fence",
                 SERVICE: "a kept connection; acquire and release prepared, sent through libpq directly",
                 ORIGIN: "3 transactions (BEGIN; statement; COMMIT): 9 round trips per acquire+release",
+                C_FLOOR: "the floor: acquire committed durably, release asynchronously (as the package)",
+                C_DURABLE: "info: release without its synchronous_commit=off clause",
             },
         )
+        for name, reason in missing.items():
+            report.row(SECTION, name, note=f"n/a: {reason}")
         vs_raw = round_ratios(series[SERVICE], series[RAW])
         vs_origin = round_ratios(slow[SERVICE], slow[ORIGIN])
         report.target(TARGET_RAW, median(vs_raw), 0.8, rounds=vs_raw)
@@ -123,8 +140,63 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             note="a WAL flush per acquire+release for the package (its release commits without "
             "waiting for one), two for the origin, plus its 9 round trips",
         )
+        if C_FLOOR in series:
+            vs_c = round_ratios(series[SERVICE], series[C_FLOOR])
+            extra = 1e6 / series[SERVICE].rate - 1e6 / series[C_FLOOR].rate
+            durable = ""
+            if C_DURABLE in series:
+                vs_d = median(round_ratios(series[SERVICE], series[C_DURABLE]))
+                durable = f"; {vs_d:.2f}x the C client that commits both durably"
+            report.target(
+                TARGET_C,
+                median(vs_c),
+                0.9,
+                rounds=vs_c,
+                note=f"issue #16; {extra:.0f} µs more per cycle than the C floor (median rates){durable}",
+            )
+        else:
+            report.target(TARGET_C, math.nan, 0.9, note=f"n/a: {missing.get(C_FLOOR, '?')}")
     finally:
+        for program in programs:
+            program.close()
         raw.close()
         advisory.close()
         engine.dispose()
         service.close()
+
+
+def _c_floors(
+    approaches: dict[str, Op], programs: list[floors.FloorProgram], provider: Any, cleanup: Cleanup
+) -> dict[str, str]:
+    """Add the C libpq floors to ``approaches`` (started, in ``programs``); why each is n/a."""
+    statements = getattr(provider, "_libpq_sql", None)
+    if not statements or "acquire" not in statements or "release" not in statements:
+        reason = "the provider's libpq statements (acquire, release) are not where they were"
+        return {C_FLOOR: reason, C_DURABLE: reason}
+    program = floors.build("pg_floor", cleanup)
+    if isinstance(program, str):
+        return {C_FLOOR: program, C_DURABLE: program}
+    from celery_exclusive.providers.base import encode_holder
+
+    acquire, release = statements["acquire"], statements["release"]
+    holder = encode_holder({"host": "benchmark-host", "pid": os.getpid()})
+    dsn = psycopg_dsn()
+    missing = {}
+    variants = [(C_FLOOR, "cfloor:", release.sql), (C_DURABLE, "cdurable:", floors.durable(release.sql))]
+    for name, prefix, release_sql in variants:
+        if release_sql is None:
+            missing[name] = "the package's release no longer turns synchronous_commit off"
+            continue
+        program_run = floors.pg_floor(
+            program,
+            dsn,
+            key_prefix=prefix,
+            ttl=TTL,
+            life=LIFE,
+            holder=holder,
+            acquire=(acquire.sql, acquire.params),
+            release=(release_sql, release.params),
+        )
+        programs.append(program_run)
+        approaches[name] = program_run.as_approach()
+    return missing

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any
 
+from benchmarks import floors
 from benchmarks.harness import (
     REDIS_PREFIX,
     REDIS_URL,
+    Cleanup,
+    Op,
     Plan,
     Report,
     interleave,
@@ -23,10 +27,17 @@ REDIS_PY_LOCK = "redis-py Lock (acquire(blocking=False) + release)"
 PY_REDIS_LOCK = "python-redis-lock (auto_renewal=False)"
 PROVIDER = "celery-exclusive RedisLockProvider.acquire + release"
 SERVICE = "celery-exclusive LockService.lock + release (public API)"
-ROWS = [FLOOR, WIRE, REDIS_PY_LOCK, PY_REDIS_LOCK, PROVIDER, SERVICE]
+C_FLOOR = "C floor: the package's 2 EVALSHAs, hand-written RESP, raw socket"
+PY_FLOOR = "Python floor: the package's 2 EVALSHAs, hand-written RESP, raw socket"
+ROWS = [FLOOR, WIRE, REDIS_PY_LOCK, PY_REDIS_LOCK, PROVIDER, SERVICE, C_FLOOR, PY_FLOOR]
 TARGET_FLOOR = "redis: LockService vs raw redis-py floor"
 TARGET_LOCK = "redis: LockService vs redis-py Lock"
-TARGETS = [(TARGET_FLOOR, 0.95, ">=", "x"), (TARGET_LOCK, 1.15, ">=", "x")]
+TARGET_C = "redis: LockService vs C raw-socket floor (same 2 commands)"
+TARGETS = [
+    (TARGET_FLOOR, 0.95, ">=", "x"),
+    (TARGET_LOCK, 1.15, ">=", "x"),
+    (TARGET_C, 0.5, ">=", "x"),
+]
 
 TTL = 900.0
 KEYS = 256  # distinct keys cycled through by each approach
@@ -35,8 +46,8 @@ COMPARE_AND_DELETE = (
 )
 
 
-def run(report: Report, plan: Plan) -> None:
-    """Interleave the six approaches; rows for each, and the two targets."""
+def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
+    """Interleave the approaches (the floors too); rows for each, and the targets."""
     reason = reachable(REDIS_URL)
     if reason:
         report.unavailable(SECTION, ROWS, TARGETS, reason)
@@ -50,6 +61,8 @@ def run(report: Report, plan: Plan) -> None:
     client = redis.Redis.from_url(REDIS_URL, socket_timeout=10.0, socket_connect_timeout=5.0)
     service = LockService(REDIS_URL, prefix=REDIS_PREFIX + "svc:", ttl=TTL)
     provider: Any = service.provider
+    c_floor: floors.FloorProgram | None = None
+    resp: floors.RespClient | None = None
     try:
         sha = client.script_load(COMPARE_AND_DELETE)
         ttl_ms = int(TTL * 1000)
@@ -96,20 +109,39 @@ def run(report: Report, plan: Plan) -> None:
         def package(i: int) -> None:
             service.lock(svc_keys[i % KEYS]).release()
 
+        approaches: dict[str, Op] = {
+            FLOOR: floor,
+            WIRE: wire_floor,
+            REDIS_PY_LOCK: redis_py_lock,
+            PY_REDIS_LOCK: python_redis_lock,
+            PROVIDER: provider_only,
+            SERVICE: package,
+        }
+        # The floors send exactly what lock() + release() was just seen to send.
+        commands = floors.capture_redis_commands(service)
+        missing: dict[str, str] = {}
+        if isinstance(commands, str):
+            missing = {C_FLOOR: commands, PY_FLOOR: commands}
+        else:
+            program = floors.build("redis_floor", cleanup)
+            if isinstance(program, str):
+                missing[C_FLOOR] = program
+            else:
+                c_floor = floors.redis_floor(program, REDIS_URL, f"{REDIS_PREFIX}cfloor:", commands)
+                approaches[C_FLOOR] = c_floor.as_approach()
+            resp = floors.RespClient(REDIS_URL)
+            approaches[PY_FLOOR] = floors.python_floor(
+                resp, [f"{REDIS_PREFIX}pyfloor:{i}" for i in range(KEYS)], commands
+            )
         series = interleave(
-            {
-                FLOOR: floor,
-                WIRE: wire_floor,
-                REDIS_PY_LOCK: redis_py_lock,
-                PY_REDIS_LOCK: python_redis_lock,
-                PROVIDER: provider_only,
-                SERVICE: package,
-            },
+            approaches,
             rounds=plan.rounds,
             ops=plan.redis_ops,
             warmup=max(50, plan.redis_ops // 5),
         )
         client.connection_pool.release(wire)
+        py_vs_c = round_ratios(series[PY_FLOOR], series[C_FLOOR]) if C_FLOOR in series else []
+        py_note = f"; {median(py_vs_c):.2f}x the C floor" if py_vs_c else ""
         report.series_rows(
             SECTION,
             series,
@@ -117,12 +149,32 @@ def run(report: Report, plan: Plan) -> None:
                 FLOOR: "baseline: what the issue calls the floor (same redis-py client)",
                 WIRE: "info: no pool checkout, no command wrapper",
                 SERVICE: "token, holder JSON, Lease, heartbeat registration, 2 Lua scripts",
+                C_FLOOR: "the physical floor: one connection, sequential, timed inside the C program",
+                PY_FLOOR: "reference: the least Python can do for the same 2 commands" + py_note,
             },
         )
+        for name, reason in missing.items():
+            report.row(SECTION, name, note=f"n/a: {reason}")
         vs_floor = round_ratios(series[SERVICE], series[FLOOR])
         vs_lock = round_ratios(series[SERVICE], series[REDIS_PY_LOCK])
         report.target(TARGET_FLOOR, median(vs_floor), 0.95, rounds=vs_floor)
         report.target(TARGET_LOCK, median(vs_lock), 1.15, rounds=vs_lock)
+        if C_FLOOR in series:
+            vs_c = round_ratios(series[SERVICE], series[C_FLOOR])
+            extra = 1e6 / series[SERVICE].rate - 1e6 / series[C_FLOOR].rate
+            report.target(
+                TARGET_C,
+                median(vs_c),
+                0.5,
+                rounds=vs_c,
+                note=f"issue #16; {extra:.0f} µs more per cycle than the C floor (median rates)",
+            )
+        else:
+            report.target(TARGET_C, math.nan, 0.5, note=f"n/a: {missing.get(C_FLOOR, '?')}")
     finally:
+        if c_floor is not None:
+            c_floor.close()
+        if resp is not None:
+            resp.close()
         service.close()
         client.close()

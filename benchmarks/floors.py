@@ -1,0 +1,320 @@
+"""The physical floors of lock + release: C programs, and a hand-written RESP client in Python.
+
+The C sources live in ``benchmarks/c/``; each run compiles them with ``cc`` into a
+temporary directory (removed at the end), so nothing built is ever committed. Without a
+compiler (or, for the PostgreSQL floor, without libpq's headers: Debian's ``libpq-dev``)
+their rows say n/a and why.
+
+Each floor sends what the package sends, read from the package at run time: the Redis
+floor replays the two commands a ``LockService.lock() + release()`` was just seen to send
+(captured once, with the key and token made placeholders), the PostgreSQL floor prepares
+the provider's own acquire and release statements. A floor program stays running for the
+whole comparison; each batch is one line on its stdin, and it answers with the batch's
+time and every cycle's, measured with ``CLOCK_MONOTONIC`` inside the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from benchmarks.harness import Batch, Cleanup
+
+SOURCES = Path(__file__).resolve().parent / "c"
+
+_built: dict[str, Path | str] = {}
+_build_dir: list[Path] = []
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def build(name: str, cleanup: Cleanup) -> Path | str:
+    """The path of floor program ``name`` (``redis_floor``, ``pg_floor``), or why it is n/a."""
+    if name in _built:
+        return _built[name]
+    cc = _compiler()
+    if cc is None:
+        _built[name] = "no C compiler (cc) on this machine"
+        return _built[name]
+    if not _build_dir:
+        _build_dir.append(Path(tempfile.mkdtemp(prefix="cebench-floors-")))
+        cleanup.add("floor programs", lambda: shutil.rmtree(_build_dir[0], ignore_errors=True))
+    flags: list[str] = []
+    if name == "pg_floor":
+        include = _libpq_include()
+        if include is None:
+            _built[name] = "libpq headers missing (Debian: apt-get install libpq-dev)"
+            return _built[name]
+        flags = [f"-I{include}", "-lpq"]
+    target = _build_dir[0] / name
+    command = [cc, "-O2", "-o", str(target), str(SOURCES / f"{name}.c"), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        _built[name] = f"cc failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}"
+    else:
+        _built[name] = target
+    return _built[name]
+
+
+def _libpq_include() -> str | None:
+    candidates = []
+    if shutil.which("pg_config"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            candidates.append(
+                subprocess.run(
+                    ["pg_config", "--includedir"], capture_output=True, text=True, timeout=10, check=False
+                ).stdout.strip()
+            )
+    candidates.append("/usr/include/postgresql")
+    return next((c for c in candidates if c and Path(c, "libpq-fe.h").is_file()), None)
+
+
+class FloorProgram:
+    """A running floor program: :meth:`batch` runs N cycles in it and returns their times."""
+
+    def __init__(self, argv: Sequence[str], what: str) -> None:
+        self.what = what
+        self.popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+
+    def batch(self, n: int) -> tuple[int, list[int]]:
+        """Run ``n`` cycles; (elapsed ns of the batch, each cycle's ns)."""
+        assert self.popen.stdin is not None
+        assert self.popen.stdout is not None
+        try:
+            self.popen.stdin.write(f"{n}\n")
+            self.popen.stdin.flush()
+        except BrokenPipeError:
+            pass
+        line = self.popen.stdout.readline()
+        if not line:
+            self.popen.wait(10)
+            err = self.popen.stderr.read() if self.popen.stderr else ""
+            raise RuntimeError(f"{self.what} exited {self.popen.returncode}: {err.strip()}")
+        elapsed, *cycles = map(int, line.split())
+        return elapsed, cycles
+
+    def as_approach(self) -> Batch:
+        """This program as an approach of :func:`benchmarks.harness.interleave`."""
+        return Batch(self.batch)
+
+    def close(self) -> None:
+        """End the program (EOF on its stdin), killing it if it does not exit at once."""
+        with contextlib.suppress(OSError):
+            if self.popen.stdin:
+                self.popen.stdin.close()
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream:
+                stream.close()
+
+
+# -- Redis -----------------------------------------------------------------------------------
+
+
+def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
+    """The two commands ``service.lock(k).release()`` sends, as words with ``{key}`` and
+    ``{token}`` placeholders; or why they could not be seen (the provider changed shape)."""
+    provider = service.provider
+    original = getattr(provider, "_execute", None)
+    if original is None:
+        return "the Redis provider has no _execute to observe its commands"
+    service.lock("floor-probe-warm").release()  # the scripts are loaded: no NOSCRIPT retry below
+    seen: list[tuple[Any, ...]] = []
+
+    def record(*command: Any) -> Any:
+        seen.append(command)
+        return original(*command)
+
+    provider._execute = record
+    try:
+        lease = service.lock("floor-probe")
+        lease.release()
+    finally:
+        provider._execute = original
+    if len(seen) != 2:
+        return f"lock() + release() sent {len(seen)} commands through _execute, not 2"
+
+    def words(command: tuple[Any, ...]) -> list[str]:
+        out = []
+        for arg in command:
+            text = arg.decode() if isinstance(arg, bytes) else str(arg)
+            out.append("{key}" if text == lease.store_key else "{token}" if text == lease.token else text)
+        return out
+
+    acquire, release = words(seen[0]), words(seen[1])
+    if "{key}" not in acquire or "{token}" not in acquire or "{token}" not in release:
+        return "the captured commands do not carry the lease's key and token"
+    return acquire, release
+
+
+def token_prefix() -> str:
+    """The package's token shape up to its wall-time part: ``host:pid:``."""
+    return f"{socket.gethostname()}:{os.getpid()}:"
+
+
+def redis_floor(path: Path, url: str, key_prefix: str, commands: tuple[list[str], list[str]]) -> FloorProgram:
+    """Start the C Redis floor on ``url`` (host, port, DB number) for keys ``key_prefix<i>``."""
+    parts = urlsplit(url)
+    db = (parts.path or "/0").lstrip("/") or "0"
+    argv = [
+        str(path),
+        parts.hostname or "127.0.0.1",
+        str(parts.port or 6379),
+        db,
+        key_prefix,
+        token_prefix(),
+        *commands[0],
+        "--",
+        *commands[1],
+    ]
+    return FloorProgram(argv, "redis_floor")
+
+
+class RespClient:
+    """A minimal Redis client: hand-written RESP over one blocking socket (the Python floor)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.file = self.sock.makefile("rb")
+        db = (parts.path or "/0").lstrip("/") or "0"
+        self.call(b"SELECT", db.encode())
+
+    def call(self, *args: bytes) -> Any:
+        """Send one command, return its reply (an error reply raises RuntimeError)."""
+        self.sock.sendall(b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args))
+        return self._read()
+
+    def _read(self) -> Any:
+        line = self.file.readline()
+        kind, rest = line[:1], line[1:-2]
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            size = int(rest)
+            return None if size < 0 else self.file.read(size + 2)[:-2]
+        if kind == b"*":
+            count = int(rest)
+            return None if count < 0 else [self._read() for _ in range(count)]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            raise RuntimeError(rest.decode(errors="replace"))
+        raise RuntimeError(f"unexpected reply {line[:40]!r}")
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.file.close()
+        self.sock.close()
+
+
+def python_floor(client: RespClient, keys: Sequence[str], commands: tuple[list[str], list[str]]) -> Any:
+    """An op (for ``interleave``) sending the captured two commands with ``client``."""
+    prefix = token_prefix()
+    acquire = [w.encode() for w in commands[0]]
+    release = [w.encode() for w in commands[1]]
+    key_at = [commands[0].index("{key}"), commands[0].index("{token}")]
+    rel_at = [commands[1].index(w) if w in commands[1] else -1 for w in ("{key}", "{token}")]
+    encoded = [k.encode() for k in keys]
+    n = len(keys)
+
+    def op(i: int) -> None:
+        key = encoded[i % n]
+        token = f"{prefix}{int(time.time() * 1000)}:{secrets.token_hex(8)}".encode()
+        acquire[key_at[0]], acquire[key_at[1]] = key, token
+        reply = client.call(*acquire)
+        if (reply[0] if isinstance(reply, list) else reply) != 1:
+            raise RuntimeError("python floor: key unexpectedly held")
+        if rel_at[0] >= 0:
+            release[rel_at[0]] = key
+        release[rel_at[1]] = token
+        client.call(*release)
+
+    return op
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+
+
+def pg_floor(
+    path: Path,
+    dsn: str,
+    *,
+    key_prefix: str,
+    ttl: float,
+    life: float,
+    holder: str,
+    acquire: tuple[bytes, Sequence[str]],
+    release: tuple[bytes, Sequence[str]],
+) -> FloorProgram:
+    """Start the C libpq floor: ``acquire``/``release`` are ($n-numbered SQL, parameter names)."""
+    argv = [
+        str(path),
+        dsn,
+        key_prefix,
+        token_prefix(),
+        repr(float(ttl)),
+        repr(float(life)),
+        holder,
+        acquire[0].decode(),
+        ",".join(acquire[1]),
+        release[0].decode(),
+        ",".join(release[1]),
+    ]
+    return FloorProgram(argv, "pg_floor")
+
+
+#: The clause by which the package's release commits without waiting for its WAL flush.
+ASYNC_CLAUSE = " AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
+
+
+def durable(sql: bytes) -> bytes | None:
+    """``sql`` without the asynchronous-commit clause (None if it has none)."""
+    clause = ASYNC_CLAUSE.encode()
+    return sql.replace(clause, b"") if clause in sql else None
+
+
+# -- the disk --------------------------------------------------------------------------------
+
+
+def fdatasync_latency(seconds: float, directory: str | None = None) -> list[int]:
+    """Nanoseconds of each ``write(8 KiB) + fdatasync`` over ``seconds`` in a temp file."""
+    block = b"\0" * 8192
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="cebench-fsync-") as f:
+        fd = f.fileno()
+        os.write(fd, block * 16)
+        os.fsync(fd)
+        out: list[int] = []
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end or len(out) < 5:
+            t0 = time.perf_counter_ns()
+            os.pwrite(fd, block, (i % 16) * 8192)
+            os.fdatasync(fd)
+            out.append(time.perf_counter_ns() - t0)
+            i += 1
+        return out
