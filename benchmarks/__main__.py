@@ -10,6 +10,7 @@ Everything the run creates (tables, keys, queues, worker processes) is removed a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import signal
@@ -111,11 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per comparison")
+    parser.add_argument("--celery-tasks", type=int, help="no-op tasks per Celery round (full: 1,000)")
+    parser.add_argument("--celery-rounds", type=int, help="Celery throughput rounds (full: 9)")
     parser.add_argument("--markdown", type=Path, help="also write the tables and machine to this file")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
     parser.add_argument("--profile", action="store_true", help="also cProfile the service path per store")
     args = parser.parse_args(argv)
     plan = Plan.make(args.quick, args.rounds)
+    if args.celery_tasks or args.celery_rounds:
+        plan = dataclasses.replace(
+            plan,
+            celery_tasks=args.celery_tasks or plan.celery_tasks,
+            celery_rounds=args.celery_rounds or plan.celery_rounds,
+        )
     chosen = args.only or list(SECTIONS)
     report = Report()
     cleanup = Cleanup()
