@@ -50,7 +50,7 @@ def build(name: str, cleanup: Cleanup) -> Path | str:
         return _built[name]
     if not _build_dir:
         _build_dir.append(Path(tempfile.mkdtemp(prefix="cebench-floors-")))
-        cleanup.add("floor programs", lambda: shutil.rmtree(_build_dir[0], ignore_errors=True))
+        cleanup.add("floor programs", _remove_builds)
     flags: list[str] = []
     if name == "pg_floor":
         include = _libpq_include()
@@ -66,6 +66,14 @@ def build(name: str, cleanup: Cleanup) -> Path | str:
     else:
         _built[name] = target
     return _built[name]
+
+
+def _remove_builds() -> None:
+    """Delete the compiled programs (and forget them: a later run builds again)."""
+    for directory in _build_dir:
+        shutil.rmtree(directory, ignore_errors=True)
+    _build_dir.clear()
+    _built.clear()
 
 
 def _libpq_include() -> str | None:
