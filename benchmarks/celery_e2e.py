@@ -338,7 +338,7 @@ def commit_latency(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         unit="syncs/s",
         p50_us=percentile(samples, 0.5) / 1000,
         p99_us=percentile(samples, 0.99) / 1000,
-        note=f"{len(samples)} syncs in {tempfile.gettempdir()} (PostgreSQL's data dir may be another disk)",
+        note=f"{len(samples)} syncs in {tempfile.gettempdir()}; {_same_disk_as_postgres()}",
     )
     reason = reachable(POSTGRES_URL)
     if reason:
@@ -370,3 +370,19 @@ def commit_latency(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         p99_us=percentile(timings["on"], 0.99) / 1000,
         note=f"p50 {on:.0f} µs synchronous vs {off:.0f} µs asynchronous commit; {n // 2} each, alternating",
     )
+
+
+def _same_disk_as_postgres() -> str:
+    """Whether the temp dir shares a filesystem with PostgreSQL's data directory (if local)."""
+    if reachable(POSTGRES_URL):
+        return "PostgreSQL unreachable"
+    try:
+        import psycopg
+
+        with psycopg.connect(psycopg_dsn(), autocommit=True, connect_timeout=10) as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        data = str(row[0]) if row else ""
+        same = os.stat(data).st_dev == os.stat(tempfile.gettempdir()).st_dev
+    except Exception:
+        return "PostgreSQL's data directory: not readable here (it may be another disk)"
+    return f"{'the same' if same else 'not the'} filesystem as PostgreSQL's data directory"
