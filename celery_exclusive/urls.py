@@ -23,6 +23,7 @@ SETTING = "exclusive_url"
 
 #: Scheme -> provider family. ``mysql+<driver>`` and ``postgresql+<driver>`` also match.
 KNOWN_SCHEMES = (
+    "django",
     "memory",
     "mariadb+pymysql",
     "mysql+pymysql",
@@ -185,7 +186,7 @@ def scheme_family(url: str) -> str:
         return "memory"
     if scheme in ("redis", "rediss", "unix", "sentinel", *_REDIS_VARIANTS):
         return "redis"
-    if base in ("postgresql", "postgres", "sqlite", "mysql", "mariadb"):
+    if base in ("postgresql", "postgres", "sqlite", "mysql", "mariadb") or scheme == "django":
         return "sql"
     raise ConfigurationError(
         f"unknown lock store scheme {scheme!r} in {mask_url(url)!r}; "
@@ -274,6 +275,10 @@ def provider_from_url(url: str) -> LockProvider:
         from celery_exclusive.providers.redis import RedisLockProvider
 
         return RedisLockProvider(url)
+    if url.split("://", 1)[0].lower() == "django":  # a DATABASES alias: Django is imported only here
+        from celery_exclusive.contrib.django.store import provider_from_django_url
+
+        return provider_from_django_url(url)
     from celery_exclusive.providers.sql import SqlLockProvider
 
     return SqlLockProvider.from_url(url)

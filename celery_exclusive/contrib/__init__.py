@@ -1,0 +1,1 @@
+"""Optional integrations with other frameworks; each is imported only when used."""
