@@ -263,6 +263,25 @@ def test_lock_behaviour_through_django_settings(project: dict[str, str], alias: 
         second.close()
 
 
+def test_guard_fences_a_django_transaction_on_postgresql(project: dict[str, str]) -> None:
+    """lease.guard(Django's own psycopg connection) passes inside atomic(), fails once the lease is gone."""
+    from django.db import connections, transaction
+
+    from celery_exclusive import LockLost
+
+    service = LockService("django://default", prefix=f"t{uuid.uuid4().hex[:8]}:", thread_factory=IdleThread)
+    try:
+        lease = service.lock("invoice:1", ttl=30)
+        with transaction.atomic(using="default"):
+            connections["default"].ensure_connection()
+            lease.guard(connections["default"].connection)
+        service.force_release(lease.key, lease.token)
+        with pytest.raises(LockLost), transaction.atomic(using="default"):
+            lease.guard(connections["default"].connection)
+    finally:
+        service.close()
+
+
 def run_manage(project: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tests.django.manage", *args],
