@@ -69,6 +69,9 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         yield env
     finally:
         connections.close_all()
+        # The settings made PyMySQL pose as MySQLdb for Django; later tests expect no MySQLdb.
+        for name in [m for m in sys.modules if m == "MySQLdb" or m.startswith("MySQLdb.")]:
+            del sys.modules[name]
         with admin.begin() as conn:
             conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {env['CE_DJANGO_PG_SCHEMA']} CASCADE"))
         with my_admin.begin() as conn:
