@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from celery_exclusive.errors import ConfigurationError, MissingDriverError
 from celery_exclusive.providers.sql import SqlLockProvider, _parse_bool
-from celery_exclusive.urls import split_options
+from celery_exclusive.urls import mask_url, split_options
 
 APP = "celery_exclusive.contrib.django"
 TABLE_SETTING = "CELERY_EXCLUSIVE_TABLE"
@@ -52,9 +52,9 @@ def provider_from_django_url(url: str) -> SqlLockProvider:
     if alias not in databases:
         known = ", ".join(repr(a) for a in databases) or "none"
         raise ConfigurationError(
-            f"{url!r}: no DATABASES alias {alias!r} in the Django settings (known: {known})"
+            f"{mask_url(url)!r}: no DATABASES alias {alias!r} in the Django settings (known: {known})"
         )
-    sa_url = sqlalchemy_url(alias, _vendor(alias), _settings_dict(alias, databases[alias]))
+    sa_url = sqlalchemy_url(alias, _vendor(alias), _settings_dict(alias))
     installed = _app_installed(settings)
     table = options.get("table") or getattr(settings, TABLE_SETTING, None) or DEFAULT_TABLE
     create = _parse_bool("create_table", options.get("create_table", "false" if installed else "true"))
@@ -70,13 +70,15 @@ def _parse(url: str) -> tuple[str, dict[str, str]]:
     try:
         parts = urlsplit(base)
     except ValueError as exc:
-        raise ConfigurationError(f"malformed lock store URL {url!r}: {exc}") from None
+        raise ConfigurationError(f"malformed lock store URL {mask_url(url)!r}: {exc}") from None
     alias = unquote(parts.netloc)
     if parts.scheme.lower() != "django" or not alias:
-        raise ConfigurationError(f"expected django://<DATABASES alias>, e.g. django://default, got {url!r}")
+        raise ConfigurationError(
+            f"expected django://<DATABASES alias>, e.g. django://default, got {mask_url(url)!r}"
+        )
     if "@" in parts.netloc or parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigurationError(
-            f"{url!r}: a django:// URL names only a DATABASES alias (and ce_ options); the "
+            f"{mask_url(url)!r}: a django:// URL names only a DATABASES alias (and ce_ options); the "
             "connection settings, credentials and driver options come from that alias"
         )
     return alias, options
@@ -104,15 +106,14 @@ def _databases(settings: Any) -> Mapping[str, Any]:
     return databases
 
 
-def _settings_dict(alias: str, configured: Any) -> Mapping[str, Any]:
-    """The alias's settings as Django's connection sees them (test database names included)."""
+def _settings_dict(alias: str) -> Mapping[str, Any]:
+    """The alias's settings as Django's connection sees them, defaults filled in.
+
+    A test run renames ``NAME`` to the test database on this dict, so the store follows it.
+    """
     from django.db import connections
 
-    try:
-        # A test run renames NAME to the test database on the connection's own dict.
-        return dict(connections[alias].settings_dict)
-    except Exception:  # an unloadable ENGINE: fall back to the raw settings for the error below
-        return dict(configured) if isinstance(configured, Mapping) else {}
+    return dict(connections[alias].settings_dict)
 
 
 def _vendor(alias: str) -> str:
