@@ -312,6 +312,10 @@ def test_manage_py_exclusive_lists_a_lease_held_by_another_process(project: dict
         assert text.returncode == 0, text.stderr
         assert "nightly" in text.stdout
         assert "reports.nightly" in text.stdout
+        helped = run_manage(project, "exclusive", "--help")
+        assert helped.returncode == 0, helped.stderr
+        assert "settings.CELERY_EXCLUSIVE_URL" in helped.stdout
+        assert "app.conf" not in helped.stdout
         bad = run_manage(project, "exclusive", "--url", "nosuch://x", "list")
         assert bad.returncode == 2
         assert "unknown lock store scheme" in bad.stderr

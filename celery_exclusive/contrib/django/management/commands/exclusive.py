@@ -8,10 +8,12 @@ variable; the prefix likewise from ``CELERY_EXCLUSIVE_PREFIX``. Exit codes are t
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 from types import SimpleNamespace
 from typing import Any
 
+import click
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
@@ -28,11 +30,33 @@ def _conf() -> dict[str, Any]:
     return {k: v for k, v in conf.items() if v is not None}
 
 
+def _for_django(text: str | None) -> str | None:
+    """Help text that names the Django settings where the Celery group names app.conf."""
+    if text is None:
+        return None
+    for name in ("url", "prefix"):
+        text = text.replace(f"app.conf.exclusive_{name}", f"settings.CELERY_EXCLUSIVE_{name.upper()}")
+    return text.replace("the app's exclusive_url", "settings.CELERY_EXCLUSIVE_URL")
+
+
+def _group() -> click.Group:
+    """The CLI's ``exclusive`` group, its help naming Django's settings (the commands are shared)."""
+    group = copy.copy(exclusive)
+    group.help = _for_django(exclusive.help)
+    group.params = []
+    for original in exclusive.params:
+        param = copy.copy(original)
+        if isinstance(param, click.Option):
+            param.help = _for_django(param.help)
+        group.params.append(param)
+    return group
+
+
 def run(args: list[str], prog_name: str) -> int:
     """Run the CLI's ``exclusive`` group on ``args``; its exit code."""
     obj = SimpleNamespace(app=SimpleNamespace(conf=_conf()))
     try:
-        exclusive.main(args=args, prog_name=prog_name, obj=obj, standalone_mode=True)
+        _group().main(args=args, prog_name=prog_name, obj=obj, standalone_mode=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
