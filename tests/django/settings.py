@@ -51,7 +51,7 @@ DATABASES = {
         "PORT": "1",
         "NAME": "nowhere",
         "USER": "someone",
-        "PASSWORD": "dj-Secret-pw-4711",
+        "PASSWORD": "dj-pw-SECRET-4711",  # contains the contract's OUTAGE_SECRET
         "OPTIONS": {"connect_timeout": 3},
     },
     "memdb": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,61 +22,12 @@ import sqlalchemy as sa
 from celery_exclusive import BackendError, ConfigurationError, LockedError, LockService, ReleaseOutcome
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
-from tests.conftest import MYSQL_URL, POSTGRES_URL, IdleThread, require_server
+from tests.conftest import MYSQL_URL, POSTGRES_URL, IdleThread
+from tests.django.conftest import ALIASES
 
 pytest.importorskip("django")
 
 ROOT = Path(__file__).resolve().parents[2]
-ALIASES = ["default", "maria", "lite"]
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Django set up on tests/django/settings.py, every alias migrated; all of it dropped after."""
-    require_server(POSTGRES_URL)
-    require_server(MYSQL_URL)
-    import django
-    from django.core.management import call_command
-    from django.db import connections
-
-    suffix = uuid.uuid4().hex[:10]
-    env = {
-        "DJANGO_SETTINGS_MODULE": "tests.django.settings",
-        "CE_DJANGO_PG_SCHEMA": f"ce_dj_{suffix}",
-        "CE_DJANGO_SQLITE": str(tmp_path_factory.mktemp("django") / "db.sqlite3"),
-        "CE_DJANGO_TABLE": f"ce_dj_locks_{suffix}",
-        "CE_DJANGO_MYSQL_DB": f"ce_dj_{suffix}",
-    }
-    admin, my_admin = sa.create_engine(POSTGRES_URL), sa.create_engine(MYSQL_URL)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {env['CE_DJANGO_PG_SCHEMA']}"))
-    with my_admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE {env['CE_DJANGO_MYSQL_DB']} CHARACTER SET utf8mb4"))
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        django.setup()  # reads the settings module now; the environment is restored at once
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-    try:
-        for alias in ALIASES:
-            call_command("migrate", database=alias, verbosity=0)
-        yield env
-    finally:
-        connections.close_all()
-        # The settings made PyMySQL pose as MySQLdb for Django; later tests expect no MySQLdb.
-        for name in [m for m in sys.modules if m == "MySQLdb" or m.startswith("MySQLdb.")]:
-            del sys.modules[name]
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {env['CE_DJANGO_PG_SCHEMA']} CASCADE"))
-        with my_admin.begin() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {env['CE_DJANGO_MYSQL_DB']}"))
-        admin.dispose()
-        my_admin.dispose()
 
 
 def engine_for(project: dict[str, str], alias: str) -> sa.Engine:
@@ -124,7 +74,7 @@ def schema_of(engine: sa.Engine, table: str) -> dict[str, Any]:
                 {"t": table.replace("_", "!_") + "%"},
             )
             found = {name.replace(table, "T"): sql.replace(table, "T") for name, sql in rows}
-            found["counter"] = conn.execute(sa.text(f"SELECT id, n FROM {table}_fence")).all()
+            found["counter"] = conn.execute(sa.text(f"SELECT id FROM {table}_fence")).all()  # n: usage
             return found
         if engine.dialect.name == "mysql":
             found = {}
@@ -145,7 +95,7 @@ def schema_of(engine: sa.Engine, table: str) -> dict[str, Any]:
                     {"t": name},
                 ).all()
                 found[name.replace(table, "T")] = (columns, options)
-            found["counter"] = conn.execute(sa.text(f"SELECT id, n FROM {table}_fence")).all()
+            found["counter"] = conn.execute(sa.text(f"SELECT id FROM {table}_fence")).all()  # n: usage
             return found
         columns = conn.execute(
             sa.text(
@@ -337,11 +287,11 @@ def test_credentials_never_show(project: dict[str, str]) -> None:
     """An unreachable alias is a BackendError; neither it nor the provider's repr shows the password."""
     service = LockService("django://unreachable", thread_factory=IdleThread)
     try:
-        assert "dj-Secret-pw-4711" not in repr(service.provider)
+        assert "dj-pw-SECRET-4711" not in repr(service.provider)
         with pytest.raises(BackendError) as failed:
             service.try_lock("job")
-        assert "dj-Secret-pw-4711" not in str(failed.value)
-        assert "dj-Secret-pw-4711" not in repr(failed.value)
+        assert "dj-pw-SECRET-4711" not in str(failed.value)
+        assert "dj-pw-SECRET-4711" not in repr(failed.value)
     finally:
         service.close()
 
