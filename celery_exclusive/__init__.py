@@ -7,6 +7,7 @@ integration (:class:`ExclusiveTask`, :func:`exclusive_task`) builds on it.
 from __future__ import annotations
 
 from celery_exclusive.errors import (
+    AlreadyDone,
     BackendError,
     ConfigurationError,
     ExclusiveError,
@@ -28,6 +29,7 @@ from celery_exclusive.worker import get_lock_service
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyDone",
     "BackendError",
     "ConfigurationError",
     "ExclusiveError",

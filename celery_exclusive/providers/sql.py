@@ -43,7 +43,17 @@ from celery_exclusive.errors import (
     MissingDriverError,
 )
 from celery_exclusive.providers import libpq
-from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
+    Diagnosis,
+    Done,
+    Grant,
+    Held,
+    LockInfo,
+    RefreshRequest,
+    decode_holder,
+)
 from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
@@ -85,7 +95,13 @@ _inherited_connections: list[Any] = []
 # Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
 _STALE = int(MAX_LIFETIME_CAP)
 #: The hot statements sent through libpq directly, with their result column types.
-_LIBPQ_COLUMNS = {"acquire": "bttiffft", "take_over": "bttiffft", "release": "b"}
+_LIBPQ_COLUMNS = {
+    "acquire": "bttiffft",
+    "acquire_once": "bttiffft",
+    "take_over": "bttiffft",
+    "release": "b",
+    "release_done": "b",
+}
 _CHUNK = 500
 
 
@@ -117,6 +133,9 @@ class _Key(sa.types.TypeDecorator[str]):
 
 
 _KEY = _Key()
+_TASK_ID = sa.String(200).with_variant(
+    mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+)
 _TOKEN = sa.Text().with_variant(mysql.TEXT(charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb")
 _STAMP = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 _Rows = list[tuple[Any, ...]]
@@ -146,6 +165,24 @@ def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
         mariadb_engine="InnoDB",
         mariadb_charset="utf8mb4",
     )
+    # Completion records (task id per lock key) live in a table of their own, so they can
+    # never collide with a lease or with another application's rows of a shared table.
+    done = sa.Table(
+        name + "_done",
+        metadata,
+        sa.Column("key", _KEY, primary_key=True),
+        sa.Column("task_id", _TASK_ID, primary_key=True),
+        sa.Column("outcome", sa.String(16), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("created_at", _STAMP, nullable=False),
+        sa.Column("expires_at", _STAMP, nullable=False),
+        sa.Index(name + "_done_x", "expires_at"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+        mariadb_engine="InnoDB",
+        mariadb_charset="utf8mb4",
+    )
+    table.info["done"] = done
     event.listen(table, "after_create", _create_fence)
     return table
 
@@ -159,6 +196,9 @@ def _check_name(name: str) -> None:
 
 
 def _create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
+    done = table.info.get("done")
+    if done is not None:
+        done.create(connection, checkfirst=True)
     dialect = connection.dialect
     q = dialect.identifier_preparer.quote
     if dialect.name == "postgresql":
@@ -260,8 +300,56 @@ SELECT true, {cols("ins")} FROM ins CROSS JOIN n
 UNION ALL
 SELECT false, {cols("cur")} FROM cur CROSS JOIN n
 WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
+    d = q(name + "_done")
+    done_cols = (
+        "outcome, attempt, extract(epoch FROM {ts} - created_at)::float8, "
+        "extract(epoch FROM expires_at - {ts})::float8"
+    )
+    # acquire, but a live completion record of :task_id on the key refuses it (a row whose
+    # first column is NULL carries the record: outcome, attempt, age, seconds left).
+    acquire_once = acquire.replace(
+        "WITH ins AS (",
+        f"WITH d AS (SELECT {done_cols.format(ts=ts)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {ts}),\nins AS (",
+        1,
+    ).replace(
+        "WHERE NOT EXISTS (SELECT 1 FROM",
+        "WHERE NOT EXISTS (SELECT 1 FROM d) AND NOT EXISTS (SELECT 1 FROM",
+        1,
+    )
+    acquire_once += (
+        " AND NOT EXISTS (SELECT 1 FROM d)\nUNION ALL\nSELECT NULL::bool, d.outcome::varchar, NULL::text, "
+        "d.attempt::bigint, d.age, d.left_s, NULL::float8, NULL::text "
+        "FROM d AS d(outcome, attempt, age, left_s)"
+    )
+    clock = "clock_timestamp()"
     return {
         "acquire": acquire,
+        "acquire_once": acquire_once,
+        # release and the completion record in one statement (data-modifying CTEs all run);
+        # up to two expired records anywhere are pruned on the way, so the table stays small.
+        "release_done": f"""WITH rel AS (
+  DELETE FROM {t} WHERE key = :key AND value = :token
+    AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+  RETURNING expires_at > {clock} AND deadline > {clock} AS live),
+rec AS (
+  INSERT INTO {d} AS r (key, task_id, outcome, attempt, created_at, expires_at)
+  VALUES (CAST(:key AS varchar), CAST(:task_id AS varchar), CAST(:outcome AS varchar), CAST(:attempt AS int),
+          {clock}, {clock} + make_interval(secs => CAST(:retain AS float8)))
+  ON CONFLICT (key, task_id) DO UPDATE SET outcome = EXCLUDED.outcome, attempt = EXCLUDED.attempt,
+    created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+  RETURNING 1),
+prune AS (
+  DELETE FROM {d} WHERE (key, task_id) IN (
+    SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
+    ORDER BY expires_at LIMIT 2 FOR UPDATE SKIP LOCKED))
+SELECT live FROM rel""",
+        "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {clock}",
+        "done_list": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key LIKE :pattern ESCAPE '!' AND expires_at > {clock}",
+        "done_forget": f"DELETE FROM {d} WHERE key = :key AND task_id = :task_id "
+        f"RETURNING expires_at > {clock}",
         "take_over": take_over,
         "refresh": f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts, {durable} AS durable)
 UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
@@ -348,6 +436,25 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         sql["anchor_put"] = f"INSERT OR IGNORE INTO {f} (id, n) VALUES (:boot, :base)"
         sql["anchor_get"] = f"SELECT n FROM {f} WHERE id = :boot"
         sql["anchor_gc"] = f"DELETE FROM {f} WHERE id < 0 AND id <> :boot"
+    d = q(name + "_done")
+    done_cols = f"{k}, task_id, outcome, attempt, -{secs('created_at')}, {secs('expires_at')}"
+    d_scan = d if dialect.name == "sqlite" else f"{d} IGNORE INDEX (PRIMARY)"
+    pick = f"{k} = :key AND task_id = :task_id"
+    expired = f"expires_at <= {stamp('0')} AND NOT ({pick})"
+    sql.update(
+        {
+            "done_get": f"SELECT {done_cols} FROM {d} WHERE {pick} AND {secs('expires_at')} > 0",
+            "done_put": f"REPLACE INTO {d} ({k}, task_id, outcome, attempt, created_at, expires_at) "
+            f"VALUES (:key, :task_id, :outcome, :attempt, {stamp('0')}, {stamp(':retain')})",
+            # Two expired records anywhere go with each new one, so the table stays small.
+            "done_prune": f"DELETE FROM {d} WHERE rowid IN (SELECT rowid FROM {d} WHERE {expired} "
+            "ORDER BY expires_at LIMIT 2)"
+            if dialect.name == "sqlite"
+            else f"DELETE FROM {d} WHERE {expired} ORDER BY expires_at LIMIT 2",
+            "done_list": f"SELECT {done_cols} FROM {d_scan} WHERE {match} AND {secs('expires_at')} > 0",
+            "done_forget": f"DELETE FROM {d} WHERE {pick}",
+        }
+    )
     texts = {name: sa.text(s) for name, s in sql.items()}
     texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
     return texts
@@ -649,16 +756,37 @@ class SqlLockProvider:
 
     # -- the LockProvider operations -------------------------------------------------
 
-    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None = None,
+    ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
         if self._pg:
-            answer = self._pg_answer(self._run_pg("acquire", params), token, granted)
+            if task_id is None:
+                rows = self._run_pg("acquire", params)
+            else:
+                rows = self._run_pg("acquire_once", {**params, "task_id": task_id})
+                if rows and rows[0][0] is None:  # the completion record's row
+                    _, outcome, _, tries, age, left, *_ = rows[0]
+                    record = CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left))
+                    return Done(record)
+            answer = self._pg_answer(rows, token, granted)
             if answer is None:  # a dead row (its holder crashed or lost it): take it over
                 answer = self._pg_answer(self._run_pg("take_over", params), token, granted)
             return Held(None) if answer is None else answer
 
-        def attempt(conn: Connection) -> Grant | Held:
+        def attempt(conn: Connection) -> Grant | Held | Done:
+            if task_id is not None:
+                found = conn.execute(self._sql["done_get"], {"key": key, "task_id": task_id}).first()
+                if found is not None:
+                    return Done(self._record(found))
             conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
             params.update(self._now(conn))
             row = conn.execute(self._sql["select"], params).first()
@@ -725,20 +853,65 @@ class SqlLockProvider:
         self._transact("refresh", attempt)
         return [answers.get((r.key, r.token)) for r in requests]
 
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
         params: dict[str, Any] = {"key": key, "token": token}
+        if completion is not None:
+            params.update(
+                task_id=completion.task_id,
+                outcome=completion.outcome,
+                attempt=int(completion.attempt),
+                retain=float(completion.retain),
+            )
         if self._pg:
-            return any(bool(live) for (live,) in self._run_pg("release", params))
+            op = "release" if completion is None else "release_done"
+            return any(bool(live) for (live,) in self._run_pg(op, params))
 
         def attempt(conn: Connection) -> bool:
             params.update(self._now(conn))
             owned = conn.execute(self._sql["release_live"], params).rowcount == 1
             if not owned:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
+            if completion is not None:  # same transaction, so no extra commit
+                conn.execute(self._sql["done_put"], params)
+                conn.execute(self._sql["done_prune"], params)
             conn.commit()
             return owned
 
         return self._transact("release", attempt)
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        params = {"key": key, "task_id": task_id}
+        if self._pg:
+            rows = self._run_pg("done_get", params)
+        else:
+            rows = self._transact(
+                "read a record", lambda conn: list(conn.execute(self._sql["done_get"], params))
+            )
+        return self._record(rows[0]) if rows else None
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        pattern = prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        params = {"prefix": prefix, "pattern": pattern}
+        if self._pg:
+            rows = self._run_pg("done_list", params)
+        else:
+            rows = self._transact(
+                "list records", lambda conn: list(conn.execute(self._sql["done_list"], params))
+            )
+        return sorted((self._record(row) for row in rows), key=lambda r: (r.key, r.task_id))
+
+    def forget(self, key: str, task_id: str) -> bool:
+        params = {"key": key, "task_id": task_id}
+        if self._pg:
+            return any(bool(live) for (live,) in self._run_pg("done_forget", params))
+
+        def attempt(conn: Connection) -> bool:
+            live = conn.execute(self._sql["done_get"], params).first() is not None
+            conn.execute(self._sql["done_forget"], params)
+            conn.commit()
+            return live
+
+        return self._transact("forget a record", attempt)
 
     def peek(self, key: str) -> LockInfo | None:
         if self._pg:
@@ -898,6 +1071,10 @@ class SqlLockProvider:
             float(hard),
             decode_holder(holder),
         )
+
+    def _record(self, row: Sequence[Any]) -> CompletionInfo:
+        key, task_id, outcome, attempt, age, left = row
+        return CompletionInfo(str(key), str(task_id), str(outcome), int(attempt), float(age), float(left))
 
     def _ensure_schema(self) -> None:
         if self._ready:
