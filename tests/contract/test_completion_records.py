@@ -35,7 +35,8 @@ def test_release_records_and_acquire_refuses_that_task_id(store: Store) -> None:
     other.release()
     service.lock("job").release()
     read, listed = service.completion("job", "t-1"), service.completions()
-    assert read is not None and [(r.key, r.task_id, r.outcome) for r in listed] == [("job", "t-1", "success")]
+    assert read is not None
+    assert [(r.key, r.task_id, r.outcome) for r in listed] == [("job", "t-1", "success")]
 
 
 def test_a_record_is_per_key(store: Store) -> None:
@@ -54,9 +55,12 @@ def test_record_is_written_even_when_the_lease_was_not_owned(store: Store) -> No
     time.sleep(0.8)
     taker = second.lock("k")
     assert lease.release(done("t-lost", outcome="failure")) is ReleaseOutcome.NOT_OWNED
-    assert taker.held and second.peek("k") is not None and second.peek("k").token == taker.token  # type: ignore[union-attr]
+    assert taker.held
+    assert second.peek("k") is not None
+    assert second.peek("k").token == taker.token
     record = second.completion("k", "t-lost")
-    assert record is not None and record.outcome == "failure"
+    assert record is not None
+    assert record.outcome == "failure"
     taker.release()
 
 
@@ -80,7 +84,8 @@ def test_a_new_record_replaces_the_old_one(store: Store) -> None:
     assert (first.value.record.outcome, first.value.record.attempt) == ("retried", 0)
     service.lock("r").release(done("t", outcome="success", attempt=1))
     record = service.completion("r", "t")
-    assert record is not None and (record.outcome, record.attempt) == ("success", 1)
+    assert record is not None
+    assert (record.outcome, record.attempt) == ("success", 1)
     assert len(service.completions("r")) == 1
 
 
@@ -107,7 +112,8 @@ def test_records_are_not_leases(store: Store) -> None:
     assert service.locks() == []
     assert service.peek("x") is None
     again = service.try_lock("x")
-    assert again is not None and again.fence > fence
+    assert again is not None
+    assert again.fence > fence
     with pytest.raises(LockedError):
         service.lock("x", task_id="someone-else")
     again.release()
