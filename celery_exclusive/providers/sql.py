@@ -147,7 +147,8 @@ _Findings = list[Diagnosis]
 def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
     """The lease table ``name`` in ``metadata``, for Alembic or ``metadata.create_all``.
 
-    Creating it also creates its fence counter (``after_create``), idempotently.
+    Creating it also creates its fence counter and its completion-record table
+    ``<name>_done`` (``after_create``), idempotently.
     """
     _check_name(name)
     table = sa.Table(
@@ -167,9 +168,11 @@ def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
     )
     # Completion records (task id per lock key) live in a table of their own, so they can
     # never collide with a lease or with another application's rows of a shared table.
+    # Like the fence counter it is made with the lock table (after_create), not by the
+    # caller's metadata, so create_all() does not try to make it twice.
     done = sa.Table(
         name + "_done",
-        metadata,
+        sa.MetaData(),
         sa.Column("key", _KEY, primary_key=True),
         sa.Column("task_id", _TASK_ID, primary_key=True),
         sa.Column("outcome", sa.String(16), nullable=False),
