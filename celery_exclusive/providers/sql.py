@@ -12,6 +12,11 @@ On PostgreSQL with psycopg 3 each operation is one autocommit statement on a con
 provider keeps (acquire and release as prepared statements through libpq directly, see
 ``libpq.py``), and a contended acquire writes nothing (no transaction id, no WAL). Taking
 over a dead row is the one case that needs a second statement.
+
+Completion records (``release(..., completion)``) live in ``<table>_done``, keyed by lock
+key and task id, created with the lock table. On PostgreSQL the record is written by the
+release statement itself and checked by the acquire statement itself; SQLite and MariaDB
+add statements to the same transaction. Expired records are pruned by later releases.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import threading
 import time
 import uuid
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -101,8 +107,18 @@ _LIBPQ_COLUMNS = {
     "take_over": "bttiffft",
     "release": "b",
     "release_done": "b",
+    "release_done_prune": "b",
 }
 _CHUNK = 500
+#: One record-writing release in this many (by task id) also prunes up to _PRUNE_BATCH
+#: expired records, so pruning keeps up with far more writes than it costs.
+_PRUNE_EVERY = 8
+_PRUNE_BATCH = 32
+
+
+def _prune_suffix(completion: Completion) -> str:
+    """``"_prune"`` for the one release in _PRUNE_EVERY (by task id) that prunes expired records."""
+    return "_prune" if zlib.crc32(completion.task_id.encode()) % _PRUNE_EVERY == 0 else ""
 
 
 def _live(info: LockInfo) -> bool:
@@ -326,12 +342,7 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
         "FROM d AS d(outcome, attempt, age, left_s)"
     )
     clock = "clock_timestamp()"
-    return {
-        "acquire": acquire,
-        "acquire_once": acquire_once,
-        # release and the completion record in one statement (data-modifying CTEs all run);
-        # up to two expired records anywhere are pruned on the way, so the table stays small.
-        "release_done": f"""WITH rel AS (
+    release_done = f"""WITH rel AS (
   DELETE FROM {t} WHERE key = :key AND value = :token
     AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
   RETURNING expires_at > {clock} AND deadline > {clock} AS live),
@@ -341,11 +352,20 @@ rec AS (
           {clock}, {clock} + make_interval(secs => CAST(:retain AS float8)))
   ON CONFLICT (key, task_id) DO UPDATE SET outcome = EXCLUDED.outcome, attempt = EXCLUDED.attempt,
     created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
-  RETURNING 1),
+  RETURNING 1)"""
+    return {
+        "acquire": acquire,
+        "acquire_once": acquire_once,
+        # release and the completion record in one statement (data-modifying CTEs all run).
+        "release_done": release_done + "\nSELECT live FROM rel",
+        # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
+        # so the table stays small while the common statement stays cheap to plan.
+        "release_done_prune": release_done
+        + f""",
 prune AS (
   DELETE FROM {d} WHERE (key, task_id) IN (
     SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
-    ORDER BY expires_at LIMIT 2 FOR UPDATE SKIP LOCKED))
+    ORDER BY expires_at LIMIT {_PRUNE_BATCH} FOR UPDATE SKIP LOCKED))
 SELECT live FROM rel""",
         "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
         f"WHERE key = :key AND task_id = :task_id AND expires_at > {clock}",
@@ -449,11 +469,12 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
             "done_get": f"SELECT {done_cols} FROM {d} WHERE {pick} AND {secs('expires_at')} > 0",
             "done_put": f"REPLACE INTO {d} ({k}, task_id, outcome, attempt, created_at, expires_at) "
             f"VALUES (:key, :task_id, :outcome, :attempt, {stamp('0')}, {stamp(':retain')})",
-            # Two expired records anywhere go with each new one, so the table stays small.
+            # One release in _PRUNE_EVERY also removes expired records (any key), up to
+            # _PRUNE_BATCH: the table stays small at a fraction of a statement per release.
             "done_prune": f"DELETE FROM {d} WHERE rowid IN (SELECT rowid FROM {d} WHERE {expired} "
-            "ORDER BY expires_at LIMIT 2)"
+            f"ORDER BY expires_at LIMIT {_PRUNE_BATCH})"
             if dialect.name == "sqlite"
-            else f"DELETE FROM {d} WHERE {expired} ORDER BY expires_at LIMIT 2",
+            else f"DELETE FROM {d} WHERE {expired} ORDER BY expires_at LIMIT {_PRUNE_BATCH}",
             "done_list": f"SELECT {done_cols} FROM {d_scan} WHERE {match} AND {secs('expires_at')} > 0",
             "done_forget": f"DELETE FROM {d} WHERE {pick}",
         }
@@ -866,7 +887,7 @@ class SqlLockProvider:
                 retain=float(completion.retain),
             )
         if self._pg:
-            op = "release" if completion is None else "release_done"
+            op = "release" if completion is None else "release_done" + _prune_suffix(completion)
             return any(bool(live) for (live,) in self._run_pg(op, params))
 
         def attempt(conn: Connection) -> bool:
@@ -876,7 +897,8 @@ class SqlLockProvider:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
             if completion is not None:  # same transaction, so no extra commit
                 conn.execute(self._sql["done_put"], params)
-                conn.execute(self._sql["done_prune"], params)
+                if _prune_suffix(completion):
+                    conn.execute(self._sql["done_prune"], params)
             conn.commit()
             return owned
 
