@@ -34,8 +34,11 @@ BACKEND = os.environ.get("CE_RD_BACKEND", "redis://127.0.0.1:6379/12")
 KEYPREFIX = os.environ.get("CE_RD_KEYPREFIX", "cerd:")
 QUEUE = os.environ.get("CE_RD_QUEUE", "cerd")
 VISIBILITY = float(os.environ.get("CE_RD_VISIBILITY", "1"))
-#: The lease ttl of every task here: short, so a dead holder's key frees within seconds.
+#: The lease ttl of the tasks here: short, so a dead holder's key frees within seconds.
 TTL = 3.0
+#: The ttl of ``once_long``: longer than a loaded worker takes to notice a SIGKILLed child
+#: and requeue its message, so the redelivered copy surely meets the dead run's lease.
+LONG_TTL = 8.0
 
 app = Celery("cerd", broker=BROKER, backend=BACKEND)
 transport: dict[str, Any] = {}
@@ -138,6 +141,12 @@ def _policy_task(name: str, policy: Any) -> Any:
 
 
 ONCE = {name: _policy_task(name, policy) for name, policy in POLICIES.items()}
+
+
+@exclusive_task(app=app, name="rd.once_long", key="rdl:{key_id}", ttl=LONG_TTL, bind=True)
+def once_long(self: Any, key_id: str, duration: float = 0.0, kill: str | None = None) -> dict[str, Any]:
+    """Like ``once_skip``, on an 8 s lease."""
+    return _body(self, duration, kill)
 
 
 @exclusive_task(app=app, name="rd.retrying", key="retrying:{key_id}", ttl=TTL, max_retries=3, bind=True)
