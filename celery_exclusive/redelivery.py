@@ -103,7 +103,8 @@ def completion(
     """The record a run that ended with ``exc`` (None: returned) writes with its release.
 
     None when nothing may be recorded: a run whose message will be delivered again and
-    must run then (``Reject``, a worker shutting down), or no :func:`once_id`.
+    must run then (``Reject``, a worker shutting down), a body that raised ``Ignore``
+    (``self.replace()`` among others), or no :func:`once_id`.
     """
     task_id = once_id(task)
     if task_id is None:
@@ -112,7 +113,9 @@ def completion(
         outcome = "success"
     elif isinstance(exc, Retry):
         outcome = "retried"
-    elif isinstance(exc, Reject) or not (interrupted or isinstance(exc, Exception)):
+    elif isinstance(exc, (Reject, Ignore)) or not (interrupted or isinstance(exc, Exception)):
+        # Reject(requeue=True) wants the message run again; Ignore is also how
+        # ``self.replace()`` hands the same task id to another signature.
         return None
     else:
         outcome = "failure"
