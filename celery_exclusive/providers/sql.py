@@ -728,6 +728,9 @@ class SqlLockProvider:
         self._masked = mask_url(url.render_as_string(hide_password=True))
         self._secrets = url_secrets(url.render_as_string(hide_password=False))
         self._ready = not create_table
+        # Whether <table>_done exists: made with the lock table when create_table is on;
+        # else looked up on first use (a schema migrated before records existed lacks it).
+        self._records: bool | None = True if create_table else None
         self._schema_lock = threading.Lock()
         self._memory = dialect.name == "sqlite" and url.database in (None, "", ":memory:")
         # An in-memory SQLite database is one shared connection: one transaction at a time.
@@ -792,6 +795,8 @@ class SqlLockProvider:
     ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
+        if task_id is not None and not self._records_on():
+            task_id = None
         if self._pg:
             if task_id is None:
                 rows = self._run_pg("acquire", params)
@@ -879,6 +884,8 @@ class SqlLockProvider:
 
     def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
         params: dict[str, Any] = {"key": key, "token": token}
+        if completion is not None and not self._records_on():
+            completion = None
         if completion is not None:
             params.update(
                 task_id=completion.task_id,
@@ -905,6 +912,8 @@ class SqlLockProvider:
         return self._transact("release", attempt)
 
     def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        if not self._records_on():
+            return None
         params = {"key": key, "task_id": task_id}
         if self._pg:
             rows = self._run_pg("done_get", params)
@@ -915,6 +924,8 @@ class SqlLockProvider:
         return self._record(rows[0]) if rows else None
 
     def completions(self, prefix: str) -> list[CompletionInfo]:
+        if not self._records_on():
+            return []
         pattern = prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
         params = {"prefix": prefix, "pattern": pattern}
         if self._pg:
@@ -926,6 +937,8 @@ class SqlLockProvider:
         return sorted((self._record(row) for row in rows), key=lambda r: (r.key, r.task_id))
 
     def forget(self, key: str, task_id: str) -> bool:
+        if not self._records_on():
+            return False
         params = {"key": key, "task_id": task_id}
         if self._pg:
             return any(bool(live) for (live,) in self._run_pg("done_forget", params))
@@ -1049,6 +1062,13 @@ class SqlLockProvider:
                 exists = sa.inspect(conn).has_table(self.table.name)
                 status = "ok" if exists else ("warn" if not self._ready else "fail")
                 findings.append(Diagnosis("schema", status, f"table {self.table.name!r} exists: {exists}"))
+                done = self.table.name + "_done"
+                if exists and not sa.inspect(conn).has_table(done):
+                    findings.append(
+                        Diagnosis(
+                            "records", "warn", f"table {done!r} is missing: no completion records are kept"
+                        )
+                    )
                 now_sql = (
                     sa.text("SELECT extract(epoch FROM clock_timestamp())") if self._pg else self._sql["now"]
                 )
@@ -1096,6 +1116,29 @@ class SqlLockProvider:
             float(hard),
             decode_holder(holder),
         )
+
+    def _records_on(self) -> bool:
+        """Whether the completion-record table is there; warns once if it is not."""
+        ready = self._records
+        if ready is None:
+            self._ensure_schema()
+            name = self.table.name + "_done"
+            try:
+                with self._serial, self._engine.connect() as conn:
+                    ready = bool(sa.inspect(conn).has_table(name))
+            except sa_exc.SQLAlchemyError as exc:
+                raise self._error("look for the completion-record table", exc) from exc
+            if not ready:
+                logger.warning(
+                    "SQL lock store %s: table %r is missing, so no completion records are kept "
+                    "(redelivered copies of finished tasks run again); create it with "
+                    "lock_table(metadata, %r) and metadata.create_all(), or set done_retention=False",
+                    self._masked,
+                    name,
+                    self.table.name,
+                )
+            self._records = ready
+        return ready
 
     def _record(self, row: Sequence[Any]) -> CompletionInfo:
         key, task_id, outcome, attempt, age, left = row
