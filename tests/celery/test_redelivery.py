@@ -1,7 +1,7 @@
 """Redelivered messages, with real workers and real brokers: one body run and the real
 result per task id (issue #10).
 
-* Redis broker, ``visibility_timeout`` (1 s) shorter than the run (4 s): kombu itself
+* Redis broker, ``visibility_timeout`` (1 s) shorter than the run (3 s): kombu itself
   restores the unacknowledged message while the original runs, for every ``on_locked``.
 * RabbitMQ, ``acks_late`` + ``task_reject_on_worker_lost``: the child SIGKILLed after the
   body (record written) and before the ack; the child SIGKILLed mid-body (the work runs
@@ -54,11 +54,19 @@ class Group:
         self.broker = broker
         self.queue = queue
         self.worker = worker
+        self._connection: Any = None
 
     def send(self, task: Any, *args: Any, task_id: str | None = None, **kwargs: Any) -> Any:
-        """Publish ``task(*args, **kwargs)`` to this group's broker and queue."""
-        with rd.app.connection_for_write(self.broker) as conn:
-            return task.apply_async(args, kwargs, task_id=task_id, queue=self.queue, connection=conn)
+        """Publish ``task(*args, **kwargs)`` to this group's broker and queue (one connection)."""
+        if self._connection is None:
+            self._connection = rd.app.connection_for_write(self.broker)
+        return task.apply_async(args, kwargs, task_id=task_id, queue=self.queue, connection=self._connection)
+
+    def close(self) -> None:
+        """Stop the worker and close the publishing connection."""
+        self.worker.stop(timeout=2)
+        if self._connection is not None:
+            self._connection.release()
 
     def log(self) -> str:
         return self.worker.text()
@@ -93,7 +101,7 @@ def redis_vt(celery_logdir: Path) -> Iterator[Group]:
     require_server(REDIS_URL)
     group = _start("vt", BACKEND, REDIS_URL, celery_logdir, pool="threads", concurrency=12)
     yield group
-    group.worker.stop(timeout=5)
+    group.close()
     delete_redis_prefix(REDIS_URL, f"cerd{SESSION}vt:")
     delete_redis_prefix(BACKEND, KEYPREFIX)
 
@@ -115,7 +123,7 @@ def rabbit(celery_logdir: Path) -> Iterator[Group]:
         concurrency=4,
     )
     yield group
-    group.worker.stop(timeout=5)
+    group.close()
     with contextlib.suppress(Exception), rd.app.connection_for_write(RABBIT_URL) as conn:
         conn.default_channel.queue_delete(group.queue)
     drop_lock_table(POSTGRES_URL, table)
@@ -139,10 +147,10 @@ def _lines(group: Group, reason: str, task_id: str) -> int:
 def test_visibility_timeout_copies_never_run_again_under_any_policy(
     redis_vt: Group, dump: list[Group]
 ) -> None:
-    """kombu restores each 4 s run's message after 1 s; for every policy the copy ends
+    """kombu restores each 3 s run's message after 1 s; for every policy the copy ends
     without a trace: one body run per id, and the stored result is the body's own."""
     dump.append(redis_vt)
-    sent = {name: redis_vt.send(task, f"vt-{name}", 4.0) for name, task in rd.ONCE.items()}
+    sent = {name: redis_vt.send(task, f"vt-{name}", 3.0) for name, task in rd.ONCE.items()}
     for name, result in sent.items():
         assert result.get(timeout=30)["real"] is True, name
     for name, result in sent.items():
@@ -200,7 +208,7 @@ def test_same_task_id_published_twice_runs_once(rabbit: Group, dump: list[Group]
     results = []
     for index, task_id in enumerate(ids):
         for _ in range(2):
-            sent = rabbit.send(rd.ONCE["skip"], f"dup-{index}-{task_id[:6]}", 0.2, task_id=task_id)
+            sent = rabbit.send(rd.ONCE["skip"], f"dup-{index}-{task_id[:6]}", 0.05, task_id=task_id)
         results.append(sent)
     for result in results:
         assert result.get(timeout=120)["real"] is True

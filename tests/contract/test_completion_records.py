@@ -65,11 +65,11 @@ def test_record_is_written_even_when_the_lease_was_not_owned(store: Store) -> No
 
 
 def test_records_expire_by_the_store_clock(store: Store) -> None:
-    """A record kept one second is gone after it, for acquire, read and list alike."""
+    """A record kept half a second is gone after it, for acquire, read and list alike."""
     service = store.service()
-    service.lock("short", task_id="t").release(done("t", retain=1.0))
+    service.lock("short", task_id="t").release(done("t", retain=0.5))
     assert service.completion("short", "t") is not None
-    time.sleep(1.3)
+    time.sleep(0.8)
     assert service.completion("short", "t") is None
     assert service.completions("short") == []
     service.lock("short", task_id="t").release()
