@@ -18,7 +18,16 @@ from celery_exclusive.errors import (
     MissingDriverError,
 )
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.providers.base import Grant, Held, LockInfo, LockProvider, RefreshRequest
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
+    Done,
+    Grant,
+    Held,
+    LockInfo,
+    LockProvider,
+    RefreshRequest,
+)
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.service import ExclusiveResult, LockService
 from celery_exclusive.settings import ExclusiveSettings
@@ -31,7 +40,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AlreadyDone",
     "BackendError",
+    "Completion",
+    "CompletionInfo",
     "ConfigurationError",
+    "Done",
     "ExclusiveError",
     "ExclusiveResult",
     "ExclusiveSettings",
