@@ -15,8 +15,10 @@ over a dead row is the one case that needs a second statement.
 
 Completion records (``release(..., completion)``) live in ``<table>_done``, keyed by lock
 key and task id, created with the lock table. On PostgreSQL the record is written by the
-release statement itself and checked by the acquire statement itself; SQLite and MariaDB
-add statements to the same transaction. Expired records are pruned by later releases.
+release statement itself and checked by the acquire statement itself. On SQLite and
+MariaDB the check is one more column of statements the acquire runs anyway, and the write
+one more statement in the release's transaction. Expired records are pruned by later
+releases.
 """
 
 from __future__ import annotations
@@ -462,6 +464,13 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     d = q(name + "_done")
     done_cols = f"{k}, task_id, outcome, attempt, -{secs('created_at')}, {secs('expires_at')}"
     d_scan = d if dialect.name == "sqlite" else f"{d} IGNORE INDEX (PRIMARY)"
+    # The record check of an acquire, as one more column of a statement it runs anyway:
+    # 'outcome|attempt|age|seconds left' of a live record of :task_id, or NULL.
+    parts = ["outcome", "attempt", f"-{secs('created_at')}", secs("expires_at")]
+    joined = " || '|' || ".join(parts) if dialect.name == "sqlite" else f"CONCAT_WS('|', {', '.join(parts)})"
+    record = (
+        f"(SELECT {joined} FROM {d} WHERE {k} = :key AND task_id = :task_id AND {secs('expires_at')} > 0)"
+    )
     pick = f"{k} = :key AND task_id = :task_id"
     expired = f"expires_at <= {stamp('0')} AND NOT ({pick})"
     sql.update(
@@ -477,6 +486,8 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
             else f"DELETE FROM {d} WHERE {expired} ORDER BY expires_at LIMIT {_PRUNE_BATCH}",
             "done_list": f"SELECT {done_cols} FROM {d_scan} WHERE {match} AND {secs('expires_at')} > 0",
             "done_forget": f"DELETE FROM {d} WHERE {pick}",
+            "select_once": f"SELECT {cols}, {record} FROM {t} WHERE {k} = :key{lock}",
+            "fence_once": f"SELECT n, {record} FROM {f} WHERE id = 1",
         }
     )
     texts = {name: sa.text(s) for name, s in sql.items()}
@@ -812,19 +823,23 @@ class SqlLockProvider:
             return Held(None) if answer is None else answer
 
         def attempt(conn: Connection) -> Grant | Held | Done:
-            if task_id is not None:
-                found = conn.execute(self._sql["done_get"], {"key": key, "task_id": task_id}).first()
-                if found is not None:
-                    return Done(self._record(found))
+            once = task_id is not None
             conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
             params.update(self._now(conn))
-            row = conn.execute(self._sql["select"], params).first()
+            if once:
+                params["task_id"] = task_id
+            row = conn.execute(self._sql["select_once" if once else "select"], params).first()
             if row is not None:
-                info = self._info(row)
+                if once and row[-1] is not None:
+                    return self._done(key, str(task_id), row[-1])
+                info = self._info(row[:7])
                 if _live(info):
                     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
                 conn.execute(self._sql["delete"], params)
-            fence = int(conn.execute(self._sql["fence"]).scalar_one())
+            found = conn.execute(self._sql["fence_once" if once and row is None else "fence"], params).one()
+            if once and row is None and found[1] is not None:
+                return self._done(key, str(task_id), found[1])
+            fence = int(found[0])
             conn.execute(self._sql["insert"], {**params, "fence": fence})
             conn.commit()
             return Grant(fence, granted)
@@ -919,7 +934,8 @@ class SqlLockProvider:
             rows = self._run_pg("done_get", params)
         else:
             rows = self._transact(
-                "read a record", lambda conn: list(conn.execute(self._sql["done_get"], params))
+                "read a record",
+                lambda conn: list(conn.execute(self._sql["done_get"], {**params, **self._now(conn)})),
             )
         return self._record(rows[0]) if rows else None
 
@@ -932,18 +948,20 @@ class SqlLockProvider:
             rows = self._run_pg("done_list", params)
         else:
             rows = self._transact(
-                "list records", lambda conn: list(conn.execute(self._sql["done_list"], params))
+                "list records",
+                lambda conn: list(conn.execute(self._sql["done_list"], {**params, **self._now(conn)})),
             )
         return sorted((self._record(row) for row in rows), key=lambda r: (r.key, r.task_id))
 
     def forget(self, key: str, task_id: str) -> bool:
         if not self._records_on():
             return False
-        params = {"key": key, "task_id": task_id}
+        params: dict[str, Any] = {"key": key, "task_id": task_id}
         if self._pg:
             return any(bool(live) for (live,) in self._run_pg("done_forget", params))
 
         def attempt(conn: Connection) -> bool:
+            params.update(self._now(conn))
             live = conn.execute(self._sql["done_get"], params).first() is not None
             conn.execute(self._sql["done_forget"], params)
             conn.commit()
@@ -1139,6 +1157,12 @@ class SqlLockProvider:
                 )
             self._records = ready
         return ready
+
+    @staticmethod
+    def _done(key: str, task_id: str, packed: Any) -> Done:
+        """Done from the ``outcome|attempt|age|seconds left`` column of an acquire statement."""
+        outcome, attempt, age, left = str(packed).split("|")
+        return Done(CompletionInfo(key, task_id, outcome, int(attempt), float(age), float(left)))
 
     def _record(self, row: Sequence[Any]) -> CompletionInfo:
         key, task_id, outcome, attempt, age, left = row
