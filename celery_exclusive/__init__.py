@@ -21,6 +21,7 @@ from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
 from celery_exclusive.providers.base import (
     Completion,
     CompletionInfo,
+    CompletionStore,
     Done,
     Grant,
     Held,
@@ -42,6 +43,7 @@ __all__ = [
     "BackendError",
     "Completion",
     "CompletionInfo",
+    "CompletionStore",
     "ConfigurationError",
     "Done",
     "ExclusiveError",

@@ -33,6 +33,7 @@ from celery_exclusive.providers.base import (
     MAX_TASK_ID_LENGTH,
     Completion,
     CompletionInfo,
+    CompletionStore,
     Done,
     Grant,
     Held,
@@ -143,6 +144,8 @@ class LockService:
         else:
             raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
         self.clock = clock
+        #: Whether the store keeps completion records (see ``completion()``).
+        self.keeps_records = isinstance(self.provider, CompletionStore)
         self._batch_size = heartbeat_batch_size
         self._thread_factory = thread_factory
         self._closed = False
@@ -209,6 +212,8 @@ class LockService:
         """
         if task_id is not None:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
+            if not self.keeps_records:
+                task_id = None
         taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
@@ -311,6 +316,8 @@ class LockService:
         """
         if completion is not None:
             _check_completion(completion)
+            if not self.keeps_records:
+                completion = None
         with self._heartbeat.mutex:
             if lease._state is LeaseState.RELEASED:
                 return ReleaseOutcome.NOT_OWNED
@@ -375,9 +382,17 @@ class LockService:
     # -- completion records -----------------------------------------------------------
 
     def completion(self, key: str, task_id: str) -> CompletionInfo | None:
-        """The live completion record of ``task_id`` on ``key`` (key without the prefix)."""
+        """The live completion record of ``task_id`` on ``key`` (key without the prefix).
+
+        Records are written by ``lease.release(completion)`` and read by
+        ``lock(..., task_id=...)``; a store that keeps none (a third-party provider without
+        the :class:`~celery_exclusive.providers.base.CompletionStore` methods) answers None,
+        ``[]`` and False here, and ``lock``/``release`` then ignore records.
+        """
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         check_task_id(task_id, MAX_TASK_ID_LENGTH)
+        if not isinstance(self.provider, CompletionStore):
+            return None
         found = self._call("read a record", self.provider.completion, self.prefix + key, task_id)
         return None if found is None else self._unprefixed_record(found)
 
@@ -385,6 +400,8 @@ class LockService:
         """Every live completion record on a key (without the prefix) starting with ``prefix``."""
         if not isinstance(prefix, str) or "\x00" in prefix:
             raise InvalidArgumentError("prefix must be a str without NUL characters")
+        if not isinstance(self.provider, CompletionStore):
+            return []
         found = self._call("list records", self.provider.completions, self.prefix + prefix)
         return [self._unprefixed_record(record) for record in found]
 
@@ -395,6 +412,8 @@ class LockService:
         """
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         check_task_id(task_id, MAX_TASK_ID_LENGTH)
+        if not isinstance(self.provider, CompletionStore):
+            return False
         return bool(self._call("forget a record", self.provider.forget, self.prefix + key, task_id))
 
     def _unprefixed_record(self, record: CompletionInfo) -> CompletionInfo:

@@ -7,11 +7,20 @@ ends the run, read by the acquire of a later copy (same call), expired by the st
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
-from celery_exclusive import AlreadyDone, InvalidArgumentError, LockedError, ReleaseOutcome
-from celery_exclusive.providers.base import Completion, Done, Grant
+from celery_exclusive import (
+    AlreadyDone,
+    InvalidArgumentError,
+    LockedError,
+    LockProvider,
+    LockService,
+    MemoryLockProvider,
+    ReleaseOutcome,
+)
+from celery_exclusive.providers.base import Completion, CompletionStore, Done, Grant
 from tests.conftest import Store
 
 
@@ -152,3 +161,51 @@ def test_bad_completion_input_is_rejected_before_the_store(store: Store) -> None
     with pytest.raises(InvalidArgumentError):
         service.forget("bad", "a\x00b")
     lease.release()
+
+
+class _LeasesOnly:
+    """A third-party provider written before completion records: the LockProvider methods only."""
+
+    max_key_length = 1024
+
+    def __init__(self) -> None:
+        self.inner = MemoryLockProvider()
+
+    def acquire(self, *args: Any) -> Any:
+        return self.inner.acquire(*args)
+
+    def refresh(self, requests: Any) -> Any:
+        return self.inner.refresh(requests)
+
+    def release(self, key: str, token: str) -> bool:
+        return self.inner.release(key, token)
+
+    def peek(self, key: str) -> Any:
+        return self.inner.peek(key)
+
+    def scan(self, prefix: str) -> Any:
+        return self.inner.scan(prefix)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def diagnose(self) -> Any:
+        return self.inner.diagnose()
+
+
+def test_a_provider_without_record_methods_still_works() -> None:
+    """Such a provider is still a LockProvider: the service just keeps no records."""
+    provider = _LeasesOnly()
+    assert isinstance(provider, LockProvider)
+    assert not isinstance(provider, CompletionStore)
+    service = LockService(provider)
+    try:
+        assert not service.keeps_records
+        service.lock("k", task_id="t").release(done("t"))
+        service.lock("k", task_id="t").release()  # nothing was recorded
+        assert service.completion("k", "t") is None
+        assert service.completions() == []
+        assert service.forget("k", "t") is False
+    finally:
+        service.close()
+    assert isinstance(MemoryLockProvider(), CompletionStore)
