@@ -64,7 +64,7 @@ DEFAULT_RETENTION = 24 * 60 * 60.0
 DEFERRED_HEADER = "celery_exclusive_deferred"
 
 
-def retention(task: ExclusiveTask) -> float | None:
+def retention(task: ExclusiveTask[..., Any]) -> float | None:
     """Seconds a completion record of ``task`` is kept, or None when it keeps none (cached)."""
     cached = task.__dict__.get("_lock_retention_cache", False)
     if cached is not False:
@@ -85,7 +85,7 @@ def retention(task: ExclusiveTask) -> float | None:
     return result
 
 
-def once_id(task: ExclusiveTask) -> str | None:
+def once_id(task: ExclusiveTask[..., Any]) -> str | None:
     """The task id this worker run checks and records, or None (inline run, records off,
     or an id a record cannot hold: more than 200 characters, NUL)."""
     request = task.request
@@ -98,7 +98,7 @@ def once_id(task: ExclusiveTask) -> str | None:
 
 
 def completion(
-    task: ExclusiveTask, exc: BaseException | None, *, interrupted: bool = False
+    task: ExclusiveTask[..., Any], exc: BaseException | None, *, interrupted: bool = False
 ) -> Completion | None:
     """The record a run that ended with ``exc`` (None: returned) writes with its release.
 
@@ -124,12 +124,12 @@ def completion(
     return Completion(task_id, outcome, int(task.request.retries or 0), keep)
 
 
-def retried(task: ExclusiveTask) -> Completion | None:
+def retried(task: ExclusiveTask[..., Any]) -> Completion | None:
     """The record written by the release before ``self.retry()`` sends the next attempt."""
     return completion(task, Retry())
 
 
-def is_copy(task: ExclusiveTask, holder: LockInfo | None) -> bool:
+def is_copy(task: ExclusiveTask[..., Any], holder: LockInfo | None) -> bool:
     """Whether the key is held by a run of this very task id: this message is its copy."""
     request = task.request
     if request.called_directly or request.is_eager or holder is None or not request.id:
@@ -138,7 +138,11 @@ def is_copy(task: ExclusiveTask, holder: LockInfo | None) -> bool:
 
 
 def settle(
-    task: ExclusiveTask, key: str, record: CompletionInfo, args: Sequence[Any], kwargs: Mapping[str, Any]
+    task: ExclusiveTask[..., Any],
+    key: str,
+    record: CompletionInfo,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
 ) -> None:
     """End this delivery if ``record`` covers it; return if it is a later attempt (a retry)."""
     if record.outcome == "retried" and int(task.request.retries or 0) > record.attempt:
@@ -147,7 +151,7 @@ def settle(
 
 
 def end(
-    task: ExclusiveTask,
+    task: ExclusiveTask[..., Any],
     key: str,
     reason: str,
     args: Sequence[Any],
@@ -187,7 +191,7 @@ def end(
 
 
 def _defer(
-    task: ExclusiveTask, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    task: ExclusiveTask[..., Any], holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> float:
     """Re-publish this delivery to look again once the holder's lease could have expired."""
     request = task.request
@@ -198,7 +202,7 @@ def _defer(
     headers = dict(request.headers or {})
     headers[DEFERRED_HEADER] = int(headers.get(DEFERRED_HEADER) or 0) + 1
     signature = task.signature_from_request(
-        request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+        request, tuple(args), dict(kwargs), countdown=countdown, retries=request.retries, headers=headers
     )
     signature.apply_async(add_to_parent=False)
     return countdown
