@@ -328,16 +328,15 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
     )
     # acquire, but a live completion record of :task_id on the key refuses it (a row whose
     # first column is NULL carries the record: outcome, attempt, age, seconds left).
-    acquire_once = acquire.replace(
-        "WITH ins AS (",
+    # Derived from acquire's text, so the two cannot drift apart: one more CTE first, the
+    # insert and the holder's row only without a record, and the record's row.
+    head, insert_guard = "WITH ", "WHERE NOT EXISTS (SELECT 1 FROM"
+    if not acquire.startswith(head) or insert_guard not in acquire:  # pragma: no cover - a code change
+        raise AssertionError("acquire_once cannot be derived from the acquire statement")
+    acquire_once = (
         f"WITH d AS (SELECT {done_cols.format(ts=ts)} FROM {d} "
-        f"WHERE key = :key AND task_id = :task_id AND expires_at > {ts}),\nins AS (",
-        1,
-    ).replace(
-        "WHERE NOT EXISTS (SELECT 1 FROM",
-        "WHERE NOT EXISTS (SELECT 1 FROM d) AND NOT EXISTS (SELECT 1 FROM",
-        1,
-    )
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {ts}),\n" + acquire[len(head) :]
+    ).replace(insert_guard, "WHERE NOT EXISTS (SELECT 1 FROM d) AND NOT EXISTS (SELECT 1 FROM", 1)
     acquire_once += (
         " AND NOT EXISTS (SELECT 1 FROM d)\nUNION ALL\nSELECT NULL::bool, d.outcome::varchar, NULL::text, "
         "d.attempt::bigint, d.age, d.left_s, NULL::float8, NULL::text "
