@@ -7,6 +7,7 @@ integration (:class:`ExclusiveTask`, :func:`exclusive_task`) builds on it.
 from __future__ import annotations
 
 from celery_exclusive.errors import (
+    AlreadyDone,
     BackendError,
     ConfigurationError,
     ExclusiveError,
@@ -17,7 +18,17 @@ from celery_exclusive.errors import (
     MissingDriverError,
 )
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.providers.base import Grant, Held, LockInfo, LockProvider, RefreshRequest
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
+    CompletionStore,
+    Done,
+    Grant,
+    Held,
+    LockInfo,
+    LockProvider,
+    RefreshRequest,
+)
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.service import ExclusiveResult, LockService
 from celery_exclusive.settings import ExclusiveSettings
@@ -28,8 +39,13 @@ from celery_exclusive.worker import get_lock_service
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyDone",
     "BackendError",
+    "Completion",
+    "CompletionInfo",
+    "CompletionStore",
     "ConfigurationError",
+    "Done",
     "ExclusiveError",
     "ExclusiveResult",
     "ExclusiveSettings",

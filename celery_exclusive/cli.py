@@ -35,7 +35,7 @@ from celery_exclusive.errors import (
     ExclusiveError,
     InvalidArgumentError,
 )
-from celery_exclusive.providers.base import Diagnosis, LockInfo
+from celery_exclusive.providers.base import CompletionInfo, Diagnosis, LockInfo
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
 from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, scheme_family, url_secrets
 
@@ -265,14 +265,19 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 @click.command(name="list")
 @click.argument("filter_prefix", metavar="[PREFIX]", required=False, default="")
+@_option("--done", is_flag=True, help="List completion records (finished task ids) instead of leases.")
 @_json_option()
 @_handled
-def list_command(filter_prefix: str, as_json: bool) -> int:
+def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
     """List live leases, optionally only keys starting with PREFIX.
 
-    PREFIX is matched against the key without the lock prefix (--prefix).
+    PREFIX is matched against the key without the lock prefix (--prefix). With --done,
+    list the completion records instead: which task ids finished a run on which key, so
+    that a redelivered copy of their message does not run again.
     """
     target = _target(click.get_current_context())
+    if done:
+        return _list_done(target, filter_prefix, as_json)
     locks = target.service().locks(filter_prefix)
     if as_json:
         _dump({"prefix": target.prefix, "filter": filter_prefix, "locks": [lock_json(i) for i in locks]})
@@ -384,6 +389,66 @@ def _confirm(question: str) -> bool:
             "no answer to the confirmation prompt (no terminal?); nothing released; "
             "pass --yes to release without asking"
         ) from None
+
+
+def completion_json(record: CompletionInfo) -> dict[str, Any]:
+    """The stable JSON form of a completion record (see docs/cli.md)."""
+    return {
+        "key": record.key,
+        "task_id": record.task_id,
+        "outcome": record.outcome,
+        "attempt": record.attempt,
+        "age": round(record.age, 3),
+        "expires_in": round(record.expires_in, 3),
+    }
+
+
+def _list_done(target: Target, filter_prefix: str, as_json: bool) -> int:
+    records = target.service().completions(filter_prefix)
+    if as_json:
+        _dump(
+            {"prefix": target.prefix, "filter": filter_prefix, "done": [completion_json(r) for r in records]}
+        )
+        return EXIT_OK
+    if not records:
+        click.echo(f"no completion records under {target.prefix + filter_prefix!r}")
+        return EXIT_OK
+    headers = ["KEY", "TASK ID", "OUTCOME", "ATTEMPT", "AGE", "EXPIRES IN"]
+    rows = [
+        [
+            printable(r.key),
+            printable(r.task_id),
+            r.outcome,
+            str(r.attempt),
+            human_duration(r.age),
+            human_duration(r.expires_in),
+        ]
+        for r in records
+    ]
+    click.echo(_table(rows, headers))
+    return EXIT_OK
+
+
+@click.command(name="forget")
+@click.argument("task_id")
+@_option("--key", "key", default=None, metavar="KEY", help="Only the record on this lock key.")
+@_handled
+def forget_command(task_id: str, key: str | None) -> int:
+    """Forget that TASK_ID finished: a later copy of its message runs the body again.
+
+    Without --key, every record of TASK_ID (on any key under the prefix) is removed.
+    Exits 1 when there was no such record.
+    """
+    target = _target(click.get_current_context())
+    service = target.service()
+    keys = [key] if key is not None else [r.key for r in service.completions() if r.task_id == task_id]
+    forgotten = [k for k in keys if service.forget(k, task_id)]
+    if not forgotten:
+        click.echo(f"no completion record of task {printable(repr(task_id))}; nothing forgotten")
+        return EXIT_NOT_RELEASED
+    for k in forgotten:
+        click.echo(f"{printable(repr(k))}: forgot task {printable(repr(task_id))}")
+    return EXIT_OK
 
 
 @click.command(name="doctor")
@@ -498,7 +563,7 @@ def _provider_findings(service: LockService) -> list[Diagnosis]:
     return result
 
 
-COMMANDS = (list_command, show_command, release_command, doctor_command)
+COMMANDS = (list_command, show_command, release_command, forget_command, doctor_command)
 
 
 # -- front ends -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Every exception the package raises on purpose derives from :class:`ExclusiveErro
     ├── BackendError              the lock store is down, refused, or answered nonsense
     ├── LockedError               the key is held by someone else (``key``, ``holder``)
     │   └── LockRetriesExceeded   a Celery task gave up waiting for the key
+    ├── AlreadyDone               the task id already has a completion record on the key
     └── LockLost                  a held lease is gone or may be gone (``key``, ``fence``)
 
 A backend outage is always a :class:`BackendError`, never "not acquired": an outage must
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from celery_exclusive.providers.base import LockInfo
+    from celery_exclusive.providers.base import CompletionInfo, LockInfo
 
 
 class ExclusiveError(Exception):
@@ -84,6 +85,21 @@ class LockedError(ExclusiveError):
 
 class LockRetriesExceeded(LockedError):
     """A task retried for its lock ``lock_max_retries`` times and gave up."""
+
+
+class AlreadyDone(ExclusiveError):
+    """``LockService.lock(..., task_id=...)`` refused: ``record`` says that id already ran."""
+
+    def __init__(self, key: str, record: CompletionInfo) -> None:
+        self.key = key
+        self.record = record
+        super().__init__(key, record.task_id, record.outcome)
+
+    def __str__(self) -> str:
+        return (
+            f"task {self.record.task_id!r} already finished a run on lock {self.key!r} "
+            f"({self.record.outcome}, attempt {self.record.attempt})"
+        )
 
 
 class LockLost(ExclusiveError):

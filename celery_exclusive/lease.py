@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import InvalidArgumentError, LockLost
-from celery_exclusive.providers.base import RefreshRequest
+from celery_exclusive.providers.base import Completion, RefreshRequest
 
 if TYPE_CHECKING:
     from celery_exclusive.service import LockService
@@ -210,9 +210,15 @@ class Lease:
                 return
         callback(self, "the lease was already lost")
 
-    def release(self) -> ReleaseOutcome:
-        """Release the lease; idempotent. Never raises for a store outage: returns UNKNOWN."""
-        return self._service.release(self)
+    def release(self, completion: Completion | None = None) -> ReleaseOutcome:
+        """Release the lease; idempotent. Never raises for a store outage: returns UNKNOWN.
+
+        ``completion`` is recorded on the key by the same store call (see
+        :meth:`LockService.completion <celery_exclusive.service.LockService.completion>`).
+        """
+        if completion is None:
+            return self._service.release(self)
+        return self._service.release(self, completion)
 
     # State changes below are made by the service and heartbeat while holding ``_mutex``.
 

@@ -11,6 +11,7 @@ Usable without Celery::
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import secrets
@@ -24,15 +25,28 @@ from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from celery_exclusive import signals
-from celery_exclusive.errors import BackendError, InvalidArgumentError, LockedError
+from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.providers.base import Grant, Held, LockInfo, LockProvider, encode_holder
+from celery_exclusive.providers.base import (
+    COMPLETION_OUTCOMES,
+    MAX_TASK_ID_LENGTH,
+    Completion,
+    CompletionInfo,
+    CompletionStore,
+    Done,
+    Grant,
+    Held,
+    LockInfo,
+    LockProvider,
+    encode_holder,
+)
 from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
 from celery_exclusive.validation import (
     MAX_LIFETIME_CAP,
     check_key,
     check_prefix,
+    check_task_id,
     lease_durations,
     seconds,
 )
@@ -130,6 +144,8 @@ class LockService:
         else:
             raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
         self.clock = clock
+        #: Whether the store keeps completion records (see ``completion()``).
+        self.keeps_records = isinstance(self.provider, CompletionStore)
         self._batch_size = heartbeat_batch_size
         self._thread_factory = thread_factory
         self._closed = False
@@ -183,14 +199,22 @@ class LockService:
         refresh_interval: float | timedelta | None = None,
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
     ) -> Lease:
         """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
 
         Not re-entrant: a key this process already holds is reported as held. The lease
         is a context manager that releases on exit; otherwise call ``lease.release()``.
-        Raises :class:`BackendError` when the store is unreachable (never LockedError).
+        With ``task_id``, a live completion record of that id on ``key`` (written by
+        ``lease.release(completion)``) makes it raise :class:`AlreadyDone` instead, checked
+        in the same store call. Raises :class:`BackendError` when the store is unreachable
+        (never LockedError).
         """
-        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder)
+        if task_id is not None:
+            check_task_id(task_id, MAX_TASK_ID_LENGTH)
+            if not self.keeps_records:
+                task_id = None
+        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
         return taken
@@ -204,6 +228,7 @@ class LockService:
         holder: Mapping[str, Any] | None,
         *,
         name_holder: bool = True,
+        task_id: str | None = None,
     ) -> Lease | Held:
         """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
         raises as LockedError, without the cost of an exception on the contended path.
@@ -218,7 +243,11 @@ class LockService:
         store_key = self.prefix + key
         token = new_token()
         sent = self.clock()
-        answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded)
+        answer = self._acquire(
+            store_key, token, ttl_s, lifetime_s, encoded, *(() if task_id is None else (task_id,))
+        )
+        if isinstance(answer, Done):
+            raise AlreadyDone(key, self._unprefixed_record(answer.record))
         if not isinstance(answer, Grant):
             if not name_holder and not signals.lock_contended.receivers:
                 return answer  # a failed try_lock, the hot path under contention
@@ -275,13 +304,20 @@ class LockService:
 
     # -- releasing ------------------------------------------------------------------------
 
-    def release(self, lease: Lease) -> ReleaseOutcome:
+    def release(self, lease: Lease, completion: Completion | None = None) -> ReleaseOutcome:
         """Release ``lease`` if its token still owns the key; never raises for an outage.
 
         Returns RELEASED, NOT_OWNED (it had expired or been taken over: the work may have
         overlapped another holder's, so this is logged as a warning) or UNKNOWN (the store
         did not answer; the heartbeat keeps retrying the release until it can tell).
+        With ``completion``, the same store call records it on the lease's key (see
+        :meth:`completion`); on UNKNOWN the record may be missing (the retried release
+        does not carry it).
         """
+        if completion is not None:
+            _check_completion(completion)
+            if not self.keeps_records:
+                completion = None
         with self._heartbeat.mutex:
             if lease._state is LeaseState.RELEASED:
                 return ReleaseOutcome.NOT_OWNED
@@ -289,7 +325,8 @@ class LockService:
             lease._state = LeaseState.RELEASED
             self._heartbeat.discard(lease)
         try:
-            owned = bool(self._call("release", self.provider.release, lease.store_key, lease.token))
+            record = () if completion is None else (completion,)  # a third-party provider may not take it
+            owned = bool(self._call("release", self.provider.release, lease.store_key, lease.token, *record))
         except BackendError as exc:
             logger.warning(
                 "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
@@ -341,6 +378,49 @@ class LockService:
         return [
             self._unprefixed(info) for info in self._call("scan", self.provider.scan, self.prefix + prefix)
         ]
+
+    # -- completion records -----------------------------------------------------------
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        """The live completion record of ``task_id`` on ``key`` (key without the prefix).
+
+        Records are written by ``lease.release(completion)`` and read by
+        ``lock(..., task_id=...)``; a store that keeps none (a third-party provider without
+        the :class:`~celery_exclusive.providers.base.CompletionStore` methods) answers None,
+        ``[]`` and False here, and ``lock``/``release`` then ignore records.
+        """
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        check_task_id(task_id, MAX_TASK_ID_LENGTH)
+        if not isinstance(self.provider, CompletionStore):
+            return None
+        found = self._call("read a record", self.provider.completion, self.prefix + key, task_id)
+        return None if found is None else self._unprefixed_record(found)
+
+    def completions(self, prefix: str = "") -> list[CompletionInfo]:
+        """Every live completion record on a key (without the prefix) starting with ``prefix``."""
+        if not isinstance(prefix, str) or "\x00" in prefix:
+            raise InvalidArgumentError("prefix must be a str without NUL characters")
+        if not isinstance(self.provider, CompletionStore):
+            return []
+        found = self._call("list records", self.provider.completions, self.prefix + prefix)
+        return [self._unprefixed_record(record) for record in found]
+
+    def forget(self, key: str, task_id: str) -> bool:
+        """Delete the completion record of ``task_id`` on ``key``; True if a live one existed.
+
+        A later copy of that task's message then runs its body again.
+        """
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        check_task_id(task_id, MAX_TASK_ID_LENGTH)
+        if not isinstance(self.provider, CompletionStore):
+            return False
+        return bool(self._call("forget a record", self.provider.forget, self.prefix + key, task_id))
+
+    def _unprefixed_record(self, record: CompletionInfo) -> CompletionInfo:
+        key = record.key[len(self.prefix) :] if record.key.startswith(self.prefix) else record.key
+        return CompletionInfo(
+            key, record.task_id, record.outcome, record.attempt, record.age, record.expires_in
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -398,16 +478,17 @@ class LockService:
         return holder
 
     def _acquire(
-        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str
-    ) -> Grant | Held:
+        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *once: str
+    ) -> Grant | Held | Done:
         """Acquire, retrying once with the same token: the store recognises its own token, so a
         retry after a lost reply returns the lease the first attempt took instead of orphaning it."""
         for attempt in (1, 2):
             sent = self.clock()
             try:
-                return self._call(
-                    "acquire", self.provider.acquire, store_key, token, ttl, max_lifetime, holder
-                )
+                acquire = self.provider.acquire
+                if once:  # keyword-only, and a third-party provider may not take it
+                    acquire = functools.partial(acquire, task_id=once[0])
+                return self._call("acquire", acquire, store_key, token, ttl, max_lifetime, holder)
             except BackendError:
                 if attempt == 2:
                     # The store may have recorded the lease before failing: release it once it answers.
@@ -464,6 +545,18 @@ class LockService:
 
     def _refresh_failed(self, leases: list[Lease], error: Exception) -> None:
         signals.send(signals.refresh_failed, self, leases=leases, error=error)
+
+
+def _check_completion(completion: object) -> None:
+    if not isinstance(completion, Completion):
+        raise InvalidArgumentError(f"completion must be a Completion, got {type(completion).__name__}")
+    check_task_id(completion.task_id, MAX_TASK_ID_LENGTH)
+    if completion.outcome not in COMPLETION_OUTCOMES:
+        raise InvalidArgumentError(f"completion outcome must be one of {COMPLETION_OUTCOMES}")
+    attempt = completion.attempt
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise InvalidArgumentError(f"completion attempt must be an int >= 0, got {attempt!r}")
+    seconds("completion retain", completion.retain)
 
 
 _live_services: weakref.WeakSet[LockService] = weakref.WeakSet()

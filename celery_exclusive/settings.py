@@ -15,6 +15,10 @@ Each field: its ``app.conf`` name, its environment variable, its per-task option
 * ``on_lost``: ``exclusive_on_lost``, ``CELERY_EXCLUSIVE_ON_LOST``, ``lock_on_lost``
 * ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``: ``exclusive_<name>``,
   ``CELERY_EXCLUSIVE_<NAME>``, ``<name>``
+* ``done_retention``: ``exclusive_done_retention``, ``CELERY_EXCLUSIVE_DONE_RETENTION``,
+  ``lock_done_retention``: how long a finished task id's completion record is kept (None:
+  Celery's ``result_expires``, or 24 h without one); ``False`` (``false``/``off`` in the
+  environment) keeps none
 
 Durations are seconds (int/float) or ``timedelta``; in the environment, seconds.
 """
@@ -57,6 +61,7 @@ TASK_OPTIONS = {
     "lock_max_retries": "lock_max_retries",
     "lock_retry_backoff": "lock_retry_backoff",
     "lock_retry_backoff_max": "lock_retry_backoff_max",
+    "done_retention": "lock_done_retention",
 }
 _DURATIONS = ("ttl", "max_lifetime", "refresh_interval", "lock_retry_backoff", "lock_retry_backoff_max")
 _CONF_NAMES = {"ttl": "default_ttl"}
@@ -89,6 +94,7 @@ class ExclusiveSettings:
     lock_max_retries: int = DEFAULT_LOCK_MAX_RETRIES
     lock_retry_backoff: float = DEFAULT_LOCK_RETRY_BACKOFF
     lock_retry_backoff_max: float = DEFAULT_LOCK_RETRY_BACKOFF_MAX
+    done_retention: float | bool | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and not isinstance(self.url, str):
@@ -100,6 +106,8 @@ class ExclusiveSettings:
                 object.__setattr__(self, name, seconds(name, value))
         check_on_locked(self.on_locked)
         check_on_lost(self.on_lost)
+        if self.done_retention is not None:
+            object.__setattr__(self, "done_retention", check_done_retention(self.done_retention))
         retries = self.lock_max_retries
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {retries!r}")
@@ -177,6 +185,17 @@ def check_on_locked(value: object) -> None:
         )
 
 
+def check_done_retention(value: object) -> float | bool:
+    """A completion-record retention: positive seconds (or a timedelta), or False for none."""
+    if value is False:
+        return False
+    if value is True:
+        raise InvalidArgumentError(
+            "done_retention must be a positive duration, or False to keep no completion records, got True"
+        )
+    return seconds("done_retention", value)
+
+
 def check_on_lost(value: object) -> None:
     """Reject anything but a known on-lost policy name."""
     if value not in ON_LOST_POLICIES:
@@ -196,6 +215,8 @@ def check_task_options(**options: Any) -> None:
             check_on_locked(value)
         elif name == "on_lost":
             check_on_lost(value)
+        elif name == "done_retention":
+            check_done_retention(value)
         elif name == "lock_max_retries":
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {value!r}")
@@ -222,7 +243,11 @@ def check_lock_attributes(names: Iterable[str], known: Iterable[str]) -> None:
 
 def _parse_env(name: str, env_name: str, raw: str) -> Any:
     raw = raw.strip()
+    if name == "done_retention" and raw.lower() in ("false", "off", "no"):
+        return False
     try:
+        if name == "done_retention":
+            return float(raw)
         if name in _DURATIONS:
             return timedelta(seconds=float(raw))
         if name == "lock_max_retries":

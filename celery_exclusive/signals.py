@@ -14,7 +14,9 @@ lock_refreshed ``leases`` (list of Lease), ``duration`` (seconds the round trip 
 refresh_failed ``leases`` (list of Lease, now in JEOPARDY), ``error`` (the exception)
 lock_lost      ``key``, ``lease``, ``reason``
 lock_released  ``key``, ``lease``, ``outcome`` (ReleaseOutcome), ``held_for`` (seconds)
-task_skipped   ``key``, ``task``, ``holder`` (sent by the Celery integration; sender=task)
+task_skipped   ``key``, ``task``, ``holder``, ``reason`` (``"locked"``, ``"redelivered"`` or
+               ``"already_done"``), ``record`` (CompletionInfo for ``already_done``, else
+               None); sent by the Celery integration, sender=task
 ============== ==========================================================================
 """
 
@@ -30,7 +32,7 @@ lock_refreshed = Signal(name="lock_refreshed", providing_args=["leases", "durati
 refresh_failed = Signal(name="refresh_failed", providing_args=["leases", "error"])
 lock_lost = Signal(name="lock_lost", providing_args=["key", "lease", "reason"])
 lock_released = Signal(name="lock_released", providing_args=["key", "lease", "outcome", "held_for"])
-task_skipped = Signal(name="task_skipped", providing_args=["key", "task", "holder"])
+task_skipped = Signal(name="task_skipped", providing_args=["key", "task", "holder", "reason", "record"])
 
 
 def send(signal: Signal, sender: object, **kwargs: Any) -> None:

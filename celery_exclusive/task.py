@@ -35,6 +35,11 @@ running body as soon as the loss is known (at its next Python bytecode; a blocki
 finishes first) and fails the run with :class:`LockLost`. ``self.retry()`` releases the
 lock before the retry is sent. Every run (including an ``acks_late`` redelivery with the
 same task id) acquires with a fresh token: a dead run's lock never lets a new run in.
+
+A message delivered again with the same task id (visibility timeout, ``acks_late``
+redelivery, a duplicate publish) never runs the body twice and never touches the real
+result: see :mod:`celery_exclusive.redelivery` (``done_retention`` sets how long a
+finished id is remembered; ``False`` turns that off).
 """
 
 from __future__ import annotations
@@ -69,8 +74,9 @@ from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import observe, signals
+from celery_exclusive import observe, redelivery, signals
 from celery_exclusive.errors import (
+    AlreadyDone,
     BackendError,
     ExclusiveError,
     InvalidArgumentError,
@@ -80,7 +86,7 @@ from celery_exclusive.errors import (
 )
 from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.providers.base import Grant, LockInfo, encode_holder
+from celery_exclusive.providers.base import Completion, Grant, LockInfo, encode_holder
 from celery_exclusive.service import LockService, new_token
 from celery_exclusive.settings import (
     TASK_OPTIONS,
@@ -171,7 +177,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     Lock options are class attributes (``app.task(base=ExclusiveTask, lock_key=...)``),
     None meaning "the app's setting": ``lock_key``, ``lock_on_locked``, ``lock_ttl``,
     ``lock_max_lifetime``, ``lock_refresh_interval``, ``lock_on_lost``,
-    ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``.
+    ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``,
+    ``lock_done_retention`` (see :mod:`celery_exclusive.redelivery`).
     """
 
     lock_key: KeySpec = None
@@ -183,6 +190,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     lock_max_retries: int | None = None
     lock_retry_backoff: float | timedelta | None = None
     lock_retry_backoff_max: float | timedelta | None = None
+    lock_done_retention: float | timedelta | bool | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
     _own_throws: tuple[type[Exception], ...] = ()
@@ -272,11 +280,24 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         service = self.lock_service
         request = self.request
         inline = bool(request.called_directly or request.is_eager)
+        once = None if inline else redelivery.once_id(self)
         attempt = 0
+        asked_again = inline
         while True:
             try:
-                lease = self._acquire(service, settings, key)
+                lease = self._acquire(service, settings, key, once)
+            except AlreadyDone as done:
+                redelivery.settle(self, key, done.record, args, kwargs)  # ends a copy of a finished run
+                once = None  # a retry's own attempt: take the key as usual
+                continue
             except LockedError as locked:
+                if locked.holder is None and not asked_again:
+                    # The holder was committing its grant as we asked: ask once more to
+                    # learn who it is (it may be this very message's original).
+                    asked_again = True
+                    continue
+                if not inline and redelivery.is_copy(self, locked.holder):
+                    redelivery.end(self, key, redelivery.REDELIVERED, args, kwargs, holder=locked.holder)
                 if inline and (
                     settings.on_locked == "retry" or _waits_for(settings.on_locked, locked.holder)
                 ):
@@ -306,7 +327,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """
         lease = self.lock
         if lease is not None:
-            lease.release()
+            lease.release(redelivery.retried(self))
         headers = self.request.headers
         if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
             options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
@@ -332,7 +353,9 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             holder[HANDS_ON_RERUNS] = True
         return holder
 
-    def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease:
+    def _acquire(
+        self, service: LockService, settings: ExclusiveSettings, key: str, once: str | None = None
+    ) -> Lease:
         started = time.perf_counter()
         try:
             return service.lock(
@@ -341,6 +364,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 max_lifetime=settings.max_lifetime,
                 refresh_interval=settings.refresh_interval,
                 holder=self._holder(),
+                task_id=once,
             )
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
@@ -367,17 +391,20 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             finally:
                 if interrupter is not None:
                     interrupter.disarm()
-        except _LeaseLostInterrupt:
-            self._finish(lease, retrying=False)
+        except _LeaseLostInterrupt as exc:
+            self._finish(lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True))
             raise LockLost(
                 lease.key,
                 lease.fence,
                 "the lease was lost while the task ran, so it was interrupted (lock_on_lost='terminate')",
             ) from None
         except BaseException as exc:
-            report.finished(lease, self._finish(lease, retrying=isinstance(exc, Retry)))
+            report.finished(
+                lease,
+                self._finish(lease, retrying=isinstance(exc, Retry), done=redelivery.completion(self, exc)),
+            )
             raise
-        lost = self._finish(lease, retrying=False)
+        lost = self._finish(lease, retrying=False, done=redelivery.completion(self, None))
         report.finished(lease, lost)
         if lost and self.lock_settings.on_lost == "raise":
             raise LockLost(
@@ -388,8 +415,9 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             )
         return result
 
-    def _finish(self, lease: Lease, *, retrying: bool) -> bool:
-        """Pop and release ``lease``; then hand a pending rerun on. True if it had been lost."""
+    def _finish(self, lease: Lease, *, retrying: bool, done: Completion | None = None) -> bool:
+        """Pop and release ``lease`` (recording ``done``, in the same store call); then hand a
+        pending rerun on. True if it had been lost."""
         stack = _running.stack
         for index in range(len(stack) - 1, -1, -1):
             if stack[index][1] is lease:
@@ -398,7 +426,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         state = lease.state
         lost = state is LeaseState.LOST
         if state is not LeaseState.RELEASED:
-            lost = lease.release() is ReleaseOutcome.NOT_OWNED or lost
+            lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
         # A retry will run again and hand the rerun on itself.
         if self.lock_settings.on_locked == "rerun" and not retrying:
             self._start_pending_rerun(lease.key)
@@ -426,7 +454,15 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             logger.info("coalesced: lock %r is held by %s; a rerun is recorded to run after it", key, who)
         else:
             logger.info("skipped: lock %r is held by %s", key, who)
-        signals.send(signals.task_skipped, self, key=key, task=self, holder=holder)
+        signals.send(
+            signals.task_skipped,
+            self,
+            key=key,
+            task=self,
+            holder=holder,
+            reason=redelivery.LOCKED,
+            record=None,
+        )
         outcome = observe.COALESCED if coalesced else observe.SKIPPED
         observe.not_acquired(self, key, holder, outcome, reason="held")
         return skip_marker(key, holder, coalesced=coalesced)
@@ -715,6 +751,7 @@ def exclusive_task(
     lock_max_retries: int | None = None,
     lock_retry_backoff: float | timedelta | None = None,
     lock_retry_backoff_max: float | timedelta | None = None,
+    done_retention: float | timedelta | bool | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,
@@ -740,6 +777,7 @@ def exclusive_task(
         "lock_max_retries": lock_max_retries,
         "lock_retry_backoff": lock_retry_backoff,
         "lock_retry_backoff_max": lock_retry_backoff_max,
+        "lock_done_retention": done_retention,
     }
     for name, value in lock_options.items():
         if value is not None and options.get(name) is not None:

@@ -84,3 +84,16 @@ def lease_durations(
             f"refresh_interval ({refresh_interval:g} s) must be shorter than ttl ({ttl:g} s)"
         )
     return ttl, refresh_interval, max_lifetime
+
+
+def check_task_id(task_id: object, max_length: int) -> str:
+    """A task id for a completion record: a non-empty str without NUL, at most ``max_length``."""
+    if not isinstance(task_id, str) or not task_id:
+        raise InvalidArgumentError(f"task_id must be a non-empty str, got {task_id!r}")
+    if "\x00" in task_id or len(task_id) > max_length:
+        raise InvalidArgumentError(f"task_id must be at most {max_length} characters without NUL")
+    try:
+        task_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError("task_id must be valid Unicode text (no lone surrogates)") from None
+    return task_id

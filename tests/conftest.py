@@ -65,6 +65,7 @@ def drop_lock_table(url: str, table: str) -> None:
         with engine.begin() as conn:
             conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
             conn.execute(text(f"DROP TABLE IF EXISTS {table}_fence"))
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}_done"))
             if engine.dialect.name == "postgresql":
                 conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
     finally:

@@ -51,6 +51,43 @@ class Held:
     holder: LockInfo | None
 
 
+#: Outcomes a completion record can carry: a final success or failure, or an attempt that
+#: ended by handing over to ``self.retry()`` (later attempts of the id still run).
+COMPLETION_OUTCOMES = ("success", "failure", "retried")
+#: Longest task id (in characters) a completion record accepts.
+MAX_TASK_ID_LENGTH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A completion record to write with a release: run ``task_id`` (``attempt`` being its
+    Celery ``retries`` count) ended with ``outcome``; kept ``retain`` seconds (store clock)."""
+
+    task_id: str
+    outcome: str
+    attempt: int
+    retain: float
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionInfo:
+    """A live completion record as the store sees it (times on the store's clock)."""
+
+    key: str
+    task_id: str
+    outcome: str
+    attempt: int
+    age: float
+    expires_in: float
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A refused acquisition: ``record`` says this task id already finished a run on the key."""
+
+    record: CompletionInfo
+
+
 @dataclass(frozen=True, slots=True)
 class RefreshRequest:
     """One lease to extend by ``ttl`` seconds, if ``token`` still owns ``key``."""
@@ -76,8 +113,22 @@ class LockProvider(Protocol):
     #: Longest key (prefix included, in characters) this store accepts.
     max_key_length: int
 
-    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None = None,
+    ) -> Grant | Held | Done:
         """Take ``key`` for ``token`` if it is free, expired, or past its hard deadline.
+
+        With ``task_id`` (only passed to a :class:`CompletionStore`), the same call first
+        looks for a live completion record of that id on ``key`` and, if there is one,
+        answers :class:`Done` and takes nothing (checked in the same statement or script: no
+        extra round trip). Without it, never :class:`Done`.
 
         Atomic: of any number of concurrent callers, at most one gets a :class:`Grant`.
         The lease expires ``min(ttl, max_lifetime)`` seconds from now on the store's clock;
@@ -98,8 +149,16 @@ class LockProvider(Protocol):
         """
         ...
 
-    def release(self, key: str, token: str) -> bool:
-        """Delete the lease if ``token`` owns ``key``; True if it did, False if not owned."""
+    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
+        """Delete the lease if ``token`` owns ``key``; True if it did, False if not owned.
+
+        With ``completion`` (only passed to a :class:`CompletionStore`), the same statement
+        or script also records it on ``key``
+        (whether or not the lease was still owned: the run did end), replacing any record
+        of the same task id; it expires ``completion.retain`` seconds from now on the
+        store's clock. Records live apart from leases (no lease key, no row of the shared
+        table) and never change what any other method answers about leases.
+        """
         ...
 
     def peek(self, key: str) -> LockInfo | None:
@@ -117,6 +176,27 @@ class LockProvider(Protocol):
     def diagnose(self) -> list[Diagnosis]:
         """Health findings for ``celery-exclusive doctor``: schema, server clock vs this
         machine's, replica or pooler in the way, store settings that endanger leases."""
+        ...
+
+
+@runtime_checkable
+class CompletionStore(LockProvider, Protocol):
+    """A lock store that also keeps completion records (all five built-in stores do).
+
+    A provider without these methods still works: the service then neither checks nor
+    writes records (redelivered copies of finished tasks run again, as before records).
+    """
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        """The live completion record of ``task_id`` on ``key``, or None."""
+        ...
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        """Every live completion record on a key starting with ``prefix``, by key and task id."""
+        ...
+
+    def forget(self, key: str, task_id: str) -> bool:
+        """Delete the completion record of ``task_id`` on ``key``; True if a live one existed."""
         ...
 
 

@@ -13,7 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
     Diagnosis,
+    Done,
     Grant,
     Held,
     LockInfo,
@@ -42,6 +45,8 @@ class MemoryLockProvider:
         self._mutex = threading.Lock()
         self._rows: dict[str, _Row] = {}
         self._fences: dict[str, int] = {}
+        # (key, task id) -> (outcome, attempt, recorded at, expires at)
+        self._done: dict[tuple[str, str], tuple[str, int, float, float]] = {}
 
     def __repr__(self) -> str:
         return "MemoryLockProvider()"
@@ -64,9 +69,30 @@ class MemoryLockProvider:
             holder=decode_holder(row.holder),
         )
 
-    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+    def _record(self, key: str, task_id: str, now: float) -> CompletionInfo | None:
+        found = self._done.get((key, task_id))
+        if found is None:
+            return None
+        outcome, attempt, at, expires = found
+        if expires <= now:
+            del self._done[(key, task_id)]
+            return None
+        return CompletionInfo(key, task_id, outcome, attempt, now - at, expires - now)
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None = None,
+    ) -> Grant | Held | Done:
         with self._mutex:
             now = self._clock()
+            if task_id is not None and (record := self._record(key, task_id, now)) is not None:
+                return Done(record)
             row = self._live(key, now)
             if row is not None:
                 if row.token == token:
@@ -91,13 +117,37 @@ class MemoryLockProvider:
                 answers.append(row.expires_at - now)
         return answers
 
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
         with self._mutex:
-            row = self._live(key, self._clock())
+            now = self._clock()
+            if completion is not None:
+                self._done[(key, completion.task_id)] = (
+                    completion.outcome,
+                    completion.attempt,
+                    now,
+                    now + completion.retain,
+                )
+            row = self._live(key, now)
             if row is None or row.token != token:
                 return False
             del self._rows[key]
             return True
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        with self._mutex:
+            return self._record(key, task_id, self._clock())
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        with self._mutex:
+            now = self._clock()
+            found = [self._record(k, t, now) for k, t in sorted(self._done) if k.startswith(prefix)]
+            return [record for record in found if record is not None]
+
+    def forget(self, key: str, task_id: str) -> bool:
+        with self._mutex:
+            live = self._record(key, task_id, self._clock()) is not None
+            self._done.pop((key, task_id), None)
+            return live
 
     def peek(self, key: str) -> LockInfo | None:
         with self._mutex:

@@ -31,6 +31,12 @@ Retention. Acquiring sets the hash's TTL to the lease's hard deadline plus ``RET
 the TTL to ``RETAIN_MS``. A lock key therefore costs memory for at most 24 h after its
 lease ends, however many distinct keys (one per work item, say) are ever used.
 
+Completion records (``release(..., completion)``) are fields ``done:<task id>`` of the
+same hash, valued ``expires|recorded|attempt|outcome`` (server milliseconds): no key of
+their own, so they never collide with a lock key and stay in the lock's hash slot. A record
+past its expiry counts as absent; expired ones are pruned by a later release on that key.
+The hash then lives as long as its longest-kept record (field ``done_max``), if longer.
+
 Fences. A grant's fence is ``max(previous fence + 1, TIME in microseconds)``. While the
 hash exists the previous fence makes the new one larger; once it has expired, at least
 24 h have passed since the last fence of that key was issued (each fence is the server's
@@ -61,7 +67,17 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
-from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
+    Diagnosis,
+    Done,
+    Grant,
+    Held,
+    LockInfo,
+    RefreshRequest,
+    decode_holder,
+)
 from celery_exclusive.urls import mask_url, sentinel_url, split_options
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
@@ -85,15 +101,22 @@ _NOW = (
 
 ACQUIRE = (
     """-- KEYS[1]  the lock hash
--- ARGV[1]  token, ARGV[2] ttl ms, ARGV[3] max lifetime ms, ARGV[4] holder JSON
--- returns  {1, fence, ms left} if granted (or already held by ARGV[1]), else
+-- ARGV[1]  token, ARGV[2] ttl ms, ARGV[3] max lifetime ms, ARGV[4] holder JSON,
+--          ARGV[5] (optional) a task id whose completion record refuses the grant
+-- returns  {1, fence, ms left} if granted (or already held by ARGV[1]),
+--          {2, record, now} if ARGV[5] has a live completion record, else
 --          {0, token, fence, created, expires, deadline, holder, now} of the live holder
 -- A grant's fence is max(previous fence + 1, TIME in microseconds); the hash then lives
 -- until RETAIN ms after the lease's hard deadline.
 """
     + _NOW
     + f"local RETAIN = {RETAIN_MS}\n"
-    + """local r = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires', 'created', 'deadline', 'holder')
+    + """if ARGV[5] then
+  local d = redis.call('HGET', KEYS[1], 'done:' .. ARGV[5])
+  if d and (tonumber(string.match(d, '^(%d+)|')) or 0) > now then return {2, d, now} end
+end
+local r = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires', 'created', 'deadline', 'holder',
+                     'done_max')
 local expires = tonumber(r[3]) or 0
 if r[1] and expires > now then
   if r[1] == ARGV[1] then return {1, tonumber(r[2]), expires - now} end
@@ -104,7 +127,8 @@ local ttl = math.min(tonumber(ARGV[2]), life)
 local fence = math.max((tonumber(r[2]) or 0) + 1, t[1] * 1000000 + t[2])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
            'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], int(life + RETAIN))
+-- Completion records kept longer than that keep the hash alive as long.
+redis.call('PEXPIRE', KEYS[1], int(math.max(life + RETAIN, (tonumber(r[7]) or 0) - now)))
 return {1, fence, ttl}
 """
 )
@@ -135,19 +159,86 @@ return out
 
 RELEASE = (
     """-- KEYS[1]  the lock hash
--- ARGV[1]  token
+-- ARGV[1]  token; optionally a completion record: ARGV[2] task id, ARGV[3] its stored
+--          value 'expires|recorded|attempt|outcome' without the times, ARGV[4] retain ms
 -- returns  1 if ARGV[1] held a live lease and it was deleted, else 0 (a dead lease is
---          cleared either way); the fence field stays, for RETAIN ms
+--          cleared either way); the fence field stays, for RETAIN ms (or as long as the
+--          longest-kept completion record, field 'done_max')
+-- A record is field 'done:<task id>' of the same hash (no key of its own, so one slot);
+-- expired records are pruned when the hash has doubled since the last pruning.
 """
     + _NOW
     + f"local RETAIN = {RETAIN_MS}\n"
-    + """local r = redis.call('HMGET', KEYS[1], 'token', 'expires')
-if not r[1] then return 0 end
-local live = (tonumber(r[2]) or 0) > now
-if live and r[1] ~= ARGV[1] then return 0 end
-redis.call('HDEL', KEYS[1], 'token', 'created', 'expires', 'deadline', 'holder')
-redis.call('PEXPIRE', KEYS[1], RETAIN)
-if live then return 1 end
+    + """local r = redis.call('HMGET', KEYS[1], 'token', 'expires', 'done_max')
+local owned, cleared = 0, false
+if r[1] then
+  local live = (tonumber(r[2]) or 0) > now
+  if not (live and r[1] ~= ARGV[1]) then
+    redis.call('HDEL', KEYS[1], 'token', 'created', 'expires', 'deadline', 'holder')
+    cleared = true
+    if live then owned = 1 end
+  end
+end
+local keep = (tonumber(r[3]) or 0) - now
+if ARGV[2] then
+  local until_ms = now + tonumber(ARGV[4])
+  redis.call('HSET', KEYS[1], 'done:' .. ARGV[2], int(until_ms) .. '|' .. int(now) .. '|' .. ARGV[3])
+  if until_ms - now > keep then
+    keep = until_ms - now
+    redis.call('HSET', KEYS[1], 'done_max', int(until_ms))
+  end
+  local n = redis.call('HLEN', KEYS[1])
+  if n > 2 * (tonumber(redis.call('HGET', KEYS[1], 'done_scan')) or 0) + 16 then
+    local all = redis.call('HGETALL', KEYS[1])
+    for i = 1, #all, 2 do
+      local gone = (tonumber(string.match(all[i + 1], '^(%d+)|')) or 0) <= now
+      if string.sub(all[i], 1, 5) == 'done:' and gone then
+        redis.call('HDEL', KEYS[1], all[i])
+      end
+    end
+    redis.call('HSET', KEYS[1], 'done_scan', redis.call('HLEN', KEYS[1]))
+  end
+  if not cleared and redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], int(keep)) end
+end
+if cleared then redis.call('PEXPIRE', KEYS[1], int(math.max(RETAIN, keep))) end
+return owned
+"""
+)
+
+DONE = (
+    """-- KEYS[i]  lock hashes (one hash slot)
+-- ARGV[1]  a task id, or '' for every record
+-- returns  {now, {i, field, value}...}: the completion records stored on KEYS[i]
+--          (live or not: the caller compares their expiry with now)
+"""
+    + _NOW
+    + """local out = {now}
+for i = 1, #KEYS do
+  if redis.call('TYPE', KEYS[i]).ok == 'hash' then
+    if ARGV[1] ~= '' then
+      local v = redis.call('HGET', KEYS[i], 'done:' .. ARGV[1])
+      if v then out[#out + 1] = {i, 'done:' .. ARGV[1], v} end
+    else
+      local all = redis.call('HGETALL', KEYS[i])
+      for j = 1, #all, 2 do
+        if string.sub(all[j], 1, 5) == 'done:' then out[#out + 1] = {i, all[j], all[j + 1]} end
+      end
+    end
+  end
+end
+return out
+"""
+)
+
+FORGET = (
+    """-- KEYS[1]  the lock hash; ARGV[1] a task id
+-- returns  1 if a live completion record of ARGV[1] was deleted, else 0
+"""
+    + _NOW
+    + """local v = redis.call('HGET', KEYS[1], 'done:' .. ARGV[1])
+if not v then return 0 end
+redis.call('HDEL', KEYS[1], 'done:' .. ARGV[1])
+if (tonumber(string.match(v, '^(%d+)|')) or 0) > now then return 1 end
 return 0
 """
 )
@@ -175,7 +266,7 @@ return out
 
 _SHA = {
     src: hashlib.sha1(src.encode(), usedforsecurity=False).hexdigest()
-    for src in (ACQUIRE, REFRESH, RELEASE, PEEK)
+    for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET)
 }
 _CHUNK = 1000  # keys per script call: bounds how long one script blocks Redis
 _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
@@ -529,8 +620,18 @@ class RedisLockProvider:
             slots.setdefault(slot_of(key), []).append(i)
         return [group[s : s + _CHUNK] for group in slots.values() for s in range(0, len(group), _CHUNK)]
 
-    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
-        args = (1, key, token, _ms(ttl), _ms(max_lifetime), holder)
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None = None,
+    ) -> Grant | Held | Done:
+        once = () if task_id is None else (task_id,)
+        args = (1, key, token, _ms(ttl), _ms(max_lifetime), holder, *once)
         if self._wait_replicas:
             (reply,), acks = self._run_acked(ACQUIRE, [args])
             if reply[0] == 1 and acks < self._wait_replicas:
@@ -539,6 +640,8 @@ class RedisLockProvider:
             reply = self._run(ACQUIRE, *args)
         if reply[0] == 1:
             return Grant(reply[1], reply[2] / 1000)
+        if reply[0] == 2:
+            return Done(self._record(key, "done:" + str(task_id), reply[1], reply[2]))
         return Held(self._info(key, reply[1:7], reply[7]))
 
     def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
@@ -564,8 +667,46 @@ class RedisLockProvider:
                 answers[i] = None if ms < 0 else ms / 1000
         return answers
 
-    def release(self, key: str, token: str) -> bool:
-        return bool(self._run(RELEASE, 1, key, token))
+    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
+        if completion is None:
+            return bool(self._run(RELEASE, 1, key, token))
+        value = f"{completion.attempt}|{completion.outcome}"
+        return bool(self._run(RELEASE, 1, key, token, completion.task_id, value, _ms(completion.retain)))
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        now, *found = self._run(DONE, 1, key, task_id)
+        records = [self._record(key, field, value, now) for _, field, value in found]
+        return next((r for r in records if r.expires_in > 0), None)
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        keys, groups = self._hashes(prefix)
+        calls = [(len(group), *[keys[i] for i in group], "") for group in groups]
+        records: list[CompletionInfo] = []
+        for group, (now, *found) in zip(groups, self._run_many(DONE, calls), strict=True):
+            for index, field, value in found:
+                record = self._record(keys[group[int(index) - 1]], field, value, now)
+                if record.expires_in > 0:
+                    records.append(record)
+        return sorted(records, key=lambda r: (r.key, r.task_id))
+
+    def forget(self, key: str, task_id: str) -> bool:
+        return bool(self._run(FORGET, 1, key, task_id))
+
+    def _record(self, key: str, field: Any, value: Any, now: Any) -> CompletionInfo:
+        """CompletionInfo from field ``done:<task id>`` = ``expires|recorded|attempt|outcome``."""
+        try:
+            expires, recorded, attempt, outcome = _str(value).split("|", 3)
+            t = int(now)
+            return CompletionInfo(
+                key,
+                _str(field)[5:],
+                outcome,
+                int(attempt),
+                (t - int(recorded)) / 1000,
+                (int(expires) - t) / 1000,
+            )
+        except (TypeError, ValueError) as exc:
+            raise self._fail(ValueError(f"malformed completion record on {key!r}: {exc}")) from exc
 
     def peek(self, key: str) -> LockInfo | None:
         reply = self._run(PEEK, 1, key)
@@ -665,16 +806,20 @@ class RedisLockProvider:
             )
         return found
 
-    def scan(self, prefix: str) -> list[LockInfo]:
+    def _hashes(self, prefix: str) -> tuple[list[str], list[range | list[int]]]:
+        """The hash keys starting with ``prefix``, sorted, and their groups for script calls."""
         pattern = prefix.translate(_GLOB) + "*"
         try:
             client = self._client
             where = {"target_nodes": client.PRIMARIES} if self._cluster else {}
             names = {_str(k) for k in client.scan_iter(match=pattern, count=1000, _type="hash", **where)}
             keys = sorted(k for k in names if k.startswith(prefix))
-            groups = self._groups(keys)
+            return keys, self._groups(keys)
         except self._errors as exc:
             raise self._fail(exc) from exc
+
+    def scan(self, prefix: str) -> list[LockInfo]:
+        keys, groups = self._hashes(prefix)
         calls = [(len(group), *[keys[i] for i in group]) for group in groups]
         infos: list[LockInfo] = []
         for group, (now, *rows) in zip(groups, self._run_many(PEEK, calls), strict=True):

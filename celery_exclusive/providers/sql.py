@@ -12,6 +12,13 @@ On PostgreSQL with psycopg 3 each operation is one autocommit statement on a con
 provider keeps (acquire and release as prepared statements through libpq directly, see
 ``libpq.py``), and a contended acquire writes nothing (no transaction id, no WAL). Taking
 over a dead row is the one case that needs a second statement.
+
+Completion records (``release(..., completion)``) live in ``<table>_done``, keyed by lock
+key and task id, created with the lock table. On PostgreSQL the record is written by the
+release statement itself and checked by the acquire statement itself. On SQLite and
+MariaDB the check is one more column of statements the acquire runs anyway, and the write
+one more statement in the release's transaction. Expired records are pruned by later
+releases.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import threading
 import time
 import uuid
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,7 +51,17 @@ from celery_exclusive.errors import (
     MissingDriverError,
 )
 from celery_exclusive.providers import libpq
-from celery_exclusive.providers.base import Diagnosis, Grant, Held, LockInfo, RefreshRequest, decode_holder
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
+    Diagnosis,
+    Done,
+    Grant,
+    Held,
+    LockInfo,
+    RefreshRequest,
+    decode_holder,
+)
 from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
@@ -85,8 +103,24 @@ _inherited_connections: list[Any] = []
 # Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
 _STALE = int(MAX_LIFETIME_CAP)
 #: The hot statements sent through libpq directly, with their result column types.
-_LIBPQ_COLUMNS = {"acquire": "bttiffft", "take_over": "bttiffft", "release": "b"}
+_LIBPQ_COLUMNS = {
+    "acquire": "bttiffft",
+    "acquire_once": "bttiffft",
+    "take_over": "bttiffft",
+    "release": "b",
+    "release_done": "b",
+    "release_done_prune": "b",
+}
 _CHUNK = 500
+#: One record-writing release in this many (by task id) also prunes up to _PRUNE_BATCH
+#: expired records, so pruning keeps up with far more writes than it costs.
+_PRUNE_EVERY = 8
+_PRUNE_BATCH = 32
+
+
+def _prune_suffix(completion: Completion) -> str:
+    """``"_prune"`` for the one release in _PRUNE_EVERY (by task id) that prunes expired records."""
+    return "_prune" if zlib.crc32(completion.task_id.encode()) % _PRUNE_EVERY == 0 else ""
 
 
 def _live(info: LockInfo) -> bool:
@@ -117,6 +151,9 @@ class _Key(sa.types.TypeDecorator[str]):
 
 
 _KEY = _Key()
+_TASK_ID = sa.String(200).with_variant(
+    mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+)
 _TOKEN = sa.Text().with_variant(mysql.TEXT(charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb")
 _STAMP = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 _Rows = list[tuple[Any, ...]]
@@ -128,7 +165,8 @@ _Findings = list[Diagnosis]
 def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
     """The lease table ``name`` in ``metadata``, for Alembic or ``metadata.create_all``.
 
-    Creating it also creates its fence counter (``after_create``), idempotently.
+    Creating it also creates its fence counter and its completion-record table
+    ``<name>_done`` (``after_create``), idempotently.
     """
     _check_name(name)
     table = sa.Table(
@@ -146,6 +184,26 @@ def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
         mariadb_engine="InnoDB",
         mariadb_charset="utf8mb4",
     )
+    # Completion records (task id per lock key) live in a table of their own, so they can
+    # never collide with a lease or with another application's rows of a shared table.
+    # Like the fence counter it is made with the lock table (after_create), not by the
+    # caller's metadata, so create_all() does not try to make it twice.
+    done = sa.Table(
+        name + "_done",
+        sa.MetaData(),
+        sa.Column("key", _KEY, primary_key=True),
+        sa.Column("task_id", _TASK_ID, primary_key=True),
+        sa.Column("outcome", sa.String(16), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("created_at", _STAMP, nullable=False),
+        sa.Column("expires_at", _STAMP, nullable=False),
+        sa.Index(name + "_done_x", "expires_at"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+        mariadb_engine="InnoDB",
+        mariadb_charset="utf8mb4",
+    )
+    table.info["done"] = done
     event.listen(table, "after_create", _create_fence)
     return table
 
@@ -159,6 +217,9 @@ def _check_name(name: str) -> None:
 
 
 def _create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
+    done = table.info.get("done")
+    if done is not None:
+        done.create(connection, checkfirst=True)
     dialect = connection.dialect
     q = dialect.identifier_preparer.quote
     if dialect.name == "postgresql":
@@ -260,8 +321,59 @@ SELECT true, {cols("ins")} FROM ins CROSS JOIN n
 UNION ALL
 SELECT false, {cols("cur")} FROM cur CROSS JOIN n
 WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
+    d = q(name + "_done")
+    done_cols = (
+        "outcome, attempt, extract(epoch FROM {ts} - created_at)::float8, "
+        "extract(epoch FROM expires_at - {ts})::float8"
+    )
+    # acquire, but a live completion record of :task_id on the key refuses it (a row whose
+    # first column is NULL carries the record: outcome, attempt, age, seconds left).
+    # Derived from acquire's text, so the two cannot drift apart: one more CTE first, the
+    # insert and the holder's row only without a record, and the record's row.
+    head, insert_guard = "WITH ", "WHERE NOT EXISTS (SELECT 1 FROM"
+    if not acquire.startswith(head) or insert_guard not in acquire:  # pragma: no cover - a code change
+        raise AssertionError("acquire_once cannot be derived from the acquire statement")
+    acquire_once = (
+        f"WITH d AS (SELECT {done_cols.format(ts=ts)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {ts}),\n" + acquire[len(head) :]
+    ).replace(insert_guard, "WHERE NOT EXISTS (SELECT 1 FROM d) AND NOT EXISTS (SELECT 1 FROM", 1)
+    acquire_once += (
+        " AND NOT EXISTS (SELECT 1 FROM d)\nUNION ALL\nSELECT NULL::bool, d.outcome::varchar, NULL::text, "
+        "d.attempt::bigint, d.age, d.left_s, NULL::float8, NULL::text "
+        "FROM d AS d(outcome, attempt, age, left_s)"
+    )
+    clock = "clock_timestamp()"
+    release_done = f"""WITH rel AS (
+  DELETE FROM {t} WHERE key = :key AND value = :token
+    AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+  RETURNING expires_at > {clock} AND deadline > {clock} AS live),
+rec AS (
+  INSERT INTO {d} AS r (key, task_id, outcome, attempt, created_at, expires_at)
+  VALUES (CAST(:key AS varchar), CAST(:task_id AS varchar), CAST(:outcome AS varchar), CAST(:attempt AS int),
+          {clock}, {clock} + make_interval(secs => CAST(:retain AS float8)))
+  ON CONFLICT (key, task_id) DO UPDATE SET outcome = EXCLUDED.outcome, attempt = EXCLUDED.attempt,
+    created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+  RETURNING 1)"""
     return {
         "acquire": acquire,
+        "acquire_once": acquire_once,
+        # release and the completion record in one statement (data-modifying CTEs all run).
+        "release_done": release_done + "\nSELECT live FROM rel",
+        # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
+        # so the table stays small while the common statement stays cheap to plan.
+        "release_done_prune": release_done
+        + f""",
+prune AS (
+  DELETE FROM {d} WHERE (key, task_id) IN (
+    SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
+    ORDER BY expires_at LIMIT {_PRUNE_BATCH} FOR UPDATE SKIP LOCKED))
+SELECT live FROM rel""",
+        "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {clock}",
+        "done_list": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key LIKE :pattern ESCAPE '!' AND expires_at > {clock}",
+        "done_forget": f"DELETE FROM {d} WHERE key = :key AND task_id = :task_id "
+        f"RETURNING expires_at > {clock}",
         "take_over": take_over,
         "refresh": f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts, {durable} AS durable)
 UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
@@ -348,6 +460,35 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         sql["anchor_put"] = f"INSERT OR IGNORE INTO {f} (id, n) VALUES (:boot, :base)"
         sql["anchor_get"] = f"SELECT n FROM {f} WHERE id = :boot"
         sql["anchor_gc"] = f"DELETE FROM {f} WHERE id < 0 AND id <> :boot"
+    d = q(name + "_done")
+    done_cols = f"{k}, task_id, outcome, attempt, -{secs('created_at')}, {secs('expires_at')}"
+    d_scan = d if dialect.name == "sqlite" else f"{d} IGNORE INDEX (PRIMARY)"
+    # The record check of an acquire, as one more column of a statement it runs anyway:
+    # 'outcome|attempt|age|seconds left' of a live record of :task_id, or NULL.
+    parts = ["outcome", "attempt", f"-{secs('created_at')}", secs("expires_at")]
+    joined = " || '|' || ".join(parts) if dialect.name == "sqlite" else f"CONCAT_WS('|', {', '.join(parts)})"
+    record = (
+        f"(SELECT {joined} FROM {d} WHERE {k} = :key AND task_id = :task_id AND {secs('expires_at')} > 0)"
+    )
+    pick = f"{k} = :key AND task_id = :task_id"
+    expired = f"expires_at <= {stamp('0')} AND NOT ({pick})"
+    sql.update(
+        {
+            "done_get": f"SELECT {done_cols} FROM {d} WHERE {pick} AND {secs('expires_at')} > 0",
+            "done_put": f"REPLACE INTO {d} ({k}, task_id, outcome, attempt, created_at, expires_at) "
+            f"VALUES (:key, :task_id, :outcome, :attempt, {stamp('0')}, {stamp(':retain')})",
+            # One release in _PRUNE_EVERY also removes expired records (any key), up to
+            # _PRUNE_BATCH: the table stays small at a fraction of a statement per release.
+            "done_prune": f"DELETE FROM {d} WHERE rowid IN (SELECT rowid FROM {d} WHERE {expired} "
+            f"ORDER BY expires_at LIMIT {_PRUNE_BATCH})"
+            if dialect.name == "sqlite"
+            else f"DELETE FROM {d} WHERE {expired} ORDER BY expires_at LIMIT {_PRUNE_BATCH}",
+            "done_list": f"SELECT {done_cols} FROM {d_scan} WHERE {match} AND {secs('expires_at')} > 0",
+            "done_forget": f"DELETE FROM {d} WHERE {pick}",
+            "select_once": f"SELECT {cols}, {record} FROM {t} WHERE {k} = :key{lock}",
+            "fence_once": f"SELECT n, {record} FROM {f} WHERE id = 1",
+        }
+    )
     texts = {name: sa.text(s) for name, s in sql.items()}
     texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
     return texts
@@ -597,6 +738,9 @@ class SqlLockProvider:
         self._masked = mask_url(url.render_as_string(hide_password=True))
         self._secrets = url_secrets(url.render_as_string(hide_password=False))
         self._ready = not create_table
+        # Whether <table>_done exists: made with the lock table when create_table is on;
+        # else looked up on first use (a schema migrated before records existed lacks it).
+        self._records: bool | None = True if create_table else None
         self._schema_lock = threading.Lock()
         self._memory = dialect.name == "sqlite" and url.database in (None, "", ":memory:")
         # An in-memory SQLite database is one shared connection: one transaction at a time.
@@ -649,25 +793,52 @@ class SqlLockProvider:
 
     # -- the LockProvider operations -------------------------------------------------
 
-    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None = None,
+    ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
+        if task_id is not None and not self._records_on():
+            task_id = None
         if self._pg:
-            answer = self._pg_answer(self._run_pg("acquire", params), token, granted)
+            if task_id is None:
+                rows = self._run_pg("acquire", params)
+            else:
+                rows = self._run_pg("acquire_once", {**params, "task_id": task_id})
+                if rows and rows[0][0] is None:  # the completion record's row
+                    _, outcome, _, tries, age, left, *_ = rows[0]
+                    record = CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left))
+                    return Done(record)
+            answer = self._pg_answer(rows, token, granted)
             if answer is None:  # a dead row (its holder crashed or lost it): take it over
                 answer = self._pg_answer(self._run_pg("take_over", params), token, granted)
             return Held(None) if answer is None else answer
 
-        def attempt(conn: Connection) -> Grant | Held:
+        def attempt(conn: Connection) -> Grant | Held | Done:
+            once = task_id is not None
             conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
             params.update(self._now(conn))
-            row = conn.execute(self._sql["select"], params).first()
+            if once:
+                params["task_id"] = task_id
+            row = conn.execute(self._sql["select_once" if once else "select"], params).first()
             if row is not None:
-                info = self._info(row)
+                if once and row[-1] is not None:
+                    return self._done(key, str(task_id), row[-1])
+                info = self._info(row[:7])
                 if _live(info):
                     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
                 conn.execute(self._sql["delete"], params)
-            fence = int(conn.execute(self._sql["fence"]).scalar_one())
+            found = conn.execute(self._sql["fence_once" if once and row is None else "fence"], params).one()
+            if once and row is None and found[1] is not None:
+                return self._done(key, str(task_id), found[1])
+            fence = int(found[0])
             conn.execute(self._sql["insert"], {**params, "fence": fence})
             conn.commit()
             return Grant(fence, granted)
@@ -725,20 +896,77 @@ class SqlLockProvider:
         self._transact("refresh", attempt)
         return [answers.get((r.key, r.token)) for r in requests]
 
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
         params: dict[str, Any] = {"key": key, "token": token}
+        if completion is not None and not self._records_on():
+            completion = None
+        if completion is not None:
+            params.update(
+                task_id=completion.task_id,
+                outcome=completion.outcome,
+                attempt=int(completion.attempt),
+                retain=float(completion.retain),
+            )
         if self._pg:
-            return any(bool(live) for (live,) in self._run_pg("release", params))
+            op = "release" if completion is None else "release_done" + _prune_suffix(completion)
+            return any(bool(live) for (live,) in self._run_pg(op, params))
 
         def attempt(conn: Connection) -> bool:
             params.update(self._now(conn))
             owned = conn.execute(self._sql["release_live"], params).rowcount == 1
             if not owned:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
+            if completion is not None:  # same transaction, so no extra commit
+                conn.execute(self._sql["done_put"], params)
+                if _prune_suffix(completion):
+                    conn.execute(self._sql["done_prune"], params)
             conn.commit()
             return owned
 
         return self._transact("release", attempt)
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        if not self._records_on():
+            return None
+        params = {"key": key, "task_id": task_id}
+        if self._pg:
+            rows = self._run_pg("done_get", params)
+        else:
+            rows = self._transact(
+                "read a record",
+                lambda conn: list(conn.execute(self._sql["done_get"], {**params, **self._now(conn)})),
+            )
+        return self._record(rows[0]) if rows else None
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        if not self._records_on():
+            return []
+        pattern = prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        params = {"prefix": prefix, "pattern": pattern}
+        if self._pg:
+            rows = self._run_pg("done_list", params)
+        else:
+            rows = self._transact(
+                "list records",
+                lambda conn: list(conn.execute(self._sql["done_list"], {**params, **self._now(conn)})),
+            )
+        return sorted((self._record(row) for row in rows), key=lambda r: (r.key, r.task_id))
+
+    def forget(self, key: str, task_id: str) -> bool:
+        if not self._records_on():
+            return False
+        params: dict[str, Any] = {"key": key, "task_id": task_id}
+        if self._pg:
+            return any(bool(live) for (live,) in self._run_pg("done_forget", params))
+
+        def attempt(conn: Connection) -> bool:
+            params.update(self._now(conn))
+            live = conn.execute(self._sql["done_get"], params).first() is not None
+            conn.execute(self._sql["done_forget"], params)
+            conn.commit()
+            return live
+
+        return self._transact("forget a record", attempt)
 
     def peek(self, key: str) -> LockInfo | None:
         if self._pg:
@@ -851,6 +1079,13 @@ class SqlLockProvider:
                 exists = sa.inspect(conn).has_table(self.table.name)
                 status = "ok" if exists else ("warn" if not self._ready else "fail")
                 findings.append(Diagnosis("schema", status, f"table {self.table.name!r} exists: {exists}"))
+                done = self.table.name + "_done"
+                if exists and not sa.inspect(conn).has_table(done):
+                    findings.append(
+                        Diagnosis(
+                            "records", "warn", f"table {done!r} is missing: no completion records are kept"
+                        )
+                    )
                 now_sql = (
                     sa.text("SELECT extract(epoch FROM clock_timestamp())") if self._pg else self._sql["now"]
                 )
@@ -898,6 +1133,39 @@ class SqlLockProvider:
             float(hard),
             decode_holder(holder),
         )
+
+    def _records_on(self) -> bool:
+        """Whether the completion-record table is there; warns once if it is not."""
+        ready = self._records
+        if ready is None:
+            self._ensure_schema()
+            name = self.table.name + "_done"
+            try:
+                with self._serial, self._engine.connect() as conn:
+                    ready = bool(sa.inspect(conn).has_table(name))
+            except sa_exc.SQLAlchemyError as exc:
+                raise self._error("look for the completion-record table", exc) from exc
+            if not ready:
+                logger.warning(
+                    "SQL lock store %s: table %r is missing, so no completion records are kept "
+                    "(redelivered copies of finished tasks run again); create it with "
+                    "lock_table(metadata, %r) and metadata.create_all(), or set done_retention=False",
+                    self._masked,
+                    name,
+                    self.table.name,
+                )
+            self._records = ready
+        return ready
+
+    @staticmethod
+    def _done(key: str, task_id: str, packed: Any) -> Done:
+        """Done from the ``outcome|attempt|age|seconds left`` column of an acquire statement."""
+        outcome, attempt, age, left = str(packed).split("|")
+        return Done(CompletionInfo(key, task_id, outcome, int(attempt), float(age), float(left)))
+
+    def _record(self, row: Sequence[Any]) -> CompletionInfo:
+        key, task_id, outcome, attempt, age, left = row
+        return CompletionInfo(str(key), str(task_id), str(outcome), int(attempt), float(age), float(left))
 
     def _ensure_schema(self) -> None:
         if self._ready:

@@ -214,7 +214,7 @@ class ExclusiveStore:
         token = f"held-by-test:{next(self._tokens)}"
         answer = self.provider.acquire(self.prefix + key, token, ttl, ttl, encode_holder(meta))
         if not isinstance(answer, Grant):
-            raise InvalidArgumentError(f"key {key!r} is already held ({answer.holder!r})")
+            raise InvalidArgumentError(f"key {key!r} is already held ({getattr(answer, 'holder', None)!r})")
         return Hold(self, key, token, answer.fence, meta)
 
     def expire(self, key: str) -> bool:

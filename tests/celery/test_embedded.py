@@ -569,18 +569,32 @@ def test_countdown_lock_is_taken_at_execution(locks: LockService) -> None:
 
 
 def test_same_task_id_does_not_enter_a_dead_runs_lock(locks: LockService) -> None:
-    """A redelivered message (same task id) finds the dead run's lease held: it does not get in."""
+    """A redelivered message (same task id) finds the dead run's lease held: it does not get
+    in, stores nothing under the id, and runs once the dead lease is gone (issue #10)."""
     n = uid()
     task_id = str(uuid.uuid4())
-    with locks.lock(f"skip:{n}", holder={"task_id": task_id}):
-        value = skip_task.apply_async((n,), task_id=task_id).get(timeout=10, interval=0.01)
-    assert is_skipped(value)
-    assert ran("skip", n) == 0
-    skip_task.apply_async((n,), task_id=task_id)  # once the dead run's lease is gone, it runs
-    deadline = time.monotonic() + 10
-    while ran("skip", n) == 0:
-        assert time.monotonic() < deadline, "the run with a free key never happened"
-        time.sleep(0.01)
+    seen: list[str] = []
+
+    def skipped(sender: Any = None, reason: str = "", **_: Any) -> None:
+        seen.append(reason)
+
+    signals.task_skipped.connect(skipped, weak=False)
+    try:
+        with locks.lock(f"skip:{n}", holder={"task_id": task_id}, ttl=1.0):
+            result = skip_task.apply_async((n,), task_id=task_id)
+            deadline = time.monotonic() + 10
+            while "redelivered" not in seen:
+                assert time.monotonic() < deadline, "the copy was never handled"
+                time.sleep(0.01)
+        assert ran("skip", n) == 0
+        assert result.state == "PENDING"  # ended with Ignore: no skip marker under the id
+        deadline = time.monotonic() + 10  # its deferred copy comes back after the lease's ttl
+        while ran("skip", n) == 0:
+            assert time.monotonic() < deadline, "the run with a free key never happened"
+            time.sleep(0.01)
+        assert result.get(timeout=10, interval=0.01)["n"] == n
+    finally:
+        signals.task_skipped.disconnect(skipped)
 
 
 def test_custom_base_still_locks(locks: LockService) -> None:

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers import sql as sql_module
-from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import drop_lock_table
 
@@ -777,3 +777,32 @@ def test_diagnose(provider: SqlLockProvider) -> None:
         assert "pw-SECRET" not in finding.detail
     finally:
         dead.close()
+
+
+def test_a_schema_without_the_record_table_keeps_working_without_records(
+    db: Db, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table migrated before completion records existed (create_table=False, no
+    <table>_done): leases work as before, records are skipped with one warning, doctor warns."""
+    metadata = sa.MetaData()
+    lock_table(metadata, db.table)
+    engine = sa.create_engine(db.url)
+    try:
+        metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE {db.table}_done"))
+    finally:
+        engine.dispose()
+    provider = db.provider(create_table=False)
+    try:
+        with caplog.at_level("WARNING", logger="celery_exclusive"):
+            assert isinstance(provider.acquire("k", "t", 5, 60, "{}", task_id="id-1"), Grant)
+            assert provider.release("k", "t", Completion("id-1", "success", 0, 60.0)) is True
+            assert isinstance(provider.acquire("k", "t2", 5, 60, "{}", task_id="id-1"), Grant)
+        assert sum(f"{db.table}_done" in r.getMessage() for r in caplog.records) == 1
+        assert provider.completions("") == []
+        assert provider.completion("k", "id-1") is None
+        assert provider.forget("k", "id-1") is False
+        assert any(d.check == "records" and d.status == "warn" for d in provider.diagnose())
+    finally:
+        provider.close()

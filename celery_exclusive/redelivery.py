@@ -1,0 +1,208 @@
+"""Redelivered messages: one body run, and the real result, per task id.
+
+A broker delivers a message again when it cannot know it was handled: the Redis transport
+restores an unacknowledged message after ``visibility_timeout``; RabbitMQ redelivers when
+the consumer's connection or channel closes; ``acks_late`` with
+``task_reject_on_worker_lost`` requeues the message of a child that died; a producer may
+publish the same task id twice. Such a copy carries the same task id, so an exclusive task
+recognises it in the one store call it makes anyway:
+
+* **a copy during the run** finds the key held by a lease whose holder metadata names its
+  own task id (``redelivered``);
+* **a copy after the run** finds the completion record that the run's release wrote on the
+  key, in the same statement or script (``already_done``). Records are kept for
+  ``done_retention`` (default: Celery's ``result_expires``, or 24 h).
+
+Either way the copy ends with :class:`celery.exceptions.Ignore`: the worker acknowledges
+the message and writes no state or result under the shared id (no skip marker, no
+``LockedError``, no lock retry, no coalesced rerun), and ``task_skipped`` is sent with
+``reason``. ``Reject`` was not chosen: ``Reject(requeue=False)`` stores a FAILURE under the
+id (Celery 5.7, issue #4222) and ``requeue=True`` spins the message between broker and
+worker for as long as the original runs.
+
+A copy during the run cannot tell a live original from a dead one (a SIGKILLed child's
+lease stays live until its ttl runs out). So before it ends it re-publishes itself,
+silently: the same id, arguments, ``retries`` and headers, with a countdown of the holder's
+remaining lease time (at most half the Redis transport's ``visibility_timeout``, so the
+deferred message is not restored as yet another copy). When it arrives, the original has
+either finished (its record ends the copy: ``already_done``), is still running (deferred
+again), or died and its lease expired (the copy takes the key and runs the work, once).
+With records turned off there is nothing that would end the deferred copy, so the copy is
+only dropped.
+
+``self.retry()`` is told from a redelivery by the attempt: the release before a retry
+records ``retried`` with the request's ``retries``; a message of a later attempt (the
+retry's own) runs, a copy of that attempt or an earlier one does not. Eager runs and
+direct calls neither check nor write records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.log import get_task_logger
+
+from celery_exclusive import signals
+from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, Completion, CompletionInfo, LockInfo
+
+if TYPE_CHECKING:
+    from celery_exclusive.task import ExclusiveTask
+
+logger = get_task_logger("celery_exclusive.task")
+
+#: ``task_skipped`` reasons: the key was held by another run (the ``on_locked`` policy
+#: applied), a copy of this task id's own running message, or a task id already done.
+LOCKED = "locked"
+REDELIVERED = "redelivered"
+ALREADY_DONE = "already_done"
+#: Records are kept this long when neither the task nor Celery's ``result_expires`` says.
+DEFAULT_RETENTION = 24 * 60 * 60.0
+#: Message header counting how often a copy during the run deferred itself.
+DEFERRED_HEADER = "celery_exclusive_deferred"
+
+
+def retention(task: ExclusiveTask[..., Any]) -> float | None:
+    """Seconds a completion record of ``task`` is kept, or None when it keeps none (cached)."""
+    cached = task.__dict__.get("_lock_retention_cache", False)
+    if cached is not False:
+        return cached  # type: ignore[no-any-return]
+    value = task.lock_settings.done_retention
+    result: float | None
+    if value is False:
+        result = None
+    elif isinstance(value, float):
+        result = value
+    else:
+        expires = task.app.conf.result_expires
+        if isinstance(expires, timedelta):
+            expires = expires.total_seconds()
+        ok = isinstance(expires, (int, float)) and not isinstance(expires, bool) and expires > 0
+        result = float(expires) if ok else DEFAULT_RETENTION
+    task.__dict__["_lock_retention_cache"] = result
+    return result
+
+
+def once_id(task: ExclusiveTask[..., Any]) -> str | None:
+    """The task id this worker run checks and records, or None (inline run, records off,
+    or an id a record cannot hold: more than 200 characters, NUL)."""
+    request = task.request
+    if request.called_directly or request.is_eager or retention(task) is None:
+        return None
+    task_id = request.id
+    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID_LENGTH or "\x00" in task_id:
+        return None
+    return task_id
+
+
+def completion(
+    task: ExclusiveTask[..., Any], exc: BaseException | None, *, interrupted: bool = False
+) -> Completion | None:
+    """The record a run that ended with ``exc`` (None: returned) writes with its release.
+
+    None when nothing may be recorded: a run whose message will be delivered again and
+    must run then (``Reject``, a worker shutting down), a body that raised ``Ignore``
+    (``self.replace()`` among others), or no :func:`once_id`.
+    """
+    task_id = once_id(task)
+    if task_id is None:
+        return None
+    if exc is None:
+        outcome = "success"
+    elif isinstance(exc, Retry):
+        outcome = "retried"
+    elif isinstance(exc, (Reject, Ignore)) or not (interrupted or isinstance(exc, Exception)):
+        # Reject(requeue=True) wants the message run again; Ignore is also how
+        # ``self.replace()`` hands the same task id to another signature.
+        return None
+    else:
+        outcome = "failure"
+    keep = retention(task)
+    assert keep is not None  # once_id() said records are on
+    return Completion(task_id, outcome, int(task.request.retries or 0), keep)
+
+
+def retried(task: ExclusiveTask[..., Any]) -> Completion | None:
+    """The record written by the release before ``self.retry()`` sends the next attempt."""
+    return completion(task, Retry())
+
+
+def is_copy(task: ExclusiveTask[..., Any], holder: LockInfo | None) -> bool:
+    """Whether the key is held by a run of this very task id: this message is its copy."""
+    request = task.request
+    if request.called_directly or request.is_eager or holder is None or not request.id:
+        return False
+    return bool(holder.holder.get("task_id") == request.id)
+
+
+def settle(
+    task: ExclusiveTask[..., Any],
+    key: str,
+    record: CompletionInfo,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """End this delivery if ``record`` covers it; return if it is a later attempt (a retry)."""
+    if record.outcome == "retried" and int(task.request.retries or 0) > record.attempt:
+        return
+    end(task, key, ALREADY_DONE, args, kwargs, record=record)
+
+
+def end(
+    task: ExclusiveTask[..., Any],
+    key: str,
+    reason: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    holder: LockInfo | None = None,
+    record: CompletionInfo | None = None,
+) -> NoReturn:
+    """Log, signal and end this delivery without a trace (``Ignore``); a copy during the
+    run first defers itself (see the module docs)."""
+    request = task.request
+    if reason == REDELIVERED:
+        who = "an unknown holder" if holder is None else holder.describe()
+        deferred = _defer(task, holder, args, kwargs) if retention(task) is not None else None
+        logger.info(
+            "redelivered: %s[%s] is already running under lock %r (%s); this copy does not run%s",
+            task.name,
+            request.id,
+            key,
+            who,
+            "" if deferred is None else f" (checks again in {deferred:.1f} s, in case that run died)",
+        )
+    else:
+        assert record is not None
+        logger.info(
+            "already_done: %s[%s] already finished on lock %r (%s, attempt %d, %.0f s ago); "
+            "this copy does not run",
+            task.name,
+            request.id,
+            key,
+            record.outcome,
+            record.attempt,
+            record.age,
+        )
+    signals.send(signals.task_skipped, task, key=key, task=task, holder=holder, reason=reason, record=record)
+    raise Ignore()
+
+
+def _defer(
+    task: ExclusiveTask[..., Any], holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> float:
+    """Re-publish this delivery to look again once the holder's lease could have expired."""
+    request = task.request
+    countdown = max(0.5, (holder.expires_in if holder is not None else task.lock_settings.lease_ttl) + 0.25)
+    transport = task.app.conf.broker_transport_options or {}
+    if str(task.app.conf.broker_url or "").startswith(("redis", "rediss", "sentinel")):
+        countdown = min(countdown, float(transport.get("visibility_timeout", 3600)) / 2)
+    headers = dict(request.headers or {})
+    headers[DEFERRED_HEADER] = int(headers.get(DEFERRED_HEADER) or 0) + 1
+    signature = task.signature_from_request(
+        request, tuple(args), dict(kwargs), countdown=countdown, retries=request.retries, headers=headers
+    )
+    signature.apply_async(add_to_parent=False)
+    return countdown

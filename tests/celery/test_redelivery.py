@@ -1,0 +1,222 @@
+"""Redelivered messages, with real workers and real brokers: one body run and the real
+result per task id (issue #10).
+
+* Redis broker, ``visibility_timeout`` (1 s) shorter than the run (3 s): kombu itself
+  restores the unacknowledged message while the original runs, for every ``on_locked``.
+* RabbitMQ, ``acks_late`` + ``task_reject_on_worker_lost``: the child SIGKILLed after the
+  body (record written) and before the ack; the child SIGKILLed mid-body (the work runs
+  again exactly once, after the dead lease's ttl); one task id published twice, 50 times.
+* ``self.retry()`` still runs every attempt under one id.
+
+Bodies count their runs per task id in Redis (tests/celery/redelivery_app.py). Short mode
+takes about 40 s; ``CE_LONG=1`` publishes more duplicates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from tests.celery.conftest import (
+    SESSION,
+    Process,
+    delete_redis_prefix,
+    spawn,
+    wait_for,
+    wait_ready,
+)
+from tests.conftest import POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
+
+LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
+RABBIT_URL = os.environ.get("CE_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+BACKEND = urlunsplit(urlsplit(REDIS_URL)._replace(path="/12"))
+KEYPREFIX = f"cerd-{SESSION}:"
+os.environ.update({"CE_RD_BACKEND": BACKEND, "CE_RD_KEYPREFIX": KEYPREFIX, "CE_RD_BROKER": BACKEND})
+
+from tests.celery import redelivery_app as rd  # noqa: E402 - configured by the environment above
+
+APP = "tests.celery.redelivery_app"
+
+
+class Group:
+    """One worker on one broker and queue, with its lock store."""
+
+    def __init__(self, broker: str, queue: str, worker: Process) -> None:
+        self.broker = broker
+        self.queue = queue
+        self.worker = worker
+        self._connection: Any = None
+
+    def send(self, task: Any, *args: Any, task_id: str | None = None, **kwargs: Any) -> Any:
+        """Publish ``task(*args, **kwargs)`` to this group's broker and queue (one connection)."""
+        if self._connection is None:
+            self._connection = rd.app.connection_for_write(self.broker)
+        return task.apply_async(args, kwargs, task_id=task_id, queue=self.queue, connection=self._connection)
+
+    def close(self) -> None:
+        """Stop the worker and close the publishing connection."""
+        self.worker.stop(timeout=2)
+        if self._connection is not None:
+            self._connection.release()
+
+    def log(self) -> str:
+        return self.worker.text()
+
+
+def _start(name: str, broker: str, lock_url: str, logdir: Path, *, pool: str, concurrency: int) -> Group:
+    queue = f"cerd-{SESSION}-{name}-{uuid.uuid4().hex[:6]}"
+    env = {
+        "CE_RD_BROKER": broker,
+        "CE_RD_BACKEND": BACKEND,
+        "CE_RD_KEYPREFIX": KEYPREFIX,
+        "CE_RD_QUEUE": queue,
+        "CE_RD_VISIBILITY": "1",
+        "CELERY_EXCLUSIVE_URL": lock_url,
+        "CELERY_EXCLUSIVE_PREFIX": f"cerd{SESSION}{name}:",
+    }
+    args = ["worker", "-P", pool, "-c", str(concurrency), "-n", f"rd-{name}-{SESSION}@%h", "-Q", queue]
+    args += ["-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+    worker = spawn(f"rd-{name}", args, env, logdir, app=APP)
+    try:
+        wait_ready([worker])
+    except BaseException:
+        worker.stop()
+        raise
+    return Group(broker, queue, worker)
+
+
+@pytest.fixture(scope="module")
+def redis_vt(celery_logdir: Path) -> Iterator[Group]:
+    """A worker on a Redis broker whose visibility_timeout (1 s) is shorter than the runs;
+    locks in Redis."""
+    require_server(REDIS_URL)
+    group = _start("vt", BACKEND, REDIS_URL, celery_logdir, pool="threads", concurrency=12)
+    yield group
+    group.close()
+    delete_redis_prefix(REDIS_URL, f"cerd{SESSION}vt:")
+    delete_redis_prefix(BACKEND, KEYPREFIX)
+
+
+@pytest.fixture(scope="module")
+def rabbit(celery_logdir: Path) -> Iterator[Group]:
+    """A prefork worker of 4 processes on RabbitMQ (acks_late, reject_on_worker_lost);
+    locks in PostgreSQL (the libpq fast path)."""
+    require_server(RABBIT_URL)
+    require_server(POSTGRES_URL)
+    require_server(REDIS_URL)
+    table = f"ce_rd_{SESSION}"
+    group = _start(
+        "amqp",
+        RABBIT_URL,
+        with_option(POSTGRES_URL, "table", table),
+        celery_logdir,
+        pool="prefork",
+        concurrency=4,
+    )
+    yield group
+    group.close()
+    with contextlib.suppress(Exception), rd.app.connection_for_write(RABBIT_URL) as conn:
+        conn.default_channel.queue_delete(group.queue)
+    drop_lock_table(POSTGRES_URL, table)
+    delete_redis_prefix(BACKEND, KEYPREFIX)
+
+
+@pytest.fixture
+def dump(request: pytest.FixtureRequest) -> Iterator[list[Group]]:
+    """Groups whose worker log is printed if the test fails."""
+    groups: list[Group] = []
+    yield groups
+    if getattr(getattr(request.node, "rep_call", None), "failed", False):
+        for group in groups:
+            print(f"===== {group.worker.name} =====\n{group.log()[-30000:]}")
+
+
+def _lines(group: Group, reason: str, task_id: str) -> int:
+    return len(re.findall(rf"{reason}: \S+\[{re.escape(task_id)}\]", group.log()))
+
+
+def test_visibility_timeout_copies_never_run_again_under_any_policy(
+    redis_vt: Group, dump: list[Group]
+) -> None:
+    """kombu restores each 3 s run's message after 1 s; for every policy the copy ends
+    without a trace: one body run per id, and the stored result is the body's own."""
+    dump.append(redis_vt)
+    sent = {name: redis_vt.send(task, f"vt-{name}", 3.0) for name, task in rd.ONCE.items()}
+    for name, result in sent.items():
+        assert result.get(timeout=30)["real"] is True, name
+    for name, result in sent.items():
+        assert _lines(redis_vt, "redelivered", result.id) >= 1, f"{name}: no copy was redelivered"
+    time.sleep(1.5)  # the deferred copies come back and find the record
+    for name, result in sent.items():
+        assert rd.runs(result.id) == 1, name
+        assert result.get(timeout=5)["real"] is True, name
+        assert _lines(redis_vt, "already_done", result.id) >= 1, f"{name}: no copy found the record"
+
+
+def test_retry_still_runs_every_attempt_under_one_id(redis_vt: Group, dump: list[Group]) -> None:
+    """max_retries=3: four attempts (retries 0..3) of one task id each run their body once."""
+    dump.append(redis_vt)
+    result = redis_vt.send(rd.retrying, f"retry-{uuid.uuid4().hex[:6]}")
+    assert result.get(timeout=30)["real"] is True
+    attempts = [e["retries"] for e in rd.events() if e["task_id"] == result.id]
+    assert attempts == [0, 1, 2, 3]
+    assert rd.runs(result.id) == 4
+
+
+def test_child_killed_after_the_body_does_not_run_it_again(rabbit: Group, dump: list[Group]) -> None:
+    """SIGKILL after the release wrote the record and before the ack: RabbitMQ redelivers
+    (reject_on_worker_lost) and the copy ends as already_done, without a second body run."""
+    dump.append(rabbit)
+    result = rabbit.send(rd.ONCE["skip"], f"after-{uuid.uuid4().hex[:6]}", 0.1, "after")
+    wait_for(lambda: _lines(rabbit, "already_done", result.id), 30, what="the redelivered copy")
+    assert "WorkerLostError" in rabbit.log() or "exited prematurely" in rabbit.log()
+    time.sleep(1.0)
+    assert rd.runs(result.id) == 1
+
+
+def test_child_killed_mid_body_runs_again_once_after_the_ttl(rabbit: Group, dump: list[Group]) -> None:
+    """SIGKILL mid-body: the redelivered copy finds the dead run's lease and defers itself;
+    once the lease expired it runs the work, exactly once, and its result is stored."""
+    dump.append(rabbit)
+    result = rabbit.send(rd.once_long, f"mid-{uuid.uuid4().hex[:6]}", 0.1, "mid")
+    assert result.get(timeout=60)["real"] is True
+    runs = [e for e in rd.events() if e["task_id"] == result.id]
+    assert len(runs) == 2
+    assert runs[1]["at"] - runs[0]["at"] >= rd.LONG_TTL * 0.9, (
+        "the work ran again before the dead lease expired"
+    )
+    assert _lines(rabbit, "redelivered", result.id) >= 1
+    time.sleep(2)
+    assert rd.runs(result.id) == 2
+
+
+def test_same_task_id_published_twice_runs_once(rabbit: Group, dump: list[Group]) -> None:
+    """Each of 50 task ids (200 with CE_LONG=1) published twice: 50 body runs, 50 real
+    results, and every second copy accounted for by an already_done line."""
+    dump.append(rabbit)
+    count = 200 if LONG else 50
+    ids = [uuid.uuid4().hex for _ in range(count)]
+    results = []
+    for index, task_id in enumerate(ids):
+        for _ in range(2):
+            sent = rabbit.send(rd.ONCE["skip"], f"dup-{index}-{task_id[:6]}", 0.05, task_id=task_id)
+        results.append(sent)
+    for result in results:
+        assert result.get(timeout=120)["real"] is True
+    wait_for(
+        lambda: all(_lines(rabbit, "already_done", task_id) for task_id in ids),
+        30,
+        interval=0.5,
+        what="every duplicate to end as already_done",
+    )
+    assert [rd.runs(task_id) for task_id in ids] == [1] * count
+    assert all(result.get(timeout=5)["real"] is True for result in results)
