@@ -6,11 +6,20 @@ when the store disowns them or their local deadline passes, and retries releases
 outcome was unknown. The thread never dies of an exception: it logs and goes on. The
 clock and thread factory are injectable, and :meth:`Heartbeat.beat` runs one pass, so
 tests can drive it without sleeping.
+
+Deadlines. Every store call runs in a thread of its own with a deadline derived from the
+leases it carries (:func:`refresh_timeout`), passed to the provider as ``timeout=`` so the
+socket gives up too. The heartbeat thread never waits for a call: it dispatches it and
+goes on watching every lease's local deadline, so a call stuck in TCP retransmission
+(a partition that healed after the request vanished) cannot starve the other leases.
+At its deadline a call is abandoned: its leases go to JEOPARDY and are refreshed again on
+another connection (the stuck one stays with the stuck call, which the provider ends).
+An answer that still arrives is applied if it extends a lease: it was measured from its
+send time, so it is safe however late it is.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -18,11 +27,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from celery_exclusive.errors import BackendError
 from celery_exclusive.lease import Lease, LeaseState
-from celery_exclusive.providers.base import LockProvider, RefreshRequest
+from celery_exclusive.providers.base import LockProvider, RefreshRequest, accepts_timeout
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -32,8 +42,14 @@ logger = logging.getLogger("celery_exclusive")
 MAX_SLEEP = 1.0
 #: The thread exits after this many seconds with no lease; the next lease starts a new one.
 IDLE_EXIT = 1.0
-#: While a store call blocks, the deadline watcher looks at the leases at least this often.
-WATCH_POLL = 0.1
+#: Longest any heartbeat store call may take, in seconds, whatever the leases' durations.
+CALL_TIMEOUT_CAP = 10.0
+#: Shortest deadline a heartbeat call gets, in seconds (a LAN round trip is far shorter).
+MIN_CALL_TIMEOUT = 0.05
+#: Deadline of each retried release, in seconds.
+RELEASE_RETRY_TIMEOUT = 2.0
+#: Store calls in flight at once (abandoned ones included); more leases wait for a slot.
+MAX_CALLS = 16
 _refresh_interval = operator.attrgetter("refresh_interval")
 
 
@@ -41,6 +57,34 @@ def _request(lease: Lease) -> RefreshRequest:
     """The lease's refresh request, made once: it never changes."""
     request = lease._request = RefreshRequest(lease.store_key, lease.token, lease.ttl)
     return request
+
+
+def refresh_timeout(leases: Sequence[Lease], now: float) -> float:
+    """The deadline, in seconds from ``now``, of one refresh call carrying ``leases``.
+
+    At most the shortest refresh interval (so a stuck call is given up before the next
+    refresh falls due) and half the time left to the earliest local deadline (so one retry
+    on a fresh connection still fits before the lease is declared LOST), and at most
+    :data:`CALL_TIMEOUT_CAP`; at least :data:`MIN_CALL_TIMEOUT`.
+    """
+    interval = min(map(_refresh_interval, leases))
+    left = min(lease._deadline for lease in leases) - now
+    return float(max(MIN_CALL_TIMEOUT, min(interval, left / 2, CALL_TIMEOUT_CAP)))
+
+
+class _Call:
+    """One store call in flight: its leases (none for releases), send time and deadline."""
+
+    __slots__ = ("abandoned", "deadline", "done", "finished", "leases", "sent", "timeout")
+
+    def __init__(self, leases: Sequence[Lease], sent: float, timeout: float) -> None:
+        self.leases = leases
+        self.sent = sent
+        self.timeout = timeout
+        self.deadline = sent + timeout
+        self.finished = False
+        self.abandoned = False
+        self.done = threading.Event()
 
 
 class Heartbeat:
@@ -59,6 +103,7 @@ class Heartbeat:
     ) -> None:
         self.mutex = threading.Lock()
         self._provider = provider
+        self._timeouts = accepts_timeout(provider.refresh) and accepts_timeout(provider.release)
         self._clock = clock
         self._lose = lose
         self._refreshed = refreshed
@@ -68,6 +113,9 @@ class Heartbeat:
         self._leases: dict[int, Lease] = {}
         # (store key, token) -> monotonic time after which the store has surely expired it.
         self._pending_release: dict[tuple[str, str], float] = {}
+        self._calls: list[_Call] = []  # in flight and not yet abandoned
+        self._busy: set[int] = set()  # id() of the leases those calls carry
+        self._releasing: _Call | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -143,13 +191,14 @@ class Heartbeat:
             if self._stop.is_set():
                 return
             try:
-                delay = self.beat()
+                self._pass()
+                delay = self._next_delay()
             except Exception:  # the heartbeat must outlive any bug or outage
                 logger.warning("celery-exclusive heartbeat pass failed; retrying in 1 s", exc_info=True)
                 delay = 1.0
             with self.mutex:
                 now = self._clock()
-                if self._leases or self._pending_release:
+                if self._leases or self._pending_release or self._calls:
                     idle_since = None
                 else:
                     idle_since = now if idle_since is None else idle_since
@@ -162,39 +211,132 @@ class Heartbeat:
                 self._wake_at = now + delay
 
     def beat(self) -> float:
-        """One pass: refresh what is due, mark what is lost; returns seconds until the next."""
+        """One pass: refresh what is due, mark what is lost; returns seconds until the next.
+
+        Waits for the calls it started, each until its deadline (the thread never does).
+        """
+        for call in self._pass():
+            call.done.wait(max(call.deadline - self._clock(), 0.0) + 0.05)
+        self._abandon_overdue(self._clock())
+        return self._next_delay()
+
+    def _pass(self) -> list[_Call]:
+        """Lose what is past its deadline, give up overdue calls, start calls for what is due."""
         now = self._clock()
+        self._abandon_overdue(now)
         with self.mutex:
             active = list(self._leases.values())
-            pending = list(self._pending_release.items())
+            pending = list(self._pending_release.items()) if self._releasing is None else []
+            busy = set(self._busy)
         due: list[Lease] = []
         strictly_due = False
-        earliest = math.inf  # the first local deadline of the leases still held
         for lease in active:
             if now >= lease._deadline:
                 self._lose(lease, "the lease was not confirmed before its local deadline")
                 continue
-            earliest = min(earliest, lease._deadline)
+            if id(lease) in busy:
+                continue
             if not lease._final and lease._next_refresh - lease.refresh_interval / 2 <= now:
                 due.append(lease)
                 strictly_due = strictly_due or lease._next_refresh <= now
-        if strictly_due or pending:
-            with self._watching_deadlines(earliest):
-                if strictly_due:
-                    for start in range(0, len(due), self._batch_size):
-                        self._refresh(due[start : start + self._batch_size])
-                for (store_key, token), until in pending:
-                    self._retry_release(store_key, token, until)
-        return self._next_delay()
+        started: list[_Call] = []
+        if strictly_due:
+            for first in range(0, len(due), self._batch_size):
+                batch = due[first : first + self._batch_size]
+                call = self._start(batch, now, refresh_timeout(batch, now))
+                if call is None:
+                    break  # every slot is taken by calls still in flight: retry next pass
+                started.append(call)
+        if pending:
+            call = self._start([], now, RELEASE_RETRY_TIMEOUT * len(pending), pending)
+            if call is not None:
+                started.append(call)
+        return started
 
-    def _refresh(self, leases: Sequence[Lease]) -> None:
-        sent = self._clock()
+    def _start(
+        self,
+        leases: Sequence[Lease],
+        now: float,
+        timeout: float,
+        releases: list[tuple[tuple[str, str], float]] | None = None,
+    ) -> _Call | None:
+        """Run one refresh (or the pending releases) in a thread of its own; None if no slot."""
+        call = _Call(leases, now, timeout)
+        with self.mutex:
+            if len(self._calls) >= MAX_CALLS:
+                return None
+            self._calls.append(call)
+            self._busy.update(map(id, leases))
+            if releases is not None:
+                self._releasing = call
+        # Not thread_factory's: that one makes the heartbeat thread (tests replace it).
+        if releases is None:
+            thread = threading.Thread(target=self._refresh, args=(call,), name="celery-exclusive-call")
+        else:
+            thread = threading.Thread(
+                target=self._retry_releases, args=(call, releases), name="celery-exclusive-call"
+            )
+        thread.daemon = True
+        thread.start()
+        return call
+
+    def _finish(self, call: _Call) -> bool:
+        """Mark ``call`` answered; False if it had been abandoned already."""
+        with self.mutex:
+            call.finished = True
+            if call.abandoned:
+                return False
+            self._calls.remove(call)
+            self._busy.difference_update(map(id, call.leases))
+            if self._releasing is call:
+                self._releasing = None
+        return True
+
+    def _abandon_overdue(self, now: float) -> None:
+        """Give up waiting for every call past its deadline: its leases may be refreshed again."""
+        with self.mutex:
+            overdue = [c for c in self._calls if not c.finished and now >= c.deadline]
+            for call in overdue:
+                call.abandoned = True
+                self._calls.remove(call)
+                self._busy.difference_update(map(id, call.leases))
+                if self._releasing is call:
+                    self._releasing = None
+        for call in overdue:
+            if call.leases:
+                error = BackendError(
+                    f"lock store gave no answer to a refresh within its {call.timeout:.3g} s deadline"
+                )
+                self._jeopardy(call.leases, call.sent, error)
+            call.done.set()
+
+    def _refresh(self, call: _Call) -> None:
+        leases = call.leases
+        sent = call.sent
         requests = [lease._request or _request(lease) for lease in leases]
         try:
-            answers = self._provider.refresh(requests)
+            if self._timeouts:
+                answers = self._provider.refresh(requests, timeout=call.timeout)
+            else:
+                answers = self._provider.refresh(requests)
         except Exception as exc:
-            self._jeopardy(leases, sent, exc)
+            if self._finish(call):
+                self._jeopardy(leases, sent, exc)
+            self._done(call)
             return
+        late = not self._finish(call)
+        try:
+            self._apply(leases, sent, answers, late=late)
+        finally:
+            self._done(call)
+
+    def _done(self, call: _Call) -> None:
+        call.done.set()
+        self._wake.set()  # the thread recomputes its wake-up: these leases are due later now
+
+    def _apply(
+        self, leases: Sequence[Lease], sent: float, answers: list[float | None], *, late: bool
+    ) -> None:
         duration = self._clock() - sent
         shortest = min(map(_refresh_interval, leases))
         if duration > shortest / 2:
@@ -215,6 +357,8 @@ class Heartbeat:
                     disowned.append(lease)
                     continue
                 if lease._state in live:
+                    if late and sent + granted - lease._margin <= lease._deadline:
+                        continue  # a later refresh already said more
                     lease._confirm(sent, granted, clamped=granted < lease.ttl * 0.99 - 1e-3)
                     confirmed.append(lease)
                 if lease._final:
@@ -244,52 +388,34 @@ class Heartbeat:
                 lease._next_refresh = sent + min(lease.refresh_interval, max(0.05, remaining / 4))
         self._failed(list(leases), exc)
 
-    def _retry_release(self, store_key: str, token: str, until: float) -> None:
+    def _retry_releases(self, call: _Call, releases: list[tuple[tuple[str, str], float]]) -> None:
         try:
-            self._provider.release(store_key, token)
-        except Exception:
-            if self._clock() < until:
-                return  # still unknown; the store may still hold it, try again next pass
-        with self.mutex:
-            self._pending_release.pop((store_key, token), None)
-
-    @contextlib.contextmanager
-    def _watching_deadlines(self, earliest: float) -> Iterator[None]:
-        """Around a pass's store calls: while they block (a silent network can hold one for
-        a socket timeout, or forever), a watcher thread declares LOST each lease whose local
-        deadline passes, so ``lost`` and ``on_lost`` fire before the store can expire it."""
-        done = threading.Event()
-        watcher = self._thread_factory(
-            target=self._watch_deadlines,
-            args=(done, earliest),
-            name="celery-exclusive-deadlines",
-            daemon=True,
-        )
-        watcher.start()
-        try:
-            yield
+            for (store_key, token), until in releases:
+                if call.abandoned:
+                    return
+                try:
+                    if self._timeouts:
+                        self._provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT)
+                    else:
+                        self._provider.release(store_key, token)
+                except Exception:
+                    if self._clock() < until:
+                        continue  # still unknown; the store may still hold it, try again next pass
+                with self.mutex:
+                    self._pending_release.pop((store_key, token), None)
         finally:
-            done.set()
-
-    def _watch_deadlines(self, done: threading.Event, wake_at: float) -> None:
-        # Wakes at the first deadline, and every WATCH_POLL to see leases added meanwhile;
-        # a pass that ends sooner (the usual case) costs no scan at all.
-        while not done.wait(max(min(wake_at - self._clock(), WATCH_POLL), 0.001)):
-            now = self._clock()
-            with self.mutex:
-                leases = list(self._leases.values())
-            wake_at = math.inf
-            for lease in leases:
-                if now >= lease._deadline:
-                    self._lose(lease, "the lease was not confirmed before its local deadline (store silent)")
-                elif lease._deadline < wake_at:
-                    wake_at = lease._deadline
+            self._finish(call)
+            call.done.set()
 
     def _next_delay(self) -> float:
         now = self._clock()
         with self.mutex:
-            wake = [lease._deadline for lease in self._leases.values()]
-            wake += [lease._next_refresh for lease in self._leases.values() if not lease._final]
+            leases = self._leases.values()
+            wake = [lease._deadline for lease in leases]
+            wake += [
+                lease._next_refresh for lease in leases if not lease._final and id(lease) not in self._busy
+            ]
+            wake += [call.deadline for call in self._calls]
             if self._pending_release:
                 wake.append(now + 1.0)
         if not wake:

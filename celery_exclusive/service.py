@@ -39,6 +39,7 @@ from celery_exclusive.providers.base import (
     Held,
     LockInfo,
     LockProvider,
+    accepts_timeout,
     encode_holder,
 )
 from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
@@ -60,6 +61,28 @@ DEFAULT_MAX_LIFETIME = MAX_LIFETIME_CAP
 _HOST = socket.gethostname()[:64]
 #: Pause before the one same-token retry of an acquire that failed in flight, in seconds.
 ACQUIRE_RETRY_DELAY = 0.05
+#: Default ``call_timeout``: seconds an acquire (its retry included), peek or scan may wait
+#: for the store before it raises BackendError.
+DEFAULT_CALL_TIMEOUT = 10.0
+#: Longest a release waits for the store before it reports UNKNOWN (the heartbeat then
+#: keeps retrying it in the background), in seconds.
+RELEASE_TIMEOUT = 2.0
+#: Top-level packages whose exceptions are the store's failures (driver, network, pool):
+#: only these, and OSError, become BackendError. Anything else, above all an exception a
+#: signal handler raised into the calling thread (KeyboardInterrupt, Celery's
+#: SoftTimeLimitExceeded), propagates unchanged.
+_DRIVER_PACKAGES = frozenset(
+    {"redis", "hiredis", "psycopg", "psycopg2", "sqlalchemy", "pymysql", "MySQLdb", "sqlite3", "_sqlite3"}
+)
+
+
+def is_store_error(exc: BaseException) -> bool:
+    """True if ``exc`` came from the lock store's driver or the network (an outage)."""
+    if isinstance(exc, (BackendError, OSError)):
+        return True
+    if not isinstance(exc, Exception):
+        return False
+    return any(cls.__module__.partition(".")[0] in _DRIVER_PACKAGES for cls in type(exc).__mro__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +137,10 @@ class LockService:
         clock: Callable[[], float] = time.monotonic,
         heartbeat_batch_size: int = 1000,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
+        call_timeout: float | timedelta = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         self.prefix = check_prefix(prefix)
+        self.call_timeout = seconds("call_timeout", call_timeout)
         self.ttl, self.refresh_interval, self.max_lifetime = lease_durations(
             seconds("ttl", ttl),
             None if refresh_interval is None else seconds("refresh_interval", refresh_interval),
@@ -143,6 +168,7 @@ class LockService:
             self.provider = store
         else:
             raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
+        self._timeouts = all(accepts_timeout(getattr(self.provider, name)) for name in ("acquire", "release"))
         self.clock = clock
         #: Whether the store keeps completion records (see ``completion()``).
         self.keeps_records = isinstance(self.provider, CompletionStore)
@@ -326,7 +352,16 @@ class LockService:
             self._heartbeat.discard(lease)
         try:
             record = () if completion is None else (completion,)  # a third-party provider may not take it
-            owned = bool(self._call("release", self.provider.release, lease.store_key, lease.token, *record))
+            owned = bool(
+                self._call(
+                    "release",
+                    self.provider.release,
+                    lease.store_key,
+                    lease.token,
+                    *record,
+                    timeout=min(self.call_timeout, RELEASE_TIMEOUT),
+                )
+            )
         except BackendError as exc:
             logger.warning(
                 "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
@@ -357,7 +392,9 @@ class LockService:
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         if not isinstance(token, str) or not token:
             raise InvalidArgumentError("token must be a non-empty str")
-        return bool(self._call("release", self.provider.release, self.prefix + key, token))
+        return bool(
+            self._call("release", self.provider.release, self.prefix + key, token, timeout=self.call_timeout)
+        )
 
     # -- inspecting -----------------------------------------------------------------------
 
@@ -481,29 +518,52 @@ class LockService:
         self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *once: str
     ) -> Grant | Held | Done:
         """Acquire, retrying once with the same token: the store recognises its own token, so a
-        retry after a lost reply returns the lease the first attempt took instead of orphaning it."""
+        retry after a lost reply returns the lease the first attempt took instead of orphaning it.
+
+        Both attempts together take at most ``call_timeout`` (the retry gets what is left, and
+        none if less than 0.1 s is). An exception that is not the store's (a signal handler's,
+        such as Celery's SoftTimeLimitExceeded) propagates unchanged; the token is then
+        released in the background, as the store may have recorded the lease."""
+        budget_end = time.monotonic() + self.call_timeout
         for attempt in (1, 2):
             sent = self.clock()
             try:
                 acquire = self.provider.acquire
                 if once:  # keyword-only, and a third-party provider may not take it
                     acquire = functools.partial(acquire, task_id=once[0])
-                return self._call("acquire", acquire, store_key, token, ttl, max_lifetime, holder)
+                return self._call(
+                    "acquire",
+                    acquire,
+                    store_key,
+                    token,
+                    ttl,
+                    max_lifetime,
+                    holder,
+                    timeout=budget_end - time.monotonic(),
+                )
             except BackendError:
-                if attempt == 2:
+                if attempt == 2 or budget_end - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
                     # The store may have recorded the lease before failing: release it once it answers.
                     self._heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
                     raise
                 time.sleep(ACQUIRE_RETRY_DELAY)
+            except BaseException:
+                self._heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
+                raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _call(self, what: str, method: Callable[..., T], *args: Any) -> T:
-        """Call the provider; anything but a BackendError from it is still an outage, not an answer."""
+    def _call(self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+        """Call the provider (with ``timeout`` if it takes one); the driver's and the network's
+        exceptions become BackendError, any other exception propagates unchanged."""
         try:
+            if timeout is not None and self._timeouts:
+                return method(*args, timeout=max(timeout, 0.001))
             return method(*args)
         except BackendError:
             raise
         except Exception as exc:
+            if not is_store_error(exc):
+                raise
             raise BackendError(f"lock store failed during {what}: {type(exc).__name__}") from exc
 
     def _winner(self, store_key: str) -> LockInfo | None:

@@ -7,12 +7,19 @@ Expiry is decided by the store's own clock, never the caller's.
 Every method either returns its documented answer or raises
 :class:`~celery_exclusive.errors.BackendError` when the store cannot be reached or
 fails: "not acquired" and "not owned" are answers, an outage is not.
+
+Deadlines. ``acquire``, ``refresh`` and ``release`` take an optional keyword ``timeout``
+(seconds, None for the provider's own network timeouts): a call that has no answer after
+about that long (connecting included) raises BackendError and abandons its connection,
+which is never reused. Providers written before this keyword existed still work: the
+service checks with :func:`accepts_timeout` and the heartbeat stops waiting for them anyway.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -122,6 +129,7 @@ class LockProvider(Protocol):
         holder: str,
         *,
         task_id: str | None = None,
+        timeout: float | None = None,
     ) -> Grant | Held | Done:
         """Take ``key`` for ``token`` if it is free, expired, or past its hard deadline.
 
@@ -140,7 +148,9 @@ class LockProvider(Protocol):
         """
         ...
 
-    def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
+    def refresh(
+        self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
+    ) -> list[float | None]:
         """Extend every lease in ``requests`` in one round trip; one answer per request.
 
         An answer is the seconds the lease now has left (``min(ttl, time to its hard
@@ -149,7 +159,9 @@ class LockProvider(Protocol):
         """
         ...
 
-    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
+    def release(
+        self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
+    ) -> bool:
         """Delete the lease if ``token`` owns ``key``; True if it did, False if not owned.
 
         With ``completion`` (only passed to a :class:`CompletionStore`), the same statement
@@ -198,6 +210,15 @@ class CompletionStore(LockProvider, Protocol):
     def forget(self, key: str, task_id: str) -> bool:
         """Delete the completion record of ``task_id`` on ``key``; True if a live one existed."""
         ...
+
+
+def accepts_timeout(method: Callable[..., object]) -> bool:
+    """True if the provider ``method`` takes the ``timeout`` keyword (or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "timeout" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def encode_holder(holder: dict[str, Any]) -> str:

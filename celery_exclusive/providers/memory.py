@@ -88,6 +88,7 @@ class MemoryLockProvider:
         holder: str,
         *,
         task_id: str | None = None,
+        timeout: float | None = None,  # nothing here can block on a network
     ) -> Grant | Held | Done:
         with self._mutex:
             now = self._clock()
@@ -104,7 +105,9 @@ class MemoryLockProvider:
             self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
             return Grant(fence, granted)
 
-    def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
+    def refresh(
+        self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
+    ) -> list[float | None]:
         answers: list[float | None] = []
         with self._mutex:
             now = self._clock()
@@ -117,7 +120,9 @@ class MemoryLockProvider:
                 answers.append(row.expires_at - now)
         return answers
 
-    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
+    def release(
+        self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
+    ) -> bool:
         with self._mutex:
             now = self._clock()
             if completion is not None:

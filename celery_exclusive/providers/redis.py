@@ -92,8 +92,12 @@ _POLL_AFTER = 0.5
 #: Milliseconds a lock hash outlives its lease's hard deadline, or its release.
 RETAIN_MS = int(MAX_LIFETIME_CAP * 1000)
 
+# ``now`` is the stored unit (ms, rounded down); every time a script *returns* is in µs,
+# measured from ``us``, so a holder is never told its lease lasts longer than it does:
+# a lease stored as ending at ``expires`` ms is dead from ``expires * 1000`` µs on.
 _NOW = (
     "local t = redis.call('TIME')\n"
+    "local us = t[1] * 1000000 + t[2]\n"
     "local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
     # Numbers are written as plain integers: Redis 7.2+ would format 1.7e15 as "1.7e+15".
     "local function int(n) return string.format('%.0f', n) end\n"
@@ -103,9 +107,9 @@ ACQUIRE = (
     """-- KEYS[1]  the lock hash
 -- ARGV[1]  token, ARGV[2] ttl ms, ARGV[3] max lifetime ms, ARGV[4] holder JSON,
 --          ARGV[5] (optional) a task id whose completion record refuses the grant
--- returns  {1, fence, ms left} if granted (or already held by ARGV[1]),
---          {2, record, now} if ARGV[5] has a live completion record, else
---          {0, token, fence, created, expires, deadline, holder, now} of the live holder
+-- returns  {1, fence, µs left} if granted (or already held by ARGV[1]),
+--          {2, record, now in ms} if ARGV[5] has a live completion record, else
+--          {0, token, fence, created, expires, deadline, holder, now in µs} of the live holder
 -- A grant's fence is max(previous fence + 1, TIME in microseconds); the hash then lives
 -- until RETAIN ms after the lease's hard deadline.
 """
@@ -119,24 +123,24 @@ local r = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires', 'created', '
                      'done_max')
 local expires = tonumber(r[3]) or 0
 if r[1] and expires > now then
-  if r[1] == ARGV[1] then return {1, tonumber(r[2]), expires - now} end
-  return {0, r[1], r[2], r[4], r[3], r[5], r[6] or '', now}
+  if r[1] == ARGV[1] then return {1, tonumber(r[2]), expires * 1000 - us} end
+  return {0, r[1], r[2], r[4], r[3], r[5], r[6] or '', us}
 end
 local life = tonumber(ARGV[3])
 local ttl = math.min(tonumber(ARGV[2]), life)
-local fence = math.max((tonumber(r[2]) or 0) + 1, t[1] * 1000000 + t[2])
+local fence = math.max((tonumber(r[2]) or 0) + 1, us)
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
            'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
 -- Completion records kept longer than that keep the hash alive as long.
 redis.call('PEXPIRE', KEYS[1], int(math.max(life + RETAIN, (tonumber(r[7]) or 0) - now)))
-return {1, fence, ttl}
+return {1, fence, (now + ttl) * 1000 - us}
 """
 )
 
 REFRESH = (
     """-- KEYS[i]  lock hashes (n of them, one hash slot)
 -- ARGV[i]  token expected on KEYS[i]; ARGV[n + i] ttl ms for KEYS[i]
--- returns  one integer per key: ms the lease now has left, or -1 if not owned (unchanged)
+-- returns  one integer per key: µs the lease now has left, or -1 if not owned (unchanged)
 -- The hash's TTL already covers the hard deadline, which a refresh never passes.
 """
     + _NOW
@@ -149,7 +153,7 @@ for i = 1, n do
     local expires = math.min(now + tonumber(ARGV[n + i]), tonumber(r[3]))
     if expires > now then
       redis.call('HSET', KEYS[i], 'expires', int(expires))
-      out[i] = expires - now
+      out[i] = expires * 1000 - us
     end
   end
 end
@@ -245,11 +249,11 @@ return 0
 
 PEEK = (
     """-- KEYS[i]  lock hashes (one hash slot)
--- returns  {now, row_1, ..., row_n}; row_i is {token, fence, created, expires, deadline,
+-- returns  {now in µs, row_1, ..., row_n}; row_i is {token, fence, created, expires, deadline,
 --          holder} for a live lease, or 0 if KEYS[i] is free or not a hash
 """
     + _NOW
-    + """local out = {now}
+    + """local out = {us}
 for i = 1, #KEYS do
   out[i + 1] = 0
   if redis.call('TYPE', KEYS[i]).ok == 'hash' then
@@ -280,6 +284,23 @@ DEFAULT_WAIT_TIMEOUT = 0.5
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000 + 1e-6))  # whole ms, rounded down (float noise aside)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic), at least 1 ms: a socket timeout of 0 would
+    make the socket non-blocking instead of failing at once."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _connect_within(conn: Any, timeout: float) -> None:
+    """Connect ``conn`` (TCP, TLS and the AUTH/HELLO/SELECT handshake) within ``timeout`` s."""
+    connect_timeout, socket_timeout = conn.socket_connect_timeout, conn.socket_timeout
+    conn.socket_connect_timeout = min(connect_timeout or timeout, timeout)
+    conn.socket_timeout = min(socket_timeout or timeout, timeout)
+    try:
+        conn.connect()
+    finally:
+        conn.socket_connect_timeout, conn.socket_timeout = connect_timeout, socket_timeout
 
 
 def _str(value: Any) -> str:
@@ -424,6 +445,7 @@ class RedisLockProvider:
         self._execute: Callable[..., Any]
         self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
         self._wait: tuple[object, object] = (wait_replicas, wait_timeout)
+        self._fast = False  # commands go through _send (a client this provider built)
         if client is None:
             if url is None:
                 raise ConfigurationError("RedisLockProvider needs a url or a client")
@@ -475,6 +497,7 @@ class RedisLockProvider:
         self._pool = self._conn.connection_pool
         self._password = self._pool.connection_kwargs.get("password")
         self._execute = self._send
+        self._fast = True
         try:  # redis-py packs through it too, after per-argument checks our arguments never need
             from hiredis import pack_command
         except ImportError:  # pragma: no cover - hiredis comes with the redis extra
@@ -505,7 +528,7 @@ class RedisLockProvider:
     def _via_client(self, *command: Any) -> Any:
         return self._client.execute_command(*command)
 
-    def _send(self, *command: Any) -> Any:
+    def _send(self, *command: Any, timeout: float | None = None) -> Any:
         """Send one command on a connection this provider keeps out of the pool.
 
         redis-py's pool checkout and command wrapper cost about as much Python time as the
@@ -513,31 +536,37 @@ class RedisLockProvider:
         a child; the parent's sockets are dropped, never reused), and a connection idle long
         enough for the server to have closed it (Redis's ``timeout`` counts whole seconds)
         is polled and reconnected before anything is sent. A connection is never left with
-        unread data: any failure mid-command disconnects it.
+        unread data: any failure mid-command disconnects it. ``timeout`` bounds the whole
+        call, connecting included, on the socket; past it the connection is closed.
         """
+        return self._send_many((command,), timeout)[0]
+
+    def _send_many(self, commands: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Any]:
+        """Send ``commands`` pipelined on one kept connection and read every reply; an error
+        reply is raised for one command, returned in its place for several."""
         if self._pid != os.getpid():
             self._idle, self._pid = [], os.getpid()
         now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
         try:
             conn, used = self._idle.pop()
         except IndexError:
             conn, used = self._pool.get_connection(), 0.0
         try:
-            if now - used > _POLL_AFTER:
-                try:
-                    if conn.is_connected and conn.can_read():
-                        conn.disconnect()
-                except self._broken:
-                    conn.disconnect()
-            if not conn.is_connected:
-                # Its own connect(): a Sentinel-managed connection asks where the primary is
-                # now (sending would silently reconnect to the address it had before).
-                conn.connect()
+            self._ready(conn, now - used, deadline)
             if self._pack is None:
-                conn.send_command(*command)
+                conn.send_packed_command(conn.pack_commands(commands))
             else:
-                conn.send_packed_command([self._pack(command)])
-            return conn.read_response()
+                conn.send_packed_command([self._pack(command) for command in commands])
+            if len(commands) == 1:
+                return [conn.read_response()]
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except self._response_error as exc:
+                    replies.append(exc)
+            return replies
         except self._response_error:
             raise
         except BaseException:
@@ -546,49 +575,93 @@ class RedisLockProvider:
         finally:
             self._idle.append((conn, now))
 
-    def _run(self, script: str, numkeys: int, *args: Any) -> Any:
-        """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once."""
+    def _ready(self, conn: Any, idle: float, deadline: float | None) -> None:
+        """Make a kept connection fit to send on: polled if it sat idle (a server-side close
+        is seen and reconnected), connected within ``deadline``, socket timeout set to it."""
+        if idle > _POLL_AFTER:
+            try:
+                if conn.is_connected and conn.can_read():
+                    conn.disconnect()
+            except self._broken:
+                conn.disconnect()
+        if deadline is not None and not conn.is_connected:
+            _connect_within(conn, _left(deadline))
+        sock = conn._sock
+        if sock is not None:  # else sending connects it, with the client's own timeouts
+            sock.settimeout(conn.socket_timeout if deadline is None else _left(deadline))
+
+    def _run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
+        """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
+
+        ``timeout`` is enforced on the socket when this provider built the client (a client
+        you passed keeps its own socket timeouts)."""
+        execute = self._execute
+        if timeout is not None and self._fast:
+            deadline = time.monotonic() + timeout
+            try:
+                try:
+                    return self._send("EVALSHA", _SHA[script], numkeys, *args, timeout=timeout)
+                except self._noscript:
+                    return self._send("EVAL", script, numkeys, *args, timeout=_left(deadline))
+            except self._errors as exc:
+                raise self._fail(exc) from exc
         try:
             try:
-                return self._execute("EVALSHA", _SHA[script], numkeys, *args)
+                return execute("EVALSHA", _SHA[script], numkeys, *args)
             except self._noscript:
-                return self._execute("EVAL", script, numkeys, *args)
+                return execute("EVAL", script, numkeys, *args)
         except self._errors as exc:
             raise self._fail(exc) from exc
 
-    def _run_many(self, script: str, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def _run_many(
+        self, script: str, calls: Sequence[tuple[Any, ...]], timeout: float | None = None
+    ) -> list[Any]:
         """Run ``script`` once per argument tuple (numkeys first), pipelined in one round trip.
 
         On a cluster the pipeline sends each node its share, all nodes before any reply is
         read; replies come back in ``calls`` order either way.
         """
         if len(calls) <= 1:
-            return [self._run(script, *args) for args in calls]
+            return [self._run(script, *args, timeout=timeout) for args in calls]
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            pipe = self._client.pipeline(transaction=False)
-            queue: Callable[..., Any] = pipe.execute_command
-            for args in calls:
-                queue("EVALSHA", _SHA[script], *args)
-            replies: list[Any] = pipe.execute(raise_on_error=False)
+            if self._fast:
+                replies = self._send_many([("EVALSHA", _SHA[script], *args) for args in calls], timeout)
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                queue: Callable[..., Any] = pipe.execute_command
+                for args in calls:
+                    queue("EVALSHA", _SHA[script], *args)
+                replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             raise self._fail(exc) from exc
         for i, reply in enumerate(replies):
             if isinstance(reply, self._noscript):
-                replies[i] = self._run(script, *calls[i])
+                left = None if deadline is None else _left(deadline)
+                replies[i] = self._run(script, *calls[i], timeout=left)
             elif isinstance(reply, Exception):
                 raise self._fail(reply) from reply
         return replies
 
-    def _run_acked(self, script: str, calls: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int]:
+    def _run_acked(
+        self, script: str, calls: Sequence[tuple[Any, ...]], timeout: float | None = None
+    ) -> tuple[list[Any], int]:
         """Like :meth:`_run_many`, then ``WAIT`` for the replicas, all in one round trip;
         the replies and how many replicas acknowledged (one connection: never a cluster)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in (1, 2):
             try:
-                pipe = self._client.pipeline(transaction=False)
-                for args in calls:
-                    pipe.execute_command("EVALSHA", _SHA[script], *args)
-                pipe.execute_command("WAIT", self._wait_replicas, self._wait_ms)
-                *replies, acks = pipe.execute(raise_on_error=False)
+                if self._fast:
+                    commands = [("EVALSHA", _SHA[script], *args) for args in calls]
+                    commands.append(("WAIT", self._wait_replicas, self._wait_ms))
+                    left = None if deadline is None else _left(deadline)
+                    *replies, acks = self._send_many(commands, left)
+                else:
+                    pipe = self._client.pipeline(transaction=False)
+                    for args in calls:
+                        pipe.execute_command("EVALSHA", _SHA[script], *args)
+                    pipe.execute_command("WAIT", self._wait_replicas, self._wait_ms)
+                    *replies, acks = pipe.execute(raise_on_error=False)
             except self._errors as exc:
                 raise self._fail(exc) from exc
             if attempt == 1 and any(isinstance(r, self._noscript) for r in replies):
@@ -629,22 +702,25 @@ class RedisLockProvider:
         holder: str,
         *,
         task_id: str | None = None,
+        timeout: float | None = None,
     ) -> Grant | Held | Done:
         once = () if task_id is None else (task_id,)
         args = (1, key, token, _ms(ttl), _ms(max_lifetime), holder, *once)
         if self._wait_replicas:
-            (reply,), acks = self._run_acked(ACQUIRE, [args])
+            (reply,), acks = self._run_acked(ACQUIRE, [args], timeout)
             if reply[0] == 1 and acks < self._wait_replicas:
                 raise self._unacknowledged("grant", acks)
         else:
-            reply = self._run(ACQUIRE, *args)
+            reply = self._run(ACQUIRE, *args, timeout=timeout)
         if reply[0] == 1:
-            return Grant(reply[1], reply[2] / 1000)
+            return Grant(reply[1], reply[2] / 1e6)
         if reply[0] == 2:
             return Done(self._record(key, "done:" + str(task_id), reply[1], reply[2]))
         return Held(self._info(key, reply[1:7], reply[7]))
 
-    def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
+    def refresh(
+        self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
+    ) -> list[float | None]:
         try:
             groups = self._groups([r.key for r in requests])
         except self._errors as exc:
@@ -657,21 +733,27 @@ class RedisLockProvider:
             )
         answers: list[float | None] = [None] * len(requests)
         if self._wait_replicas:
-            replies, acks = self._run_acked(REFRESH, calls)
+            replies, acks = self._run_acked(REFRESH, calls, timeout)
             if acks < self._wait_replicas:
                 raise self._unacknowledged("refresh", acks)
         else:
-            replies = self._run_many(REFRESH, calls)
+            replies = self._run_many(REFRESH, calls, timeout)
         for group, reply in zip(groups, replies, strict=True):
             for i, ms in zip(group, reply, strict=True):
                 answers[i] = None if ms < 0 else ms / 1000
         return answers
 
-    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
+    def release(
+        self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
+    ) -> bool:
         if completion is None:
-            return bool(self._run(RELEASE, 1, key, token))
+            return bool(self._run(RELEASE, 1, key, token, timeout=timeout))
         value = f"{completion.attempt}|{completion.outcome}"
-        return bool(self._run(RELEASE, 1, key, token, completion.task_id, value, _ms(completion.retain)))
+        return bool(
+            self._run(
+                RELEASE, 1, key, token, completion.task_id, value, _ms(completion.retain), timeout=timeout
+            )
+        )
 
     def completion(self, key: str, task_id: str) -> CompletionInfo | None:
         now, *found = self._run(DONE, 1, key, task_id)
@@ -838,7 +920,8 @@ class RedisLockProvider:
             self._conn.close()
 
     def _info(self, key: str, row: Sequence[Any], now: Any) -> LockInfo:
-        """LockInfo from ``{token, fence, created, expires, deadline, holder}`` at server ``now``."""
+        """LockInfo from ``{token, fence, created, expires, deadline, holder}`` (ms) at server
+        ``now`` (µs)."""
         try:
             token, fence, created, expires, deadline = (_str(v) for v in row[:5])
             t = int(now)
@@ -846,9 +929,9 @@ class RedisLockProvider:
                 key=key,
                 token=token,
                 fence=int(fence),
-                age=(t - int(created)) / 1000,
-                expires_in=(int(expires) - t) / 1000,
-                hard_expires_in=(int(deadline) - t) / 1000,
+                age=(t - int(created) * 1000) / 1e6,
+                expires_in=(int(expires) * 1000 - t) / 1e6,
+                hard_expires_in=(int(deadline) * 1000 - t) / 1e6,
                 holder=decode_holder(row[5]),
             )
         except (TypeError, ValueError) as exc:

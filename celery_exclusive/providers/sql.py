@@ -50,7 +50,7 @@ from celery_exclusive.errors import (
     LockLost,
     MissingDriverError,
 )
-from celery_exclusive.providers import libpq
+from celery_exclusive.providers import deadline, libpq
 from celery_exclusive.providers.base import (
     Completion,
     CompletionInfo,
@@ -689,6 +689,13 @@ def _missing_driver(backend: str, driver: str, module: str, extra: str) -> Missi
     return MissingDriverError(extra, driver, f"pip install {package}, or use {alternative}")
 
 
+def _bounded_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    """A connection opened for a call with a deadline gives up connecting by then."""
+    timeout = deadline.connect_timeout(cparams.get("connect_timeout"))
+    if timeout is not None:
+        cparams["connect_timeout"] = timeout
+
+
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None  # transactions are begun by the "begin" event
     with contextlib.suppress(Exception):  # WAL is an optimisation; a busy or read-only file keeps its mode
@@ -752,6 +759,8 @@ class SqlLockProvider:
         self._gate: Callable[[], contextlib.AbstractContextManager[Any]] = (
             _FORK_GATE.call if dialect.name == "sqlite" else contextlib.nullcontext
         )
+        if self._pg and self._owns_engine:
+            event.listen(self._engine, "do_connect", _bounded_connect)
         self._fast = self._pg and dialect.driver == "psycopg"
         # psycopg connections the fast path owns, detached from the pool: a checkout and
         # check-in cost as much Python time as the SQL. Only for an engine we built.
@@ -802,23 +811,26 @@ class SqlLockProvider:
         holder: str,
         *,
         task_id: str | None = None,
+        timeout: float | None = None,
     ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
         if task_id is not None and not self._records_on():
             task_id = None
         if self._pg:
+            end = None if timeout is None else time.monotonic() + timeout
             if task_id is None:
-                rows = self._run_pg("acquire", params)
+                rows = self._pg_call("acquire", params, timeout)
             else:
-                rows = self._run_pg("acquire_once", {**params, "task_id": task_id})
+                rows = self._pg_call("acquire_once", {**params, "task_id": task_id}, timeout)
                 if rows and rows[0][0] is None:  # the completion record's row
                     _, outcome, _, tries, age, left, *_ = rows[0]
                     record = CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left))
                     return Done(record)
             answer = self._pg_answer(rows, token, granted)
             if answer is None:  # a dead row (its holder crashed or lost it): take it over
-                answer = self._pg_answer(self._run_pg("take_over", params), token, granted)
+                left = None if end is None else max(end - time.monotonic(), 0.001)
+                answer = self._pg_answer(self._pg_call("take_over", params, left), token, granted)
             return Held(None) if answer is None else answer
 
         def attempt(conn: Connection) -> Grant | Held | Done:
@@ -860,7 +872,7 @@ class SqlLockProvider:
             return None
         return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
 
-    def refresh(self, requests: Sequence[RefreshRequest]) -> _Answers:
+    def refresh(self, requests: Sequence[RefreshRequest], *, timeout: float | None = None) -> _Answers:
         wanted = {(r.key, r.token): float(r.ttl) for r in requests}  # a repeated request: the last ttl wins
         if not wanted:
             return []
@@ -872,7 +884,7 @@ class SqlLockProvider:
                 "tokens": [t for _, t in pairs],
                 "ttls": [wanted[p] for p in pairs],
             }
-            for index, remaining in self._run_pg("refresh", params):
+            for index, remaining in self._pg_call("refresh", params, timeout):
                 answers[pairs[int(index) - 1]] = float(remaining)
             return [answers.get((r.key, r.token)) for r in requests]
 
@@ -896,7 +908,9 @@ class SqlLockProvider:
         self._transact("refresh", attempt)
         return [answers.get((r.key, r.token)) for r in requests]
 
-    def release(self, key: str, token: str, completion: Completion | None = None) -> bool:
+    def release(
+        self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
+    ) -> bool:
         params: dict[str, Any] = {"key": key, "token": token}
         if completion is not None and not self._records_on():
             completion = None
@@ -909,7 +923,7 @@ class SqlLockProvider:
             )
         if self._pg:
             op = "release" if completion is None else "release_done" + _prune_suffix(completion)
-            return any(bool(live) for (live,) in self._run_pg(op, params))
+            return any(bool(live) for (live,) in self._pg_call(op, params, timeout))
 
         def attempt(conn: Connection) -> bool:
             params.update(self._now(conn))
@@ -1199,8 +1213,18 @@ class SqlLockProvider:
                     if attempt or not lost_race:
                         raise self._error("set up the lock table", exc) from exc
 
-    def _run_pg(self, op: str, params: dict[str, Any]) -> _Rows:
-        """Run one PostgreSQL statement, autocommit, on a kept or pooled connection; its rows."""
+    def _pg_call(self, op: str, params: dict[str, Any], timeout: float | None) -> _Rows:
+        """``_run_pg``, passing ``timeout`` only when there is one."""
+        if timeout is None:
+            return self._run_pg(op, params)
+        return self._run_pg(op, params, timeout=timeout)
+
+    def _run_pg(self, op: str, params: dict[str, Any], timeout: float | None = None) -> _Rows:
+        """Run one PostgreSQL statement, autocommit, on a kept or pooled connection; its rows.
+
+        With ``timeout`` (psycopg only) the call gives up after about that long: connecting
+        is bounded by ``connect_timeout`` (whole seconds, at least 2), the statement by
+        :mod:`deadline`'s watchdog, which shuts the socket down; the connection is dropped."""
         self._ensure_schema()
         if not self._fast:
             text = sa.text(self._pg_sql[op])
@@ -1211,17 +1235,27 @@ class SqlLockProvider:
                 return rows
 
             return self._transact(op, attempt)
-        fairy, dbapi = self._connection(op)
+        end = None if timeout is None else time.monotonic() + timeout
+        with deadline.connect_budget(timeout):
+            fairy, dbapi = self._connection(op)
+        left = None if end is None else max(end - time.monotonic(), 0.001)
+        watch = None
         try:
-            hot = self._libpq_sql.get(op)
-            if hot is not None:  # acquire and release skip psycopg's cursor layer
-                rows: _Rows = self._libpq.run(dbapi, hot, params)
-            else:
-                rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
-            if not dbapi.autocommit:  # an engine the caller built without autocommit
-                dbapi.commit()
+            with deadline.watch(-1 if left is None else dbapi.pgconn.socket, left) as watch:
+                hot = self._libpq_sql.get(op)
+                if hot is not None:  # acquire and release skip psycopg's cursor layer
+                    rows: _Rows = self._libpq.run(dbapi, hot, params)
+                else:
+                    rows = dbapi.execute(self._psycopg_sql[op], params).fetchall()
+                if not dbapi.autocommit:  # an engine the caller built without autocommit
+                    dbapi.commit()
         except self._pg_error as exc:
             self._failed(fairy, dbapi, exc)
+            if watch is not None and watch.fired:
+                raise BackendError(
+                    f"SQL lock store {self._masked} failed to {op}: no answer within its "
+                    f"{watch.timeout:.3g} s deadline (connection dropped)"
+                ) from exc
             raise self._error(op, exc) from exc
         except BaseException:
             # Interrupted mid-protocol: the connection's state is unknown.

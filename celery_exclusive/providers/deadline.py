@@ -1,0 +1,149 @@
+"""Per-call deadlines on sockets a driver blocks on without a read timeout (libpq).
+
+libpq waits for a reply with no timeout of its own: on a network that went silent a
+statement waits until TCP gives up (``tcp_user_timeout``, keepalives), tens of seconds
+after the lease it was refreshing stopped mattering. :func:`watch` arms a deadline on the
+connection's socket for the length of one call; if the call is still blocked when it
+passes, one watchdog thread per process shuts the socket down (``shutdown(SHUT_RDWR)``
+on a duplicate of its descriptor), which wakes the blocked call at once with an error:
+the connection is then broken and is never reused. Arming and disarming cost a lock and a
+dict operation; the thread wakes only when the earliest deadline passes (at most once a
+second while calls are armed) and exits after a while without any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+#: Seconds without any armed deadline after which the watchdog thread exits.
+IDLE_EXIT = 10.0
+#: The thread wakes at least this often while deadlines are armed, in seconds.
+POLL = 1.0
+
+
+class Watch:
+    """One armed call: ``fired`` is True once its socket was shut down for its deadline."""
+
+    __slots__ = ("deadline", "fd", "fired", "timeout")
+
+    def __init__(self, fd: int, timeout: float) -> None:
+        self.fd = fd
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.fired = False
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self._lock = threading.Condition(threading.Lock())
+        self._armed: dict[int, Watch] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._wake_at = math.inf
+
+    def arm(self, fd: int, timeout: float) -> tuple[int, Watch]:
+        watch = Watch(fd, timeout)
+        ticket = next(self._ids)
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's thread and calls are not ours
+                self._armed, self._thread, self._pid = {}, None, os.getpid()
+                self._wake_at = math.inf
+            self._armed[ticket] = watch
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-exclusive-watchdog", daemon=True
+                )
+                self._wake_at = -math.inf
+                self._thread.start()
+            elif watch.deadline < self._wake_at:
+                self._lock.notify()
+        return ticket, watch
+
+    def disarm(self, ticket: int) -> None:
+        with self._lock:
+            self._armed.pop(ticket, None)
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                for ticket, watch in list(self._armed.items()):
+                    if now >= watch.deadline:
+                        del self._armed[ticket]
+                        watch.fired = True
+                        _shut_down(watch.fd)
+                if self._armed:
+                    idle_since = now
+                elif now - idle_since >= IDLE_EXIT:
+                    self._thread = None
+                    return
+                earliest = min((w.deadline for w in self._armed.values()), default=math.inf)
+                self._wake_at = min(earliest, now + POLL)
+                self._lock.wait(max(self._wake_at - now, 0.001))
+
+
+def _shut_down(fd: int) -> None:
+    """Shut the socket behind ``fd`` down both ways, without closing ``fd`` itself."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+_watchdog = _Watchdog()
+
+
+@contextlib.contextmanager
+def watch(fd: int, timeout: float | None) -> Iterator[Watch | None]:
+    """Shut down socket ``fd`` if the block is still running ``timeout`` seconds from now.
+
+    Yields the :class:`Watch` (None when ``timeout`` is None): after the block, its
+    ``fired`` says whether the deadline cut the call short.
+    """
+    if timeout is None:
+        yield None
+        return
+    ticket, armed = _watchdog.arm(fd, timeout)
+    try:
+        yield armed
+    finally:
+        _watchdog.disarm(ticket)
+
+
+_budget = threading.local()
+
+
+@contextlib.contextmanager
+def connect_budget(timeout: float | None) -> Iterator[None]:
+    """Within the block, connections this thread opens get at most ``timeout`` seconds."""
+    previous = getattr(_budget, "deadline", None)
+    _budget.deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        yield
+    finally:
+        _budget.deadline = previous
+
+
+def connect_timeout(configured: object) -> int | None:
+    """The libpq ``connect_timeout`` for a connection opened now: the configured one,
+    lowered to this thread's :func:`connect_budget` (whole seconds, libpq's minimum 2)."""
+    deadline = getattr(_budget, "deadline", None)
+    if deadline is None:
+        return None
+    left = max(2, math.ceil(deadline - time.monotonic()))
+    try:
+        current = int(str(configured)) if configured is not None else 0
+    except ValueError:
+        current = 0
+    return int(left if current <= 0 else min(left, current))
