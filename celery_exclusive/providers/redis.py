@@ -551,7 +551,9 @@ class RedisLockProvider:
         try:
             conn, used = self._idle.pop()
         except IndexError:
-            conn, used = self._pool.get_connection(), 0.0
+            # Made here, not by the pool: its get_connection() connects with the client's
+            # own connect timeout, which no per-call deadline could then bound.
+            conn, used = self._pool.connection_class(**self._pool.connection_kwargs), 0.0
         try:
             self._ready(conn, now - used, deadline)
             if self._pack is None:
@@ -584,11 +586,14 @@ class RedisLockProvider:
                     conn.disconnect()
             except self._broken:
                 conn.disconnect()
-        if deadline is not None and not conn.is_connected:
-            _connect_within(conn, _left(deadline))
-        sock = conn._sock
-        if sock is not None:  # else sending connects it, with the client's own timeouts
-            sock.settimeout(conn.socket_timeout if deadline is None else _left(deadline))
+        if not conn.is_connected:
+            # connect(), not the implicit connect of sending: a Sentinel-managed connection
+            # finds its primary only in connect().
+            if deadline is None:
+                conn.connect()
+            else:
+                _connect_within(conn, _left(deadline))
+        conn._sock.settimeout(conn.socket_timeout if deadline is None else _left(deadline))
 
     def _run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
@@ -915,7 +920,7 @@ class RedisLockProvider:
     def close(self) -> None:
         idle, self._idle = self._idle, []
         for conn, _ in idle:
-            self._pool.release(conn)
+            conn.disconnect()  # the fast path's own connections, never the pool's
         if self._owns_client and self._conn is not None:
             self._conn.close()
 

@@ -57,8 +57,9 @@ def main(argv: list[str]) -> int:
             lease.on_lost(lambda lost, reason: emit("lost", key=lost.key, reason=reason))
             emit("acquired", key=key, sent=sent, fence=lease.fence)
         elif command == "release":
+            sent = time.monotonic()
             outcome = leases.pop(key).release()
-            emit("released", key=key, outcome=outcome.value)
+            emit("released", key=key, sent=sent, outcome=outcome.value)
         elif command == "exit":
             break
     service.close(release=False)

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from celery_exclusive.lease import safety_margin
+from celery_exclusive.service import DEFAULT_CALL_TIMEOUT, RELEASE_TIMEOUT
 from tests.faults.conftest import IN_CI, LONG, ROOT, SLACK, Backend, Faults, wait_until
 from tests.faults.netns import NetnsUnavailable, Partition
 from tests.faults.servers import PrivatePostgres
@@ -99,8 +100,8 @@ def _trust_namespaces(server: PrivatePostgres) -> None:
 class NamespacedHolder:
     """``tests.faults._partition_holder`` inside the namespace; its reports, by event."""
 
-    def __init__(self, partition: Partition, url: str, prefix: str, log: Path) -> None:
-        config = {"url": url, "prefix": prefix, "ttl": TTL, "refresh_interval": INTERVAL}
+    def __init__(self, partition: Partition, url: str, prefix: str, log: Path, **options: float) -> None:
+        config = {"url": url, "prefix": prefix, "ttl": TTL, "refresh_interval": INTERVAL, **options}
         self._log = log.open("w")
         self.proc = subprocess.Popen(
             partition.command([sys.executable, "-m", "tests.faults._partition_holder", json.dumps(config)]),
@@ -261,4 +262,50 @@ def test_partition_loses_before_rival_and_heals(
         holder.close()
     faults.record(
         store=backend.name, ttl=TTL, interval=INTERVAL, partitions=len(rounds), rounds=figures, violations=0
+    )
+
+
+def test_silent_network_calls_end_by_their_deadlines(
+    backend: Backend, partition: Partition, faults: Faults
+) -> None:
+    """On a network that drops everything, ``lock()`` raises BackendError within ``call_timeout``
+    (its retry included) and ``release()`` reports UNKNOWN within ``RELEASE_TIMEOUT``; after the
+    heal the release is completed in the background (issue #17, item 10: PostgreSQL took
+    38.7-40.5 s and 3-5 s)."""
+    call_timeout = DEFAULT_CALL_TIMEOUT if LONG else 3.0
+    holder = NamespacedHolder(
+        partition,
+        _holder_url(backend, partition),
+        faults.prefix,
+        faults.tmp / "holder.log",
+        call_timeout=call_timeout,
+    )
+    rival = faults.service(backend.url(application_name="ce-rival"), ttl=TTL)
+    try:
+        assert holder.lock("kept")["event"] == "acquired"
+        assert holder.lock("warm")["event"] == "acquired"  # a second kept connection, now silent too
+        partition.start("both")
+        failed = holder.lock("blocked")
+        acquire_s = failed["t"] - failed["sent"]
+        assert failed["event"] == "acquire_failed", failed
+        assert acquire_s <= call_timeout + SLACK, f"lock() took {acquire_s:.3f} s on a silent network"
+        holder.send("release kept")
+        released = holder.wait(lambda e: e["event"] == "released" and e["key"] == "kept", 30)
+        release_s = released["t"] - released["sent"]
+        assert released["outcome"] == "unknown", released
+        assert release_s <= min(call_timeout, RELEASE_TIMEOUT) + SLACK, f"release() took {release_s:.3f} s"
+        partition.heal()
+        # The background retry releases it once the store answers: the rival gets the key
+        # long before the lease would have expired.
+        assert wait_until(lambda: rival.try_lock("kept") is not None, TTL - MARGIN), (
+            "the release was not completed after the heal"
+        )
+        assert holder.lost("warm") is None or holder.lost("warm")["t"] > failed["sent"]
+    finally:
+        holder.close()
+    faults.record(
+        store=backend.name,
+        call_timeout=call_timeout,
+        acquire_fail_s=round(acquire_s, 3),
+        release_unknown_s=round(release_s, 3),
     )
