@@ -87,7 +87,7 @@ from celery_exclusive.errors import (
 from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
 from celery_exclusive.providers.base import Completion, Grant, LockInfo, encode_holder
-from celery_exclusive.service import LockService, new_token
+from celery_exclusive.service import LockService, is_store_error, new_token
 from celery_exclusive.settings import (
     TASK_OPTIONS,
     ExclusiveSettings,
@@ -566,6 +566,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         except BackendError:
             raise
         except Exception as exc:
+            if not is_store_error(exc):  # e.g. SoftTimeLimitExceeded: the task's, not the store's
+                raise
             raise BackendError(f"lock store failed while recording a rerun: {type(exc).__name__}") from exc
         if not isinstance(answer, Grant):
             return self._skipped(key, holder, coalesced=True)
