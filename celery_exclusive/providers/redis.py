@@ -21,7 +21,9 @@ failover would lose. A contended acquire wrote nothing and is answered as usual.
 
 Each lock is one hash at exactly the key given, with fields ``token``, ``fence``,
 ``created``, ``expires`` and ``deadline`` (milliseconds on the Redis server's clock,
-``expires <= deadline``) and ``holder`` (JSON). A lease is live while ``token`` is set and
+``expires <= deadline``) and ``holder`` (JSON). The scripts report times in microseconds
+from ``TIME``: a lease stored as ending at ``expires`` ms is dead from ``expires * 1000`` µs,
+and the holder is told exactly that much, never the whole ms it would round to. A lease is live while ``token`` is set and
 ``expires`` is in the future; every operation is a Lua script that reads the clock with
 ``TIME``, so expiry is decided by Redis alone. Every script touches one key, or (refresh,
 peek) several keys of one hash slot, so all of it works on Redis Cluster.
@@ -43,6 +45,9 @@ hash exists the previous fence makes the new one larger; once it has expired, at
 microsecond clock at its grant, or barely above it), so the clock alone is larger. Fences
 are thus strictly increasing per key unless Redis's clock steps back by more than 24 h
 (or a failover lands on a server whose clock is that far behind) while the key is unused.
+When Redis *loses* the hash (restart without persistence, ``FLUSHALL``, failover to a
+replica without it), the clock alone decides: a clock s seconds behind where it was gives
+a smaller fence to a key last granted within s seconds (docs/faults.md).
 They are large (about 1.7e15, exact in Lua's doubles below 2**53) and not consecutive.
 Why no separate counter key: a script's keys must share one hash slot on Redis Cluster,
 and a counter key derived from an arbitrary lock key cannot always share its slot (a name
