@@ -23,7 +23,8 @@ Each lock is one hash at exactly the key given, with fields ``token``, ``fence``
 ``created``, ``expires`` and ``deadline`` (milliseconds on the Redis server's clock,
 ``expires <= deadline``) and ``holder`` (JSON). The scripts report times in microseconds
 from ``TIME``: a lease stored as ending at ``expires`` ms is dead from ``expires * 1000`` µs,
-and the holder is told exactly that much, never the whole ms it would round to. A lease is live while ``token`` is set and
+and the holder is told exactly that much, never the whole ms it would round to.
+A lease is live while ``token`` is set and
 ``expires`` is in the future; every operation is a Lua script that reads the clock with
 ``TIME``, so expiry is decided by Redis alone. Every script touches one key, or (refresh,
 peek) several keys of one hash slot, so all of it works on Redis Cluster.
