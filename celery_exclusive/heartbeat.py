@@ -13,7 +13,8 @@ socket gives up too. The heartbeat thread never waits for a call: it dispatches 
 goes on watching every lease's local deadline, so a call stuck in TCP retransmission
 (a partition that healed after the request vanished) cannot starve the other leases.
 At its deadline a call is abandoned: its leases go to JEOPARDY and are refreshed again on
-another connection (the stuck one stays with the stuck call, which the provider ends).
+another connection (the stuck one stays with the stuck call, which the provider ends), in
+calls apart from the healthy leases', so one lease's hanging call cannot take theirs down.
 An answer that still arrives is applied if it extends a lease: it was measured from its
 send time, so it is safe however late it is.
 """
@@ -241,12 +242,18 @@ class Heartbeat:
                 strictly_due = strictly_due or lease._next_refresh <= now
         started: list[_Call] = []
         if strictly_due:
-            for first in range(0, len(due), self._batch_size):
-                batch = due[first : first + self._batch_size]
-                call = self._start(batch, now, refresh_timeout(batch, now))
-                if call is None:
-                    break  # every slot is taken by calls still in flight: retry next pass
-                started.append(call)
+            # Leases in JEOPARDY (their last call failed or was given up) go in calls of
+            # their own: whatever made theirs hang (a slow node, a dead connection) must not
+            # take the healthy leases' refresh down with it.
+            healthy = [lease for lease in due if lease._state is LeaseState.HELD]
+            failing = [lease for lease in due if lease._state is not LeaseState.HELD]
+            for group in (healthy, failing):
+                for first in range(0, len(group), self._batch_size):
+                    batch = group[first : first + self._batch_size]
+                    call = self._start(batch, now, refresh_timeout(batch, now))
+                    if call is None:
+                        break  # every slot is taken by calls still in flight: retry next pass
+                    started.append(call)
         if pending:
             call = self._start([], now, RELEASE_RETRY_TIMEOUT * len(pending), pending)
             if call is not None:

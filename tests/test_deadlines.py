@@ -1,0 +1,204 @@
+"""Per-call deadlines and exception classification, on the memory store (no server needed).
+
+The real-network versions are in tests/faults/test_partitions.py and test_signals.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from celery_exclusive import BackendError, LeaseState, LockService
+from celery_exclusive.heartbeat import CALL_TIMEOUT_CAP, MIN_CALL_TIMEOUT, refresh_timeout
+from celery_exclusive.providers.base import Grant, Held, RefreshRequest, accepts_timeout
+from celery_exclusive.providers.memory import MemoryLockProvider
+from celery_exclusive.service import RELEASE_TIMEOUT, is_store_error
+
+SLACK = 0.5
+
+
+class StuckProvider(MemoryLockProvider):
+    """Refreshes that carry the key ``stuck`` block until ``unblock`` is set; records timeouts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unblock = threading.Event()
+        self.refreshed: list[tuple[float, str]] = []
+        self.timeouts: dict[str, list[float | None]] = {"acquire": [], "refresh": [], "release": []}
+        self.stuck_calls = 0
+
+    def acquire(self, *args: Any, timeout: float | None = None) -> Grant | Held:
+        self.timeouts["acquire"].append(timeout)
+        return super().acquire(*args)
+
+    def refresh(
+        self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
+    ) -> list[float | None]:
+        self.timeouts["refresh"].append(timeout)
+        if any(r.key.endswith("stuck") for r in requests):
+            self.stuck_calls += 1
+            self.unblock.wait(30)
+        answers = super().refresh(requests)
+        now = time.monotonic()
+        self.refreshed += [(now, r.key) for r, a in zip(requests, answers, strict=True) if a is not None]
+        return answers
+
+    def release(self, key: str, token: str, *, timeout: float | None = None) -> bool:
+        self.timeouts["release"].append(timeout)
+        return super().release(key, token)
+
+
+class OldStyleProvider:
+    """A provider written before the ``timeout`` keyword existed."""
+
+    max_key_length = 1024
+
+    def __init__(self) -> None:
+        self.inner = MemoryLockProvider()
+        self.refreshes = 0
+
+    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+        return self.inner.acquire(key, token, ttl, max_lifetime, holder)
+
+    def refresh(self, requests: Sequence[RefreshRequest]) -> list[float | None]:
+        self.refreshes += 1
+        return self.inner.refresh(requests)
+
+    def release(self, key: str, token: str) -> bool:
+        return self.inner.release(key, token)
+
+    def peek(self, key: str) -> Any:
+        return self.inner.peek(key)
+
+    def scan(self, prefix: str) -> Any:
+        return self.inner.scan(prefix)
+
+    def close(self) -> None:
+        pass
+
+    def diagnose(self) -> Any:
+        return []
+
+
+def test_a_stuck_refresh_does_not_starve_the_other_leases() -> None:
+    """One refresh call that never returns: a lease taken afterwards is refreshed on schedule,
+    the stuck lease is retried (new calls) and goes LOST at its own deadline, not before."""
+    provider = StuckProvider()
+    service = LockService(provider, ttl=1.0, refresh_interval=0.2)
+    try:
+        stuck = service.lock("stuck")
+        deadline = time.monotonic() + 5
+        while provider.stuck_calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert provider.stuck_calls == 1, "the stuck lease was never refreshed"
+        fresh = service.lock("fresh")
+        taken = time.monotonic()
+        time.sleep(2.0)
+        times = [t for t, key in provider.refreshed if key.endswith("fresh")]
+        assert times, "the fresh lease was never refreshed while another call was stuck"
+        assert times[0] - (taken + 0.2) <= SLACK, f"first refresh {times[0] - taken:.3f} s after acquiring"
+        assert len(times) >= 6, f"only {len(times)} refreshes in 2 s at a 0.2 s interval"
+        assert fresh.state is LeaseState.HELD
+        assert stuck.state is LeaseState.LOST
+        assert provider.stuck_calls >= 2, "the abandoned call was never retried"
+        assert all(t is not None and t <= 0.2 + 1e-9 for t in provider.timeouts["refresh"])
+    finally:
+        provider.unblock.set()
+        service.close()
+
+
+def test_store_calls_get_their_deadlines() -> None:
+    """acquire: call_timeout (less what it used); release: at most RELEASE_TIMEOUT."""
+    provider = StuckProvider()
+    service = LockService(provider, call_timeout=4.0)
+    try:
+        lease = service.lock("k")
+        lease.release()
+        (acquire_timeout,) = provider.timeouts["acquire"]
+        assert acquire_timeout is not None
+        assert 3.5 < acquire_timeout <= 4.0
+        assert provider.timeouts["release"] == [min(4.0, RELEASE_TIMEOUT)]
+    finally:
+        service.close()
+
+
+def test_refresh_timeout_bounds() -> None:
+    class L:
+        def __init__(self, interval: float, deadline: float) -> None:
+            self.refresh_interval = interval
+            self._deadline = deadline
+
+    assert refresh_timeout([L(0.5, 10.0)], 9.0) == 0.5  # type: ignore[list-item]
+    assert refresh_timeout([L(5.0, 10.0)], 9.0) == 0.5  # type: ignore[list-item]  # half of what is left
+    assert refresh_timeout([L(300.0, 1000.0)], 0.0) == CALL_TIMEOUT_CAP  # type: ignore[list-item]
+    assert refresh_timeout([L(0.5, 10.0)], 10.0) == MIN_CALL_TIMEOUT  # type: ignore[list-item]
+
+
+def test_providers_without_the_timeout_keyword_still_work() -> None:
+    provider = OldStyleProvider()
+    assert not accepts_timeout(provider.acquire)
+    service = LockService(provider, ttl=0.6, refresh_interval=0.1)
+    try:
+        lease = service.lock("old")
+        time.sleep(0.5)
+        assert lease.state is LeaseState.HELD
+        assert provider.refreshes >= 2
+        assert lease.release().value == "released"
+    finally:
+        service.close()
+
+
+class _Failing(MemoryLockProvider):
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc = exc
+        self.calls = 0
+
+    def acquire(self, *args: Any, timeout: float | None = None) -> Grant | Held:
+        self.calls += 1
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [ValueError("bug"), KeyboardInterrupt(), SystemExit(3)])
+def test_exceptions_that_are_not_the_stores_propagate_unretried(exc: BaseException) -> None:
+    provider = _Failing(exc)
+    service = LockService(provider)
+    try:
+        with pytest.raises(type(exc)) as raised:
+            service.lock("k")
+        assert raised.value is exc
+        assert provider.calls == 1
+        assert service.heartbeat._pending_release, "the interrupted acquire's token is not released"
+    finally:
+        service.heartbeat._pending_release.clear()
+        service.close()
+
+
+@pytest.mark.parametrize("exc", [ConnectionResetError(), TimeoutError(), OSError("down")])
+def test_network_errors_become_backend_errors_and_are_retried_once(exc: BaseException) -> None:
+    provider = _Failing(exc)
+    service = LockService(provider)
+    try:
+        with pytest.raises(BackendError):
+            service.lock("k")
+        assert provider.calls == 2
+    finally:
+        service.heartbeat._pending_release.clear()
+        service.close()
+
+
+def test_is_store_error() -> None:
+    import redis
+    from celery.exceptions import SoftTimeLimitExceeded
+    from sqlalchemy import exc as sa_exc
+
+    assert is_store_error(redis.ConnectionError("x"))
+    assert is_store_error(sa_exc.OperationalError("s", {}, Exception()))
+    assert is_store_error(ConnectionRefusedError())
+    assert not is_store_error(SoftTimeLimitExceeded())
+    assert not is_store_error(KeyboardInterrupt())
+    assert not is_store_error(ValueError())
