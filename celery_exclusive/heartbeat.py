@@ -278,7 +278,7 @@ class Heartbeat:
                 self._releasing = call
         # Not thread_factory's: that one makes the heartbeat thread (tests replace it).
         if releases is None:
-            thread = threading.Thread(target=self._refresh, args=(call,), name="celery-exclusive-call")
+            thread = threading.Thread(target=self._refresh_call, args=(call,), name="celery-exclusive-call")
         else:
             thread = threading.Thread(
                 target=self._retry_releases, args=(call, releases), name="celery-exclusive-call"
@@ -317,15 +317,28 @@ class Heartbeat:
                 self._jeopardy(call.leases, call.sent, error)
             call.done.set()
 
-    def _refresh(self, call: _Call) -> None:
+    def _refresh(self, leases: Sequence[Lease]) -> None:
+        """Refresh ``leases`` now, in the calling thread (``celery_exclusive.testing``'s
+        fake-clock passes); the heartbeat thread itself only starts calls."""
+        sent = self._clock()
+        try:
+            answers = self._send_refresh(leases, refresh_timeout(leases, sent))
+        except Exception as exc:
+            self._jeopardy(leases, sent, exc)
+            return
+        self._apply(leases, sent, answers, late=False)
+
+    def _send_refresh(self, leases: Sequence[Lease], timeout: float) -> list[float | None]:
+        requests = [lease._request or _request(lease) for lease in leases]
+        if self._timeouts:
+            return self._provider.refresh(requests, timeout=timeout)
+        return self._provider.refresh(requests)
+
+    def _refresh_call(self, call: _Call) -> None:
         leases = call.leases
         sent = call.sent
-        requests = [lease._request or _request(lease) for lease in leases]
         try:
-            if self._timeouts:
-                answers = self._provider.refresh(requests, timeout=call.timeout)
-            else:
-                answers = self._provider.refresh(requests)
+            answers = self._send_refresh(leases, call.timeout)
         except Exception as exc:
             if self._finish(call):
                 self._jeopardy(leases, sent, exc)

@@ -750,8 +750,8 @@ class RedisLockProvider:
         else:
             replies = self._run_many(REFRESH, calls, timeout)
         for group, reply in zip(groups, replies, strict=True):
-            for i, ms in zip(group, reply, strict=True):
-                answers[i] = None if ms < 0 else ms / 1000
+            for i, us in zip(group, reply, strict=True):
+                answers[i] = None if us < 0 else us / 1e6
         return answers
 
     def release(
