@@ -119,7 +119,11 @@ class NamespacedHolder:
         self._mutex = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.wait(lambda e: e["event"] == "ready", 30)
+        try:
+            self.wait(lambda e: e["event"] == "ready", 30)
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -161,7 +165,7 @@ class NamespacedHolder:
         return self.find(lambda e: e["event"] == "refreshed" and key in e["keys"] and e["t"] > after)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             self.send("exit")
         try:
             self.proc.wait(10)
