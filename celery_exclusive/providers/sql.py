@@ -1213,6 +1213,17 @@ class SqlLockProvider:
                     if attempt or not lost_race:
                         raise self._error("set up the lock table", exc) from exc
 
+    def _run_pg_pooled(self, op: str, params: dict[str, Any]) -> _Rows:
+        """``_run_pg`` through SQLAlchemy (a driver other than psycopg)."""
+        text = sa.text(self._pg_sql[op])
+
+        def attempt(conn: Connection) -> _Rows:
+            rows = [tuple(row) for row in conn.execute(text, params)]
+            conn.commit()
+            return rows
+
+        return self._transact(op, attempt)
+
     def _pg_call(self, op: str, params: dict[str, Any], timeout: float | None) -> _Rows:
         """``_run_pg``, passing ``timeout`` only when there is one."""
         if timeout is None:
@@ -1227,14 +1238,7 @@ class SqlLockProvider:
         :mod:`deadline`'s watchdog, which shuts the socket down; the connection is dropped."""
         self._ensure_schema()
         if not self._fast:
-            text = sa.text(self._pg_sql[op])
-
-            def attempt(conn: Connection) -> _Rows:
-                rows = [tuple(row) for row in conn.execute(text, params)]
-                conn.commit()
-                return rows
-
-            return self._transact(op, attempt)
+            return self._run_pg_pooled(op, params)
         end = None if timeout is None else time.monotonic() + timeout
         with deadline.connect_budget(timeout):
             fairy, dbapi = self._connection(op)
@@ -1250,12 +1254,9 @@ class SqlLockProvider:
                 if not dbapi.autocommit:  # an engine the caller built without autocommit
                     dbapi.commit()
         except self._pg_error as exc:
-            self._failed(fairy, dbapi, exc)
             if watch is not None and watch.fired:
-                raise BackendError(
-                    f"SQL lock store {self._masked} failed to {op}: no answer within its "
-                    f"{watch.timeout:.3g} s deadline (connection dropped)"
-                ) from exc
+                raise self._too_slow(fairy, dbapi, op, watch.timeout) from exc
+            self._failed(fairy, dbapi, exc)
             raise self._error(op, exc) from exc
         except BaseException:
             # Interrupted mid-protocol: the connection's state is unknown.
@@ -1265,6 +1266,15 @@ class SqlLockProvider:
                 fairy.invalidate()
                 fairy.close()
             raise
+        if watch is not None and watch.fired:  # answered just as its deadline shut the socket
+            self._too_slow(fairy, dbapi, op, watch.timeout)
+        else:
+            self._put_back(fairy, dbapi)
+        return rows
+
+    def _put_back(self, fairy: Any, dbapi: Any) -> None:
+        """After a statement: keep its connection (detached from the pool while we keep fewer
+        than ``_KEEP``), or return it to the pool."""
         if fairy is not None and self._kept is not None and len(self._kept) < _KEEP:
             fairy.detach()  # ours from now on; the pool forgets it
             fairy = None
@@ -1272,7 +1282,20 @@ class SqlLockProvider:
             self._keep(dbapi)
         else:
             fairy.close()
-        return rows
+
+    def _too_slow(self, fairy: Any, dbapi: Any, op: str, timeout: float) -> BackendError:
+        """Drop the connection a call outlived its deadline on; the error to raise. Only this
+        call was too slow (a lock wait, a silent network): the other connections fail by their
+        own deadlines if they must."""
+        if fairy is None:
+            dbapi.close()
+        else:
+            fairy.invalidate()
+            fairy.close()
+        return BackendError(
+            f"SQL lock store {self._masked} failed to {op}: no answer within its {timeout:.3g} s "
+            "deadline (connection dropped)"
+        )
 
     def _failed(self, fairy: Any, dbapi: Any, exc: Exception) -> None:
         """Put away the connection a statement failed on (``fairy`` None: a kept one)."""
