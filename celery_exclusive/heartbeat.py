@@ -7,14 +7,16 @@ outcome was unknown. The thread never dies of an exception: it logs and goes on.
 clock and thread factory are injectable, and :meth:`Heartbeat.beat` runs one pass, so
 tests can drive it without sleeping.
 
-Deadlines. Every store call runs in a thread of its own with a deadline derived from the
-leases it carries (:func:`refresh_timeout`), passed to the provider as ``timeout=`` so the
-socket gives up too. The heartbeat thread never waits for a call: it dispatches it and
-goes on watching every lease's local deadline, so a call stuck in TCP retransmission
-(a partition that healed after the request vanished) cannot starve the other leases.
-At its deadline a call is abandoned: its leases go to JEOPARDY and are refreshed again on
-another connection (the stuck one stays with the stuck call, which the provider ends), in
-calls apart from the healthy leases', so one lease's hanging call cannot take theirs down.
+Deadlines. Every store call runs in a thread of its own. The heartbeat thread never waits
+for a call: it dispatches it and goes on watching every lease's local deadline, so a call
+stuck in TCP retransmission (a partition that healed after the request vanished) cannot
+starve the other leases. A refresh has two deadlines derived from its leases. After
+:func:`refresh_timeout` (at most an interval) the heartbeat gives up waiting: the leases go
+to JEOPARDY and are refreshed again on another connection (the stuck one stays with the
+stuck call), in calls apart from the healthy leases', so one lease's hanging call cannot
+take theirs down. The call itself may go on until :func:`call_timeout` (the earliest local
+deadline: an answer after it is useless), which the provider enforces on the socket
+(``timeout=``); a slow store that answers by then still extends the leases.
 An answer that still arrives is applied if it extends a lease: it was measured from its
 send time, so it is safe however late it is.
 """
@@ -60,8 +62,17 @@ def _request(lease: Lease) -> RefreshRequest:
     return request
 
 
+def call_timeout(leases: Sequence[Lease], now: float) -> float:
+    """Seconds from ``now`` a refresh of ``leases`` may take on the socket: until the earliest
+    local deadline (after it the leases are LOST anyway), within
+    [:data:`MIN_CALL_TIMEOUT`, :data:`CALL_TIMEOUT_CAP`]."""
+    left = min(lease._deadline for lease in leases) - now
+    return float(max(MIN_CALL_TIMEOUT, min(left, CALL_TIMEOUT_CAP)))
+
+
 def refresh_timeout(leases: Sequence[Lease], now: float) -> float:
-    """The deadline, in seconds from ``now``, of one refresh call carrying ``leases``.
+    """Seconds from ``now`` the heartbeat waits for a refresh of ``leases`` before it sends
+    another on a fresh connection.
 
     At most the shortest refresh interval (so a stuck call is given up before the next
     refresh falls due) and half the time left to the earliest local deadline (so one retry
@@ -76,12 +87,13 @@ def refresh_timeout(leases: Sequence[Lease], now: float) -> float:
 class _Call:
     """One store call in flight: its leases (none for releases), send time and deadline."""
 
-    __slots__ = ("abandoned", "deadline", "done", "finished", "leases", "sent", "timeout")
+    __slots__ = ("abandoned", "deadline", "done", "finished", "leases", "sent", "socket_timeout", "timeout")
 
-    def __init__(self, leases: Sequence[Lease], sent: float, timeout: float) -> None:
+    def __init__(self, leases: Sequence[Lease], sent: float, timeout: float, socket_timeout: float) -> None:
         self.leases = leases
         self.sent = sent
-        self.timeout = timeout
+        self.timeout = timeout  # the heartbeat stops waiting after this
+        self.socket_timeout = max(socket_timeout, timeout)  # the provider gives up after this
         self.deadline = sent + timeout
         self.finished = False
         self.abandoned = False
@@ -250,12 +262,13 @@ class Heartbeat:
             for group in (healthy, failing):
                 for first in range(0, len(group), self._batch_size):
                     batch = group[first : first + self._batch_size]
-                    call = self._start(batch, now, refresh_timeout(batch, now))
+                    call = self._start(batch, now, refresh_timeout(batch, now), call_timeout(batch, now))
                     if call is None:
                         break  # every slot is taken by calls still in flight: retry next pass
                     started.append(call)
         if pending:
-            call = self._start([], now, RELEASE_RETRY_TIMEOUT * len(pending), pending)
+            timeout = RELEASE_RETRY_TIMEOUT * len(pending)
+            call = self._start([], now, timeout, timeout, pending)
             if call is not None:
                 started.append(call)
         return started
@@ -265,10 +278,11 @@ class Heartbeat:
         leases: Sequence[Lease],
         now: float,
         timeout: float,
+        socket_timeout: float,
         releases: list[tuple[tuple[str, str], float]] | None = None,
     ) -> _Call | None:
         """Run one refresh (or the pending releases) in a thread of its own; None if no slot."""
-        call = _Call(leases, now, timeout)
+        call = _Call(leases, now, timeout, socket_timeout)
         with self.mutex:
             if len(self._calls) >= MAX_CALLS:
                 return None
@@ -312,7 +326,8 @@ class Heartbeat:
         for call in overdue:
             if call.leases:
                 error = BackendError(
-                    f"lock store gave no answer to a refresh within its {call.timeout:.3g} s deadline"
+                    f"lock store gave no answer to a refresh within {call.timeout:.3g} s; "
+                    "trying again on another connection"
                 )
                 self._jeopardy(call.leases, call.sent, error)
             call.done.set()
@@ -322,7 +337,7 @@ class Heartbeat:
         fake-clock passes); the heartbeat thread itself only starts calls."""
         sent = self._clock()
         try:
-            answers = self._send_refresh(leases, refresh_timeout(leases, sent))
+            answers = self._send_refresh(leases, call_timeout(leases, sent))
         except Exception as exc:
             self._jeopardy(leases, sent, exc)
             return
@@ -338,7 +353,7 @@ class Heartbeat:
         leases = call.leases
         sent = call.sent
         try:
-            answers = self._send_refresh(leases, call.timeout)
+            answers = self._send_refresh(leases, call.socket_timeout)
         except Exception as exc:
             if self._finish(call):
                 self._jeopardy(leases, sent, exc)
