@@ -114,6 +114,10 @@ def test_celery_soft_time_limit_during_acquire_fails_the_task(
         from tests.faults import _celery_app
 
         _celery_app.app.conf.broker_url = _celery_app.app.conf.result_backend = broker
+        # A first task with the store healthy: the pool child has opened the store (the
+        # worker hooks do at process start) and holds a connection that will go silent.
+        warm = _celery_app.soft_limited.apply_async(("warm",), queue=queue)
+        assert warm.get(timeout=60) == "ran warm"
         proxy.stall()  # before the task starts: its acquire waits on a silent store
         sent = time.monotonic()
         result = _celery_app.soft_limited.apply_async(("t1",), queue=queue)
@@ -123,6 +127,7 @@ def test_celery_soft_time_limit_during_acquire_fails_the_task(
         proxy.resume()
         assert result.state == "FAILURE"
         assert "ran t1" not in log.read_text(errors="replace")
+        assert "ran warm" in log.read_text(errors="replace")  # the log does show a body's result
         assert failed_after < 1.0 + 5.0, failed_after
     finally:
         proxy.resume()
