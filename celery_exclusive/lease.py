@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import InvalidArgumentError, LockLost
-from celery_exclusive.providers.base import Completion, RefreshRequest
+from celery_exclusive.providers.base import Completion, GuardsTransactions, RefreshRequest
 
 if TYPE_CHECKING:
     from celery_exclusive.service import LockService
@@ -188,10 +188,8 @@ class Lease:
         too, so keep guarded transactions well shorter than the ttl minus its safety
         margin, and commit before the lease is released (a release waits for them).
         """
-        from celery_exclusive.providers.sql import SqlLockProvider
-
         provider = self._service.provider
-        if not isinstance(provider, SqlLockProvider) or not provider.supports_guard:
+        if not isinstance(provider, GuardsTransactions) or not provider.supports_guard:
             raise InvalidArgumentError(
                 f"lease.guard() needs a PostgreSQL lock store, and this lease is in {provider!r}: "
                 "only a lock row in your own PostgreSQL database can share your transaction"

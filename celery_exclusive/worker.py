@@ -148,10 +148,12 @@ def close_lock_services(*, release: bool = True) -> None:
 
 
 def exclusive_task_names(app: Any) -> list[str]:
-    """Names of the exclusive tasks registered on ``app`` (finalizing it), sorted."""
-    from celery_exclusive.task import ExclusiveTask
+    """Names of the exclusive tasks registered on ``app`` (finalizing it), sorted.
 
-    return sorted(name for name, task in app.tasks.items() if isinstance(task, ExclusiveTask))
+    A task is exclusive when it has ``lock_key_for`` (as :func:`release_killed` also
+    decides): this module is imported by ``celery_exclusive.task`` and does not import it.
+    """
+    return sorted(name for name, task in app.tasks.items() if callable(getattr(task, "lock_key_for", None)))
 
 
 def startup_check_mode(conf: Mapping[str, Any]) -> str:

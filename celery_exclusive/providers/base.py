@@ -212,6 +212,27 @@ class CompletionStore(LockProvider, Protocol):
         ...
 
 
+@runtime_checkable
+class GuardsTransactions(Protocol):
+    """A provider whose lease can fence writes inside the caller's own transaction.
+
+    :meth:`celery_exclusive.lease.Lease.guard` uses it on any provider that has it and
+    says ``supports_guard`` (the PostgreSQL store), so the lease needs no concrete provider.
+    """
+
+    @property
+    def supports_guard(self) -> bool:
+        """True when :meth:`guard` works on this store."""
+        ...
+
+    def guard(self, connection: Any, key: str, token: str, fence: int) -> None:
+        """Lock the live row of ``key`` for ``token``/``fence`` in ``connection``'s transaction.
+
+        Raises :class:`~celery_exclusive.errors.LockLost` when there is no such lease.
+        """
+        ...
+
+
 def accepts_timeout(method: Callable[..., object]) -> bool:
     """True if the provider ``method`` takes the ``timeout`` keyword (or ``**kwargs``)."""
     try:
