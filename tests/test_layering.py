@@ -19,7 +19,9 @@ Layers, bottom up:
 * everything else (the Celery layer: task, worker, settings, keys, observe, policies,
   redelivery..., and cli, metrics): no provider module beyond ``providers.base`` (and the
   registry). The package facade ``celery_exclusive`` re-exports ``MemoryLockProvider``, and
-  ``celery_exclusive.testing`` builds its store on it: both may import ``providers.memory``.
+  ``celery_exclusive.testing`` builds its store on it: both may import ``providers.memory``;
+  ``contrib/*`` adapts a framework (Django's ``DATABASES``) to the provider it builds on, and
+  may import any provider. Below the Celery layer only the registry may import ``contrib``.
 
 Breaks the code still has are listed in ``ALLOWED`` with the follow-up that removes them;
 any other break fails, and so does an entry of ``ALLOWED`` that is no longer needed.
@@ -53,12 +55,17 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("urls", "providers.memory"): "provider_from_url; moves to the registry (#11 item 1)",
     ("urls", "providers.redis"): "provider_from_url; moves to the registry (#11 item 1)",
     ("urls", "providers.sql"): "provider_from_url; moves to the registry (#11 item 1)",
+    ("urls", "contrib.django.store"): "provider_from_url (django://); to the registry (#11 item 1)",
     # The hand-written libpq runner is kept or replaced by psycopg's API in issue #11 item 2;
     # if kept it becomes private (providers/_libpq.py) to PostgreSQL's own provider.
     ("providers.sql", "providers.libpq"): "libpq runner, decided in #11 item 2",
     # Lease holds its LockService for typing only; the LeaseOwner Protocol (issue #11 item 3)
     # replaces it, which removes the service -> heartbeat -> lease -> service cycle.
     ("lease", "service"): "type of Lease._service; LeaseOwner Protocol in #11 item 3",
+    # Type-only as well: redelivery's functions take the ExclusiveTask that calls them.
+    # Follow-up: with the on_locked policies as objects (issue #11 item 4) they get a small
+    # Protocol of what they use of the task, which removes the task <-> redelivery cycle.
+    ("redelivery", "task"): "type of redelivery's task argument; a Protocol in #11 item 4",
 }
 
 
@@ -130,7 +137,7 @@ def is_provider(mod: str) -> bool:
 
 
 def upper_may_import(importer: str, imported: str) -> bool:
-    if not is_provider(imported) or imported == "providers.base":
+    if not is_provider(imported) or imported == "providers.base" or importer.startswith("contrib."):
         return True
     return imported == "providers.memory" and (importer == PACKAGE or importer.startswith("testing"))
 
@@ -269,6 +276,8 @@ def test_the_rules_catch_what_they_forbid() -> None:
     assert rule_broken("service", "task")
     assert rule_broken("task", "providers.redis")
     assert rule_broken("worker", "providers.memory")
+    assert rule_broken("service", "contrib.django.store")
+    assert rule_broken("providers.sql", "contrib.django.store")
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == [["a", "b", "c"]]
     for importer, imported in [
         ("urls", "errors"),
@@ -278,6 +287,7 @@ def test_the_rules_catch_what_they_forbid() -> None:
         ("service", "heartbeat"),
         ("task", "providers.base"),
         ("testing", "providers.memory"),
+        ("contrib.django.store", "providers.sql"),
         (PACKAGE, "providers.memory"),
     ]:
         assert rule_broken(importer, imported) is None, (importer, imported)
@@ -289,6 +299,8 @@ WORKER_MACHINERY = [
     "celery_exclusive.worker",
     "celery_exclusive.settings",
     "celery_exclusive.observe",
+    "celery_exclusive.redelivery",
+    "celery_exclusive.keys",
     "celery.worker",
     "celery.app.trace",
     "celery.app.task",
