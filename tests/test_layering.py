@@ -59,6 +59,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     # The hand-written libpq runner is kept or replaced by psycopg's API in issue #11 item 2;
     # if kept it becomes private (providers/_libpq.py) to PostgreSQL's own provider.
     ("providers.sql", "providers.libpq"): "libpq runner, decided in #11 item 2",
+    # The socket watchdog for libpq calls: private to the PostgreSQL provider, it becomes
+    # providers/_deadline.py when PostgreSQL gets its own module (issue #11 item 1).
+    ("providers.sql", "providers.deadline"): "PostgreSQL's call deadlines; _deadline.py in #11 item 1",
     # Lease holds its LockService for typing only; the LeaseOwner Protocol (issue #11 item 3)
     # replaces it, which removes the service -> heartbeat -> lease -> service cycle.
     ("lease", "service"): "type of Lease._service; LeaseOwner Protocol in #11 item 3",
