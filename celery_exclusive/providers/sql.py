@@ -220,6 +220,11 @@ def _create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
     done = table.info.get("done")
     if done is not None:
         done.create(connection, checkfirst=True)
+    _create_counter(table, connection)
+
+
+def _create_counter(table: sa.Table, connection: Connection) -> None:
+    """The fence counter of ``table``: a sequence on PostgreSQL, a one-row table elsewhere."""
     dialect = connection.dialect
     q = dialect.identifier_preparer.quote
     if dialect.name == "postgresql":

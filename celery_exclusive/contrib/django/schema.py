@@ -15,7 +15,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
 from celery_exclusive.errors import ConfigurationError
-from celery_exclusive.providers.sql import _create_fence, lock_table
+from celery_exclusive.providers.sql import _create_counter, lock_table
 
 from .store import DEFAULT_TABLE, TABLE_SETTING
 
@@ -56,17 +56,25 @@ class _Recorder:
 
 
 def create(schema_editor: Any, name: str) -> None:
-    """Create the lock table ``name`` and its fence counter on the schema editor's database."""
+    """Create the lock table ``name``, its completion-record table and its fence counter on
+    the schema editor's database."""
     dialect = dialect_for(schema_editor.connection)
     table = lock_table(sa.MetaData(), name)
-    schema_editor.execute(str(sa.schema.CreateTable(table).compile(dialect=dialect)).strip(), params=None)
-    _create_fence(table, _Recorder(dialect, schema_editor))  # type: ignore[arg-type]
+    done: sa.Table = table.info["done"]
+    for ddl in (
+        sa.schema.CreateTable(table),
+        sa.schema.CreateTable(done),
+        *(sa.schema.CreateIndex(index) for index in sorted(done.indexes, key=lambda i: str(i.name))),
+    ):
+        schema_editor.execute(str(ddl.compile(dialect=dialect)).strip(), params=None)
+    _create_counter(table, _Recorder(dialect, schema_editor))  # type: ignore[arg-type]
 
 
 def drop(schema_editor: Any, name: str) -> None:
-    """Drop the lock table ``name`` and its fence counter."""
+    """Drop the lock table ``name``, its completion-record table and its fence counter."""
     dialect = dialect_for(schema_editor.connection)
     q = dialect.identifier_preparer.quote
+    schema_editor.execute(f"DROP TABLE IF EXISTS {q(name + '_done')}", params=None)
     schema_editor.execute(f"DROP TABLE IF EXISTS {q(name)}", params=None)
     if dialect.name == "postgresql":
         schema_editor.execute(f"DROP SEQUENCE IF EXISTS {q(name + '_fence_seq')}", params=None)

@@ -1,4 +1,5 @@
-"""Create the lock table (``CELERY_EXCLUSIVE_TABLE``, default ``cache_entries``) and its fence counter."""
+"""Create the lock table (``CELERY_EXCLUSIVE_TABLE``, default ``cache_entries``), its
+completion-record table and its fence counter."""
 
 from __future__ import annotations
 
