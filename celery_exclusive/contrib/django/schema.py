@@ -61,11 +61,12 @@ def create(schema_editor: Any, name: str) -> None:
     dialect = dialect_for(schema_editor.connection)
     table = lock_table(sa.MetaData(), name)
     done: sa.Table = table.info["done"]
-    for ddl in (
+    statements: list[sa.schema.ExecutableDDLElement] = [
         sa.schema.CreateTable(table),
         sa.schema.CreateTable(done),
         *(sa.schema.CreateIndex(index) for index in sorted(done.indexes, key=lambda i: str(i.name))),
-    ):
+    ]
+    for ddl in statements:
         schema_editor.execute(str(ddl.compile(dialect=dialect)).strip(), params=None)
     _create_counter(table, _Recorder(dialect, schema_editor))  # type: ignore[arg-type]
 
