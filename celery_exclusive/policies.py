@@ -230,17 +230,21 @@ class Rerun(OnLocked):
             info = service.peek(marker_key)
             if info is None or not service.force_release(marker_key, info.token):
                 return
-            recorded = info.holder.get("rerun") or {}
-            name = recorded.get("task_name") or task.name
-            options = recorded.get("options") or {}
-            args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
-            if name in task.app.tasks:
-                sent = task.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)
-            else:
-                sent = task.app.send_task(name, args=args, kwargs=kwargs, **options)
-            logger.info("requests arrived while it held lock %r; rerun sent as %s[%s]", key, name, sent.id)
+            _send_rerun(task, key, info.holder.get("rerun") or {})
         except Exception:
             logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
+
+
+def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any]) -> None:
+    """Send the rerun a marker recorded (see :func:`_recorded_call`)."""
+    name = recorded.get("task_name") or task.name
+    options = recorded.get("options") or {}
+    args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
+    if name in task.app.tasks:
+        sent = task.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)
+    else:
+        sent = task.app.send_task(name, args=args, kwargs=kwargs, **options)
+    logger.info("requests arrived while it held lock %r; rerun sent as %s[%s]", key, name, sent.id)
 
 
 def _recorded_call(task: Task, call: Call) -> dict[str, Any]:

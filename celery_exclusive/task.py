@@ -84,7 +84,7 @@ from celery_exclusive.policies import (
     lock_retry_countdown,
     skip_marker,
 )
-from celery_exclusive.providers.base import Completion
+from celery_exclusive.providers.base import Completion, LockInfo
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
     TASK_OPTIONS,
@@ -149,6 +149,19 @@ def _key_builder_for(cls: Any) -> KeyBuilder:
     if inspect.isfunction(run):
         return KeyBuilder.for_function(spec, run, bound=True)
     return KeyBuilder.for_function(spec, cls.run, bound=False)
+
+
+def _key_builder_of(task: Any) -> KeyBuilder:
+    """The task's key builder: its class's, unless ``lock_key`` changed after the class was made."""
+    spec = _raw_attribute(task, "lock_key")
+    builder: KeyBuilder | None = type(task)._lock_keys
+    if builder is None or builder.spec is not spec:
+        # Bind the new lock_key to the run method, once.
+        builder = task.__dict__.get("_lock_keys_own")
+        if builder is None or builder.spec is not spec:
+            builder = KeyBuilder.for_function(spec, task.run, bound=False)
+            task.__dict__["_lock_keys_own"] = builder
+    return builder
 
 
 _P = ParamSpec("_P")
@@ -244,15 +257,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix)."""
-        spec = _raw_attribute(self, "lock_key")
-        builder = type(self)._lock_keys
-        if builder is None or builder.spec is not spec:
-            # lock_key was changed after the class was made: bind it to the run method.
-            builder = self.__dict__.get("_lock_keys_own")
-            if builder is None or builder.spec is not spec:
-                builder = KeyBuilder.for_function(spec, self.run, bound=False)
-                self.__dict__["_lock_keys_own"] = builder
-        return builder.build(self.name, args, kwargs or {})
+        return _key_builder_of(self).build(self.name, args, kwargs or {})
 
     # -- execution ------------------------------------------------------------------------
 
@@ -288,14 +293,18 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     # learn who it is (it may be this very message's original).
                     asked_again = True
                     continue
-                # Policy-independent, and before the policy: a copy of this running message.
-                if not call.inline and redelivery.is_copy(self, locked.holder):
-                    redelivery.end(self, key, redelivery.REDELIVERED, args, kwargs, holder=locked.holder)
-                result = self._lock_policy.locked(self, key, locked.holder, call)
+                result = self._held(key, locked.holder, call)
                 if result is policies.AGAIN:
                     continue
                 return result
             return self._run_holding(lease, args, kwargs)
+
+    def _held(self, key: str, holder: LockInfo | None, call: policies.Call) -> Any:
+        """The answer to a held key: the redelivery check (policy-independent, and first:
+        a copy of this very message's run never reaches a policy), then the policy."""
+        if not call.inline and redelivery.is_copy(self, holder):
+            redelivery.end(self, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
+        return self._lock_policy.locked(self, key, holder, call)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -371,7 +380,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         report = observe.holding(self, lease)
         lease.on_lost(report.lost)
         interrupter = _interrupt.arm(lease) if self.lock_settings.on_lost == "terminate" else None
-        traced = self._traced()
+        traced = _traced(self)
         _running.stack.append((self, lease))
         try:
             try:
@@ -403,17 +412,6 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             )
         return result
 
-    def _traced(self) -> bool:
-        """Whether the body may be called without Task.__call__: the worker's tracer (and
-        apply()) pushed this task and its request before calling us, and Task.__call__
-        would push a copy of both (10 us a run). Only when it is the next __call__ in
-        line, and not for a call from inside this task's own body."""
-        return (
-            not self.request.called_directly
-            and _celerys_call_is_next(type(self))
-            and all(task is not self for task, _ in _running.stack)
-        )
-
     def _finish(self, lease: Lease, *, retrying: bool, done: Completion | None = None) -> bool:
         """Pop and release ``lease`` (recording ``done``, in the same store call); then the
         policy's ``finished`` hook (the rerun hand-on). True if it had been lost."""
@@ -431,6 +429,18 @@ _mixins_mutex = threading.Lock()
 
 
 _celerys_call_next: dict[type, bool] = {}
+
+
+def _traced(task: ExclusiveTask[..., Any]) -> bool:
+    """Whether the body may be called without Task.__call__: the worker's tracer (and
+    apply()) pushed this task and its request before calling us, and Task.__call__
+    would push a copy of both (10 us a run). Only when it is the next __call__ in
+    line, and not for a call from inside this task's own body."""
+    return (
+        not task.request.called_directly
+        and _celerys_call_is_next(type(task))
+        and all(running is not task for running, _ in _running.stack)
+    )
 
 
 def _celerys_call_is_next(cls: type) -> bool:
