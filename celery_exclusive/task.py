@@ -87,6 +87,7 @@ from celery_exclusive.policies import (
 from celery_exclusive.providers.base import Completion, LockInfo
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
+    TASK_KEYWORDS,
     TASK_OPTIONS,
     ExclusiveSettings,
     check_lock_attributes,
@@ -540,18 +541,8 @@ def exclusive_task(
     the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
     ``task(...)``, ``.delay(...)`` and ``.si(...)`` arguments and what ``.delay(...).get()`` returns.
     """
-    lock_options = {
-        "lock_key": key,
-        "lock_on_locked": on_locked,
-        "lock_ttl": ttl,
-        "lock_max_lifetime": max_lifetime,
-        "lock_refresh_interval": refresh_interval,
-        "lock_on_lost": on_lost,
-        "lock_max_retries": lock_max_retries,
-        "lock_retry_backoff": lock_retry_backoff,
-        "lock_retry_backoff_max": lock_retry_backoff_max,
-        "lock_done_retention": done_retention,
-    }
+    given = locals()
+    lock_options = {"lock_key": key, **{attr: given[keyword] for keyword, attr in TASK_KEYWORDS.items()}}
     for name, value in lock_options.items():
         if value is not None and options.get(name) is not None:
             raise InvalidArgumentError(f"{name} given twice (once by its short name)")
