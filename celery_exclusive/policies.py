@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeGuard, cast
 
 from celery.exceptions import Retry as CeleryRetry
 from celery.utils.log import get_task_logger
@@ -29,9 +29,7 @@ from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import check_key
 
 if TYPE_CHECKING:
-    from celery_exclusive.lease import Lease
-    from celery_exclusive.service import LockService
-    from celery_exclusive.settings import ExclusiveSettings
+    from celery_exclusive._taskview import TaskView as Task
 
 logger = get_task_logger("celery_exclusive.task")
 
@@ -65,26 +63,6 @@ def lock_retry_countdown(attempt: int, base: float, maximum: float) -> float:
     of which the upper half is random jitter so that contenders spread out."""
     ceiling = min(maximum, base * 2.0 ** min(attempt, 64))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
-
-
-class Task(Protocol):
-    """What a policy uses of the :class:`~celery_exclusive.task.ExclusiveTask` that calls it
-    (a Protocol, so that this module does not import the task module that imports it)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def app(self) -> Any: ...
-    @property
-    def request(self) -> Any: ...
-    @property
-    def lock_settings(self) -> ExclusiveSettings: ...
-    @property
-    def lock_service(self) -> LockService: ...
-    def signature_from_request(self, request: Any, args: Any, kwargs: Any, **options: Any) -> Any: ...
-    def _holder(self) -> dict[str, Any]: ...
-    def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease: ...
-    def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any: ...
 
 
 @dataclass
