@@ -49,7 +49,7 @@ from celery_exclusive import signals
 from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, Completion, CompletionInfo, LockInfo
 
 if TYPE_CHECKING:
-    from celery_exclusive.task import ExclusiveTask
+    from celery_exclusive._taskview import TaskView
 
 logger = get_task_logger("celery_exclusive.task")
 
@@ -64,7 +64,7 @@ DEFAULT_RETENTION = 24 * 60 * 60.0
 DEFERRED_HEADER = "celery_exclusive_deferred"
 
 
-def retention(task: ExclusiveTask[..., Any]) -> float | None:
+def retention(task: TaskView) -> float | None:
     """Seconds a completion record of ``task`` is kept, or None when it keeps none (cached)."""
     cached = task.__dict__.get("_lock_retention_cache", False)
     if cached is not False:
@@ -85,7 +85,7 @@ def retention(task: ExclusiveTask[..., Any]) -> float | None:
     return result
 
 
-def once_id(task: ExclusiveTask[..., Any]) -> str | None:
+def once_id(task: TaskView) -> str | None:
     """The task id this worker run checks and records, or None (inline run, records off,
     or an id a record cannot hold: more than 200 characters, NUL)."""
     request = task.request
@@ -97,9 +97,7 @@ def once_id(task: ExclusiveTask[..., Any]) -> str | None:
     return task_id
 
 
-def completion(
-    task: ExclusiveTask[..., Any], exc: BaseException | None, *, interrupted: bool = False
-) -> Completion | None:
+def completion(task: TaskView, exc: BaseException | None, *, interrupted: bool = False) -> Completion | None:
     """The record a run that ended with ``exc`` (None: returned) writes with its release.
 
     None when nothing may be recorded: a run whose message will be delivered again and
@@ -124,12 +122,12 @@ def completion(
     return Completion(task_id, outcome, int(task.request.retries or 0), keep)
 
 
-def retried(task: ExclusiveTask[..., Any]) -> Completion | None:
+def retried(task: TaskView) -> Completion | None:
     """The record written by the release before ``self.retry()`` sends the next attempt."""
     return completion(task, Retry())
 
 
-def is_copy(task: ExclusiveTask[..., Any], holder: LockInfo | None) -> bool:
+def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
     """Whether the key is held by a run of this very task id: this message is its copy."""
     request = task.request
     if request.called_directly or request.is_eager or holder is None or not request.id:
@@ -138,7 +136,7 @@ def is_copy(task: ExclusiveTask[..., Any], holder: LockInfo | None) -> bool:
 
 
 def settle(
-    task: ExclusiveTask[..., Any],
+    task: TaskView,
     key: str,
     record: CompletionInfo,
     args: Sequence[Any],
@@ -151,7 +149,7 @@ def settle(
 
 
 def end(
-    task: ExclusiveTask[..., Any],
+    task: TaskView,
     key: str,
     reason: str,
     args: Sequence[Any],
@@ -190,9 +188,7 @@ def end(
     raise Ignore()
 
 
-def _defer(
-    task: ExclusiveTask[..., Any], holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> float:
+def _defer(task: TaskView, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
     """Re-publish this delivery to look again once the holder's lease could have expired."""
     request = task.request
     countdown = max(0.5, (holder.expires_in if holder is not None else task.lock_settings.lease_ttl) + 0.25)

@@ -328,6 +328,30 @@ class LockService:
             lease.release()
         return ExclusiveResult(acquired=True, result=result, fence=lease.fence)
 
+    def mark(
+        self, key: str, *, ttl: float | timedelta | None = None, holder: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """Take ``key`` as a *marker*: a detached lease that no heartbeat keeps or releases.
+
+        It lives ``ttl`` seconds (default: the service's ``max_lifetime``; at most 24 h),
+        surviving this process, until someone deletes it with ``force_release(key, token)``
+        (whoever deletes it owns what it marks) or it expires. ``holder`` is stored with it
+        and read back by :meth:`peek`. Returns the marker's token, or None when ``key`` is
+        held. One store call, not retried (a marker whose reply was lost stays in place,
+        which is what its writer wanted) and bounded by ``call_timeout``; an outage raises
+        :class:`BackendError`, any exception that is not the store's propagates unchanged.
+        """
+        self._check_open()
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
+        if lifetime > MAX_LIFETIME_CAP:
+            raise InvalidArgumentError(f"ttl is {lifetime:g} s; the hard cap is 24 h")
+        encoded = encode_holder({**_this.meta, **self._check_holder(holder)})
+        token = new_token()
+        args = (self.prefix + key, token, lifetime, lifetime, encoded)
+        answer = self._call("mark", self.provider.acquire, *args, timeout=self.call_timeout)
+        return token if isinstance(answer, Grant) else None
+
     # -- releasing ------------------------------------------------------------------------
 
     def release(self, lease: Lease, completion: Completion | None = None) -> ReleaseOutcome:

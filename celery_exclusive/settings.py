@@ -51,28 +51,69 @@ DEFAULT_LOCK_RETRY_BACKOFF_MAX = 60.0
 ENV_PREFIX = "CELERY_EXCLUSIVE_"
 CONF_PREFIX = "exclusive_"
 
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One lock setting: its :class:`ExclusiveSettings` field, its ``app.conf`` name
+    (``exclusive_<conf>``) and environment variable (``CELERY_EXCLUSIVE_<CONF>``), and,
+    if a task may override it, the task attribute (``lock_<field>``, or the field when it
+    already starts with ``lock_``) and the ``exclusive_task`` keyword (the field). ``kind``
+    picks its check (see ``check_task_options``) and how the environment's text is parsed."""
+
+    field: str
+    conf: str
+    kind: str  # "duration", "on_locked", "on_lost", "retries", "retention" or "text"
+    per_task: bool = True
+
+    @property
+    def conf_name(self) -> str:
+        return CONF_PREFIX + self.conf
+
+    @property
+    def env(self) -> str:
+        return URL_ENV_VAR if self.field == "url" else ENV_PREFIX + self.conf.upper()
+
+    @property
+    def attribute(self) -> str | None:
+        if not self.per_task:
+            return None
+        return self.field if self.field.startswith("lock_") else "lock_" + self.field
+
+    @property
+    def keyword(self) -> str | None:
+        return self.field if self.per_task else None
+
+
+#: Every setting, in one table: TASK_OPTIONS, the duration list, the conf and env names,
+#: ``exclusive_task``'s keywords and ``check_task_options`` are derived from it.
+OPTIONS = (
+    Option("url", "url", "text", per_task=False),
+    Option("prefix", "prefix", "text", per_task=False),
+    Option("ttl", "default_ttl", "duration"),
+    Option("max_lifetime", "max_lifetime", "duration"),
+    Option("refresh_interval", "refresh_interval", "duration"),
+    Option("on_locked", "on_locked", "on_locked"),
+    Option("on_lost", "on_lost", "on_lost"),
+    Option("lock_max_retries", "lock_max_retries", "retries"),
+    Option("lock_retry_backoff", "lock_retry_backoff", "duration"),
+    Option("lock_retry_backoff_max", "lock_retry_backoff_max", "duration"),
+    Option("done_retention", "done_retention", "retention"),
+)
+_BY_FIELD = {option.field: option for option in OPTIONS}
+
 #: Fields a task may override, and the task attribute that overrides each.
-TASK_OPTIONS = {
-    "ttl": "lock_ttl",
-    "max_lifetime": "lock_max_lifetime",
-    "refresh_interval": "lock_refresh_interval",
-    "on_locked": "lock_on_locked",
-    "on_lost": "lock_on_lost",
-    "lock_max_retries": "lock_max_retries",
-    "lock_retry_backoff": "lock_retry_backoff",
-    "lock_retry_backoff_max": "lock_retry_backoff_max",
-    "done_retention": "lock_done_retention",
-}
-_DURATIONS = ("ttl", "max_lifetime", "refresh_interval", "lock_retry_backoff", "lock_retry_backoff_max")
-_CONF_NAMES = {"ttl": "default_ttl"}
+TASK_OPTIONS = {o.field: o.attribute for o in OPTIONS if o.attribute is not None}
+#: ``exclusive_task``'s short keywords, and the task attribute each sets.
+TASK_KEYWORDS = {o.keyword: o.attribute for o in OPTIONS if o.keyword is not None and o.attribute is not None}
+_DURATIONS = tuple(option.field for option in OPTIONS if option.kind == "duration")
 
 
 def _conf_name(field: str) -> str:
-    return CONF_PREFIX + _CONF_NAMES.get(field, field)
+    return _BY_FIELD[field].conf_name
 
 
 def _env_name(field: str) -> str:
-    return ENV_PREFIX + _CONF_NAMES.get(field, field).upper()
+    return _BY_FIELD[field].env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +149,7 @@ class ExclusiveSettings:
         check_on_lost(self.on_lost)
         if self.done_retention is not None:
             object.__setattr__(self, "done_retention", check_done_retention(self.done_retention))
-        retries = self.lock_max_retries
-        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {retries!r}")
+        check_max_retries("lock_max_retries", self.lock_max_retries)
         if self.lock_retry_backoff_max < self.lock_retry_backoff:
             raise InvalidArgumentError(
                 f"lock_retry_backoff_max ({self.lock_retry_backoff_max:g} s) must not be shorter "
@@ -158,7 +197,7 @@ class ExclusiveSettings:
                 values[name] = configured
                 source = f"app.conf.{_conf_name(name)}"
             else:
-                env_name = URL_ENV_VAR if name == "url" else _env_name(name)
+                env_name = _env_name(name)
                 raw = environ.get(env_name)
                 if raw is None or raw == "":
                     continue
@@ -209,19 +248,10 @@ def check_task_options(**options: Any) -> None:
     for name, value in options.items():
         if value is None:
             continue
-        if name in _DURATIONS:
-            seconds(TASK_OPTIONS[name], value)
-        elif name == "on_locked":
-            check_on_locked(value)
-        elif name == "on_lost":
-            check_on_lost(value)
-        elif name == "done_retention":
-            check_done_retention(value)
-        elif name == "lock_max_retries":
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidArgumentError(f"lock_max_retries must be an int >= 0, got {value!r}")
-        else:
+        option = _BY_FIELD.get(name)
+        if option is None or option.attribute is None:
             raise InvalidArgumentError(f"unknown per-task lock option {name!r}")
+        _CHECKS[option.kind](option.attribute, value)
     durations = {name: seconds(TASK_OPTIONS[name], options[name]) for name in _DURATIONS if options.get(name)}
     ttl, lifetime, interval = (durations.get(n) for n in ("ttl", "max_lifetime", "refresh_interval"))
     if lifetime is not None and lifetime > MAX_LIFETIME_CAP:
@@ -230,6 +260,22 @@ def check_task_options(**options: Any) -> None:
         raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({lifetime:g} s)")
     if interval is not None and ttl is not None and interval >= ttl:
         raise InvalidArgumentError(f"refresh_interval ({interval:g} s) must be shorter than ttl ({ttl:g} s)")
+
+
+def check_max_retries(name: str, value: object) -> None:
+    """A lock retry budget: an int >= 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}")
+
+
+#: Each option kind's check of a per-task value, given the task attribute's name.
+_CHECKS: dict[str, Callable[[str, Any], object]] = {
+    "duration": seconds,
+    "on_locked": lambda _name, value: check_on_locked(value),
+    "on_lost": lambda _name, value: check_on_lost(value),
+    "retries": check_max_retries,
+    "retention": lambda _name, value: check_done_retention(value),
+}
 
 
 def check_lock_attributes(names: Iterable[str], known: Iterable[str]) -> None:

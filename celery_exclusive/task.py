@@ -44,11 +44,8 @@ finished id is remembered; ``False`` turns that off).
 
 from __future__ import annotations
 
-import ctypes
 import inspect
-import json
 import os
-import random
 import threading
 import time
 import types
@@ -61,9 +58,7 @@ from typing import (
     Concatenate,
     Generic,
     Literal,
-    NoReturn,
     ParamSpec,
-    TypeGuard,
     TypeVar,
     cast,
     overload,
@@ -74,27 +69,30 @@ from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import observe, redelivery, signals
-from celery_exclusive.errors import (
-    AlreadyDone,
-    BackendError,
-    ExclusiveError,
-    InvalidArgumentError,
-    LockedError,
-    LockLost,
-    LockRetriesExceeded,
-)
+from celery_exclusive import _interrupt, observe, policies, redelivery
+from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.providers.base import Completion, Grant, LockInfo, encode_holder
-from celery_exclusive.service import LockService, is_store_error, new_token
+from celery_exclusive.policies import (
+    COALESCED,
+    HANDS_ON_RERUNS,
+    LOCK_RETRIES_HEADER,
+    MARKER_FIELD,
+    RERUN_SUFFIX,
+    SKIPPED,
+    is_skipped,
+    lock_retry_countdown,
+    skip_marker,
+)
+from celery_exclusive.providers.base import Completion, LockInfo
+from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
+    TASK_KEYWORDS,
     TASK_OPTIONS,
     ExclusiveSettings,
     check_lock_attributes,
     check_task_options,
 )
-from celery_exclusive.validation import check_key
 from celery_exclusive.worker import HOST, app_settings, get_lock_service
 
 if TYPE_CHECKING:
@@ -103,32 +101,20 @@ if TYPE_CHECKING:
 
 logger = get_task_logger("celery_exclusive.task")
 
-#: Key of the marker field in a skipped or coalesced task's result.
-MARKER_FIELD = "celery_exclusive"
-SKIPPED = "skipped"
-COALESCED = "coalesced"
-#: Message header counting the lock retries of one task id (not the task's own retries).
-LOCK_RETRIES_HEADER = "celery_exclusive_lock_retries"
-#: Appended to a key to name the lock that records a pending rerun.
-RERUN_SUFFIX = "#rerun"
-
-
-def skip_marker(key: str, holder: LockInfo | None, *, coalesced: bool = False) -> dict[str, Any]:
-    """The JSON-serialisable result of a run that did not execute its body."""
-    who = None if holder is None else {**holder.holder, "fence": holder.fence}
-    return {MARKER_FIELD: COALESCED if coalesced else SKIPPED, "key": key, "holder": who}
-
-
-def is_skipped(value: object) -> TypeGuard[Mapping[str, Any]]:
-    """True if ``value`` is the result of an exclusive task that skipped (or coalesced) its run."""
-    return isinstance(value, Mapping) and value.get(MARKER_FIELD) in (SKIPPED, COALESCED)
-
-
-def lock_retry_countdown(attempt: int, base: float, maximum: float) -> float:
-    """Seconds before lock retry ``attempt`` (0-based): ``min(maximum, base * 2**attempt)``,
-    of which the upper half is random jitter so that contenders spread out."""
-    ceiling = min(maximum, base * 2.0 ** min(attempt, 64))
-    return ceiling / 2 + random.uniform(0, ceiling / 2)
+__all__ = [
+    "COALESCED",
+    "HANDS_ON_RERUNS",
+    "LOCK_RETRIES_HEADER",
+    "MARKER_FIELD",
+    "RERUN_SUFFIX",
+    "SKIPPED",
+    "ExclusiveTask",
+    "exclusive_base",
+    "exclusive_task",
+    "is_skipped",
+    "lock_retry_countdown",
+    "skip_marker",
+]
 
 
 class _Running(threading.local):
@@ -136,6 +122,14 @@ class _Running(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[tuple[object, Lease]] = []
+
+    def remove(self, lease: Lease) -> None:
+        """Pop the innermost entry of ``lease``."""
+        stack = self.stack
+        for index in range(len(stack) - 1, -1, -1):
+            if stack[index][1] is lease:
+                del stack[index]
+                return
 
 
 _running = _Running()
@@ -156,6 +150,19 @@ def _key_builder_for(cls: Any) -> KeyBuilder:
     if inspect.isfunction(run):
         return KeyBuilder.for_function(spec, run, bound=True)
     return KeyBuilder.for_function(spec, cls.run, bound=False)
+
+
+def _key_builder_of(task: Any) -> KeyBuilder:
+    """The task's key builder: its class's, unless ``lock_key`` changed after the class was made."""
+    spec = _raw_attribute(task, "lock_key")
+    builder: KeyBuilder | None = type(task)._lock_keys
+    if builder is None or builder.spec is not spec:
+        # Bind the new lock_key to the run method, once.
+        builder = task.__dict__.get("_lock_keys_own")
+        if builder is None or builder.spec is not spec:
+            builder = KeyBuilder.for_function(spec, task.run, bound=False)
+            task.__dict__["_lock_keys_own"] = builder
+    return builder
 
 
 _P = ParamSpec("_P")
@@ -251,15 +258,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix)."""
-        spec = _raw_attribute(self, "lock_key")
-        builder = type(self)._lock_keys
-        if builder is None or builder.spec is not spec:
-            # lock_key was changed after the class was made: bind it to the run method.
-            builder = self.__dict__.get("_lock_keys_own")
-            if builder is None or builder.spec is not spec:
-                builder = KeyBuilder.for_function(spec, self.run, bound=False)
-                self.__dict__["_lock_keys_own"] = builder
-        return builder.build(self.name, args, kwargs or {})
+        return _key_builder_of(self).build(self.name, args, kwargs or {})
 
     # -- execution ------------------------------------------------------------------------
 
@@ -279,10 +278,9 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         key = self.lock_key_for(args, kwargs)
         service = self.lock_service
         request = self.request
-        inline = bool(request.called_directly or request.is_eager)
-        once = None if inline else redelivery.once_id(self)
-        attempt = 0
-        asked_again = inline
+        call = policies.Call(args, kwargs, inline=bool(request.called_directly or request.is_eager))
+        once = None if call.inline else redelivery.once_id(self)
+        asked_again = call.inline
         while True:
             try:
                 lease = self._acquire(service, settings, key, once)
@@ -296,18 +294,18 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     # learn who it is (it may be this very message's original).
                     asked_again = True
                     continue
-                if not inline and redelivery.is_copy(self, locked.holder):
-                    redelivery.end(self, key, redelivery.REDELIVERED, args, kwargs, holder=locked.holder)
-                if inline and (
-                    settings.on_locked == "retry" or _waits_for(settings.on_locked, locked.holder)
-                ):
-                    # No message to re-send (direct call, eager): wait here instead.
-                    self._check_lock_retries(key, locked.holder, attempt, settings)
-                    time.sleep(self._next_countdown(key, locked.holder, attempt, settings))
-                    attempt += 1
+                result = self._held(key, locked.holder, call)
+                if result is policies.AGAIN:
                     continue
-                return self._on_locked(key, locked.holder, args, kwargs)
+                return result
             return self._run_holding(lease, args, kwargs)
+
+    def _held(self, key: str, holder: LockInfo | None, call: policies.Call) -> Any:
+        """The answer to a held key: the redelivery check (policy-independent, and first:
+        a copy of this very message's run never reaches a policy), then the policy."""
+        if not call.inline and redelivery.is_copy(self, holder):
+            redelivery.end(self, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
+        return self._lock_policy.locked(self, key, holder, call)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -344,13 +342,23 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     # -- internals ------------------------------------------------------------------------
 
+    @property
+    def _lock_policy(self) -> policies.OnLocked:
+        """The ``on_locked`` policy object of this task's settings (made once per settings)."""
+        settings = self.lock_settings
+        cached: tuple[ExclusiveSettings, policies.OnLocked] | None = self.__dict__.get("_lock_policy_cache")
+        if cached is None or cached[0] is not settings:
+            cached = (settings, policies.policy_for(settings.on_locked))
+            self.__dict__["_lock_policy_cache"] = cached
+        return cached[1]
+
     def _holder(self) -> dict[str, Any]:
         request = self.request
         holder = {"host": HOST, "pid": os.getpid(), "task_name": self.name, "task_id": request.id}
         if request.hostname:
             holder["worker"] = request.hostname
-        if self.lock_settings.on_locked == "rerun":
-            holder[HANDS_ON_RERUNS] = True
+        if self._lock_policy.hands_on_reruns:
+            holder[policies.HANDS_ON_RERUNS] = True
         return holder
 
     def _acquire(
@@ -372,18 +380,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         report = observe.holding(self, lease)
         lease.on_lost(report.lost)
-        interrupter = None
-        if self.lock_settings.on_lost == "terminate":
-            interrupter = _Interrupter(threading.get_ident())
-            lease.on_lost(interrupter.fire)
-        # The worker's tracer (and apply()) pushed this task and its request before calling
-        # us; Task.__call__ would push a copy of both (10 us a run). Only when it is the
-        # next __call__ in line, and not for a call from inside this task's own body.
-        traced = (
-            not self.request.called_directly
-            and _celerys_call_is_next(type(self))
-            and all(task is not self for task, _ in _running.stack)
-        )
+        interrupter = _interrupt.arm(lease) if self.lock_settings.on_lost == "terminate" else None
+        traced = _traced(self)
         _running.stack.append((self, lease))
         try:
             try:
@@ -391,7 +389,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             finally:
                 if interrupter is not None:
                     interrupter.disarm()
-        except _LeaseLostInterrupt as exc:
+        except _interrupt.LeaseLostInterrupt as exc:
             self._finish(lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True))
             raise LockLost(
                 lease.key,
@@ -416,206 +414,34 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         return result
 
     def _finish(self, lease: Lease, *, retrying: bool, done: Completion | None = None) -> bool:
-        """Pop and release ``lease`` (recording ``done``, in the same store call); then hand a
-        pending rerun on. True if it had been lost."""
-        stack = _running.stack
-        for index in range(len(stack) - 1, -1, -1):
-            if stack[index][1] is lease:
-                del stack[index]
-                break
+        """Pop and release ``lease`` (recording ``done``, in the same store call); then the
+        policy's ``finished`` hook (the rerun hand-on). True if it had been lost."""
+        _running.remove(lease)
         state = lease.state
         lost = state is LeaseState.LOST
         if state is not LeaseState.RELEASED:
             lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
-        # A retry will run again and hand the rerun on itself.
-        if self.lock_settings.on_locked == "rerun" and not retrying:
-            self._start_pending_rerun(lease.key)
+        self._lock_policy.finished(self, lease.key, retrying=retrying)
         return lost
-
-    def _on_locked(
-        self, key: str, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> Any:
-        policy = self.lock_settings.on_locked
-        if callable(policy):
-            observe.not_acquired(self, key, holder, observe.SKIPPED, reason="held")
-            return policy(self, key, holder)
-        if policy == "skip":
-            return self._skipped(key, holder, coalesced=False)
-        if policy == "raise":  # an answer, not a failure of the contended acquire: no chained context
-            observe.not_acquired(self, key, holder, observe.RAISED)
-            raise LockedError(key, holder) from None
-        if policy == "retry" or _waits_for(policy, holder):
-            self._retry_for_lock(key, holder, args, kwargs)
-        return self._coalesce(key, holder, args, kwargs)
-
-    def _skipped(self, key: str, holder: LockInfo | None, *, coalesced: bool) -> dict[str, Any]:
-        who = "an unknown holder" if holder is None else holder.describe()
-        if coalesced:
-            logger.info("coalesced: lock %r is held by %s; a rerun is recorded to run after it", key, who)
-        else:
-            logger.info("skipped: lock %r is held by %s", key, who)
-        signals.send(
-            signals.task_skipped,
-            self,
-            key=key,
-            task=self,
-            holder=holder,
-            reason=redelivery.LOCKED,
-            record=None,
-        )
-        outcome = observe.COALESCED if coalesced else observe.SKIPPED
-        observe.not_acquired(self, key, holder, outcome, reason="held")
-        return skip_marker(key, holder, coalesced=coalesced)
-
-    # -- on_locked="retry" ----------------------------------------------------------------
-
-    def _check_lock_retries(
-        self, key: str, holder: LockInfo | None, attempt: int, settings: ExclusiveSettings
-    ) -> None:
-        if attempt >= settings.lock_max_retries:
-            observe.not_acquired(self, key, holder, observe.RAISED)
-            who = f" by {holder.describe()}" if holder is not None else ""
-            raise LockRetriesExceeded(
-                key,
-                holder,
-                f"{self.name}: lock {key!r} is still held{who} after {attempt} lock retries "
-                f"(lock_max_retries={settings.lock_max_retries})",
-            )
-
-    def _next_countdown(
-        self, key: str, holder: LockInfo | None, attempt: int, settings: ExclusiveSettings
-    ) -> float:
-        countdown = lock_retry_countdown(
-            attempt, settings.lock_retry_backoff, settings.lock_retry_backoff_max
-        )
-        logger.info(
-            "lock %r is held by %s; lock retry %d/%d in %.2f s",
-            key,
-            "an unknown holder" if holder is None else holder.describe(),
-            attempt + 1,
-            settings.lock_max_retries,
-            countdown,
-        )
-        return countdown
-
-    def _retry_for_lock(
-        self, key: str, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> NoReturn:
-        settings = self.lock_settings
-        request = self.request
-        headers = dict(request.headers or {})
-        try:
-            attempt = int(headers.get(LOCK_RETRIES_HEADER) or 0)
-        except (TypeError, ValueError):
-            attempt = 0
-        self._check_lock_retries(key, holder, attempt, settings)
-        countdown = self._next_countdown(key, holder, attempt, settings)
-        headers[LOCK_RETRIES_HEADER] = attempt + 1
-        # Like Task.retry, but ``retries`` stays as it is: max_retries is the task's own budget.
-        signature = self.signature_from_request(
-            request, tuple(args), dict(kwargs), countdown=countdown, retries=request.retries, headers=headers
-        )
-        signature.apply_async()
-        observe.not_acquired(self, key, holder, observe.RETRIED)
-        # celery-types wants numbers.Real, which mypy cannot match a float against.
-        raise Retry(exc=LockedError(key, holder), when=cast(Any, countdown), sig=signature)
-
-    # -- on_locked="rerun" ----------------------------------------------------------------
-
-    def _coalesce(
-        self, key: str, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> Any:
-        """Record a rerun on ``key``'s marker lock, or find one already recorded.
-
-        Whoever deletes the marker owns the rerun: the holder when it finishes (and then
-        sends it), or this contender when the key turned free meanwhile (and then runs).
-        """
-        service = self.lock_service
-        settings = self.lock_settings
-        marker_key = key + RERUN_SUFFIX
-        check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
-        recorded = {"task_name": self.name, "args": list(args), "kwargs": dict(kwargs)}
-        delivery = self.request.delivery_info or {}
-        # Keep an empty exchange: "" is AMQP's default exchange, which routes by queue name
-        # (send_task(queue=...)); dropping it would send the rerun to the default queue.
-        options = {
-            k: delivery[k] for k in ("exchange", "routing_key", "priority") if delivery.get(k) is not None
-        }
-        if not options.get("routing_key"):
-            options.pop("exchange", None)
-        if options:
-            recorded["options"] = options
-        try:
-            json.dumps(recorded)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(
-                f"{self.name}: on_locked='rerun' records the call's arguments as JSON, and these "
-                f"are not JSON-serialisable: {exc}"
-            ) from None
-        token = new_token()
-        meta = {**self._holder(), "rerun": recorded}
-        # A detached lease (no heartbeat): it must outlive this run, up to the max lifetime.
-        try:
-            answer = service.provider.acquire(
-                service.prefix + marker_key,
-                token,
-                settings.max_lifetime,
-                settings.max_lifetime,
-                encode_holder(meta),
-            )
-        except BackendError:
-            raise
-        except Exception as exc:
-            if not is_store_error(exc):  # e.g. SoftTimeLimitExceeded: the task's, not the store's
-                raise
-            raise BackendError(f"lock store failed while recording a rerun: {type(exc).__name__}") from exc
-        if not isinstance(answer, Grant):
-            return self._skipped(key, holder, coalesced=True)
-        try:
-            lease = self._acquire(service, settings, key)
-        except LockedError as locked:
-            return self._skipped(key, locked.holder, coalesced=True)
-        if service.force_release(marker_key, token):
-            return self._run_holding(lease, args, kwargs)
-        # The previous holder took our marker and has sent the rerun already.
-        lease.release()
-        return self._skipped(key, holder, coalesced=True)
-
-    def _start_pending_rerun(self, key: str) -> None:
-        """Send the rerun recorded on ``key`` if this process is the one that deletes its marker."""
-        marker_key = key + RERUN_SUFFIX
-        try:
-            service = self.lock_service
-            info = service.peek(marker_key)
-            if info is None or not service.force_release(marker_key, info.token):
-                return
-            recorded = info.holder.get("rerun") or {}
-            name = recorded.get("task_name") or self.name
-            options = recorded.get("options") or {}
-            args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
-            if name in self.app.tasks:
-                sent = self.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)
-            else:
-                sent = self.app.send_task(name, args=args, kwargs=kwargs, **options)
-            logger.info(
-                "requests arrived while it held lock %r; rerun sent as %s[%s]",
-                key,
-                name,
-                sent.id,
-            )
-        except Exception:
-            logger.exception("%s: could not send the rerun recorded on lock %r", self.name, key)
 
 
 _mixins: dict[type, type] = {}
 _mixins_mutex = threading.Lock()
 
 
-#: Holder metadata flag of runs that send a pending rerun when they finish.
-HANDS_ON_RERUNS = "hands_on_reruns"
-
-
 _celerys_call_next: dict[type, bool] = {}
+
+
+def _traced(task: ExclusiveTask[..., Any]) -> bool:
+    """Whether the body may be called without Task.__call__: the worker's tracer (and
+    apply()) pushed this task and its request before calling us, and Task.__call__
+    would push a copy of both (10 us a run). Only when it is the next __call__ in
+    line, and not for a call from inside this task's own body."""
+    return (
+        not task.request.called_directly
+        and _celerys_call_is_next(type(task))
+        and all(running is not task for running, _ in _running.stack)
+    )
 
 
 def _celerys_call_is_next(cls: type) -> bool:
@@ -626,60 +452,6 @@ def _celerys_call_is_next(cls: type) -> bool:
         following = [k for k in mro[mro.index(ExclusiveTask) + 1 :] if "__call__" in vars(k)]
         known = _celerys_call_next[cls] = bool(following) and vars(following[0])["__call__"] is Task.__call__
     return known
-
-
-def _waits_for(policy: object, holder: LockInfo | None) -> bool:
-    """True when a "rerun" request must wait its turn instead of coalescing.
-
-    Only holders with the rerun policy send the recorded rerun when they finish; behind any
-    other holder (a "skip" or "retry" task on the same key) a coalesced request would wait
-    for some later rerun-policy run, or forever. So it waits like "retry": never lost.
-    """
-    return policy == "rerun" and holder is not None and not holder.holder.get(HANDS_ON_RERUNS)
-
-
-class _LeaseLostInterrupt(BaseException):
-    """Raised inside a task whose lease was lost under ``lock_on_lost="terminate"``.
-
-    A BaseException, like KeyboardInterrupt, so a task's ``except Exception`` cannot
-    swallow it; the task's caller sees :class:`LockLost` instead.
-    """
-
-
-class _Interrupter:
-    """Raises _LeaseLostInterrupt in one thread, only while armed (the task body runs).
-
-    CPython delivers it at the thread's next bytecode: pure-Python work stops at once, a
-    blocking C call (a socket read, ``time.sleep``) first runs to its end.
-    """
-
-    def __init__(self, thread_id: int) -> None:
-        self._thread_id = thread_id
-        self._mutex = threading.Lock()
-        self._armed = True
-        self._fired = False
-
-    def fire(self, lease: Lease, reason: str) -> None:
-        with self._mutex:
-            if self._armed:
-                self._armed = False
-                self._fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self._thread_id), ctypes.py_object(_LeaseLostInterrupt)
-                )
-
-    def disarm(self) -> None:
-        """Called in the task's thread when the body ends; raises if the lease was lost.
-
-        An interrupt sent but not yet delivered is cancelled and raised here instead, so it
-        can never surface later in unrelated code.
-        """
-        with self._mutex:
-            fired = self._fired
-            self._armed = False
-        if fired:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
-            raise _LeaseLostInterrupt
 
 
 _CLASS_MEMBERS = (types.FunctionType, property, classmethod, staticmethod)
@@ -769,18 +541,8 @@ def exclusive_task(
     the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
     ``task(...)``, ``.delay(...)`` and ``.si(...)`` arguments and what ``.delay(...).get()`` returns.
     """
-    lock_options = {
-        "lock_key": key,
-        "lock_on_locked": on_locked,
-        "lock_ttl": ttl,
-        "lock_max_lifetime": max_lifetime,
-        "lock_refresh_interval": refresh_interval,
-        "lock_on_lost": on_lost,
-        "lock_max_retries": lock_max_retries,
-        "lock_retry_backoff": lock_retry_backoff,
-        "lock_retry_backoff_max": lock_retry_backoff_max,
-        "lock_done_retention": done_retention,
-    }
+    given = locals()
+    lock_options = {"lock_key": key, **{attr: given[keyword] for keyword, attr in TASK_KEYWORDS.items()}}
     for name, value in lock_options.items():
         if value is not None and options.get(name) is not None:
             raise InvalidArgumentError(f"{name} given twice (once by its short name)")

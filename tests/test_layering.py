@@ -65,10 +65,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # Lease holds its LockService for typing only; the LeaseOwner Protocol (issue #11 item 3)
     # replaces it, which removes the service -> heartbeat -> lease -> service cycle.
     ("lease", "service"): "type of Lease._service; LeaseOwner Protocol in #11 item 3",
-    # Type-only as well: redelivery's functions take the ExclusiveTask that calls them.
-    # Follow-up: with the on_locked policies as objects (issue #11 item 4) they get a small
-    # Protocol of what they use of the task, which removes the task <-> redelivery cycle.
-    ("redelivery", "task"): "type of redelivery's task argument; a Protocol in #11 item 4",
 }
 
 

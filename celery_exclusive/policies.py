@@ -1,0 +1,289 @@
+"""The ``on_locked`` policies: what an exclusive run does when its key is held.
+
+Each policy is an object with two hooks, in dramatiq's middleware style (the defaults do
+nothing): :meth:`OnLocked.locked`, called when the run found its key held (after the
+policy-independent redelivery check), whose return value is the task's result; and
+:meth:`OnLocked.finished`, called when a run that held the key has released it. A task's
+``on_locked`` setting names one of :data:`POLICIES`, or is a callable
+``(task, key, holder) -> result`` that :func:`policy_for` wraps into a :class:`Custom`.
+
+These objects are the Celery layer's internals (what a user sets is the name or the
+callable); see :mod:`celery_exclusive.task` for the behaviour each name promises.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeGuard, cast
+
+from celery.exceptions import Retry as CeleryRetry
+from celery.utils.log import get_task_logger
+
+from celery_exclusive import observe, redelivery, signals
+from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
+from celery_exclusive.providers.base import LockInfo
+from celery_exclusive.validation import check_key
+
+if TYPE_CHECKING:
+    from celery_exclusive._taskview import TaskView as Task
+
+logger = get_task_logger("celery_exclusive.task")
+
+#: Key of the marker field in a skipped or coalesced task's result.
+MARKER_FIELD = "celery_exclusive"
+SKIPPED = "skipped"
+COALESCED = "coalesced"
+#: Message header counting the lock retries of one task id (not the task's own retries).
+LOCK_RETRIES_HEADER = "celery_exclusive_lock_retries"
+#: Appended to a key to name the lock that records a pending rerun.
+RERUN_SUFFIX = "#rerun"
+#: Holder metadata flag of runs that send a pending rerun when they finish.
+HANDS_ON_RERUNS = "hands_on_reruns"
+#: What :meth:`OnLocked.locked` returns to have the task try to acquire again at once.
+AGAIN: Any = object()
+
+
+def skip_marker(key: str, holder: LockInfo | None, *, coalesced: bool = False) -> dict[str, Any]:
+    """The JSON-serialisable result of a run that did not execute its body."""
+    who = None if holder is None else {**holder.holder, "fence": holder.fence}
+    return {MARKER_FIELD: COALESCED if coalesced else SKIPPED, "key": key, "holder": who}
+
+
+def is_skipped(value: object) -> TypeGuard[Mapping[str, Any]]:
+    """True if ``value`` is the result of an exclusive task that skipped (or coalesced) its run."""
+    return isinstance(value, Mapping) and value.get(MARKER_FIELD) in (SKIPPED, COALESCED)
+
+
+def lock_retry_countdown(attempt: int, base: float, maximum: float) -> float:
+    """Seconds before lock retry ``attempt`` (0-based): ``min(maximum, base * 2**attempt)``,
+    of which the upper half is random jitter so that contenders spread out."""
+    ceiling = min(maximum, base * 2.0 ** min(attempt, 64))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass
+class Call:
+    """The contended call: its arguments, whether it runs inline (a direct or eager call:
+    no message to re-send), and how many times it has waited inline so far."""
+
+    args: Sequence[Any]
+    kwargs: Mapping[str, Any]
+    inline: bool
+    attempt: int = 0
+
+
+class OnLocked:
+    """Base policy; subclasses implement whichever hooks they need."""
+
+    #: Whether runs under this policy send a pending rerun when they finish (holder metadata).
+    hands_on_reruns: ClassVar[bool] = False
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+        """The result of a run that found ``key`` held by ``holder`` (or :data:`AGAIN`)."""
+        raise NotImplementedError
+
+    def finished(self, task: Task, key: str, *, retrying: bool) -> None:
+        """Called after a run holding ``key`` released it; ``retrying``: it ends in a retry."""
+
+
+def skipped(task: Task, key: str, holder: LockInfo | None, *, coalesced: bool) -> dict[str, Any]:
+    """Log, signal and observe a run that did not run its body; its marker result."""
+    who = "an unknown holder" if holder is None else holder.describe()
+    if coalesced:
+        logger.info("coalesced: lock %r is held by %s; a rerun is recorded to run after it", key, who)
+    else:
+        logger.info("skipped: lock %r is held by %s", key, who)
+    signals.send(
+        signals.task_skipped, task, key=key, task=task, holder=holder, reason=redelivery.LOCKED, record=None
+    )
+    outcome = observe.COALESCED if coalesced else observe.SKIPPED
+    observe.not_acquired(task, key, holder, outcome, reason="held")
+    return skip_marker(key, holder, coalesced=coalesced)
+
+
+class Skip(OnLocked):
+    """``"skip"``: succeed with a skip marker, without running the body."""
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+        return skipped(task, key, holder, coalesced=False)
+
+
+class Raise(OnLocked):
+    """``"raise"``: fail with :class:`LockedError`."""
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> NoReturn:
+        observe.not_acquired(task, key, holder, observe.RAISED)
+        # An answer, not a failure of the contended acquire: no chained context.
+        raise LockedError(key, holder) from None
+
+
+class Retry(OnLocked):
+    """``"retry"``: re-send with backoff, counted in a message header; inline calls wait here."""
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+        if call.inline:  # no message to re-send (direct call, eager): wait here instead
+            self._check(task, key, holder, call.attempt)
+            time.sleep(self._countdown(task, key, holder, call.attempt))
+            call.attempt += 1
+            return AGAIN
+        return self._send_again(task, key, holder, call)
+
+    def _send_again(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> NoReturn:
+        request = task.request
+        headers = dict(request.headers or {})
+        try:
+            attempt = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+        except (TypeError, ValueError):
+            attempt = 0
+        self._check(task, key, holder, attempt)
+        countdown = self._countdown(task, key, holder, attempt)
+        headers[LOCK_RETRIES_HEADER] = attempt + 1
+        # Like Task.retry, but ``retries`` stays as it is: max_retries is the task's own budget.
+        signature = task.signature_from_request(
+            request,
+            tuple(call.args),
+            dict(call.kwargs),
+            countdown=countdown,
+            retries=request.retries,
+            headers=headers,
+        )
+        signature.apply_async()
+        observe.not_acquired(task, key, holder, observe.RETRIED)
+        # celery-types wants numbers.Real, which mypy cannot match a float against.
+        raise CeleryRetry(exc=LockedError(key, holder), when=cast(Any, countdown), sig=signature)
+
+    @staticmethod
+    def _check(task: Task, key: str, holder: LockInfo | None, attempt: int) -> None:
+        limit = task.lock_settings.lock_max_retries
+        if attempt >= limit:
+            observe.not_acquired(task, key, holder, observe.RAISED)
+            who = f" by {holder.describe()}" if holder is not None else ""
+            raise LockRetriesExceeded(
+                key,
+                holder,
+                f"{task.name}: lock {key!r} is still held{who} after {attempt} lock retries "
+                f"(lock_max_retries={limit})",
+            )
+
+    @staticmethod
+    def _countdown(task: Task, key: str, holder: LockInfo | None, attempt: int) -> float:
+        settings = task.lock_settings
+        backoff, backoff_max = settings.lock_retry_backoff, settings.lock_retry_backoff_max
+        countdown = lock_retry_countdown(attempt, backoff, backoff_max)
+        logger.info(
+            "lock %r is held by %s; lock retry %d/%d in %.2f s",
+            key,
+            "an unknown holder" if holder is None else holder.describe(),
+            attempt + 1,
+            settings.lock_max_retries,
+            countdown,
+        )
+        return countdown
+
+
+class Rerun(OnLocked):
+    """``"rerun"``: record one rerun on a marker lock; the holder sends it when it finishes.
+
+    Whoever deletes the marker owns the rerun: the holder when it finishes (and then sends
+    it), or the contender that recorded it when the key turned free meanwhile (and then runs).
+    """
+
+    hands_on_reruns = True
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+        if holder is not None and not holder.holder.get(HANDS_ON_RERUNS):
+            # Only rerun-policy holders send the recorded rerun when they finish; behind any
+            # other holder (a "skip" or "retry" task on the same key) a coalesced request
+            # would wait for some later rerun-policy run, or forever. So wait like "retry".
+            return RETRY.locked(task, key, holder, call)
+        service = task.lock_service
+        marker_key = key + RERUN_SUFFIX
+        check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
+        meta = {**task._holder(), "rerun": _recorded_call(task, call)}
+        token = service.mark(marker_key, ttl=task.lock_settings.max_lifetime, holder=meta)
+        if token is None:
+            return skipped(task, key, holder, coalesced=True)
+        try:
+            lease = task._acquire(service, task.lock_settings, key)
+        except LockedError as locked:
+            return skipped(task, key, locked.holder, coalesced=True)
+        if service.force_release(marker_key, token):
+            return task._run_holding(lease, call.args, call.kwargs)
+        # The previous holder took our marker and has sent the rerun already.
+        lease.release()
+        return skipped(task, key, holder, coalesced=True)
+
+    def finished(self, task: Task, key: str, *, retrying: bool) -> None:
+        """Send the rerun recorded on ``key`` if this process is the one that deletes its marker
+        (not before a retry: the retry will run again and hand the rerun on itself)."""
+        if retrying:
+            return
+        marker_key = key + RERUN_SUFFIX
+        try:
+            service = task.lock_service
+            info = service.peek(marker_key)
+            if info is None or not service.force_release(marker_key, info.token):
+                return
+            _send_rerun(task, key, info.holder.get("rerun") or {})
+        except Exception:
+            logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
+
+
+def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any]) -> None:
+    """Send the rerun a marker recorded (see :func:`_recorded_call`)."""
+    name = recorded.get("task_name") or task.name
+    options = recorded.get("options") or {}
+    args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
+    if name in task.app.tasks:
+        sent = task.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)
+    else:
+        sent = task.app.send_task(name, args=args, kwargs=kwargs, **options)
+    logger.info("requests arrived while it held lock %r; rerun sent as %s[%s]", key, name, sent.id)
+
+
+def _recorded_call(task: Task, call: Call) -> dict[str, Any]:
+    """What a rerun marker records: task name, arguments and the delivery's routing."""
+    recorded = {"task_name": task.name, "args": list(call.args), "kwargs": dict(call.kwargs)}
+    delivery = task.request.delivery_info or {}
+    # Keep an empty exchange: "" is AMQP's default exchange, which routes by queue name
+    # (send_task(queue=...)); dropping it would send the rerun to the default queue.
+    options = {k: delivery[k] for k in ("exchange", "routing_key", "priority") if delivery.get(k) is not None}
+    if not options.get("routing_key"):
+        options.pop("exchange", None)
+    if options:
+        recorded["options"] = options
+    try:
+        json.dumps(recorded)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"{task.name}: on_locked='rerun' records the call's arguments as JSON, and these "
+            f"are not JSON-serialisable: {exc}"
+        ) from None
+    return recorded
+
+
+class Custom(OnLocked):
+    """A user's callable ``(task, key, holder) -> result``: its return value is the result."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+        observe.not_acquired(task, key, holder, observe.SKIPPED, reason="held")
+        return self.function(task, key, holder)
+
+
+RETRY = Retry()
+#: The named policies.
+POLICIES: dict[str, OnLocked] = {"skip": Skip(), "raise": Raise(), "retry": RETRY, "rerun": Rerun()}
+
+
+def policy_for(on_locked: str | Callable[..., Any]) -> OnLocked:
+    """The policy object for an ``on_locked`` setting (already validated)."""
+    if callable(on_locked):
+        return Custom(on_locked)
+    return POLICIES[on_locked]

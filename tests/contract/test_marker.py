@@ -1,0 +1,118 @@
+"""``LockService.mark``: a detached lease (no heartbeat) on every store, the rerun marker's home.
+
+A marker is taken once, lives for its ttl whatever its writer does (no refresh, no release at
+close), and is deleted by whoever ``force_release``s its token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService
+from celery_exclusive.testing.contract import OUTAGE_SECRET
+from tests.conftest import Store
+
+
+def test_mark_takes_the_key_once_with_its_holder_and_no_heartbeat(store: Store) -> None:
+    """The first mark gets a token, the key reads as held with its metadata; it is no lease
+    of the service; later marks and locks find it held; force_release with the token frees it."""
+    service, other = store.service(), store.service()
+    token = service.mark("m", ttl=60, holder={"rerun": {"args": [1]}})
+    assert isinstance(token, str)
+    assert token
+    assert service.held() == []
+    info = other.peek("m")
+    assert info is not None
+    assert (info.key, info.token) == ("m", token)
+    assert info.holder["rerun"] == {"args": [1]}
+    assert info.holder["pid"] == os.getpid()
+    assert 0 < info.expires_in <= 60
+    assert other.mark("m", ttl=60) is None
+    assert service.mark("m", ttl=60) is None  # not re-entrant either
+    with pytest.raises(LockedError) as held:
+        other.lock("m")
+    assert held.value.holder is not None
+    assert held.value.holder.token == token
+    assert not other.force_release("m", "some-other-token")
+    assert other.force_release("m", token)
+    assert other.peek("m") is None
+    again = other.mark("m", ttl=60)
+    assert again is not None
+    assert again != token
+
+
+def test_a_mark_outlives_its_service_and_expires_after_its_ttl(store: Store) -> None:
+    """Closing the writer's service leaves the marker; nothing refreshes it past its ttl."""
+    writer, reader = store.service(), store.service()
+    assert writer.mark("short", ttl=0.6) is not None
+    writer.close(release=True)
+    assert reader.peek("short") is not None
+    time.sleep(1.0)
+    assert reader.peek("short") is None
+    assert reader.mark("short", ttl=0.6) is not None
+
+
+def test_mark_defaults_to_the_service_max_lifetime(store: Store) -> None:
+    """Without ttl the marker lives the service's max_lifetime."""
+    service = store.service(ttl=30, max_lifetime=120)
+    assert service.mark("long") is not None
+    info = service.peek("long")
+    assert info is not None
+    assert 60 < info.expires_in <= 120
+
+
+def test_mark_on_a_held_key_answers_none_and_leaves_the_lease(store: Store) -> None:
+    """A key held by a lease is not marked; the lease keeps it."""
+    service = store.service()
+    lease = service.lock("busy")
+    assert service.mark("busy", ttl=60) is None
+    assert lease.held
+    peeked = service.peek("busy")
+    assert peeked is not None
+    assert peeked.token == lease.token
+    lease.release()
+
+
+@pytest.mark.parametrize(
+    ("key", "kwargs", "message"),
+    [
+        ("", {}, "must not be empty"),
+        ("k\x00", {}, "NUL"),
+        ("k", {"ttl": 0}, "ttl must be a positive"),
+        ("k", {"ttl": "60"}, "ttl must be seconds"),
+        ("k", {"ttl": 25 * 3600}, "hard cap is 24 h"),
+        ("k", {"holder": ["not", "a", "mapping"]}, "holder must be a mapping"),
+    ],
+)
+def test_mark_rejects_bad_input_before_the_store(key: str, kwargs: dict[str, object], message: str) -> None:
+    """Bad input is an InvalidArgumentError even on a store that cannot be reached."""
+    service = LockService(f"redis://:{OUTAGE_SECRET}@127.0.0.1:1/0")
+    try:
+        with pytest.raises(InvalidArgumentError, match=message):
+            service.mark(key, **kwargs)  # type: ignore[arg-type]
+    finally:
+        service.close()
+
+
+def test_mark_on_an_unreachable_store_is_a_backend_error(store: Store) -> None:
+    """An outage is a BackendError, never "held" (None), and names no credential."""
+    if store.outage is None:
+        pytest.skip(f"store {store.name!r} cannot be unreachable")
+    service = store.outage()
+    try:
+        with pytest.raises(BackendError) as failed:
+            service.mark("k", ttl=60)
+        assert OUTAGE_SECRET not in str(failed.value)
+    finally:
+        service.close()
+
+
+def test_mark_on_a_closed_service_is_refused() -> None:
+    """A closed service takes no marker."""
+    service = LockService("memory://")
+    service.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        service.mark("k", ttl=60)
