@@ -166,7 +166,8 @@ def test_lock_events_change_the_documented_metrics(registry: CollectorRegistry, 
 
     app = Celery("metrics_test", set_as_current=False)
 
-    @app.task(name="tests.metrics.report")  # type: ignore[untyped-decorator]
+    # shared=False: a shared task would be added to every app finalized later in the session.
+    @app.task(name="tests.metrics.report", shared=False)  # type: ignore[untyped-decorator]
     def report() -> None:
         """A task for the skip counter."""
 
