@@ -210,7 +210,7 @@ def test_thread_contention_exactly_one_wins(store: Store) -> None:
 def test_process_contention_exactly_one_wins(store: Store) -> None:
     """Of six processes racing for one key, exactly one acquires it."""
     if not store.cross_process:
-        pytest.skip(f"store {store.name!r} is per-process by design")
+        pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
     ctx = multiprocessing.get_context("spawn")
     racers = 6
     start, done, results = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
@@ -231,7 +231,7 @@ def test_process_contention_exactly_one_wins(store: Store) -> None:
 def test_processes_lose_no_update_under_the_lock(store: Store, tmp_path: Path) -> None:
     """Four processes doing an unprotected read-modify-write under the lock lose no update."""
     if not store.cross_process:
-        pytest.skip(f"store {store.name!r} is per-process by design")
+        pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
     counter = tmp_path / "counter"
     counter.write_text("0")
     ctx = multiprocessing.get_context("spawn")

@@ -8,6 +8,7 @@ On PostgreSQL ``lease.guard`` is checked on Django's own connection inside ``ato
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,8 @@ from celery_exclusive import LockService
 from celery_exclusive.providers.base import LockProvider
 from celery_exclusive.testing.contract import LockContract, Store, open_store
 from tests.django import _stores
+
+LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @contextlib.contextmanager
@@ -47,8 +50,9 @@ class TestDjangoStoreContract(LockContract):
             provider_factory=FACTORIES[alias],
             outage=lambda: LockService("django://unreachable"),
             guard=django_transaction if alias == "default" else None,
-            # Spawned processes cost ~15 s per test here; PostgreSQL runs them, and SQLite
-            # across processes is the same SqlLockProvider the main contract suite covers.
-            cross_process=alias == "default",
+            # Spawned processes cost ~15 s per test here (each sets Django up): PostgreSQL
+            # runs them in the long mode (CE_LONG=1); SQLite across processes is the same
+            # SqlLockProvider the main contract suite covers.
+            cross_process=alias == "default" and LONG,
         ) as store:
             yield store
