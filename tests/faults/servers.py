@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +298,19 @@ class PrivatePostgres:
         _RUNNING.discard(self)
 
 
+def _came_up(proc: subprocess.Popen[bytes], ready: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Wait until ``ready()`` is true (True), or ``proc`` exits or ``timeout`` passes (False).
+
+    ``ready`` may raise while the server is still starting; that counts as not ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(Exception):
+            if ready():
+                return True
+        time.sleep(0.02)
+    return False
+
+
 def _children(pid: int) -> list[int]:
     """The pids of ``pid``'s direct children (from /proc)."""
     found = []
@@ -365,15 +379,9 @@ class PrivateRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self._proc = None
-                return False
-            if self.ping():
-                return True
-            time.sleep(0.02)
-        self._kill()
+        if _came_up(self._proc, self.ping):
+            return True
+        self._kill()  # or only forget it, if it already exited
         return False
 
     def start(self) -> PrivateRedis:
@@ -484,12 +492,8 @@ class PrivateSentinel:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and self._proc.poll() is None:
-                with contextlib.suppress(Exception):
-                    if self.primary() == self.primary_port:
-                        return self
-                time.sleep(0.05)
+            if _came_up(self._proc, lambda: self.primary() == self.primary_port):
+                return self
             self._kill()
         self.stop()
         raise ServerUnavailable(f"redis sentinel did not start (log in {self.root})")
