@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from celery_exclusive import signals
+from celery_exclusive import many, signals, waiting
 from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
@@ -212,9 +212,23 @@ class LockService:
         refresh_interval: float | timedelta | None = None,
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
+        wait: float | None = None,
     ) -> Lease | None:
-        """Acquire ``key`` and keep it alive; None if someone else holds it."""
-        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
+        """Acquire ``key`` and keep it alive; None if someone else holds it.
+
+        With ``wait`` (seconds), retry until it is free or the time is up (see
+        :mod:`celery_exclusive.waiting`); None only then."""
+        if wait is None:
+            taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
+        else:
+            taken = waiting.take_waiting(
+                lambda _final: self._take(
+                    key, ttl, refresh_interval, max_lifetime, holder, name_holder=False
+                ),
+                self.provider,
+                self.prefix + key,
+                waiting.check_wait(wait),
+            )
         return taken if isinstance(taken, Lease) else None
 
     def lock(
@@ -226,8 +240,13 @@ class LockService:
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
         task_id: str | None = None,
+        wait: float | None = None,
     ) -> Lease:
         """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
+
+        With ``wait`` (seconds, finite, >= 0), retry until it is free or the time is up,
+        woken early by the holder's release where the store signals it (see
+        :mod:`celery_exclusive.waiting`); LockedError only then.
 
         Not re-entrant: a key this process already holds is reported as held. The lease
         is a context manager that releases on exit; otherwise call ``lease.release()``.
@@ -240,10 +259,92 @@ class LockService:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self.keeps_records:
                 task_id = None
-        taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
+        if wait is None:
+            taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
+        else:
+            taken = waiting.take_waiting(
+                lambda final: self._take(
+                    key, ttl, refresh_interval, max_lifetime, holder, name_holder=final, task_id=task_id
+                ),
+                self.provider,
+                self.prefix + key,
+                waiting.check_wait(wait),
+            )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
         return taken
+
+    def lock_many(
+        self,
+        keys: list[str] | tuple[str, ...],
+        *,
+        ttl: float | timedelta | None = None,
+        refresh_interval: float | timedelta | None = None,
+        max_lifetime: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+        wait: float | None = None,
+    ) -> many.LeaseSet:
+        """Acquire every key or none (see :mod:`celery_exclusive.many`): a LeaseSet, or
+        :class:`LockedError` naming the first refused key. Keys are taken in a canonical
+        order, so overlapping calls never deadlock; ``wait`` as for :meth:`lock`."""
+        taken = self._take_many(
+            keys,
+            ttl=ttl,
+            refresh_interval=refresh_interval,
+            max_lifetime=max_lifetime,
+            holder=holder,
+            wait=wait,
+        )
+        if isinstance(taken, tuple):
+            raise LockedError(taken[0], taken[1].holder)
+        return taken
+
+    def try_lock_many(
+        self,
+        keys: list[str] | tuple[str, ...],
+        *,
+        ttl: float | timedelta | None = None,
+        refresh_interval: float | timedelta | None = None,
+        max_lifetime: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+        wait: float | None = None,
+    ) -> many.LeaseSet | None:
+        """:meth:`lock_many`, answering None instead of raising LockedError."""
+        taken = self._take_many(
+            keys,
+            ttl=ttl,
+            refresh_interval=refresh_interval,
+            max_lifetime=max_lifetime,
+            holder=holder,
+            wait=wait,
+        )
+        return None if isinstance(taken, tuple) else taken
+
+    def _take_many(
+        self,
+        keys: object,
+        *,
+        ttl: float | timedelta | None,
+        refresh_interval: float | timedelta | None,
+        max_lifetime: float | timedelta | None,
+        holder: Mapping[str, Any] | None,
+        wait: float | None,
+    ) -> many.LeaseSet | tuple[str, Held]:
+        self._check_open()
+        checked = many.check_keys(keys)
+        for key in checked:
+            check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        self._durations(ttl, refresh_interval, max_lifetime)
+        self._check_holder(holder)
+        return many.take_all(
+            checked,
+            lambda key, final: self._take(
+                key, ttl, refresh_interval, max_lifetime, holder, name_holder=final
+            ),
+            lambda key: self.prefix + key,
+            self.provider,
+            None if wait is None else waiting.check_wait(wait),
+        )
 
     def _take(
         self,

@@ -13,9 +13,9 @@ Layers, bottom up:
   ``_validation``, ``_urls``, ``*_urls``) import only ``errors``;
 * providers (``providers/*``): only leaf modules, ``providers.base`` and ``providers._*``;
   the registry ``providers/__init__.py`` is the one place that may name every provider;
-* lock core (``lease``, ``heartbeat``, ``service``): leaf, ``providers.base``, the registry,
-  ``signals`` and each other; no concrete provider (``providers.<backend>``) and nothing of
-  the Celery layer;
+* lock core (``lease``, ``heartbeat``, ``service``, ``waiting``, ``many``): leaf,
+  ``providers.base``, the registry, ``signals`` and each other; no concrete provider
+  (``providers.<backend>``) and nothing of the Celery layer;
 * everything else (the Celery layer: task, worker, settings, keys, observe, policies,
   redelivery..., and cli, metrics): no provider module beyond ``providers.base`` (and the
   registry). The package facade ``celery_exclusive`` re-exports ``MemoryLockProvider``, and
@@ -123,7 +123,7 @@ def import_graph() -> dict[str, dict[str, int]]:
 
 
 LEAF = {"errors", "validation", "_validation", "urls", "_urls"}
-CORE = {"lease", "heartbeat", "service"}
+CORE = {"lease", "heartbeat", "service", "waiting", "many"}
 REGISTRY = "providers"
 
 

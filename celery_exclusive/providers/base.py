@@ -233,6 +233,40 @@ class GuardsTransactions(Protocol):
         ...
 
 
+class ReleaseSubscription(Protocol):
+    """Release signals for one key, from :meth:`WakesWaiters.subscribe` on (see there)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until a release of the key is signalled.
+
+        True if one was signalled since the subscription began or since the last ``wait``
+        returned True (a signal sent before ``wait`` is not lost); False on timeout. May
+        return early or spuriously: the waiter retries its acquire either way. A store
+        failure here may raise; the waiter then falls back to polling (its next acquire
+        reports the outage).
+        """
+        ...
+
+    def close(self) -> None:
+        """Stop listening; idempotent."""
+        ...
+
+
+@runtime_checkable
+class WakesWaiters(Protocol):
+    """Optional: a store that can wake a waiting acquirer when the key is released.
+
+    Used by ``LockService.lock(key, wait=...)`` (:mod:`celery_exclusive.waiting`): the
+    waiter subscribes *before* its first attempt, so a release between a refused attempt
+    and the wait still wakes it. Stores without it are polled with jittered backoff, and
+    so is every store between signals: a signal only shortens the wait, never lengthens it.
+    """
+
+    def subscribe(self, key: str) -> ReleaseSubscription:
+        """Start listening for releases of ``key`` (already prefixed)."""
+        ...
+
+
 def accepts_timeout(method: Callable[..., object]) -> bool:
     """True if the provider ``method`` takes the ``timeout`` keyword (or ``**kwargs``)."""
     try:

@@ -35,6 +35,36 @@ class _Row:
     holder: str
 
 
+class _Subscription:
+    """One waiter's view of a key's releases on a MemoryLockProvider."""
+
+    def __init__(self, provider: MemoryLockProvider, key: str, seen: int) -> None:
+        self._provider, self._key, self._seen = provider, key, seen
+        self._open = True
+
+    def wait(self, timeout: float) -> bool:
+        cond = self._provider._released
+        with cond:
+            watch = self._provider._watched.get(self._key)
+            if not self._open or watch is None:
+                return False
+            cond.wait_for(lambda: watch[1] != self._seen, timeout=max(timeout, 0.0))
+            signalled = watch[1] != self._seen
+            self._seen = watch[1]
+            return signalled
+
+    def close(self) -> None:
+        with self._provider._released:
+            if not self._open:
+                return
+            self._open = False
+            watch = self._provider._watched.get(self._key)
+            if watch is not None:
+                watch[0] -= 1
+                if watch[0] <= 0:
+                    del self._provider._watched[self._key]
+
+
 class MemoryLockProvider:
     """Leases in a dict guarded by a mutex; ``clock`` is seconds on any monotonic scale."""
 
@@ -47,6 +77,10 @@ class MemoryLockProvider:
         self._fences: dict[str, int] = {}
         # (key, task id) -> (outcome, attempt, recorded at, expires at)
         self._done: dict[tuple[str, str], tuple[str, int, float, float]] = {}
+        # Release signals (WakesWaiters): key -> [subscriber count, releases so far], kept
+        # only while someone listens, so unwatched keys cost nothing.
+        self._released = threading.Condition(threading.Lock())
+        self._watched: dict[str, list[int]] = {}
 
     def __repr__(self) -> str:
         return "MemoryLockProvider()"
@@ -136,7 +170,22 @@ class MemoryLockProvider:
             if row is None or row.token != token:
                 return False
             del self._rows[key]
-            return True
+        self._signal_release(key)
+        return True
+
+    def subscribe(self, key: str) -> _Subscription:
+        """Listen for releases of ``key`` (WakesWaiters): a Condition, no polling needed."""
+        with self._released:
+            watch = self._watched.setdefault(key, [0, 0])
+            watch[0] += 1
+            return _Subscription(self, key, watch[1])
+
+    def _signal_release(self, key: str) -> None:
+        with self._released:
+            watch = self._watched.get(key)
+            if watch is not None:
+                watch[1] += 1
+                self._released.notify_all()
 
     def completion(self, key: str, task_id: str) -> CompletionInfo | None:
         with self._mutex:
