@@ -1,0 +1,64 @@
+"""Functions the waiting / lock_many contract tests run in spawned processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from celery_exclusive import LockService
+
+
+def hold_until_killed(url: str, prefix: str, key: str, ttl: float, ready: Any) -> None:
+    """Take ``key`` with a short ttl, say so, then hang (the test SIGKILLs this process)."""
+    service = LockService(url, prefix=prefix, ttl=ttl)
+    lease = service.lock(key)
+    ready.put(lease.fence)
+    time.sleep(600)
+
+
+def lock_random_sets(
+    url: str,
+    prefix: str,
+    *,
+    keys: list[str],
+    seconds: float,
+    busy_dir: str,
+    seed: int,
+    results: Any,
+    start: Any,
+) -> None:
+    """Lock random 3-of-N key sets (in random order) with ``lock_many(wait=)`` for
+    ``seconds``; mark each key busy in ``busy_dir`` (O_EXCL files) while held, counting any
+    key found already busy (an overlap). Reports (acquisitions, overlaps, timeouts)."""
+    rng = random.Random(seed)
+    service = LockService(url, prefix=prefix, ttl=30)
+    acquired = overlaps = timeouts = 0
+    service.peek(keys[0])  # connect before the start line
+    start.wait()
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            chosen = rng.sample(keys, 3)
+            taken = service.try_lock_many(chosen, wait=5.0)
+            if taken is None:
+                timeouts += 1
+                continue
+            with taken:
+                marks = []
+                for key in chosen:
+                    mark = Path(busy_dir) / key
+                    try:
+                        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                        marks.append(mark)
+                    except FileExistsError:
+                        overlaps += 1
+                time.sleep(rng.uniform(0.0, 0.004))
+                for mark in marks:
+                    mark.unlink()
+            acquired += 1
+    finally:
+        service.close()
+    results.put((seed, acquired, overlaps, timeouts))
