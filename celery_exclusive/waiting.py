@@ -59,7 +59,7 @@ T = TypeVar("T")
 #: First pause between attempts, in seconds; it doubles up to :data:`POLL_MAX`.
 POLL_MIN = 0.01
 #: Longest pause between attempts (the bound on a release nobody signalled), in seconds.
-POLL_MAX = 0.25
+POLL_MAX = 0.1
 #: Longest ``wait`` accepted, in seconds (the hard cap on a lease's lifetime: 24 h).
 MAX_WAIT = 24 * 60 * 60.0
 
