@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeGuard, cast
 from celery.exceptions import Retry as CeleryRetry
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import observe, redelivery, signals
+from celery_exclusive import observe, redelivery, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import check_key
@@ -74,6 +74,9 @@ class Call:
     kwargs: Mapping[str, Any]
     inline: bool
     attempt: int = 0
+    #: Under ``on_locked="wait"``: when the wait ends (monotonic), and its backoff step.
+    wait_until: float | None = None
+    wait_step: float = waiting.POLL_MIN
 
 
 class OnLocked:
@@ -277,9 +280,43 @@ class Custom(OnLocked):
         return self.function(task, key, holder)
 
 
+class Wait(OnLocked):
+    """``"wait"``: wait up to ``lock_wait`` seconds for the key, in the worker (its slot is
+    blocked meanwhile), then fall back to ``lock_wait_fallback`` (skip, retry or raise).
+
+    Each refusal pauses (woken by the holder's release where the store signals it, else
+    the jittered backoff of :mod:`celery_exclusive.waiting`) and asks to acquire again
+    (:data:`AGAIN`), so every attempt goes through the redelivery check as usual."""
+
+    def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+        settings = task.lock_settings
+        now = time.monotonic()
+        if call.wait_until is None:
+            call.wait_until = now + settings.lock_wait
+        remaining = call.wait_until - now
+        if remaining <= 0:
+            logger.info("lock %r still held after waiting %.1f s", key, settings.lock_wait)
+            return POLICIES[settings.lock_wait_fallback].locked(task, key, holder, call)
+        service = task.lock_service
+        waiter = waiting.Waiter(service.provider, remaining, step=call.wait_step)
+        try:
+            waiter.watch(service.prefix + key)
+            waiter.pause()
+        finally:
+            waiter.close()
+        call.wait_step = waiter.step
+        return AGAIN
+
+
 RETRY = Retry()
 #: The named policies.
-POLICIES: dict[str, OnLocked] = {"skip": Skip(), "raise": Raise(), "retry": RETRY, "rerun": Rerun()}
+POLICIES: dict[str, OnLocked] = {
+    "skip": Skip(),
+    "raise": Raise(),
+    "retry": RETRY,
+    "rerun": Rerun(),
+    "wait": Wait(),
+}
 
 
 def policy_for(on_locked: str | Callable[..., Any]) -> OnLocked:

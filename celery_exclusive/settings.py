@@ -15,6 +15,9 @@ Each field: its ``app.conf`` name, its environment variable, its per-task option
 * ``on_lost``: ``exclusive_on_lost``, ``CELERY_EXCLUSIVE_ON_LOST``, ``lock_on_lost``
 * ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``: ``exclusive_<name>``,
   ``CELERY_EXCLUSIVE_<NAME>``, ``<name>``
+* ``lock_wait``, ``lock_wait_fallback``: ``exclusive_<name>``, ``CELERY_EXCLUSIVE_<NAME>``,
+  ``<name>``: under ``on_locked="wait"``, the seconds a run waits for the key (blocking its
+  worker slot) and the policy it falls back to after that (``skip``, ``retry`` or ``raise``)
 * ``done_retention``: ``exclusive_done_retention``, ``CELERY_EXCLUSIVE_DONE_RETENTION``,
   ``lock_done_retention``: how long a finished task id's completion record is kept (None:
   Celery's ``result_expires``, or 24 h without one); ``False`` (``false``/``off`` in the
@@ -36,9 +39,12 @@ from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAU
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
 from celery_exclusive.urls import mask_url
 from celery_exclusive.validation import MAX_LIFETIME_CAP, check_prefix, lease_durations, seconds
+from celery_exclusive.waiting import MAX_WAIT
 
 #: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
-ON_LOCKED_POLICIES = ("skip", "retry", "raise", "rerun")
+ON_LOCKED_POLICIES = ("skip", "retry", "raise", "rerun", "wait")
+#: What an ``on_locked="wait"`` task does when its ``lock_wait`` ran out.
+WAIT_FALLBACKS = ("skip", "retry", "raise")
 #: What a task does when its lease is lost while it runs.
 ON_LOST_POLICIES = ("log", "raise", "terminate")
 
@@ -47,6 +53,8 @@ DEFAULT_ON_LOST = "log"
 DEFAULT_LOCK_MAX_RETRIES = 10
 DEFAULT_LOCK_RETRY_BACKOFF = 1.0
 DEFAULT_LOCK_RETRY_BACKOFF_MAX = 60.0
+DEFAULT_LOCK_WAIT = 30.0
+DEFAULT_LOCK_WAIT_FALLBACK = "skip"
 
 ENV_PREFIX = "CELERY_EXCLUSIVE_"
 CONF_PREFIX = "exclusive_"
@@ -62,7 +70,7 @@ class Option:
 
     field: str
     conf: str
-    kind: str  # "duration", "on_locked", "on_lost", "retries", "retention" or "text"
+    kind: str  # "duration", "on_locked", "on_lost", "retries", "retention", "fallback" or "text"
     per_task: bool = True
 
     @property
@@ -98,6 +106,8 @@ OPTIONS = (
     Option("lock_retry_backoff", "lock_retry_backoff", "duration"),
     Option("lock_retry_backoff_max", "lock_retry_backoff_max", "duration"),
     Option("done_retention", "done_retention", "retention"),
+    Option("lock_wait", "lock_wait", "duration"),
+    Option("lock_wait_fallback", "lock_wait_fallback", "fallback"),
 )
 _BY_FIELD = {option.field: option for option in OPTIONS}
 
@@ -136,6 +146,8 @@ class ExclusiveSettings:
     lock_retry_backoff: float = DEFAULT_LOCK_RETRY_BACKOFF
     lock_retry_backoff_max: float = DEFAULT_LOCK_RETRY_BACKOFF_MAX
     done_retention: float | bool | None = None
+    lock_wait: float = DEFAULT_LOCK_WAIT
+    lock_wait_fallback: str = DEFAULT_LOCK_WAIT_FALLBACK
 
     def __post_init__(self) -> None:
         if self.url is not None and not isinstance(self.url, str):
@@ -147,6 +159,8 @@ class ExclusiveSettings:
                 object.__setattr__(self, name, seconds(name, value))
         check_on_locked(self.on_locked)
         check_on_lost(self.on_lost)
+        check_wait_fallback(self.lock_wait_fallback)
+        check_wait_seconds(self.lock_wait)
         if self.done_retention is not None:
             object.__setattr__(self, "done_retention", check_done_retention(self.done_retention))
         check_max_retries("lock_max_retries", self.lock_max_retries)
@@ -224,6 +238,20 @@ def check_on_locked(value: object) -> None:
         )
 
 
+def check_wait_fallback(value: object) -> None:
+    """Reject anything but a policy ``on_locked="wait"`` can fall back to."""
+    if value not in WAIT_FALLBACKS:
+        raise InvalidArgumentError(
+            f"lock_wait_fallback must be one of {', '.join(map(repr, WAIT_FALLBACKS))}, got {value!r}"
+        )
+
+
+def check_wait_seconds(value: float) -> None:
+    """A ``lock_wait`` within :data:`celery_exclusive.waiting.MAX_WAIT` (24 h)."""
+    if value > MAX_WAIT:
+        raise InvalidArgumentError(f"lock_wait is {value:g} s; at most {MAX_WAIT:g} s (24 h)")
+
+
 def check_done_retention(value: object) -> float | bool:
     """A completion-record retention: positive seconds (or a timedelta), or False for none."""
     if value is False:
@@ -256,6 +284,8 @@ def check_task_options(**options: Any) -> None:
     ttl, lifetime, interval = (durations.get(n) for n in ("ttl", "max_lifetime", "refresh_interval"))
     if lifetime is not None and lifetime > MAX_LIFETIME_CAP:
         raise InvalidArgumentError(f"max_lifetime is {lifetime:g} s; the hard cap is 24 h")
+    if "lock_wait" in durations:
+        check_wait_seconds(durations["lock_wait"])
     if ttl is not None and lifetime is not None and ttl > lifetime:
         raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({lifetime:g} s)")
     if interval is not None and ttl is not None and interval >= ttl:
@@ -275,6 +305,7 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "on_lost": lambda _name, value: check_on_lost(value),
     "retries": check_max_retries,
     "retention": lambda _name, value: check_done_retention(value),
+    "fallback": lambda _name, value: check_wait_fallback(value),
 }
 
 

@@ -25,6 +25,9 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
   more after the current holder finishes, however many requests arrived meanwhile; the
   rerun uses the arguments recorded by the *first* coalesced request. Requests that were
   coalesced succeed with a ``"coalesced"`` marker (``is_skipped`` is true for it too).
+* ``"wait"``: the run waits up to ``lock_wait`` seconds for the key (woken by the holder's
+  release where the store signals it, else polling), **blocking its worker slot** meanwhile;
+  then ``lock_wait_fallback`` (``"skip"``, ``"retry"`` or ``"raise"``) decides.
 * a callable ``(task, key, holder) -> result``: its return value is the task's result.
 
 Inside the body, ``self.lock`` (``bind=True``) is the current :class:`Lease`: read
@@ -185,7 +188,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     None meaning "the app's setting": ``lock_key``, ``lock_on_locked``, ``lock_ttl``,
     ``lock_max_lifetime``, ``lock_refresh_interval``, ``lock_on_lost``,
     ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``,
-    ``lock_done_retention`` (see :mod:`celery_exclusive.redelivery`).
+    ``lock_done_retention`` (see :mod:`celery_exclusive.redelivery`), ``lock_wait``,
+    ``lock_wait_fallback`` (``on_locked="wait"``).
     """
 
     lock_key: KeySpec = None
@@ -198,6 +202,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     lock_retry_backoff: float | timedelta | None = None
     lock_retry_backoff_max: float | timedelta | None = None
     lock_done_retention: float | timedelta | bool | None = None
+    lock_wait: float | timedelta | None = None
+    lock_wait_fallback: str | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
     _own_throws: tuple[type[Exception], ...] = ()
@@ -492,6 +498,8 @@ def exclusive_task(
     lock_max_retries: int | None = None,
     lock_retry_backoff: float | timedelta | None = None,
     lock_retry_backoff_max: float | timedelta | None = None,
+    lock_wait: float | timedelta | None = None,
+    lock_wait_fallback: str | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,
@@ -509,6 +517,8 @@ def exclusive_task(
     lock_max_retries: int | None = None,
     lock_retry_backoff: float | timedelta | None = None,
     lock_retry_backoff_max: float | timedelta | None = None,
+    lock_wait: float | timedelta | None = None,
+    lock_wait_fallback: str | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,
@@ -526,6 +536,8 @@ def exclusive_task(
     lock_retry_backoff: float | timedelta | None = None,
     lock_retry_backoff_max: float | timedelta | None = None,
     done_retention: float | timedelta | bool | None = None,
+    lock_wait: float | timedelta | None = None,
+    lock_wait_fallback: str | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,

@@ -80,11 +80,19 @@ def check_wait(wait: object) -> float:
 class Waiter:
     """The pauses of one wait: a deadline, a backoff step and at most one subscription."""
 
-    def __init__(self, provider: object, wait: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        provider: object,
+        wait: float,
+        *,
+        step: float = POLL_MIN,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._provider = provider if isinstance(provider, WakesWaiters) else None
         self._clock = clock
         self.deadline = clock() + wait
-        self._step = POLL_MIN
+        #: The backoff step of the next pause (a caller resuming a wait passes it back in).
+        self.step = step
         self._watching: str | None = None
         self._subscription: ReleaseSubscription | None = None
 
@@ -107,12 +115,12 @@ class Waiter:
         remaining = self.remaining()
         if remaining <= 0:
             return False
-        pause = min(remaining, self._step * random.uniform(0.5, 1.0))
-        self._step = min(self._step * 2, POLL_MAX)
+        pause = min(remaining, self.step * random.uniform(0.5, 1.0))
+        self.step = min(self.step * 2, POLL_MAX)
         if self._subscription is not None:
             try:
                 if self._subscription.wait(pause):
-                    self._step = POLL_MIN  # the key changed hands: watch closely again
+                    self.step = POLL_MIN  # the key changed hands: watch closely again
                 return True
             except Exception as exc:
                 logger.debug("release signal failed (%s); polling", type(exc).__name__)

@@ -52,6 +52,13 @@ DOCUMENTED = {
         "lock_done_retention",
         "done_retention",
     ),
+    "lock_wait": ("exclusive_lock_wait", "CELERY_EXCLUSIVE_LOCK_WAIT", "lock_wait", "lock_wait"),
+    "lock_wait_fallback": (
+        "exclusive_lock_wait_fallback",
+        "CELERY_EXCLUSIVE_LOCK_WAIT_FALLBACK",
+        "lock_wait_fallback",
+        "lock_wait_fallback",
+    ),
 }
 
 

@@ -144,7 +144,7 @@ def test_bad_option_is_rejected_at_decoration(app: Celery) -> None:
     """An unknown on_locked policy is rejected when the decorator runs."""
     with pytest.raises(InvalidArgumentError, match="on_locked must be one of"):
 
-        @exclusive_task(app=app, on_locked="wait")
+        @exclusive_task(app=app, on_locked="block")
         def sync_7() -> None: ...
 
 

@@ -70,7 +70,7 @@ def test_settings_are_frozen() -> None:
     ("environ", "message"),
     [
         ({"CELERY_EXCLUSIVE_DEFAULT_TTL": "soon"}, "CELERY_EXCLUSIVE_DEFAULT_TTL='soon' is not a number"),
-        ({"CELERY_EXCLUSIVE_ON_LOCKED": "wait"}, "CELERY_EXCLUSIVE_ON_LOCKED: on_locked must be one of"),
+        ({"CELERY_EXCLUSIVE_ON_LOCKED": "block"}, "CELERY_EXCLUSIVE_ON_LOCKED: on_locked must be one of"),
         ({"CELERY_EXCLUSIVE_PREFIX": "has space"}, "CELERY_EXCLUSIVE_PREFIX: key prefix"),
     ],
 )
