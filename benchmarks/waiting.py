@@ -6,7 +6,7 @@ Run on its own (not yet a section of ``python -m benchmarks``)::
 
 * handover: one holder releases, one waiter (another service, ``lock(wait=)``) acquires;
   the release-to-acquired time over 40 trials, p50/p99. Stores that signal releases
-  (memory today) hand over on the signal; the others within the poll bound (0.1 s).
+  (memory today) hand over on the signal; the others within the poll bound (0.05 s).
 * fairness: 8 processes loop ``lock(key, wait=10)`` / hold 5 ms / release on one key for
   ``--seconds``; each process's share of the acquisitions (ideal 12.5 %), and Jain's index
   (1.0 = perfectly even, 1/8 = one process got everything).

@@ -25,6 +25,7 @@ from celery_exclusive.errors import (
     MissingDriverError,
 )
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import (
     Completion,
     CompletionInfo,
@@ -86,6 +87,7 @@ __all__ = [
     "Held",
     "InvalidArgumentError",
     "Lease",
+    "LeaseSet",
     "LeaseState",
     "LockInfo",
     "LockLost",

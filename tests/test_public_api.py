@@ -10,6 +10,7 @@ import celery_exclusive
 PUBLIC_MODULES = [
     "celery_exclusive.errors",
     "celery_exclusive.lease",
+    "celery_exclusive.many",
     "celery_exclusive.service",
     "celery_exclusive.task",
 ]
