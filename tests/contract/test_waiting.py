@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_exclusive import BackendError, InvalidArgumentError, LockedError, ReleaseOutcome
+from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService, ReleaseOutcome
 from celery_exclusive.many import MAX_KEYS, LeaseSet
 from celery_exclusive.providers.base import WakesWaiters
 from celery_exclusive.testing.contract import Store
@@ -51,29 +51,41 @@ def handover_latency(store: Store, hold: float) -> float:
 
 
 def test_a_waiter_acquires_soon_after_the_release(store: Store) -> None:
-    """Woken stores hand over within 50 ms (p50 of 10); polled ones within the poll bound."""
+    """Woken stores hand over within 50 ms (p50 of 10); polled ones within the poll bound
+    (p50; the slowest within it plus 0.3 s for a loaded machine's round trips)."""
     latencies = [handover_latency(store, hold) for hold in (0.05, 0.3, 0.12, 0.4, 0.2) * 2]
     woken = isinstance(store.service().provider, WakesWaiters)
-    assert max(latencies) <= POLL_MAX + 0.15, latencies
-    if woken:
-        assert statistics.median(latencies) <= 0.05, latencies
+    assert max(latencies) <= POLL_MAX + 0.3, latencies
+    assert statistics.median(latencies) <= (0.05 if woken else POLL_MAX + 0.05), latencies
+
+
+def round_trip(service: LockService, key: str) -> float:
+    """The slowest of three refused attempts without wait: a wait's last attempt may add it."""
+    times = []
+    for _ in range(3):
+        started = time.monotonic()
+        assert service.try_lock(key) is None
+        times.append(time.monotonic() - started)
+    return max(times)
 
 
 def test_wait_ends_at_its_timeout_and_answers_as_without_wait(store: Store) -> None:
     """A wait on a key that stays held returns None / raises LockedError naming the holder,
-    no earlier than the timeout and at most 100 ms after it."""
+    no earlier than the timeout and at most 100 ms (plus the last attempt's round trip) after."""
     holder, waiter = store.service(), store.service()
     lease = holder.lock("stays", ttl=30, holder={"task_name": "demo.stays"})
     for wait in (0.0, 0.25, 0.6):
+        slack = OVERSHOOT + round_trip(waiter, "stays")
         started = time.monotonic()
         assert waiter.try_lock("stays", wait=wait) is None
         elapsed = time.monotonic() - started
-        assert wait <= elapsed <= wait + OVERSHOOT, (wait, elapsed)
+        assert wait <= elapsed <= wait + slack, (wait, elapsed, slack)
+    slack = OVERSHOOT + round_trip(waiter, "stays")
     started = time.monotonic()
     with pytest.raises(LockedError) as refused:
         waiter.lock("stays", wait=0.4)
     elapsed = time.monotonic() - started
-    assert 0.4 <= elapsed <= 0.4 + OVERSHOOT
+    assert 0.4 <= elapsed <= 0.4 + slack, (elapsed, slack)
     assert refused.value.key == "stays"
     assert refused.value.holder is not None
     assert refused.value.holder.token == lease.token
