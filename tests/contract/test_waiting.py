@@ -15,6 +15,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -265,3 +266,36 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
     assert all(timeouts == 0 for _, _, _, timeouts in reports), reports
     assert all(acquired > 0 for _, acquired, _, _ in reports), reports
     print(f"{store.name}: acquisitions per process {[acquired for _, acquired, _, _ in reports]}")
+
+
+class FailsOnKey:
+    """The store's own provider, except that acquiring a key ending in ``boom`` raises
+    ``error`` (a fault injected between two keys of one lock_many)."""
+
+    def __init__(self, provider: Any, error: BaseException) -> None:
+        self._provider, self._error = provider, error
+        self.max_key_length = provider.max_key_length
+
+    def acquire(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key.endswith("boom"):
+            raise self._error
+        return self._provider.acquire(key, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._provider, name)
+
+
+@pytest.mark.parametrize("error", [BackendError("injected outage"), KeyError("injected bug")])
+def test_lock_many_rolls_back_when_a_later_key_fails(store: Store, error: BaseException) -> None:
+    """An error on the second key (canonical order: a, boom, c) releases the first and
+    propagates; nothing of the set stays held."""
+    plain = store.service()
+    faulty = LockService(FailsOnKey(plain.provider, error), prefix=plain.prefix, call_timeout=1.0)
+    try:
+        with pytest.raises(type(error)):
+            faulty.lock_many(["c", "boom", "a"])
+        assert faulty.held() == []
+        assert plain.peek("a") is None
+        assert plain.peek("c") is None
+    finally:
+        faulty.close(release=True)
