@@ -476,6 +476,41 @@ class ServiceModel(RuleBasedStateMachine):
             self.floor[key] = lease.fence
             self.leases.append(Tracked(lease, client, self.fleet.generations[client]))
 
+    @rule(
+        client=clients,
+        order=st.permutations(KEYS),
+        wait=st.sampled_from([None, 0.0]),
+        ttl=st.sampled_from([3.0, 6.0]),
+    )
+    def lock_many(self, client: int, order: list[str], wait: float | None, ttl: float) -> None:
+        """A client tries every key at once: all when the store showed them all free, else
+        none, and the store then shows exactly what it showed before (rolled back)."""
+        before = {key: self.provider.peek(self.prefix + key) for key in KEYS}
+        taken = self.fleet.services[client].try_lock_many(order, ttl=ttl, wait=wait)
+        after = {key: self.provider.peek(self.prefix + key) for key in KEYS}
+        assert (taken is None) == any(info is not None for info in before.values())
+        if taken is None:
+            assert {k: None if i is None else i.token for k, i in after.items()} == {
+                k: None if i is None else i.token for k, i in before.items()
+            }
+            return
+        assert taken.keys == sorted(KEYS)
+        for lease in taken:
+            assert lease.fence > self.floor[lease.key]
+            self.floor[lease.key] = lease.fence
+            self.leases.append(Tracked(lease, client, self.fleet.generations[client]))
+
+    @rule(client=clients, key=keys)
+    def try_lock_wait_zero(self, client: int, key: str) -> None:
+        """``wait=0`` answers exactly as a call without wait."""
+        before = self.provider.peek(self.prefix + key)
+        lease = self.fleet.services[client].try_lock(key, wait=0)
+        assert (lease is None) == (before is not None)
+        if lease is not None:
+            assert lease.fence > self.floor[key]
+            self.floor[key] = lease.fence
+            self.leases.append(Tracked(lease, client, self.fleet.generations[client]))
+
     @rule(client=clients)
     def heartbeat(self, client: int) -> None:
         """One heartbeat pass of a client: refresh what is due, mark lost what is gone."""
