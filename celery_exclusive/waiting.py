@@ -13,6 +13,8 @@ out), cut short by a release signal where the store gives one. Guarantees:
 * an outage is an error: an attempt that cannot reach the store raises BackendError as it
   would without ``wait`` (no "not acquired" after a wait spent failing);
 * ``AlreadyDone`` (``task_id``) ends the wait at once;
+* each refused attempt is one refused acquisition: with ``lock_contended`` receivers (the
+  metrics) connected, each sends the signal, so contention counts attempts, not waits;
 * fairness is statistical: no queue, but jitter and the wake-all signal give every waiter
   the same chance at each release (measured by ``benchmarks/waiting.py``).
 
