@@ -104,6 +104,7 @@ def test_the_wheel_holds_the_package_with_its_data_and_no_tests(dists: Dists) ->
     names = set(dists.wheel_names())
     assert "celery_exclusive/py.typed" in names
     assert "celery_exclusive/testing/plugin.py" in names
+    assert "celery_exclusive/providers/redis_scripts/prelude.lua" in names  # Redis loads them at import
     top_levels = {name.split("/")[0] for name in names}
     assert top_levels == {"celery_exclusive", f"celery_exclusive-{celery_exclusive.__version__}.dist-info"}
     package_files = [n for n in tracked_files() if n.startswith("celery_exclusive/")]

@@ -14,12 +14,15 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from celery_exclusive.errors import BackendError, ConfigurationError
-from celery_exclusive.providers import redis as redis_module
+from celery_exclusive.providers._redis_wire import POLL_AFTER
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
 from celery_exclusive.urls import scheme_family
@@ -399,8 +402,14 @@ def test_a_key_of_another_type_is_a_backend_error(provider: RedisLockProvider, p
         provider.acquire(prefix + "str", "tok", 10.0, 60.0, "{}")
 
 
+def kept_connections(provider: RedisLockProvider) -> list[tuple[Any, float]]:
+    """``(connection, last use)`` of each connection the provider's fast path keeps."""
+    assert provider._wire is not None
+    return provider._wire.kept.idle
+
+
 def _kill_own_connection(provider: RedisLockProvider) -> None:
-    ((conn, _),) = provider._idle
+    ((conn, _),) = kept_connections(provider)
     host, port = conn._sock.getsockname()[:2]
     provider._client.client_kill(f"{host}:{port}")  # kills only this provider's own connection
 
@@ -410,14 +419,14 @@ def test_idle_connection_closed_by_server_is_reopened(provider: RedisLockProvide
     key = prefix + "killed"
     assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
     _kill_own_connection(provider)
-    time.sleep(redis_module._POLL_AFTER + 0.1)
+    time.sleep(POLL_AFTER + 0.1)
     assert provider.release(key, "tok") is True
 
 
 def test_busy_connection_closed_by_server_fails_once_as_an_outage(
     provider: RedisLockProvider, prefix: str
 ) -> None:
-    """Within ``_POLL_AFTER`` of its last use a connection is not polled: a kill then fails
+    """Within ``POLL_AFTER`` of its last use a connection is not polled: a kill then fails
     the next command with BackendError (never a "not held" answer), and the one after works."""
     key = prefix + "killed-busy"
     assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
@@ -432,7 +441,7 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
     parent_key, child_key = prefix + "parent", prefix + "child"
     grant = provider.acquire(parent_key, "parent", 30.0, 60.0, "{}")
     assert isinstance(grant, Grant)
-    parent_sockets = {conn._sock.getsockname() for conn, _ in provider._idle}
+    parent_sockets = {conn._sock.getsockname() for conn, _ in kept_connections(provider)}
 
     def hammer(key: str, token: str, fence: int) -> None:
         # Replies read off a socket shared with the other process would mismatch here.
@@ -455,7 +464,7 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
             assert isinstance(provider.acquire(parent_key, "child", 30.0, 60.0, "{}"), Held)
             child_grant = provider.acquire(child_key, "child", 30.0, 60.0, "{}")
             assert isinstance(child_grant, Grant)
-            assert not {conn._sock.getsockname() for conn, _ in provider._idle} & parent_sockets
+            assert not {conn._sock.getsockname() for conn, _ in kept_connections(provider)} & parent_sockets
             os.write(ready_w, b"1")
             hammer(child_key, "child", child_grant.fence)
             code = 0
@@ -517,7 +526,7 @@ def test_cluster_and_sentinel_urls_parse_without_connecting() -> None:
         repr(cluster)
         == "RedisLockProvider('redis+cluster://:***@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2')"
     )
-    assert cluster._conn is None  # built on first use
+    assert cluster._target.client is None  # built on first use
     cluster.close()
     sentinel = RedisLockProvider("redis+sentinel://:s3cret@127.0.0.1:1,[::1]:2/mymaster/3")
     assert "s3cret" not in repr(sentinel)
@@ -567,3 +576,41 @@ def test_unreachable_cluster_and_sentinel_are_backend_errors() -> None:
             assert len(str(raised.value)) < 300
         assert time.monotonic() - started < 5.0
         provider.close()
+
+
+def test_a_script_file_runs_by_hand_with_redis_cli(
+    provider: RedisLockProvider, prefix: str, tmp_path: Path
+) -> None:
+    """``cat prelude.lua acquire.lua`` (as the files' headers say) is exactly what the provider
+    sends, and runs as it stands in ``redis-cli --eval``: its grant is a lease the provider sees."""
+    from celery_exclusive.providers import _redis_scripts
+
+    exe = shutil.which("redis-cli")
+    if exe is None:
+        unavailable("redis-cli is not on PATH")
+        raise AssertionError  # unreachable: unavailable() skips or fails
+    folder = files("celery_exclusive.providers").joinpath("redis_scripts")
+    key = prefix + "by-hand"
+    for name, args, expected in (
+        ("acquire", ["by-hand", "30000", "60000", '{"pid": 1}'], "1"),
+        ("release", ["by-hand"], "1"),
+    ):
+        source = folder.joinpath("prelude.lua").read_text() + folder.joinpath(f"{name}.lua").read_text()
+        assert source == getattr(_redis_scripts, name.upper())
+        script = tmp_path / f"{name}.lua"
+        script.write_text(source)
+        ran = subprocess.run(
+            [exe, "-u", REDIS_URL, "--eval", str(script), key, ",", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.split()[0] == expected, ran.stdout
+        if name == "acquire":
+            info = provider.peek(key)
+            assert info is not None
+            assert (info.token, info.holder) == ("by-hand", {"pid": 1})
+            assert 29.0 < info.expires_in <= 30.0
+    assert provider.peek(key) is None

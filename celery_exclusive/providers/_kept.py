@@ -1,0 +1,74 @@
+"""Driver connections a provider keeps outside its driver's pool, fork-aware.
+
+A provider that sends its hot-path commands on connections of its own (to skip the pool's
+checkout) keeps them here between calls: :meth:`KeptConnections.take` hands out the most
+recently used one with how long it sat idle, :meth:`KeptConnections.give` puts it back.
+
+Fork: a child must never use, or close, a connection of its parent (the replies would be
+read by both processes; a closing handshake would end the parent's session). The first
+call in a new process (a pid check: one ``os.getpid()``, no hook to register per instance)
+hands every inherited connection to ``on_fork`` and starts empty. The default drops them:
+right for redis-py, whose ``disconnect()`` shuts a socket down only in the process that
+made it. A store whose close sends a goodbye on the wire (libpq's Terminate) passes an
+``on_fork`` that keeps them referenced, unclosed, instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+C = TypeVar("C")
+
+
+def _drop(inherited: list[C]) -> None:
+    """The default ``on_fork``: forget the parent's connections without touching them."""
+
+
+class KeptConnections(Generic[C]):
+    """Up to ``limit`` connections (``None``: no limit), each with its last use (monotonic s)."""
+
+    __slots__ = ("_idle", "_limit", "_on_fork", "_pid")
+
+    def __init__(self, limit: int | None = None, on_fork: Callable[[list[C]], None] = _drop) -> None:
+        self._idle: list[tuple[C, float]] = []
+        self._limit = limit
+        self._on_fork = on_fork
+        self._pid = os.getpid()
+
+    def _forked(self) -> bool:
+        """True (after handing the parent's connections to ``on_fork``) in a new process."""
+        if self._pid == os.getpid():
+            return False
+        inherited, self._idle, self._pid = self._idle, [], os.getpid()
+        self._on_fork([conn for conn, _ in inherited])
+        return True
+
+    def take(self) -> tuple[C, float] | None:
+        """The most recently used connection and its last use, or None if none is kept."""
+        if self._pid != os.getpid():
+            self._forked()
+        return self._idle.pop() if self._idle else None
+
+    def give(self, conn: C, used: float | None = None) -> bool:
+        """Keep ``conn``, last used at ``used`` (default: now); False if full (close it yourself)."""
+        if self._limit is not None and len(self._idle) >= self._limit:
+            return False
+        self._idle.append((conn, time.monotonic() if used is None else used))
+        return True
+
+    def drain(self) -> list[C]:
+        """Every connection kept by this process, no longer kept (to close them)."""
+        self._forked()
+        drained, self._idle = self._idle, []
+        return [conn for conn, _ in drained]
+
+    @property
+    def idle(self) -> list[tuple[C, float]]:
+        """``(connection, last use)`` of each kept connection, oldest first (for tests)."""
+        return list(self._idle)
+
+    def __len__(self) -> int:
+        return len(self._idle)

@@ -1,0 +1,169 @@
+"""The Redis provider's Lua scripts (``redis_scripts/*.lua``, package data) and their runner.
+
+Each script is ``prelude.lua`` followed by the script's own file, composed once at import
+(:func:`_compose`, the one place), its SHA1 computed once. The files keep their
+``KEYS/ARGV/returns`` headers; each says how to run it by hand with ``redis-cli --eval``.
+:class:`ScriptRunner` runs them by SHA, sending the source once on NOSCRIPT: one call, or
+several pipelined in one round trip, optionally followed by ``WAIT`` for replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from importlib.resources import files
+from types import TracebackType
+from typing import Any
+
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers._redis_wire import Wire, left
+from celery_exclusive.validation import MAX_LIFETIME_CAP
+
+#: Milliseconds a lock hash outlives its lease's hard deadline, or its release.
+RETAIN_MS = int(MAX_LIFETIME_CAP * 1000)
+
+_FOLDER = files("celery_exclusive.providers").joinpath("redis_scripts")
+_PRELUDE = _FOLDER.joinpath("prelude.lua").read_text(encoding="utf-8")
+if f"\nlocal RETAIN = {RETAIN_MS}\n" not in _PRELUDE:  # pragma: no cover - a packaging mistake
+    raise ImportError(f"redis_scripts/prelude.lua must set RETAIN to RETAIN_MS ({RETAIN_MS})")
+
+
+def _compose(name: str) -> str:
+    """The source Redis runs for ``redis_scripts/<name>.lua``: the prelude, then the script."""
+    return _PRELUDE + _FOLDER.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+ACQUIRE = _compose("acquire")
+REFRESH = _compose("refresh")
+RELEASE = _compose("release")
+DONE = _compose("done")
+FORGET = _compose("forget")
+PEEK = _compose("peek")
+SHA = {
+    src: hashlib.sha1(src.encode(), usedforsecurity=False).hexdigest()
+    for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET)
+}
+CHUNK = 1000  # keys per script call: bounds how long one script blocks Redis
+
+
+class Translating:
+    """``with translating:`` raises a driver error from the block as BackendError (chained);
+    nothing else is touched. Stateless, so one instance serves every call and thread."""
+
+    __slots__ = ("_errors", "fail")
+
+    def __init__(
+        self, errors: tuple[type[Exception], ...], fail: Callable[[Exception], BackendError]
+    ) -> None:
+        self._errors = errors
+        self.fail = fail
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, self._errors):
+            raise self.fail(exc) from exc
+
+
+class ScriptRunner:
+    """Runs the scripts on one client: through ``wire`` (a client the provider built; a
+    per-call ``timeout`` is then enforced on the socket) or the client's own commands (a
+    client you passed keeps its own socket timeouts)."""
+
+    def __init__(
+        self,
+        client: Callable[[], Any],
+        execute: Callable[..., Any],
+        wire: Wire | None,
+        *,
+        translated: Translating,
+        noscript: type[Exception],
+        wait: tuple[int, int],
+    ) -> None:
+        self._client = client
+        self._execute = execute
+        self._wire = wire
+        self._translated = translated
+        self._fail = translated.fail
+        self._noscript = noscript
+        self._wait = wait
+
+    def run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
+        """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once."""
+        with self._translated:
+            if timeout is not None and self._wire is not None:
+                deadline = time.monotonic() + timeout
+                try:
+                    return self._wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=timeout)
+                except self._noscript:
+                    return self._wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
+            try:
+                return self._execute("EVALSHA", SHA[script], numkeys, *args)
+            except self._noscript:
+                return self._execute("EVAL", script, numkeys, *args)
+
+    def _pipelined(self, commands: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Any]:
+        """Every command's reply, error replies in their place, in one round trip.
+
+        On a cluster the pipeline sends each node its share, all nodes before any reply is
+        read; replies come back in ``commands`` order either way."""
+        if self._wire is not None:
+            return self._wire.send_many(commands, timeout)
+        pipe = self._client().pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
+
+    def run_many(
+        self, script: str, calls: Sequence[tuple[Any, ...]], timeout: float | None = None
+    ) -> list[Any]:
+        """Run ``script`` once per argument tuple (numkeys first), pipelined in one round trip."""
+        if len(calls) <= 1:
+            return [self.run(script, *args, timeout=timeout) for args in calls]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._translated:
+            replies = self._pipelined([("EVALSHA", SHA[script], *args) for args in calls], timeout)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, self._noscript):
+                replies[i] = self.run(script, *calls[i], timeout=None if deadline is None else left(deadline))
+            elif isinstance(reply, Exception):
+                raise self._fail(reply) from reply
+        return replies
+
+    def run_acked(
+        self, script: str, calls: Sequence[tuple[Any, ...]], timeout: float | None = None
+    ) -> tuple[list[Any], int]:
+        """Like :meth:`run_many`, then ``WAIT`` for the replicas, all in one round trip;
+        the replies and how many replicas acknowledged (one connection: never a cluster)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        commands = [("EVALSHA", SHA[script], *args) for args in calls]
+        commands.append(("WAIT", *self._wait))
+        for attempt in (1, 2):
+            with self._translated:
+                *replies, acks = self._pipelined(commands, None if deadline is None else left(deadline))
+            if attempt == 1 and any(isinstance(r, self._noscript) for r in replies):
+                with self._translated:  # nothing ran, so nothing to undo: load it, send it all again
+                    self._execute("SCRIPT", "LOAD", script)
+                continue
+            for reply in (*replies, acks):
+                if isinstance(reply, Exception):
+                    raise self._fail(reply) from reply
+            return replies, int(acks)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def groups(self, keys: Sequence[str], cluster: bool) -> list[range | list[int]]:
+        """Indices of ``keys`` in groups for one script call each: at most ``CHUNK`` keys,
+        consecutive on one server, of one hash slot on a cluster (first-seen slot order)."""
+        if not cluster:
+            return [range(start, min(start + CHUNK, len(keys))) for start in range(0, len(keys), CHUNK)]
+        with self._translated:
+            slot_of = self._client().keyslot
+            slots: dict[int, list[int]] = {}
+            for i, key in enumerate(keys):
+                slots.setdefault(slot_of(key), []).append(i)
+        return [group[s : s + CHUNK] for group in slots.values() for s in range(0, len(group), CHUNK)]

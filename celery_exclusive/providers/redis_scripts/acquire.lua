@@ -1,0 +1,29 @@
+-- KEYS[1]  the lock hash
+-- ARGV[1]  token, ARGV[2] ttl ms, ARGV[3] max lifetime ms, ARGV[4] holder JSON,
+--          ARGV[5] (optional) a task id whose completion record refuses the grant
+-- returns  {1, fence, µs left} if granted (or already held by ARGV[1]),
+--          {2, record, now in ms} if ARGV[5] has a live completion record, else
+--          {0, token, fence, created, expires, deadline, holder, now in µs} of the live holder
+-- A grant's fence is max(previous fence + 1, TIME in microseconds); the hash then lives
+-- until RETAIN ms after the lease's hard deadline.
+-- Runs after prelude.lua: cat prelude.lua acquire.lua > /tmp/acquire.lua &&
+--   redis-cli --eval /tmp/acquire.lua KEY , TOKEN 30000 60000 '{}'
+if ARGV[5] then
+  local d = redis.call('HGET', KEYS[1], 'done:' .. ARGV[5])
+  if d and (tonumber(string.match(d, '^(%d+)|')) or 0) > now then return {2, d, now} end
+end
+local r = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires', 'created', 'deadline', 'holder',
+                     'done_max')
+local expires = tonumber(r[3]) or 0
+if r[1] and expires > now then
+  if r[1] == ARGV[1] then return {1, tonumber(r[2]), expires * 1000 - us} end
+  return {0, r[1], r[2], r[4], r[3], r[5], r[6] or '', us}
+end
+local life = tonumber(ARGV[3])
+local ttl = math.min(tonumber(ARGV[2]), life)
+local fence = math.max((tonumber(r[2]) or 0) + 1, us)
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
+           'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
+-- Completion records kept longer than that keep the hash alive as long.
+redis.call('PEXPIRE', KEYS[1], int(math.max(life + RETAIN, (tonumber(r[7]) or 0) - now)))
+return {1, fence, (now + ttl) * 1000 - us}

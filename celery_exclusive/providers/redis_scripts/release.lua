@@ -1,0 +1,43 @@
+-- KEYS[1]  the lock hash
+-- ARGV[1]  token; optionally a completion record: ARGV[2] task id, ARGV[3] its stored
+--          value 'expires|recorded|attempt|outcome' without the times, ARGV[4] retain ms
+-- returns  1 if ARGV[1] held a live lease and it was deleted, else 0 (a dead lease is
+--          cleared either way); the fence field stays, for RETAIN ms (or as long as the
+--          longest-kept completion record, field 'done_max')
+-- A record is field 'done:<task id>' of the same hash (no key of its own, so one slot);
+-- expired records are pruned when the hash has doubled since the last pruning.
+-- Runs after prelude.lua: cat prelude.lua release.lua > /tmp/release.lua &&
+--   redis-cli --eval /tmp/release.lua KEY , TOKEN [TASK_ID 'ATTEMPT|OUTCOME' RETAIN_MS]
+local r = redis.call('HMGET', KEYS[1], 'token', 'expires', 'done_max')
+local owned, cleared = 0, false
+if r[1] then
+  local live = (tonumber(r[2]) or 0) > now
+  if not (live and r[1] ~= ARGV[1]) then
+    redis.call('HDEL', KEYS[1], 'token', 'created', 'expires', 'deadline', 'holder')
+    cleared = true
+    if live then owned = 1 end
+  end
+end
+local keep = (tonumber(r[3]) or 0) - now
+if ARGV[2] then
+  local until_ms = now + tonumber(ARGV[4])
+  redis.call('HSET', KEYS[1], 'done:' .. ARGV[2], int(until_ms) .. '|' .. int(now) .. '|' .. ARGV[3])
+  if until_ms - now > keep then
+    keep = until_ms - now
+    redis.call('HSET', KEYS[1], 'done_max', int(until_ms))
+  end
+  local n = redis.call('HLEN', KEYS[1])
+  if n > 2 * (tonumber(redis.call('HGET', KEYS[1], 'done_scan')) or 0) + 16 then
+    local all = redis.call('HGETALL', KEYS[1])
+    for i = 1, #all, 2 do
+      local gone = (tonumber(string.match(all[i + 1], '^(%d+)|')) or 0) <= now
+      if string.sub(all[i], 1, 5) == 'done:' and gone then
+        redis.call('HDEL', KEYS[1], all[i])
+      end
+    end
+    redis.call('HSET', KEYS[1], 'done_scan', redis.call('HLEN', KEYS[1]))
+  end
+  if not cleared and redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], int(keep)) end
+end
+if cleared then redis.call('PEXPIRE', KEYS[1], int(math.max(RETAIN, keep))) end
+return owned
