@@ -146,24 +146,31 @@ def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     """The two commands ``service.lock(k).release()`` sends, as words with ``{key}`` and
     ``{token}`` placeholders; or why they could not be seen (the provider changed shape)."""
     provider = service.provider
-    original = getattr(provider, "_execute", None)
+    # A provider that built its client sends through its fast path's wire (which takes the
+    # per-call timeout); a client passed in is driven through _execute.
+    wire = getattr(provider, "_wire", None)
+    owner, name = (wire, "send") if wire is not None else (provider, "_execute")
+    original = getattr(owner, name, None)
     if original is None:
         return "the Redis provider has no _execute to observe its commands"
     service.lock("floor-probe-warm").release()  # the scripts are loaded: no NOSCRIPT retry below
     seen: list[tuple[Any, ...]] = []
 
-    def record(*command: Any) -> Any:
+    def record(*command: Any, **options: Any) -> Any:
         seen.append(command)
-        return original(*command)
+        return original(*command, **options)
 
-    provider._execute = record
+    setattr(owner, name, record)
     try:
         lease = service.lock("floor-probe")
         lease.release()
     finally:
-        provider._execute = original
+        if owner is wire:
+            delattr(owner, name)  # back to the class's method, as it was
+        else:
+            setattr(owner, name, original)
     if len(seen) != 2:
-        return f"lock() + release() sent {len(seen)} commands through _execute, not 2"
+        return f"lock() + release() sent {len(seen)} commands through {name}, not 2"
 
     def words(command: tuple[Any, ...]) -> list[str]:
         out = []
