@@ -26,8 +26,10 @@ from ``TIME``: a lease stored as ending at ``expires`` ms is dead from ``expires
 and the holder is told exactly that much, never the whole ms it would round to.
 A lease is live while ``token`` is set and
 ``expires`` is in the future; every operation is a Lua script that reads the clock with
-``TIME``, so expiry is decided by Redis alone. Every script touches one key, or (refresh,
-peek) several keys of one hash slot, so all of it works on Redis Cluster.
+``TIME``, so expiry is decided by Redis alone (``redis_scripts/*.lua``, each headed by its
+keys, arguments and reply; providers/_redis_scripts.py loads and runs them). Every
+script touches one key, or (refresh, peek) several keys of one hash slot, so all of it
+works on Redis Cluster.
 
 Retention. Acquiring sets the hash's TTL to the lease's hard deadline plus ``RETAIN_MS``
 (24 h, the max-lifetime cap); releasing clears the lease fields, keeps ``fence`` and sets
