@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import (
     AlreadyDone,
+    AlreadyQueued,
     BackendError,
     ConfigurationError,
     ExclusiveError,
@@ -73,6 +74,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AlreadyDone",
+    "AlreadyQueued",
     "BackendError",
     "Completion",
     "CompletionInfo",

@@ -10,6 +10,7 @@ Every exception the package raises on purpose derives from :class:`ExclusiveErro
     ├── LockedError               the key is held by someone else (``key``, ``holder``)
     │   └── LockRetriesExceeded   a Celery task gave up waiting for the key
     ├── AlreadyDone               the task id already has a completion record on the key
+    ├── AlreadyQueued             a deduplicated send found the key queued (``key``, ``task_id``)
     └── LockLost                  a held lease is gone or may be gone (``key``, ``fence``)
 
 A backend outage is always a :class:`BackendError`, never "not acquired": an outage must
@@ -100,6 +101,20 @@ class AlreadyDone(ExclusiveError):
             f"task {self.record.task_id!r} already finished a run on lock {self.key!r} "
             f"({self.record.outcome}, attempt {self.record.attempt})"
         )
+
+
+class AlreadyQueued(ExclusiveError):
+    """A send with ``dedupe`` and ``on_duplicate="raise"`` found the key already queued (or,
+    under ``"until_done"``, running): nothing was published. ``task_id`` is the existing
+    task's id (None when its holder did not say)."""
+
+    def __init__(self, key: str, task_id: str | None) -> None:
+        self.key = key
+        self.task_id = task_id
+        super().__init__(key, task_id)  # rebuildable as cls(*args), see LockedError
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} is already queued or running as task {self.task_id!r}; nothing was sent"
 
 
 class LockLost(ExclusiveError):

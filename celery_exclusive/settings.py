@@ -22,6 +22,15 @@ Each field: its ``app.conf`` name, its environment variable, its per-task option
   ``lock_done_retention``: how long a finished task id's completion record is kept (None:
   Celery's ``result_expires``, or 24 h without one); ``False`` (``false``/``off`` in the
   environment) keeps none
+* ``dedupe``, ``on_duplicate``, ``dedupe_ttl``: ``exclusive_<name>``, ``CELERY_EXCLUSIVE_<NAME>``,
+  ``lock_<name>``: deduplication at enqueue (see :mod:`celery_exclusive.dedupe`); ``dedupe``
+  is False (off, the default; ``false``/``off`` in the environment), ``"until_start"`` (or
+  True) or ``"until_done"``; ``on_duplicate`` is ``"return"`` (default), ``"raise"`` or a
+  callable ``(task, key, existing AsyncResult) -> result``; ``dedupe_ttl`` (None: 1 h, plus
+  the eta/countdown, capped by ``expires``) bounds how long a marker may outlive a lost message
+* ``rerun_args``: ``exclusive_rerun_args``, ``CELERY_EXCLUSIVE_RERUN_ARGS``, ``lock_rerun_args``:
+  which coalesced request's arguments an ``on_locked="rerun"`` follow-up runs with,
+  ``"first"`` (default) or ``"latest"``
 
 Durations are seconds (int/float) or ``timedelta``; in the environment, seconds.
 """
@@ -47,6 +56,12 @@ ON_LOCKED_POLICIES = ("skip", "retry", "raise", "rerun", "wait")
 WAIT_FALLBACKS = ("skip", "retry", "raise")
 #: What a task does when its lease is lost while it runs.
 ON_LOST_POLICIES = ("log", "raise", "terminate")
+#: How long a deduplicated send's queued marker lives (``dedupe``; False turns it off).
+DEDUPE_MODES = ("until_start", "until_done")
+#: What a deduplicated send answers when the key is queued already; a callable also works.
+ON_DUPLICATE_POLICIES = ("return", "raise")
+#: Whose arguments an ``on_locked="rerun"`` follow-up runs with.
+RERUN_ARGS = ("first", "latest")
 
 DEFAULT_ON_LOCKED = "skip"
 DEFAULT_ON_LOST = "log"
@@ -70,7 +85,8 @@ class Option:
 
     field: str
     conf: str
-    kind: str  # "duration", "on_locked", "on_lost", "retries", "retention", "fallback" or "text"
+    kind: str  # "duration", "on_locked", "on_lost", "retries", "retention", "fallback",
+    # "dedupe", "on_duplicate", "rerun_args" or "text"
     per_task: bool = True
 
     @property
@@ -108,6 +124,10 @@ OPTIONS = (
     Option("done_retention", "done_retention", "retention"),
     Option("lock_wait", "lock_wait", "duration"),
     Option("lock_wait_fallback", "lock_wait_fallback", "fallback"),
+    Option("dedupe", "dedupe", "dedupe"),
+    Option("on_duplicate", "on_duplicate", "on_duplicate"),
+    Option("dedupe_ttl", "dedupe_ttl", "duration"),
+    Option("rerun_args", "rerun_args", "rerun_args"),
 )
 _BY_FIELD = {option.field: option for option in OPTIONS}
 
@@ -148,6 +168,10 @@ class ExclusiveSettings:
     done_retention: float | bool | None = None
     lock_wait: float = DEFAULT_LOCK_WAIT
     lock_wait_fallback: str = DEFAULT_LOCK_WAIT_FALLBACK
+    dedupe: str | bool = False
+    on_duplicate: str | Callable[..., Any] = "return"
+    dedupe_ttl: float | None = None
+    rerun_args: str = "first"
 
     def __post_init__(self) -> None:
         if self.url is not None and not isinstance(self.url, str):
@@ -164,6 +188,11 @@ class ExclusiveSettings:
         if self.done_retention is not None:
             object.__setattr__(self, "done_retention", check_done_retention(self.done_retention))
         check_max_retries("lock_max_retries", self.lock_max_retries)
+        object.__setattr__(self, "dedupe", check_dedupe(self.dedupe))
+        check_on_duplicate(self.on_duplicate)
+        check_rerun_args(self.rerun_args)
+        if self.dedupe_ttl is not None and self.dedupe_ttl > MAX_LIFETIME_CAP:
+            raise InvalidArgumentError(f"dedupe_ttl is {self.dedupe_ttl:g} s; the hard cap is 24 h")
         if self.lock_retry_backoff_max < self.lock_retry_backoff:
             raise InvalidArgumentError(
                 f"lock_retry_backoff_max ({self.lock_retry_backoff_max:g} s) must not be shorter "
@@ -271,6 +300,36 @@ def check_on_lost(value: object) -> None:
         )
 
 
+def check_dedupe(value: object) -> str | bool:
+    """A ``dedupe`` setting: False (off), True (``"until_start"``) or one of DEDUPE_MODES."""
+    if value is True:
+        return DEDUPE_MODES[0]
+    if value is False or value in DEDUPE_MODES:
+        return value if isinstance(value, str) else False
+    raise InvalidArgumentError(
+        f"dedupe must be False, True or one of {', '.join(map(repr, DEDUPE_MODES))}, got {value!r}"
+    )
+
+
+def check_on_duplicate(value: object) -> None:
+    """Reject anything but a known on-duplicate answer or a callable."""
+    if callable(value):
+        return
+    if value not in ON_DUPLICATE_POLICIES:
+        raise InvalidArgumentError(
+            f"on_duplicate must be one of {', '.join(map(repr, ON_DUPLICATE_POLICIES))} or a callable "
+            f"(task, key, existing AsyncResult) -> result, got {value!r}"
+        )
+
+
+def check_rerun_args(value: object) -> None:
+    """Reject anything but a known ``rerun_args`` choice."""
+    if value not in RERUN_ARGS:
+        raise InvalidArgumentError(
+            f"rerun_args must be one of {', '.join(map(repr, RERUN_ARGS))}, got {value!r}"
+        )
+
+
 def check_task_options(**options: Any) -> None:
     """Validate per-task lock options on their own (when a task is declared); None means unset."""
     for name, value in options.items():
@@ -290,6 +349,9 @@ def check_task_options(**options: Any) -> None:
         raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({lifetime:g} s)")
     if interval is not None and ttl is not None and interval >= ttl:
         raise InvalidArgumentError(f"refresh_interval ({interval:g} s) must be shorter than ttl ({ttl:g} s)")
+    dedupe_ttl = durations.get("dedupe_ttl")
+    if dedupe_ttl is not None and dedupe_ttl > MAX_LIFETIME_CAP:
+        raise InvalidArgumentError(f"lock_dedupe_ttl is {dedupe_ttl:g} s; the hard cap is 24 h")
 
 
 def check_max_retries(name: str, value: object) -> None:
@@ -306,6 +368,9 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "retries": check_max_retries,
     "retention": lambda _name, value: check_done_retention(value),
     "fallback": lambda _name, value: check_wait_fallback(value),
+    "dedupe": lambda _name, value: check_dedupe(value),
+    "on_duplicate": lambda _name, value: check_on_duplicate(value),
+    "rerun_args": lambda _name, value: check_rerun_args(value),
 }
 
 
@@ -320,7 +385,7 @@ def check_lock_attributes(names: Iterable[str], known: Iterable[str]) -> None:
 
 def _parse_env(name: str, env_name: str, raw: str) -> Any:
     raw = raw.strip()
-    if name == "done_retention" and raw.lower() in ("false", "off", "no"):
+    if name in ("done_retention", "dedupe") and raw.lower() in ("false", "off", "no"):
         return False
     try:
         if name == "done_retention":

@@ -72,7 +72,7 @@ from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import _interrupt, observe, policies, redelivery
+from celery_exclusive import _interrupt, dedupe, observe, policies, redelivery
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
@@ -189,7 +189,9 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     ``lock_max_lifetime``, ``lock_refresh_interval``, ``lock_on_lost``,
     ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``,
     ``lock_done_retention`` (see :mod:`celery_exclusive.redelivery`), ``lock_wait``,
-    ``lock_wait_fallback`` (``on_locked="wait"``).
+    ``lock_wait_fallback`` (``on_locked="wait"``), ``lock_dedupe``,
+    ``lock_on_duplicate``, ``lock_dedupe_ttl`` (see :mod:`celery_exclusive.dedupe`),
+    ``lock_rerun_args``.
     """
 
     lock_key: KeySpec = None
@@ -204,6 +206,10 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     lock_done_retention: float | timedelta | bool | None = None
     lock_wait: float | timedelta | None = None
     lock_wait_fallback: str | None = None
+    lock_dedupe: str | bool | None = None
+    lock_on_duplicate: str | Callable[..., Any] | None = None
+    lock_dedupe_ttl: float | timedelta | None = None
+    lock_rerun_args: str | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
     _own_throws: tuple[type[Exception], ...] = ()
@@ -265,6 +271,13 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix)."""
         return _key_builder_of(self).build(self.name, args, kwargs or {})
+
+    if not TYPE_CHECKING:  # typed as Celery's own (celery-types), which it forwards to
+
+        def apply_async(self, args=None, kwargs=None, **options):
+            """Celery's ``apply_async``; with ``dedupe`` set, through the queued marker
+            (:mod:`celery_exclusive.dedupe`): a duplicate publishes nothing."""
+            return dedupe.apply_async(self, args, kwargs, options, super().apply_async)
 
     # -- execution ------------------------------------------------------------------------
 
@@ -384,6 +397,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             observe.spent_acquiring(time.perf_counter() - started)
 
     def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        dedupe.acquired(self)
         report = observe.holding(self, lease)
         lease.on_lost(report.lost)
         interrupter = _interrupt.arm(lease) if self.lock_settings.on_lost == "terminate" else None
@@ -538,6 +552,10 @@ def exclusive_task(
     done_retention: float | timedelta | bool | None = None,
     lock_wait: float | timedelta | None = None,
     lock_wait_fallback: str | None = None,
+    dedupe: str | bool | None = None,
+    on_duplicate: str | Callable[..., Any] | None = None,
+    dedupe_ttl: float | timedelta | None = None,
+    rerun_args: str | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,

@@ -1,0 +1,236 @@
+"""Deduplication at enqueue: a send whose key is already queued publishes nothing.
+
+With ``dedupe`` set (task option ``lock_dedupe`` / ``exclusive_task(dedupe=...)``, or
+``app.conf.exclusive_dedupe``), :meth:`ExclusiveTask.apply_async` (so ``delay``, and canvas
+signatures, which call it) first takes a *queued marker* for the call's lock key: a
+detached lease (:meth:`LockService.mark`) on ``<key>#queued`` whose holder metadata names
+the new task id. One store round trip, atomic: of any number of concurrent senders one
+takes it and publishes; every other one publishes nothing and, by ``on_duplicate``:
+
+* ``"return"`` (default): gets the existing task's ``AsyncResult`` (same id, same result);
+* ``"raise"``: gets :class:`~celery_exclusive.errors.AlreadyQueued` naming that id;
+* a callable ``(task, key, existing AsyncResult) -> result``: its return value.
+
+The marker's token travels in the message (header ``celery_exclusive_dedupe``), so
+whoever ends the message releases exactly that marker, by token:
+
+* the worker, when the run starts (``"until_start"``, the default: Celery's
+  ``task_prerun``), or once the run holds the execution lock (``"until_done"``); and in
+  every case when the message's run ends (``task_postrun``), whether it ran, skipped or failed;
+* the worker, when it discards the message as revoked or expired (``task_revoked``), or
+  rejects it (``task_rejected``, ``task_unknown``);
+* the sender, when the publish raises (broker down): no marker is left behind.
+
+What no one releases expires: the marker lives ``dedupe_ttl`` (default
+:data:`DEFAULT_DEDUPE_TTL`) after the message is due (its ``countdown``/``eta``), and
+never past the message's ``expires``. A producer killed between marker and publish blocks
+the key that long at most; so does a message lost by the broker.
+
+Lifetimes and the race between "marker taken" and "a run holds the execution key":
+
+* ``"until_start"``: the marker is released at ``task_prerun``, before the run takes the
+  execution lock. A send after that publishes one more message (one running plus one
+  queued, as with celery-once); that message's run then finds the key held or free and
+  ``on_locked`` decides, as for any producer. No send sees the execution lock.
+* ``"until_done"``: the worker releases the marker only *after* the run holds the execution
+  lock, and a send takes the marker *then* peeks the execution key (a second round trip;
+  a run found there is the duplicate, and the fresh marker is released again). So at every
+  instant the marker or the execution lease of the previous message exists: a send that
+  takes the marker after the previous one was released finds the run holding the key, and
+  a run that finished before the peek has freed it for a new message, which is correct.
+  A run that finds the key held (``on_locked="skip"``...) releases its marker when it ends.
+
+Which producers dedupe: ``delay``, ``apply_async`` and signatures (``.s()``/``.si()``, chains,
+groups, chords, links: they call the task's ``apply_async``) in a process where the task is
+registered, and beat entries whose task is registered in the beat process (beat then calls
+the task's ``apply_async``). ``app.send_task`` by name, beat entries of tasks beat does not
+import (beat then calls ``send_task``), other languages' clients and raw publishes do not
+dedupe: they are still excluded at execution, like every producer.
+Eager calls (``task_always_eager``, ``apply()``) and re-sends of the running task's own id
+(``self.retry()``, ``on_locked="retry"``) do not take markers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery import signals as celery_signals
+
+from celery_exclusive.errors import AlreadyQueued, BackendError
+from celery_exclusive.validation import MAX_LIFETIME_CAP
+
+if TYPE_CHECKING:
+    from celery.result import AsyncResult
+
+#: The ExclusiveTask calling in (Any: this module must not import the task module).
+Task = Any
+
+logger = logging.getLogger("celery_exclusive.dedupe")
+
+#: Appended to a lock key to name its queued marker.
+QUEUED_SUFFIX = "#queued"
+#: Message header carrying the marker (``{"key": ..., "token": ..., "mode": ...}``).
+HEADER = "celery_exclusive_dedupe"
+#: How long a marker outlives its message's due time when ``dedupe_ttl`` is not set, in seconds.
+DEFAULT_DEDUPE_TTL = 3600.0
+#: Marker attempts before a send gives up deduplicating (the marker kept changing hands).
+_ATTEMPTS = 3
+#: Request attribute set once this run's marker was released (it is released once).
+_RELEASED = "_celery_exclusive_marker_released"
+
+
+def apply_async(
+    task: Task, args: Any, kwargs: Any, options: dict[str, Any], send: Callable[..., AsyncResult[Any]]
+) -> Any:
+    """``task.apply_async(args, kwargs, **options)`` through the queued marker; ``send`` publishes."""
+    settings = task.lock_settings
+    mode = settings.dedupe
+    if not mode or task.app.conf.task_always_eager or _resending(task, options):
+        return send(args, kwargs, **options)
+    ttl = marker_ttl(task, settings.dedupe_ttl, options)
+    if ttl is None:  # the message is expired already: it will never run, nor block anything
+        return send(args, kwargs, **options)
+    key = task.lock_key_for(args or (), kwargs or {})
+    service = task.lock_service
+    marker = key + QUEUED_SUFFIX
+    task_id = options.get("task_id") or str(uuid.uuid4())
+    holder = {"task_id": task_id, "task_name": task.name}
+    for _ in range(_ATTEMPTS):
+        token = service.mark(marker, ttl=ttl, holder=holder)
+        if token is None:
+            queued = service.peek(marker)
+            if queued is None:
+                continue  # released between our mark and our look: take it again
+            return _duplicate(task, key, queued.holder.get("task_id"), settings.on_duplicate)
+        if mode == "until_done":
+            running = service.peek(key)
+            if running is not None and running.holder.get("task_id"):
+                service.force_release(marker, token)
+                return _duplicate(task, key, running.holder["task_id"], settings.on_duplicate)
+        headers = dict(options.get("headers") or {})
+        headers[HEADER] = {"key": key, "token": token, "mode": mode}
+        try:
+            return send(args, kwargs, **{**options, "task_id": task_id, "headers": headers})
+        except BaseException:
+            with contextlib.suppress(BackendError):  # the ttl bounds it if the store is down too
+                service.force_release(marker, token)
+            raise
+    logger.warning("%s: the queued marker of %r kept changing hands; sending without dedupe", task.name, key)
+    return send(args, kwargs, **options)
+
+
+def marker_ttl(task: Task, dedupe_ttl: float | None, options: Mapping[str, Any]) -> float | None:
+    """Seconds a new marker lives: ``dedupe_ttl`` past the due time, never past ``expires``
+    (None when the message has expired already), at most 24 h."""
+    now = time.time()
+    due = 0.0
+    countdown, eta = options.get("countdown"), options.get("eta")
+    if countdown is not None:
+        due = max(0.0, float(countdown))
+    elif eta is not None:
+        due = max(0.0, _timestamp(eta) - now)
+    ttl = due + (DEFAULT_DEDUPE_TTL if dedupe_ttl is None else dedupe_ttl)
+    expires = options.get("expires", getattr(task, "expires", None))
+    if expires is not None:
+        left = float(expires) if isinstance(expires, (int, float)) else _timestamp(expires) - now
+        if left <= 0:
+            return None
+        ttl = min(ttl, left)
+    return min(ttl, MAX_LIFETIME_CAP)
+
+
+def _timestamp(when: datetime | str) -> float:
+    moment = datetime.fromisoformat(when) if isinstance(when, str) else when
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def _resending(task: Task, options: Mapping[str, Any]) -> bool:
+    """A re-send of the run in progress (a retry, a lock retry): its id is queued already."""
+    current = task.request.id
+    return current is not None and options.get("task_id") == current
+
+
+def _duplicate(task: Task, key: str, task_id: str | None, on_duplicate: Any) -> Any:
+    logger.debug("%s: %r is queued already as %s; nothing sent", task.name, key, task_id)
+    if on_duplicate == "raise" or task_id is None:
+        raise AlreadyQueued(key, task_id)
+    existing = task.AsyncResult(task_id)
+    if on_duplicate == "return":
+        return existing
+    return on_duplicate(task, key, existing)
+
+
+# -- the worker's side: releasing a message's marker --------------------------------------
+
+
+def _marker(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    found = (headers or {}).get(HEADER)
+    return found if isinstance(found, Mapping) and found.get("key") and found.get("token") else None
+
+
+def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
+    """Release ``marker`` by its token; a failure is logged (the marker's ttl bounds it)."""
+    from celery_exclusive.worker import get_lock_service
+
+    try:
+        get_lock_service(app).force_release(str(marker["key"]) + QUEUED_SUFFIX, str(marker["token"]))
+    except Exception:
+        logger.warning(
+            "could not release the queued marker of %r (%s)", marker.get("key"), why, exc_info=True
+        )
+
+
+def release_for(task: Any, why: str) -> None:
+    """Release the marker of ``task``'s current message, once (no-op without one)."""
+    request = task.request
+    marker = _marker(getattr(request, "headers", None))
+    if marker is None or getattr(request, _RELEASED, False):
+        return
+    setattr(request, _RELEASED, True)
+    _release(task.app, marker, why)
+
+
+def acquired(task: Any) -> None:
+    """The run holds its execution lock: an ``"until_done"`` marker ends now."""
+    marker = _marker(getattr(task.request, "headers", None))
+    if marker is not None and marker.get("mode") == "until_done":
+        release_for(task, "run started")
+
+
+@celery_signals.task_prerun.connect(weak=False)
+def _on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
+    task = task or sender
+    marker = _marker(getattr(task.request, "headers", None)) if task is not None else None
+    if marker is not None and marker.get("mode") != "until_done":
+        release_for(task, "run started")
+
+
+@celery_signals.task_postrun.connect(weak=False)
+def _on_postrun(sender: Any = None, task: Any = None, **_: Any) -> None:
+    task = task or sender
+    if task is not None:
+        release_for(task, "run ended")
+
+
+@celery_signals.task_revoked.connect(weak=False)
+def _on_revoked(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    marker = _marker(getattr(request, "headers", None))
+    if marker is not None and sender is not None:
+        _release(sender.app, marker, "expired" if expired else "revoked")
+
+
+@celery_signals.task_rejected.connect(weak=False)
+@celery_signals.task_unknown.connect(weak=False)
+def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
+    marker = _marker(getattr(message, "headers", None))
+    app = getattr(sender, "app", None)
+    if marker is not None and app is not None:
+        _release(app, marker, "rejected")
