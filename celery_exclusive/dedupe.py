@@ -154,8 +154,12 @@ def _timestamp(when: datetime | str) -> float:
 
 def _resending(task: Task, options: Mapping[str, Any]) -> bool:
     """A re-send of the run in progress (a retry, a lock retry): its id is queued already."""
-    current = task.request.id
-    return current is not None and options.get("task_id") == current
+    task_id = options.get("task_id")
+    if not task_id:
+        return False
+    stack = task.request_stack  # None until the app binds the task: then nothing runs either
+    running = None if stack is None else stack.top
+    return running is not None and running.id == task_id
 
 
 def _duplicate(task: Task, key: str, task_id: str | None, on_duplicate: Any) -> Any:

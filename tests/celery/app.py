@@ -115,6 +115,26 @@ def work_rerun(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="dedupe:{key_id}", dedupe=True, bind=True)
+def dedupe_start(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Deduplicated at enqueue until its run starts (the default lifetime)."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, key="dedupe-done:{key_id}", dedupe="until_done", bind=True)
+def dedupe_done(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Deduplicated at enqueue until its run ends."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(
+    app=app, key="dedupe-raise:{key_id}", dedupe=True, dedupe_ttl=4, on_duplicate="raise", bind=True
+)
+def dedupe_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Deduplicated with a 4 s marker ttl; a duplicate send raises AlreadyQueued."""
+    return _body(self, tag, duration)
+
+
 _HOLD_RETRY = {"on_locked": "retry", "lock_retry_backoff": 0.05, "lock_retry_backoff_max": 0.25}
 
 

@@ -1,0 +1,57 @@
+"""A producer process for tests/celery/test_dedupe.py: sends deduplicated tasks, prints their ids.
+
+``python -m tests.celery.dedupe_producer '<json>'`` with the spec's fields: ``task`` (a task
+name in tests/celery/app.py), ``args``, ``options`` (apply_async's), ``calls`` (how many
+sends, each from its own thread), ``start_at`` (wall time to start sending at, so that
+several producers send at once) and ``kill_before_publish`` (SIGKILL this process when the
+first send, holding its marker, is about to publish). Prints one JSON list, one entry per
+send: ``{"id": ...}`` or ``{"error": class name, "task_id": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from celery.app.task import Task
+
+from tests.celery import app as tasks
+
+
+def main(spec: dict[str, Any]) -> None:
+    task = getattr(tasks, spec["task"])
+    if spec.get("kill_before_publish"):
+
+        def die(*_: Any, **__: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Task.apply_async = die  # type: ignore[method-assign]  # ExclusiveTask's super() finds it
+    answers: list[dict[str, Any]] = [{} for _ in range(spec.get("calls", 1))]
+
+    def send(index: int) -> None:
+        delay = spec.get("start_at", 0) - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        try:
+            result = task.apply_async(tuple(spec.get("args", ())), {}, **spec.get("options", {}))
+            answers[index] = {"id": result.id}
+        except Exception as exc:
+            traceback.print_exc()
+            answers[index] = {"error": type(exc).__name__, "task_id": getattr(exc, "task_id", None)}
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(answers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,260 @@
+"""Deduplication at enqueue (``dedupe``) with real producer processes, workers and broker.
+
+Producers are subprocesses (tests/celery/dedupe_producer.py) configured like the workers;
+the broker is the suite's Redis, whose queue lists the tests read to count the messages a
+deduplicated send published. A queue no worker consumes ("held") keeps messages waiting
+until a test adds a consumer for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.celery.conftest import (
+    BROKER_URL,
+    ROOT,
+    WorkerGroup,
+    cleanup_group,
+    failed,
+    records,
+    start_group,
+    wait_for,
+)
+
+QUEUED = "#queued"
+
+
+@pytest.fixture(scope="module", params=["redis", "postgres"])
+def group(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[WorkerGroup]:
+    """One prefork worker of two processes on one lock store, for the whole module."""
+    workers = start_group(request.param, celery_logdir, workers=1)
+    try:
+        yield workers
+    finally:
+        workers.close()
+        cleanup_group(workers)
+
+
+@pytest.fixture(autouse=True)
+def _logs_on_failure(request: pytest.FixtureRequest, group: WorkerGroup) -> Iterator[None]:
+    yield
+    if failed(request):
+        print(group.dump())
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _command(spec: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", "tests.celery.dedupe_producer", json.dumps(spec)]
+
+
+def _env(group: WorkerGroup, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **group.env, **(extra or {})}
+
+
+def produce(
+    group: WorkerGroup, spec: dict[str, Any], env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run one producer process to its end; its answers."""
+    done = subprocess.run(_command(spec), cwd=ROOT, env=_env(group, env), capture_output=True, timeout=90)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    answers: list[dict[str, Any]] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return answers
+
+
+def queue_length(queue: str) -> int:
+    client = redis.Redis.from_url(BROKER_URL)
+    try:
+        return int(client.llen(os.environ["CE_CELERY_KEYPREFIX"] + queue))
+    finally:
+        client.close()
+
+
+def consume(group: WorkerGroup, queue: str) -> None:
+    """Have the group's worker consume ``queue`` from now on."""
+    from tests.celery.app import app
+
+    replies = app.control.add_consumer(queue, reply=True, timeout=5)
+    assert replies, "the worker did not answer add_consumer"
+
+
+def test_twenty_sends_from_four_processes_publish_one_message_and_share_its_result(
+    group: WorkerGroup,
+) -> None:
+    """20 delay() calls for one key, from 4 processes at once: one message on the broker, one
+    task id for all 20 callers, and its real result for every one of them."""
+    from tests.celery.app import app
+
+    key_id, tag = uid(), uid()
+    held = f"{group.queue}-held-{uid()}"
+    spec = {
+        "task": "dedupe_start",
+        "args": [key_id, tag, 0.2],
+        "options": {"queue": held},
+        "calls": 5,
+        "start_at": time.time() + 4,
+    }
+    producers = [
+        subprocess.Popen(
+            _command(spec), cwd=ROOT, env=_env(group), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(4)
+    ]
+    answers: list[dict[str, Any]] = []
+    errors = ""
+    for producer in producers:
+        out, err = producer.communicate(timeout=90)
+        errors += err.decode(errors="replace")[-3000:]
+        assert producer.returncode == 0, errors
+        answers += json.loads(out.decode().strip().splitlines()[-1])
+    assert len(answers) == 20
+    ids = {answer.get("id") for answer in answers}
+    assert None not in ids, errors
+    assert len(ids) == 1
+    assert queue_length(held) == 1
+    marker = group.service.peek(f"dedupe:{key_id}{QUEUED}")
+    assert marker is not None and marker.holder["task_id"] in ids
+    consume(group, held)
+    (task_id,) = ids
+    results = [app.AsyncResult(task_id).get(timeout=30) for _ in answers]
+    assert all(result["ran"] is True for result in results)
+    assert len([r for r in records(tag) if r["kind"] == "run"]) == 1
+    assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is None
+
+
+def test_until_start_a_send_during_the_run_publishes_exactly_one_more_message(group: WorkerGroup) -> None:
+    """ "until_start": the marker ends when the run starts, so sends during the run publish one
+    more message, and only one (they all get its id)."""
+    key_id, tag = uid(), uid()
+    (first,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag, 8.0]})
+    wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the first run to start")
+    held = f"{group.queue}-held-{uid()}"
+    later = produce(
+        group, {"task": "dedupe_start", "args": [key_id, tag, 0.0], "options": {"queue": held}, "calls": 4}
+    )
+    ids = {answer["id"] for answer in later}
+    assert len(ids) == 1 and first["id"] not in ids
+    assert queue_length(held) == 1
+
+
+def test_until_done_nothing_is_queued_while_one_runs(group: WorkerGroup) -> None:
+    """ "until_done": sends while the run is in progress get the running task's id; once it
+    has finished, a send publishes a new message."""
+    from tests.celery.app import app
+
+    key_id, tag = uid(), uid()
+    (first,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 8.0]})
+    wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the run to start")
+    assert group.service.peek(f"dedupe-done:{key_id}{QUEUED}") is None  # the execution lock took over
+    during = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 0.0], "calls": 4})
+    assert {answer["id"] for answer in during} == {first["id"]}
+    app.AsyncResult(first["id"]).get(timeout=30)
+    wait_for(lambda: group.service.peek(f"dedupe-done:{key_id}") is None, 10, what="the lock's release")
+    (after,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 0.0]})
+    assert after["id"] != first["id"]
+    assert app.AsyncResult(after["id"]).get(timeout=30)["ran"] is True
+
+
+def test_on_duplicate_raise_names_the_queued_task(group: WorkerGroup) -> None:
+    """on_duplicate="raise": the duplicate send raises AlreadyQueued carrying the queued id."""
+    key_id, held = uid(), f"{group.queue}-held-{uid()}"
+    (first,) = produce(group, {"task": "dedupe_raise", "args": [key_id, "t"], "options": {"queue": held}})
+    (second,) = produce(group, {"task": "dedupe_raise", "args": [key_id, "t"], "options": {"queue": held}})
+    assert second == {"error": "AlreadyQueued", "task_id": first["id"]}
+    assert queue_length(held) == 1
+
+
+def test_a_revoked_queued_task_frees_its_key_when_the_worker_discards_it(group: WorkerGroup) -> None:
+    """A queued task revoked before it runs releases its marker (task_revoked) as soon as a
+    worker meets its message; a new send then publishes."""
+    from tests.celery.app import app
+
+    key_id, tag, held = uid(), uid(), f"{group.queue}-held-{uid()}"
+    (first,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag], "options": {"queue": held}})
+    app.control.revoke(first["id"])
+    time.sleep(0.5)  # the broadcast reaches the worker
+    consume(group, held)
+    wait_for(lambda: group.service.peek(f"dedupe:{key_id}{QUEUED}") is None, 15, what="the marker's release")
+    (again,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag]})
+    assert again["id"] != first["id"]
+    assert records(tag) == [] or all(r["task_id"] != first["id"] for r in records(tag))
+
+
+def test_an_expiring_message_frees_its_key_by_its_expiry(group: WorkerGroup) -> None:
+    """expires=2 on a message no worker takes: its marker is gone 2 s later."""
+    key_id, held = uid(), f"{group.queue}-held-{uid()}"
+    sent = time.monotonic()
+    (first,) = produce(
+        group, {"task": "dedupe_start", "args": [key_id, "t"], "options": {"queue": held, "expires": 2}}
+    )
+    marker = group.service.peek(f"dedupe:{key_id}{QUEUED}")
+    if marker is not None:  # the producer's start-up may have used up the 2 s already
+        assert marker.expires_in <= 2.0
+    wait_for(lambda: group.service.peek(f"dedupe:{key_id}{QUEUED}") is None, 3, what="the marker's expiry")
+    assert time.monotonic() - sent < 2.0 + 30  # (the producer's start-up counts here too)
+    (again,) = produce(group, {"task": "dedupe_start", "args": [key_id, "t"], "options": {"queue": held}})
+    assert again["id"] != first["id"]
+    assert queue_length(held) == 2
+
+
+def test_a_failed_publish_leaves_no_marker(group: WorkerGroup) -> None:
+    """The broker is unreachable: the send raises and the marker it took is released."""
+    key_id = uid()
+    answers = produce(
+        group,
+        {"task": "dedupe_start", "args": [key_id, "t"], "options": {"retry": False}},
+        env={"CE_CELERY_BROKER": "redis://127.0.0.1:1/11"},
+    )
+    # Kombu's OperationalError, or the result backend (same dead server) giving up first.
+    assert answers[0].get("error") in ("OperationalError", "RuntimeError"), answers
+    assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is None
+
+
+def test_a_producer_killed_between_marker_and_publish_blocks_the_key_at_most_dedupe_ttl(
+    group: WorkerGroup,
+) -> None:
+    """SIGKILL right before the publish: the marker stays, at most dedupe_ttl (4 s)."""
+    key_id, held = uid(), f"{group.queue}-held-{uid()}"
+    spec = {"task": "dedupe_raise", "args": [key_id, "t"], "options": {"queue": held}}
+    killed = subprocess.run(
+        _command({**spec, "kill_before_publish": True}), cwd=ROOT, env=_env(group), timeout=60
+    )
+    assert killed.returncode == -9
+    marker = group.service.peek(f"dedupe-raise:{key_id}{QUEUED}")
+    assert marker is not None and marker.expires_in <= 4.0
+    wait_for(
+        lambda: group.service.peek(f"dedupe-raise:{key_id}{QUEUED}") is None, 4.5, what="the marker's ttl"
+    )
+    (sent,) = produce(group, spec)
+    assert "id" in sent
+    assert queue_length(held) == 1
+
+
+def test_a_countdown_marker_lasts_past_the_eta(group: WorkerGroup) -> None:
+    """countdown=10 with dedupe_ttl=4: the marker is still there after 6 s, so a send then is a
+    duplicate, and it ends once the run has started."""
+    from tests.celery.app import app
+
+    key_id, tag = uid(), uid()
+    spec = {"task": "dedupe_raise", "args": [key_id, tag], "options": {"countdown": 10}}
+    (first,) = produce(group, spec)
+    marker = group.service.peek(f"dedupe-raise:{key_id}{QUEUED}")
+    assert marker is not None and marker.expires_in > 8
+    time.sleep(max(0.0, 6.5 - marker.age))
+    (second,) = produce(group, spec)
+    assert second == {"error": "AlreadyQueued", "task_id": first["id"]}
+    assert app.AsyncResult(first["id"]).get(timeout=30)["ran"] is True
+    assert group.service.peek(f"dedupe-raise:{key_id}{QUEUED}") is None
