@@ -366,6 +366,10 @@ def test_an_exclusive_task_connects_the_worker_hooks() -> None:
         "worker_shutdown",
         "task_revoked",
         "task_failure",
+        "task_prerun",  # the queued markers of celery_exclusive.dedupe
+        "task_postrun",
+        "task_rejected",
+        "task_unknown",
     }
 
 

@@ -59,6 +59,15 @@ DOCUMENTED = {
         "lock_wait_fallback",
         "lock_wait_fallback",
     ),
+    "dedupe": ("exclusive_dedupe", "CELERY_EXCLUSIVE_DEDUPE", "lock_dedupe", "dedupe"),
+    "on_duplicate": (
+        "exclusive_on_duplicate",
+        "CELERY_EXCLUSIVE_ON_DUPLICATE",
+        "lock_on_duplicate",
+        "on_duplicate",
+    ),
+    "dedupe_ttl": ("exclusive_dedupe_ttl", "CELERY_EXCLUSIVE_DEDUPE_TTL", "lock_dedupe_ttl", "dedupe_ttl"),
+    "rerun_args": ("exclusive_rerun_args", "CELERY_EXCLUSIVE_RERUN_ARGS", "lock_rerun_args", "rerun_args"),
 }
 
 

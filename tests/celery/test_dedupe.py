@@ -69,7 +69,9 @@ def produce(
     group: WorkerGroup, spec: dict[str, Any], env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """Run one producer process to its end; its answers."""
-    done = subprocess.run(_command(spec), cwd=ROOT, env=_env(group, env), capture_output=True, timeout=90)
+    done = subprocess.run(
+        _command(spec), check=False, cwd=ROOT, env=_env(group, env), capture_output=True, timeout=90
+    )
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
     answers: list[dict[str, Any]] = json.loads(done.stdout.decode().strip().splitlines()[-1])
     return answers
@@ -126,7 +128,8 @@ def test_twenty_sends_from_four_processes_publish_one_message_and_share_its_resu
     assert len(ids) == 1
     assert queue_length(held) == 1
     marker = group.service.peek(f"dedupe:{key_id}{QUEUED}")
-    assert marker is not None and marker.holder["task_id"] in ids
+    assert marker is not None
+    assert marker.holder["task_id"] in ids
     consume(group, held)
     (task_id,) = ids
     results = [app.AsyncResult(task_id).get(timeout=30) for _ in answers]
@@ -146,7 +149,8 @@ def test_until_start_a_send_during_the_run_publishes_exactly_one_more_message(gr
         group, {"task": "dedupe_start", "args": [key_id, tag, 0.0], "options": {"queue": held}, "calls": 4}
     )
     ids = {answer["id"] for answer in later}
-    assert len(ids) == 1 and first["id"] not in ids
+    assert len(ids) == 1
+    assert first["id"] not in ids
     assert queue_length(held) == 1
 
 
@@ -230,11 +234,12 @@ def test_a_producer_killed_between_marker_and_publish_blocks_the_key_at_most_ded
     key_id, held = uid(), f"{group.queue}-held-{uid()}"
     spec = {"task": "dedupe_raise", "args": [key_id, "t"], "options": {"queue": held}}
     killed = subprocess.run(
-        _command({**spec, "kill_before_publish": True}), cwd=ROOT, env=_env(group), timeout=60
+        _command({**spec, "kill_before_publish": True}), check=False, cwd=ROOT, env=_env(group), timeout=60
     )
     assert killed.returncode == -9
     marker = group.service.peek(f"dedupe-raise:{key_id}{QUEUED}")
-    assert marker is not None and marker.expires_in <= 4.0
+    assert marker is not None
+    assert marker.expires_in <= 4.0
     wait_for(
         lambda: group.service.peek(f"dedupe-raise:{key_id}{QUEUED}") is None, 4.5, what="the marker's ttl"
     )
@@ -252,7 +257,8 @@ def test_a_countdown_marker_lasts_past_the_eta(group: WorkerGroup) -> None:
     spec = {"task": "dedupe_raise", "args": [key_id, tag], "options": {"countdown": 10}}
     (first,) = produce(group, spec)
     marker = group.service.peek(f"dedupe-raise:{key_id}{QUEUED}")
-    assert marker is not None and marker.expires_in > 8
+    assert marker is not None
+    assert marker.expires_in > 8
     time.sleep(max(0.0, 6.5 - marker.age))
     (second,) = produce(group, spec)
     assert second == {"error": "AlreadyQueued", "task_id": first["id"]}

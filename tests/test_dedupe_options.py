@@ -1,0 +1,87 @@
+"""Bad ``dedupe`` / ``on_duplicate`` / ``dedupe_ttl`` / ``rerun_args`` values are rejected when
+the task is defined (or the app's settings are read), naming the option; no store is touched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_exclusive import AlreadyQueued, ConfigurationError, InvalidArgumentError
+from celery_exclusive.dedupe import DEFAULT_DEDUPE_TTL, marker_ttl
+from celery_exclusive.settings import ExclusiveSettings
+from celery_exclusive.task import ExclusiveTask, exclusive_task
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"dedupe": "until_queued"}, "dedupe must be"),
+        ({"dedupe": 1}, "dedupe must be"),
+        ({"dedupe": True, "on_duplicate": "ignore"}, "on_duplicate must be"),
+        ({"dedupe": True, "on_duplicate": 3}, "on_duplicate must be"),
+        ({"dedupe": True, "dedupe_ttl": 0}, "dedupe_ttl"),
+        ({"dedupe": True, "dedupe_ttl": -5}, "dedupe_ttl"),
+        ({"dedupe": True, "dedupe_ttl": 2 * 86400}, "dedupe_ttl"),
+        ({"on_locked": "rerun", "rerun_args": "last"}, "rerun_args must be"),
+    ],
+)
+def test_bad_options_are_rejected_at_definition(options: dict[str, Any], fragment: str) -> None:
+    app = Celery("bad-dedupe", set_as_current=False)
+    with pytest.raises(InvalidArgumentError, match=fragment):
+        exclusive_task(app=app, key="k", **options)(lambda: None)
+
+
+def test_bad_class_attributes_are_rejected_at_definition() -> None:
+    with pytest.raises(InvalidArgumentError, match="on_duplicate must be"):
+
+        class _Bad(ExclusiveTask[[], None]):
+            lock_dedupe = "until_done"
+            lock_on_duplicate = "drop"
+
+            def run(self) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("conf", "fragment"),
+    [
+        ({"exclusive_dedupe": "yes"}, "exclusive_dedupe"),
+        ({"exclusive_on_duplicate": "x"}, "exclusive_on_duplicate"),
+    ],
+)
+def test_bad_app_settings_name_the_setting(conf: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        ExclusiveSettings.from_conf(conf, environ={})
+
+
+def test_good_values_resolve() -> None:
+    settings = ExclusiveSettings.from_conf(
+        {"exclusive_dedupe": True, "exclusive_dedupe_ttl": 30},
+        environ={"CELERY_EXCLUSIVE_RERUN_ARGS": "latest"},
+    )
+    assert (settings.dedupe, settings.on_duplicate, settings.dedupe_ttl, settings.rerun_args) == (
+        "until_start",
+        "return",
+        30.0,
+        "latest",
+    )
+    assert ExclusiveSettings.from_conf({}, environ={"CELERY_EXCLUSIVE_DEDUPE": "off"}).dedupe is False
+
+
+def test_marker_ttl_covers_the_countdown_and_stops_at_expires() -> None:
+    app = Celery("ttl-dedupe", set_as_current=False)
+
+    def job() -> None: ...
+
+    task = exclusive_task(app=app, key="k", dedupe=True)(job)
+    assert marker_ttl(task, None, {}) == DEFAULT_DEDUPE_TTL
+    assert marker_ttl(task, 4.0, {"countdown": 10}) == 14.0
+    assert marker_ttl(task, 4.0, {"countdown": 10, "expires": 12}) == 12.0
+    assert marker_ttl(task, None, {"expires": -1}) is None
+
+
+def test_already_queued_survives_a_result_backend_round_trip() -> None:
+    error = AlreadyQueued("k", "id-1")
+    again = type(error)(*error.args)
+    assert (again.key, again.task_id, str(again)) == ("k", "id-1", str(error))
