@@ -39,6 +39,10 @@ Lifetimes and the race between "marker taken" and "a run holds the execution key
   takes the marker after the previous one was released finds the run holding the key, and
   a run that finished before the peek has freed it for a new message, which is correct.
   A run that finds the key held (``on_locked="skip"``...) releases its marker when it ends.
+  A send that finds a marker looks at the execution key first (a concurrent sender's marker
+  may be about to be withdrawn because that sender found the run). Left open: a run that
+  ends in the instant between a concurrent sender's mark and its look at the execution key;
+  a send then told the marker's id may hold an id that sender did not publish.
 
 Which producers dedupe: ``delay``, ``apply_async`` and signatures (``.s()``/``.si()``, chains,
 groups, chords, links: they call the task's ``apply_async``) in a process where the task is
@@ -104,10 +108,10 @@ def apply_async(
     for _ in range(_ATTEMPTS):
         token = service.mark(marker, ttl=ttl, holder=holder)
         if token is None:
-            queued = service.peek(marker)
-            if queued is None:
+            existing = _existing(service, key, marker, mode)
+            if existing is _FREED:
                 continue  # released between our mark and our look: take it again
-            return _duplicate(task, key, queued.holder.get("task_id"), settings.on_duplicate)
+            return _duplicate(task, key, existing, settings.on_duplicate)
         if mode == "until_done":
             running = service.peek(key)
             if running is not None and running.holder.get("task_id"):
@@ -123,6 +127,22 @@ def apply_async(
             raise
     logger.warning("%s: the queued marker of %r kept changing hands; sending without dedupe", task.name, key)
     return send(args, kwargs, **options)
+
+
+#: What :func:`_existing` answers for a marker released since the failed mark.
+_FREED: Any = object()
+
+
+def _existing(service: Any, key: str, marker: str, mode: str) -> Any:
+    """The id of the task a failed mark found queued (or, under until_done, running), or _FREED."""
+    if mode == "until_done":
+        # The marker may be a concurrent sender's that is about to find the run and publish
+        # nothing: the run is the duplicate then, not the marker's id.
+        running = service.peek(key)
+        if running is not None and running.holder.get("task_id"):
+            return running.holder["task_id"]
+    queued = service.peek(marker)
+    return _FREED if queued is None else queued.holder.get("task_id")
 
 
 def marker_ttl(task: Task, dedupe_ttl: float | None, options: Mapping[str, Any]) -> float | None:

@@ -208,6 +208,8 @@ class Rerun(OnLocked):
         check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
         meta = {**task._holder(), "rerun": _recorded_call(task, call)}
         token = service.mark(marker_key, ttl=task.lock_settings.max_lifetime, holder=meta)
+        if token is None and task.lock_settings.rerun_args == "latest":
+            token = _replace_marker(service, marker_key, meta, task.lock_settings.max_lifetime)
         if token is None:
             return skipped(task, key, holder, coalesced=True)
         try:
@@ -216,8 +218,10 @@ class Rerun(OnLocked):
             return skipped(task, key, locked.holder, coalesced=True)
         if service.force_release(marker_key, token):
             return task._run_holding(lease, call.args, call.kwargs)
-        # The previous holder took our marker and has sent the rerun already.
+        # The previous holder took our marker and has sent the rerun already. A request that
+        # found the key held by us meanwhile recorded a new rerun: hand it on like a holder.
         lease.release()
+        self.finished(task, key, retrying=False)
         return skipped(task, key, holder, coalesced=True)
 
     def finished(self, task: Task, key: str, *, retrying: bool) -> None:
@@ -234,6 +238,23 @@ class Rerun(OnLocked):
             _send_rerun(task, key, info.holder.get("rerun") or {})
         except Exception:
             logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
+
+
+def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: float) -> str | None:
+    """``rerun_args="latest"``: delete the recorded rerun and record this call's instead.
+
+    Deleting the marker by its token makes this request the rerun's owner (as the holder is
+    when it finishes), so it records the rerun again and goes on as the first request did:
+    the holder sends it, or this request runs it if the key turned free. None when other
+    requests keep replacing it (one of theirs, as recent as ours, stays recorded)."""
+    for _ in range(3):
+        recorded = service.peek(marker_key)
+        if recorded is not None and not service.force_release(marker_key, recorded.token):
+            continue  # someone else took it over meanwhile: look again
+        token: str | None = service.mark(marker_key, ttl=ttl, holder=meta)
+        if token is not None:
+            return token
+    return None
 
 
 def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any]) -> None:

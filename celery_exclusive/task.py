@@ -23,7 +23,8 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
 * ``"raise"``: fails with :class:`LockedError` (key and holder survive the result backend).
 * ``"rerun"``: the request is recorded on the held lock and the body runs exactly once
   more after the current holder finishes, however many requests arrived meanwhile; the
-  rerun uses the arguments recorded by the *first* coalesced request. Requests that were
+  rerun uses the arguments recorded by the *first* coalesced request (``rerun_args="latest"``:
+  by the *last* one, a debounce). Requests that were
   coalesced succeed with a ``"coalesced"`` marker (``is_skipped`` is true for it too).
 * ``"wait"``: the run waits up to ``lock_wait`` seconds for the key (woken by the holder's
   release where the store signals it, else polling), **blocking its worker slot** meanwhile;

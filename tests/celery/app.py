@@ -135,6 +135,13 @@ def dedupe_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dic
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
+def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
+    """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""
+    record("arg", tag, n=n)
+    return _body(self, tag, duration)
+
+
 _HOLD_RETRY = {"on_locked": "retry", "lock_retry_backoff": 0.05, "lock_retry_backoff_max": 0.25}
 
 

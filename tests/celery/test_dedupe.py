@@ -160,11 +160,11 @@ def test_until_done_nothing_is_queued_while_one_runs(group: WorkerGroup) -> None
     from tests.celery.app import app
 
     key_id, tag = uid(), uid()
-    (first,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 8.0]})
+    (first,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 12.0]})
     wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the run to start")
     assert group.service.peek(f"dedupe-done:{key_id}{QUEUED}") is None  # the execution lock took over
     during = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 0.0], "calls": 4})
-    assert {answer["id"] for answer in during} == {first["id"]}
+    assert {answer["id"] for answer in during} == {first["id"]}, "(a 12 s run outlasts the producer?)"
     app.AsyncResult(first["id"]).get(timeout=30)
     wait_for(lambda: group.service.peek(f"dedupe-done:{key_id}") is None, 10, what="the lock's release")
     (after,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 0.0]})
@@ -264,3 +264,18 @@ def test_a_countdown_marker_lasts_past_the_eta(group: WorkerGroup) -> None:
     assert second == {"error": "AlreadyQueued", "task_id": first["id"]}
     assert app.AsyncResult(first["id"]).get(timeout=30)["ran"] is True
     assert group.service.peek(f"dedupe-raise:{key_id}{QUEUED}") is None
+
+
+def test_rerun_args_latest_runs_the_follow_up_with_the_last_requests_arguments(group: WorkerGroup) -> None:
+    """on_locked="rerun", rerun_args="latest": three requests while the key is held coalesce into
+    one follow-up, which sees the arguments of the last of them."""
+    from tests.celery.app import rerun_latest
+
+    key_id, tag = uid(), uid()
+    group.send(rerun_latest, key_id, tag, 0, 3.0)
+    wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the first run to start")
+    for n in (1, 2, 3):
+        group.send(rerun_latest, key_id, tag, n).get(timeout=20)  # each is coalesced at once
+    wait_for(lambda: len([r for r in records(tag) if r["kind"] == "run"]) == 2, 30, what="the follow-up run")
+    time.sleep(1.0)  # a wrong third run would show up by now
+    assert [r["n"] for r in records(tag) if r["kind"] == "arg"] == [0, 3]
