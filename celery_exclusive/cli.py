@@ -231,6 +231,17 @@ def describe_holder(info: LockInfo) -> str:
     return printable(" ".join(parts) or f"token {info.token}")
 
 
+#: Key suffixes of the Celery layer's marker leases, and the state ``list`` shows for each
+#: (the same strings as ``dedupe.QUEUED_SUFFIX`` and ``policies.RERUN_SUFFIX``, which this
+#: command does not import: it loads without the Celery integration).
+MARKER_STATES = {"#queued": "queued", "#rerun": "rerun"}
+
+
+def lease_state(key: str) -> str:
+    """What a lease on ``key`` is: a queued (dedupe) or rerun marker, or a run holding it."""
+    return next((state for suffix, state in MARKER_STATES.items() if key.endswith(suffix)), "held")
+
+
 def lock_json(info: LockInfo) -> dict[str, Any]:
     """The stable JSON form of a lease (see docs/cli.md)."""
     return {
@@ -241,6 +252,7 @@ def lock_json(info: LockInfo) -> dict[str, Any]:
         "expires_in": round(info.expires_in, 3),
         "hard_expires_in": round(info.hard_expires_in, 3),
         "holder": info.holder,
+        "state": lease_state(info.key),
     }
 
 
@@ -285,10 +297,11 @@ def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
     if not locks:
         click.echo(f"no live leases under {target.prefix + filter_prefix!r}")
         return EXIT_OK
-    headers = ["KEY", "HOST", "PID", "TASK ID", "TASK NAME", "AGE", "EXPIRES IN", "FENCE"]
+    headers = ["KEY", "STATE", "HOST", "PID", "TASK ID", "TASK NAME", "AGE", "EXPIRES IN", "FENCE"]
     rows = [
         [
             printable(info.key),
+            lease_state(info.key),
             _cell(info.holder.get("host")),
             _cell(info.holder.get("pid")),
             _cell(info.holder.get("task_id")),

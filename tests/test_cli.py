@@ -42,7 +42,7 @@ DEAD_URLS = {
     "postgres": f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/test",
     "redis": f"redis://:{SECRET}@127.0.0.1:1/0",
 }
-LOCK_FIELDS = {"key", "token", "fence", "age", "expires_in", "hard_expires_in", "holder"}
+LOCK_FIELDS = {"key", "token", "fence", "age", "expires_in", "hard_expires_in", "holder", "state"}
 
 # Holds one lease per key (given on the command line) until stdin closes; prints the
 # tokens and fences as JSON, then "ready", and one JSON line per lease it later loses.
@@ -206,6 +206,7 @@ def test_list_shows_every_lease_held_by_another_process(store: Store, hold: Call
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
         "KEY",
+        "STATE",
         "HOST",
         "PID",
         "TASK",
@@ -221,9 +222,27 @@ def test_list_shows_every_lease_held_by_another_process(store: Store, hold: Call
     assert set(rows) == {"alpha", "beta"}
     for key in ("alpha", "beta"):
         row = rows[key]
-        assert row[1:5] == [HOST, str(holder.process.pid), f"tid-{key}", "tests.hold"]
+        assert row[1:6] == ["held", HOST, str(holder.process.pid), f"tid-{key}", "tests.hold"]
         assert row[-1] == str(holder.leases[key]["fence"])
-        assert row[6].endswith("s")  # expires in, human readable
+        assert row[7].endswith("s")  # expires in, human readable
+
+
+def test_list_shows_queued_and_rerun_markers_and_release_frees_them(store: Store) -> None:
+    """A dedupe marker (``<key>#queued``) and a rerun marker list as such; ``release`` frees one."""
+    with store.service() as service:
+        service.mark("job#queued", ttl=30, holder={"task_id": "t1"})
+        service.mark("job#rerun", ttl=30)
+        listed = json.loads(invoke(store, "list", "job", "--json").stdout)["locks"]
+        assert {lock["key"]: lock["state"] for lock in listed} == {
+            "job#queued": "queued",
+            "job#rerun": "rerun",
+        }
+        text = invoke(store, "list", "job").stdout.splitlines()
+        assert [line.split()[:2] for line in text[1:]] == [["job#queued", "queued"], ["job#rerun", "rerun"]]
+        released = invoke(store, "release", "job#queued", "--yes")
+        assert released.exit_code == 0, released.output
+        assert service.peek("job#queued") is None
+        assert service.peek("job#rerun") is not None
 
 
 def test_list_json_is_machine_readable_and_complete(store: Store, hold: Callable[..., Holder]) -> None:

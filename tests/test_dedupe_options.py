@@ -85,3 +85,17 @@ def test_already_queued_survives_a_result_backend_round_trip() -> None:
     error = AlreadyQueued("k", "id-1")
     again = type(error)(*error.args)
     assert (again.key, again.task_id, str(again)) == ("k", "id-1", str(error))
+
+
+def test_the_cli_names_the_marker_states_by_the_celery_layers_suffixes() -> None:
+    """``celery exclusive list`` shows queued and rerun markers as such (it cannot import them)."""
+    from celery_exclusive.cli import MARKER_STATES, lease_state
+    from celery_exclusive.dedupe import QUEUED_SUFFIX
+    from celery_exclusive.policies import RERUN_SUFFIX
+
+    assert set(MARKER_STATES) == {QUEUED_SUFFIX, RERUN_SUFFIX}
+    assert [lease_state(k + s) for k in ("a",) for s in ("", QUEUED_SUFFIX, RERUN_SUFFIX)] == [
+        "held",
+        "queued",
+        "rerun",
+    ]
