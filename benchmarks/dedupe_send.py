@@ -1,0 +1,122 @@
+"""What ``dedupe`` costs the producer: deduplicated ``delay()`` against plain ``delay()``.
+
+``python -m benchmarks.dedupe_send [--sends 300] [--rounds 6]`` publishes, per lock store
+(Redis, PostgreSQL), rounds of ``delay()`` calls on a Redis broker, alternating a plain
+exclusive task and the same task with ``dedupe=True`` (each call a new key, so every
+deduplicated send takes a marker and publishes: one lock-store round trip on top of the
+publish), and a third kind: a duplicate send (its key queued already: one failed mark and
+one peek, nothing published). Prints the median rate of each kind and the ratio to plain
+(the issue's target: >= 0.7x plain on Redis). Nothing consumes the queue; the run's queue,
+broker keys, lock keys and table carry the run id and are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from celery import Celery
+
+from benchmarks.harness import (
+    CELERY_BROKER,
+    POSTGRES_URL,
+    REDIS_PREFIX,
+    REDIS_URL,
+    TABLE,
+    delete_redis_keys,
+    drop_pg_tables,
+    glob_escape,
+    reachable,
+    with_table,
+)
+from celery_exclusive.task import exclusive_task
+from celery_exclusive.worker import close_lock_services
+
+#: The target: deduplicated sends at least this fraction of plain sends' rate, on Redis.
+TARGET = 0.7
+
+
+def make_app(store: str, url: str) -> tuple[Any, Any, Any]:
+    """An app on the benchmark broker and lock store ``url``, with a plain and a deduped task."""
+    app = Celery(f"bench-dedupe-{store}", broker=CELERY_BROKER, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={"global_keyprefix": REDIS_PREFIX},
+        task_default_queue=f"{REDIS_PREFIX}dedupe-{store}",
+        task_ignore_result=True,
+        exclusive_url=url,
+        exclusive_prefix=f"{REDIS_PREFIX}lock:",
+    )
+
+    def job(n: int) -> int:
+        return n
+
+    plain = exclusive_task(app=app, key="plain:{n}", name=f"bench.plain.{store}")(job)
+    deduped = exclusive_task(app=app, key="dedupe:{n}", dedupe=True, name=f"bench.dedupe.{store}")(job)
+    return app, plain, deduped
+
+
+def rate(send: Any, keys: range) -> float:
+    """Sends per second of ``send(n)`` over ``keys``."""
+    start = time.perf_counter()
+    for n in keys:
+        send(n)
+    return len(keys) / (time.perf_counter() - start)
+
+
+def measure(store: str, url: str, sends: int, rounds: int) -> dict[str, float]:
+    """Median rates (sends/s) of plain, deduplicated and duplicate sends, alternated per round."""
+    app, plain, deduped = make_app(store, url)
+    rates: dict[str, list[float]] = {"plain": [], "dedupe": [], "duplicate": []}
+    with app.connection_for_write() as connection, connection.Producer() as producer:
+
+        def send_plain(n: int) -> Any:
+            return plain.apply_async((n,), producer=producer)
+
+        def send_deduped(n: int) -> Any:
+            return deduped.apply_async((n,), producer=producer)
+
+        send_plain(-1), send_deduped(-1)  # connections, the scripts, the table
+        for index in range(rounds):
+            base = (index + 1) * sends
+            rates["plain"].append(rate(send_plain, range(base, base + sends)))
+            rates["dedupe"].append(rate(send_deduped, range(base, base + sends)))
+            rates["duplicate"].append(rate(send_deduped, range(base, base + sends)))  # all queued now
+    close_lock_services()
+    return {kind: statistics.median(values) for kind, values in rates.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sends", type=int, default=300, help="sends per kind per round")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds (kinds alternate each round)")
+    options = parser.parse_args()
+    stores = {"redis": REDIS_URL, "postgres": with_table(POSTGRES_URL, TABLE)}
+    try:
+        why = reachable(CELERY_BROKER)
+        if why:
+            print(f"broker {CELERY_BROKER}: {why}")
+            return
+        print("store     plain/s  dedupe/s  ratio  duplicate/s  ratio   (median of rounds)")
+        for store, url in stores.items():
+            why = reachable(url)
+            if why:
+                print(f"{store:8} n/a ({why})")
+                continue
+            m = measure(store, url, options.sends, options.rounds)
+            verdict = (" PASS" if m["dedupe"] >= TARGET * m["plain"] else " MISS") if store == "redis" else ""
+            print(
+                f"{store:8} {m['plain']:8.0f} {m['dedupe']:9.0f} {m['dedupe'] / m['plain']:5.2f}x"
+                f" {m['duplicate']:11.0f} {m['duplicate'] / m['plain']:5.2f}x{verdict}",
+                flush=True,
+            )
+    finally:
+        delete_redis_keys(CELERY_BROKER, glob_escape(REDIS_PREFIX) + "*")
+        delete_redis_keys(REDIS_URL, glob_escape(REDIS_PREFIX) + "*")
+        if not reachable(POSTGRES_URL):
+            drop_pg_tables(TABLE)
+
+
+if __name__ == "__main__":
+    main()
