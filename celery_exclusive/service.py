@@ -39,6 +39,7 @@ from celery_exclusive.providers.base import (
     Held,
     LockInfo,
     LockProvider,
+    RefreshRequest,
     accepts_timeout,
     encode_holder,
 )
@@ -176,6 +177,9 @@ class LockService:
         self._thread_factory = thread_factory
         self._closed = False
         self._heartbeat = self._new_heartbeat()
+        #: Leases taken with ``hold_at_least``: (seconds, when the grant arrived on self.clock).
+        #: Popped at release (or loss), so a lease never outlives its use here.
+        self._cooldowns: dict[Lease, tuple[float, float]] = {}
         _live_services.add(self)
 
     def __repr__(self) -> str:
@@ -213,11 +217,13 @@ class LockService:
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
         wait: float | None = None,
+        hold_at_least: float | timedelta | None = None,
     ) -> Lease | None:
         """Acquire ``key`` and keep it alive; None if someone else holds it.
 
         With ``wait`` (seconds), retry until it is free or the time is up (see
-        :mod:`celery_exclusive.waiting`); None only then."""
+        :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``: see :meth:`lock`."""
+        cooldown = None if hold_at_least is None else self._check_cooldown(hold_at_least, max_lifetime)
         if wait is None:
             taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
         else:
@@ -229,7 +235,10 @@ class LockService:
                 self.prefix + key,
                 waiting.check_wait(wait),
             )
-        return taken if isinstance(taken, Lease) else None
+        if isinstance(taken, Lease):
+            self._cool(taken, cooldown)
+            return taken
+        return None
 
     def lock(
         self,
@@ -241,12 +250,19 @@ class LockService:
         holder: Mapping[str, Any] | None = None,
         task_id: str | None = None,
         wait: float | None = None,
+        hold_at_least: float | timedelta | None = None,
     ) -> Lease:
         """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
 
         With ``wait`` (seconds, finite, >= 0), retry until it is free or the time is up,
         woken early by the holder's release where the store signals it (see
         :mod:`celery_exclusive.waiting`); LockedError only then.
+
+        With ``hold_at_least`` (a cooldown, at most ``max_lifetime``), a release within that
+        long of the grant does not free the key: it shortens the lease to end ``hold_at_least``
+        after the grant and stops keeping it alive (one refresh, on the store's clock; a
+        completion is still recorded, in a second call). Others see the key held until then;
+        a crash meanwhile changes nothing, as nothing refreshes it any more.
 
         Not re-entrant: a key this process already holds is reported as held. The lease
         is a context manager that releases on exit; otherwise call ``lease.release()``.
@@ -259,6 +275,7 @@ class LockService:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self.keeps_records:
                 task_id = None
+        cooldown = None if hold_at_least is None else self._check_cooldown(hold_at_least, max_lifetime)
         if wait is None:
             taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
         else:
@@ -272,6 +289,7 @@ class LockService:
             )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
+        self._cool(taken, cooldown)
         return taken
 
     def lock_many(
@@ -345,6 +363,19 @@ class LockService:
             self.provider,
             None if wait is None else waiting.check_wait(wait),
         )
+
+    def _check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
+        cooldown = seconds("hold_at_least", hold_at_least)
+        lifetime = self.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
+        if cooldown > lifetime:
+            raise InvalidArgumentError(
+                f"hold_at_least ({cooldown:g} s) must not exceed max_lifetime ({lifetime:g} s)"
+            )
+        return cooldown
+
+    def _cool(self, lease: Lease, cooldown: float | None) -> None:
+        if cooldown is not None:
+            self._cooldowns[lease] = (cooldown, self.clock())
 
     def _take(
         self,
@@ -475,6 +506,11 @@ class LockService:
             was_lost = lease._state is LeaseState.LOST
             lease._state = LeaseState.RELEASED
             self._heartbeat.discard(lease)
+        cooling = self._cooldowns.pop(lease, None)
+        if cooling is not None and not was_lost:
+            left = cooling[0] - (self.clock() - cooling[1])
+            if left > 0.001:
+                return self._release_cooling(lease, left, completion)
         try:
             record = () if completion is None else (completion,)  # a third-party provider may not take it
             owned = bool(
@@ -502,6 +538,51 @@ class LockService:
                     lease.key,
                     lease.fence,
                 )
+        signals.send(
+            signals.lock_released,
+            self,
+            key=lease.key,
+            lease=lease,
+            outcome=outcome,
+            held_for=self.clock() - lease.acquired_at,
+        )
+        return outcome
+
+    def _release_cooling(self, lease: Lease, left: float, completion: Completion | None) -> ReleaseOutcome:
+        """End a ``hold_at_least`` lease ``left`` seconds from now instead of deleting it.
+
+        A refresh sets the expiry to ``min(store now + ttl, hard deadline)`` on every store, so
+        it shortens a lease as well as it extends one. The completion record is written by a
+        release under a token that owns nothing (a store writes the record whether or not the
+        token owns the key, and deletes only what it owns).
+        """
+        timeout = min(self.call_timeout, RELEASE_TIMEOUT)
+        try:
+            answers = self._call(
+                "release",
+                self.provider.refresh,
+                [RefreshRequest(lease.store_key, lease.token, left)],
+                timeout=timeout,
+            )
+            if completion is not None:
+                self._call(
+                    "record",
+                    self.provider.release,
+                    lease.store_key,
+                    "cooldown:" + lease.token,
+                    completion,
+                    timeout=timeout,
+                )
+        except BackendError as exc:
+            # The lease then ends at its own expiry (no heartbeat keeps it): later than asked.
+            logger.warning(
+                "could not shorten lock %r (fence %d) to its cooldown: %s", lease.key, lease.fence, exc
+            )
+            outcome = ReleaseOutcome.UNKNOWN
+        else:
+            outcome = (
+                ReleaseOutcome.RELEASED if answers and answers[0] is not None else ReleaseOutcome.NOT_OWNED
+            )
         signals.send(
             signals.lock_released,
             self,
@@ -711,6 +792,7 @@ class LockService:
                 return
             lease._state = LeaseState.LOST
             self._heartbeat.discard(lease)
+            self._cooldowns.pop(lease, None)
             callbacks = list(lease._on_lost)
             lease._on_lost.clear()
             lost = lease._lost  # None unless someone asked for it; ``lost`` then sets it itself
