@@ -28,6 +28,9 @@ Each field: its ``app.conf`` name, its environment variable, its per-task option
   True) or ``"until_done"``; ``on_duplicate`` is ``"return"`` (default), ``"raise"`` or a
   callable ``(task, key, existing AsyncResult) -> result``; ``dedupe_ttl`` (None: 1 h, plus
   the eta/countdown, capped by ``expires``) bounds how long a marker may outlive a lost message
+* ``cooldown``: ``exclusive_cooldown``, ``CELERY_EXCLUSIVE_COOLDOWN``, ``lock_cooldown``: the key
+  stays held at least that long after a run started, even when the run ended sooner (None:
+  no cooldown; at most ``max_lifetime``)
 * ``rerun_args``: ``exclusive_rerun_args``, ``CELERY_EXCLUSIVE_RERUN_ARGS``, ``lock_rerun_args``:
   which coalesced request's arguments an ``on_locked="rerun"`` follow-up runs with,
   ``"first"`` (default) or ``"latest"``
@@ -127,6 +130,7 @@ OPTIONS = (
     Option("dedupe", "dedupe", "dedupe"),
     Option("on_duplicate", "on_duplicate", "on_duplicate"),
     Option("dedupe_ttl", "dedupe_ttl", "duration"),
+    Option("cooldown", "cooldown", "duration"),
     Option("rerun_args", "rerun_args", "rerun_args"),
 )
 _BY_FIELD = {option.field: option for option in OPTIONS}
@@ -171,6 +175,7 @@ class ExclusiveSettings:
     dedupe: str | bool = False
     on_duplicate: str | Callable[..., Any] = "return"
     dedupe_ttl: float | None = None
+    cooldown: float | None = None
     rerun_args: str = "first"
 
     def __post_init__(self) -> None:
@@ -191,6 +196,10 @@ class ExclusiveSettings:
         object.__setattr__(self, "dedupe", check_dedupe(self.dedupe))
         check_on_duplicate(self.on_duplicate)
         check_rerun_args(self.rerun_args)
+        if self.cooldown is not None and self.cooldown > self.max_lifetime:
+            raise InvalidArgumentError(
+                f"cooldown ({self.cooldown:g} s) must not exceed max_lifetime ({self.max_lifetime:g} s)"
+            )
         if self.dedupe_ttl is not None and self.dedupe_ttl > MAX_LIFETIME_CAP:
             raise InvalidArgumentError(f"dedupe_ttl is {self.dedupe_ttl:g} s; the hard cap is 24 h")
         if self.lock_retry_backoff_max < self.lock_retry_backoff:
@@ -349,6 +358,12 @@ def check_task_options(**options: Any) -> None:
         raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({lifetime:g} s)")
     if interval is not None and ttl is not None and interval >= ttl:
         raise InvalidArgumentError(f"refresh_interval ({interval:g} s) must be shorter than ttl ({ttl:g} s)")
+    cooldown = durations.get("cooldown")
+    if cooldown is not None and cooldown > (MAX_LIFETIME_CAP if lifetime is None else lifetime):
+        raise InvalidArgumentError(
+            f"lock_cooldown ({cooldown:g} s) must not exceed max_lifetime "
+            f"({MAX_LIFETIME_CAP if lifetime is None else lifetime:g} s)"
+        )
     dedupe_ttl = durations.get("dedupe_ttl")
     if dedupe_ttl is not None and dedupe_ttl > MAX_LIFETIME_CAP:
         raise InvalidArgumentError(f"lock_dedupe_ttl is {dedupe_ttl:g} s; the hard cap is 24 h")

@@ -192,7 +192,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     ``lock_done_retention`` (see :mod:`celery_exclusive.redelivery`), ``lock_wait``,
     ``lock_wait_fallback`` (``on_locked="wait"``), ``lock_dedupe``,
     ``lock_on_duplicate``, ``lock_dedupe_ttl`` (see :mod:`celery_exclusive.dedupe`),
-    ``lock_rerun_args``.
+    ``lock_cooldown`` (the key stays held that long after a run started), ``lock_rerun_args``.
     """
 
     lock_key: KeySpec = None
@@ -210,6 +210,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     lock_dedupe: str | bool | None = None
     lock_on_duplicate: str | Callable[..., Any] | None = None
     lock_dedupe_ttl: float | timedelta | None = None
+    lock_cooldown: float | timedelta | None = None
     lock_rerun_args: str | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
@@ -393,6 +394,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 refresh_interval=settings.refresh_interval,
                 holder=self._holder(),
                 task_id=once,
+                hold_at_least=settings.cooldown,
             )
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
@@ -556,6 +558,7 @@ def exclusive_task(
     dedupe: str | bool | None = None,
     on_duplicate: str | Callable[..., Any] | None = None,
     dedupe_ttl: float | timedelta | None = None,
+    cooldown: float | timedelta | None = None,
     rerun_args: str | None = None,
     app: Any = None,
     base: type | str | None = None,

@@ -25,6 +25,10 @@ from celery_exclusive.task import ExclusiveTask, exclusive_task
         ({"dedupe": True, "dedupe_ttl": -5}, "dedupe_ttl"),
         ({"dedupe": True, "dedupe_ttl": 2 * 86400}, "dedupe_ttl"),
         ({"on_locked": "rerun", "rerun_args": "last"}, "rerun_args must be"),
+        ({"cooldown": 0}, "lock_cooldown"),
+        ({"cooldown": -1}, "lock_cooldown"),
+        ({"cooldown": 120, "max_lifetime": 60}, "cooldown"),
+        ({"cooldown": 2 * 86400}, "cooldown"),
     ],
 )
 def test_bad_options_are_rejected_at_definition(options: dict[str, Any], fragment: str) -> None:
