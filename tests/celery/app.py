@@ -135,6 +135,12 @@ def dedupe_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dic
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="cool:{key_id}", cooldown=3, bind=True)
+def cooled(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Its key stays held 3 s after each run started (later requests in that window skip)."""
+    return _body(self, tag, duration)
+
+
 @exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
 def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
     """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""
