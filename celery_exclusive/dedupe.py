@@ -85,6 +85,8 @@ HEADER = "celery_exclusive_dedupe"
 DEFAULT_DEDUPE_TTL = 3600.0
 #: Marker attempts before a send gives up deduplicating (the marker kept changing hands).
 _ATTEMPTS = 3
+#: Celery's ``apply_async`` parameters after ``args`` and ``kwargs``, in order.
+POSITIONAL = ("task_id", "producer", "link", "link_error", "shadow")
 #: Request attribute set once this run's marker was released (it is released once).
 _RELEASED = "_celery_exclusive_marker_released"
 

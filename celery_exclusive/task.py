@@ -276,9 +276,10 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     if not TYPE_CHECKING:  # typed as Celery's own (celery-types), which it forwards to
 
-        def apply_async(self, args=None, kwargs=None, **options):
+        def apply_async(self, args=None, kwargs=None, *more, **options):
             """Celery's ``apply_async``; with ``dedupe`` set, through the queued marker
             (:mod:`celery_exclusive.dedupe`): a duplicate publishes nothing."""
+            options.update(zip(dedupe.POSITIONAL, more, strict=False))  # task_id, producer... by position
             return dedupe.apply_async(self, args, kwargs, options, super().apply_async)
 
     # -- execution ------------------------------------------------------------------------

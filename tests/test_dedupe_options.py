@@ -103,3 +103,18 @@ def test_the_cli_names_the_marker_states_by_the_celery_layers_suffixes() -> None
         "queued",
         "rerun",
     ]
+
+
+def test_apply_async_keeps_celerys_positional_parameters() -> None:
+    """``apply_async(args, kwargs, task_id)`` still means what it means to Celery (eager here:
+    no broker, no marker)."""
+    app = Celery("positional-dedupe", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.exclusive_url = "memory://"
+
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    task = exclusive_task(app=app, key="add:{x}", dedupe=True)(add)
+    result = task.apply_async((1, 2), None, "my-id")
+    assert (result.id, result.get()) == ("my-id", 3)
