@@ -231,7 +231,7 @@ def test_list_shows_queued_and_rerun_markers_and_release_frees_them(store: Store
     """A dedupe marker (``<key>#queued``) and a rerun marker list as such; ``release`` frees one."""
     with store.service() as service:
         service.mark("job#queued", ttl=30, holder={"task_id": "t1"})
-        service.mark("job#rerun", ttl=30)
+        rerun = service.mark("job#rerun", ttl=30)
         listed = json.loads(invoke(store, "list", "job", "--json").stdout)["locks"]
         assert {lock["key"]: lock["state"] for lock in listed} == {
             "job#queued": "queued",
@@ -243,6 +243,8 @@ def test_list_shows_queued_and_rerun_markers_and_release_frees_them(store: Store
         assert released.exit_code == 0, released.output
         assert service.peek("job#queued") is None
         assert service.peek("job#rerun") is not None
+        assert rerun is not None
+        assert service.force_release("job#rerun", rerun)  # the module's store is shared by its tests
 
 
 def test_list_json_is_machine_readable_and_complete(store: Store, hold: Callable[..., Holder]) -> None:
