@@ -50,7 +50,7 @@ from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import MAX_LIFETIME_CAP, check_prefix, lease_durations, seconds
+from celery_exclusive.validation import check_durations, check_prefix, lease_durations, seconds
 from celery_exclusive.waiting import MAX_WAIT
 
 #: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
@@ -182,10 +182,8 @@ class ExclusiveSettings:
         if self.url is not None and not isinstance(self.url, str):
             raise InvalidArgumentError(f"url must be a str, got {type(self.url).__name__}")
         check_prefix(self.prefix)
-        for name in _DURATIONS:
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, seconds(name, value))
+        for name, value in check_durations({name: getattr(self, name) for name in _DURATIONS}).items():
+            object.__setattr__(self, name, value)
         check_on_locked(self.on_locked)
         check_on_lost(self.on_lost)
         check_wait_fallback(self.lock_wait_fallback)
@@ -196,17 +194,6 @@ class ExclusiveSettings:
         object.__setattr__(self, "dedupe", check_dedupe(self.dedupe))
         check_on_duplicate(self.on_duplicate)
         check_rerun_args(self.rerun_args)
-        if self.cooldown is not None and self.cooldown > self.max_lifetime:
-            raise InvalidArgumentError(
-                f"cooldown ({self.cooldown:g} s) must not exceed max_lifetime ({self.max_lifetime:g} s)"
-            )
-        if self.dedupe_ttl is not None and self.dedupe_ttl > MAX_LIFETIME_CAP:
-            raise InvalidArgumentError(f"dedupe_ttl is {self.dedupe_ttl:g} s; the hard cap is 24 h")
-        if self.lock_retry_backoff_max < self.lock_retry_backoff:
-            raise InvalidArgumentError(
-                f"lock_retry_backoff_max ({self.lock_retry_backoff_max:g} s) must not be shorter "
-                f"than lock_retry_backoff ({self.lock_retry_backoff:g} s)"
-            )
         # Rejects ttl > max_lifetime and refresh_interval >= ttl now, not at the first lock.
         lease_durations(
             self.lease_ttl, self.refresh_interval, self.max_lifetime, ttl_explicit=self.ttl is not None
@@ -340,33 +327,21 @@ def check_rerun_args(value: object) -> None:
 
 
 def check_task_options(**options: Any) -> None:
-    """Validate per-task lock options on their own (when a task is declared); None means unset."""
+    """Validate per-task lock options on their own (when a task is declared); None means unset.
+
+    Each option is checked by its row's kind (:data:`OPTIONS`), durations all together by
+    :func:`~celery_exclusive.validation.check_durations` (named by their task attributes)."""
     for name, value in options.items():
         if value is None:
             continue
-        option = _BY_FIELD.get(name)
-        if option is None or option.attribute is None:
+        if name not in TASK_OPTIONS:
             raise InvalidArgumentError(f"unknown per-task lock option {name!r}")
-        _CHECKS[option.kind](option.attribute, value)
-    durations = {name: seconds(TASK_OPTIONS[name], options[name]) for name in _DURATIONS if options.get(name)}
-    ttl, lifetime, interval = (durations.get(n) for n in ("ttl", "max_lifetime", "refresh_interval"))
-    if lifetime is not None and lifetime > MAX_LIFETIME_CAP:
-        raise InvalidArgumentError(f"max_lifetime is {lifetime:g} s; the hard cap is 24 h")
+        kind = _BY_FIELD[name].kind
+        if kind != "duration":
+            _CHECKS[kind](TASK_OPTIONS[name], value)
+    durations = check_durations({name: options.get(name) for name in _DURATIONS}, labels=TASK_OPTIONS)
     if "lock_wait" in durations:
         check_wait_seconds(durations["lock_wait"])
-    if ttl is not None and lifetime is not None and ttl > lifetime:
-        raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({lifetime:g} s)")
-    if interval is not None and ttl is not None and interval >= ttl:
-        raise InvalidArgumentError(f"refresh_interval ({interval:g} s) must be shorter than ttl ({ttl:g} s)")
-    cooldown = durations.get("cooldown")
-    if cooldown is not None and cooldown > (MAX_LIFETIME_CAP if lifetime is None else lifetime):
-        raise InvalidArgumentError(
-            f"lock_cooldown ({cooldown:g} s) must not exceed max_lifetime "
-            f"({MAX_LIFETIME_CAP if lifetime is None else lifetime:g} s)"
-        )
-    dedupe_ttl = durations.get("dedupe_ttl")
-    if dedupe_ttl is not None and dedupe_ttl > MAX_LIFETIME_CAP:
-        raise InvalidArgumentError(f"lock_dedupe_ttl is {dedupe_ttl:g} s; the hard cap is 24 h")
 
 
 def check_max_retries(name: str, value: object) -> None:
@@ -375,9 +350,9 @@ def check_max_retries(name: str, value: object) -> None:
         raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}")
 
 
-#: Each option kind's check of a per-task value, given the task attribute's name.
+#: Each option kind's check of a per-task value, given the task attribute's name (durations:
+#: ``check_durations``, which also checks them against each other).
 _CHECKS: dict[str, Callable[[str, Any], object]] = {
-    "duration": seconds,
     "on_locked": lambda _name, value: check_on_locked(value),
     "on_lost": lambda _name, value: check_on_lost(value),
     "retries": check_max_retries,

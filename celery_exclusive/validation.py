@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import operator
 import re
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 from celery_exclusive.errors import InvalidArgumentError
@@ -60,29 +62,64 @@ def check_prefix(prefix: object) -> str:
     return prefix
 
 
+#: The rules between two durations, applied when both are known:
+#: (duration, the other, it is wrong when, what the message says).
+_ORDERS: tuple[tuple[str, str, Callable[[float, float], bool], str], ...] = (
+    ("ttl", "max_lifetime", operator.gt, "must not exceed"),
+    ("refresh_interval", "ttl", operator.ge, "must be shorter than"),
+    ("lock_retry_backoff_max", "lock_retry_backoff", operator.lt, "must not be shorter than"),
+    ("cooldown", "max_lifetime", operator.gt, "must not exceed"),
+)
+#: Durations bounded by the hard cap on a lease's lifetime (:data:`MAX_LIFETIME_CAP`).
+_CAPPED = ("max_lifetime", "dedupe_ttl", "cooldown")
+
+
+def check_durations(
+    given: Mapping[str, object], *, labels: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """The one duration check: every duration of ``given`` (None: not given) as positive finite
+    seconds (:func:`seconds`, named in messages by ``labels``, else by its own name), then the
+    rules between those given (:func:`_check_orders`)."""
+    durations = {
+        name: seconds(labels.get(name, name) if labels else name, value)
+        for name, value in given.items()
+        if value is not None
+    }
+    _check_orders(durations)
+    return durations
+
+
+def _check_orders(durations: Mapping[str, float | None]) -> None:
+    """max_lifetime, dedupe_ttl and cooldown within the 24 h cap, ttl and cooldown at most
+    max_lifetime, refresh_interval shorter than ttl, lock_retry_backoff_max not shorter than
+    lock_retry_backoff (None: not known)."""
+    for name in _CAPPED:
+        value = durations.get(name)
+        if value is not None and value > MAX_LIFETIME_CAP:
+            raise InvalidArgumentError(
+                f"{name} is {value:g} s; the hard cap is {MAX_LIFETIME_CAP:g} s (24 h)"
+            )
+    for name, other, wrong, says in _ORDERS:
+        value, limit = durations.get(name), durations.get(other)
+        if value is not None and limit is not None and wrong(value, limit):
+            raise InvalidArgumentError(f"{name} ({value:g} s) {says} {other} ({limit:g} s)")
+
+
 def lease_durations(
     ttl: float, refresh_interval: float | None, max_lifetime: float, *, ttl_explicit: bool
 ) -> tuple[float, float, float]:
-    """Check and complete (ttl, refresh_interval, max_lifetime).
+    """Complete (ttl, refresh_interval, max_lifetime), already in seconds, and check them
+    (the rules of :func:`check_durations`).
 
     An explicit ttl above max_lifetime is an error; the default ttl is capped by it. The
     refresh interval defaults to ttl/3: the origin's ``max(30 s, ttl/3)`` capped at ttl/3,
     so that a short lease (2 s) still gets several refreshes (every ~0.7 s) per ttl.
     """
-    if max_lifetime > MAX_LIFETIME_CAP:
-        raise InvalidArgumentError(
-            f"max_lifetime is {max_lifetime:g} s; the hard cap is {MAX_LIFETIME_CAP:g} s (24 h)"
-        )
-    if ttl > max_lifetime:
-        if ttl_explicit:
-            raise InvalidArgumentError(f"ttl ({ttl:g} s) must not exceed max_lifetime ({max_lifetime:g} s)")
-        ttl = max_lifetime
+    if ttl > max_lifetime and not ttl_explicit:
+        ttl = max_lifetime  # a lifetime over the cap is still refused below
+    _check_orders({"ttl": ttl, "refresh_interval": refresh_interval, "max_lifetime": max_lifetime})
     if refresh_interval is None:
         refresh_interval = min(max(30.0, ttl / 3), ttl / 3)
-    elif refresh_interval >= ttl:
-        raise InvalidArgumentError(
-            f"refresh_interval ({refresh_interval:g} s) must be shorter than ttl ({ttl:g} s)"
-        )
     return ttl, refresh_interval, max_lifetime
 
 
