@@ -20,35 +20,27 @@ import contextlib
 import functools
 import json
 import os
-import statistics
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import click
 
+from celery_exclusive.diagnostics import doctor
 from celery_exclusive.errors import (
-    BackendError,
     ConfigurationError,
     ExclusiveError,
     InvalidArgumentError,
 )
-from celery_exclusive.providers.base import CompletionInfo, Diagnosis, LockInfo
+from celery_exclusive.providers.base import CompletionInfo, LockInfo
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
-from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, scheme_family, url_secrets
+from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, url_secrets
 
 EXIT_OK = 0
 EXIT_NOT_RELEASED = 1
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_BACKEND = 3
-
-#: Peeks timed by ``doctor``; the median is reported as the round trip.
-DOCTOR_SAMPLES = 10
-#: Median round trip above which ``doctor`` warns (every acquire, refresh and release pays it).
-SLOW_ROUND_TRIP = 0.1
 
 #: Environment fallback for the key prefix, as the workers read it.
 PREFIX_ENV_VAR = "CELERY_EXCLUSIVE_PREFIX"
@@ -470,32 +462,21 @@ def forget_command(task_id: str, key: str | None) -> int:
 def doctor_command(as_json: bool) -> int:
     """Check the lock store's health.
 
-    Connects, times the round trip, and runs the store's own checks.
-    Exits 1 if any check failed (an unreachable store is a failed check), 0 otherwise.
+    Connects, times the round trip, and runs the store's own checks, each store call
+    within the store's call timeout (10 s). Exits 1 if any check failed (an unreachable
+    or silent store is a failed check), 0 otherwise.
     """
     target = _target(click.get_current_context())
     url = target.resolve()
-    family = scheme_family(url)
-    checks = [Diagnosis("url", "ok", f"{mask_url(url)} ({family} store), key prefix {target.prefix!r}")]
-    if family == "memory":
-        checks.append(
-            Diagnosis(
-                "scope",
-                "warn",
-                "memory:// lives inside one process: this command sees only its own empty store, "
-                "never a worker's leases, and gives no exclusion across processes",
-            )
-        )
-    round_trip = _doctor_store(target, checks)
-    checks = [Diagnosis(d.check, d.status, target.scrub(d.detail)) for d in checks]
-    failed = sum(d.status == "fail" for d in checks)
+    report = doctor(target.service(), url=url)
+    checks = report.checks
     if as_json:
         _dump(
             {
-                "url": mask_url(url),
-                "prefix": target.prefix,
-                "ok": failed == 0,
-                "round_trip": None if round_trip is None else round(round_trip, 6),
+                "url": report.url,
+                "prefix": report.prefix,
+                "ok": report.ok,
+                "round_trip": None if report.round_trip is None else round(report.round_trip, 6),
                 "checks": [{"check": d.check, "status": d.status, "detail": d.detail} for d in checks],
             }
         )
@@ -503,77 +484,9 @@ def doctor_command(as_json: bool) -> int:
         width = max(len(d.check) for d in checks)
         for d in checks:
             click.echo(f"{d.status:<4}  {d.check.ljust(width)}  {printable(d.detail)}")
-        warned = sum(d.status == "warn" for d in checks)
+        failed, warned = report.failed, report.warned
         click.echo(f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok")
-    return EXIT_CHECK_FAILED if failed else EXIT_OK
-
-
-def _doctor_store(target: Target, checks: list[Diagnosis]) -> float | None:
-    """Append the connection, round-trip and provider checks; return the median round trip."""
-    probe = f"doctor-probe:{uuid.uuid4().hex}"
-    try:
-        service = target.service()
-        start = time.perf_counter()
-        service.peek(probe)
-        first = time.perf_counter() - start
-    except BackendError as exc:
-        checks.append(Diagnosis("connect", "fail", str(exc)))
-        return None
-    checks.append(Diagnosis("connect", "ok", f"first request answered in {_ms(first)}"))
-    samples = []
-    try:
-        for _ in range(DOCTOR_SAMPLES):
-            start = time.perf_counter()
-            service.peek(probe)
-            samples.append(time.perf_counter() - start)
-        live = len(service.locks())
-    except BackendError as exc:
-        checks.append(Diagnosis("round trip", "fail", str(exc)))
-        return None
-    median = statistics.median(samples)
-    detail = (
-        f"median {_ms(median)} over {len(samples)} peeks (min {_ms(min(samples))}, max {_ms(max(samples))})"
-    )
-    if median > SLOW_ROUND_TRIP:
-        checks.append(
-            Diagnosis("round trip", "warn", f"{detail}: slow; every acquire, refresh and release pays it")
-        )
-    else:
-        checks.append(Diagnosis("round trip", "ok", detail))
-    checks.append(Diagnosis("listing", "ok", f"{live} live lease(s) under {target.prefix!r}"))
-    checks.extend(_provider_findings(service))
-    return median
-
-
-def _ms(value: float) -> str:
-    return f"{value * 1000:.3f} ms" if value < 0.001 else f"{value * 1000:.1f} ms"
-
-
-def _provider_findings(service: LockService) -> list[Diagnosis]:
-    """The provider's own ``diagnose()`` findings, each status normalised to ok/warn/fail."""
-    provider = service.provider
-    diagnose = getattr(provider, "diagnose", None)
-    if not callable(diagnose):
-        return [
-            Diagnosis(
-                "diagnose",
-                "warn",
-                f"{type(provider).__name__} has no diagnose(); store-specific checks were skipped",
-            )
-        ]
-    try:
-        findings = list(diagnose())
-    except Exception as exc:  # a broken check is a finding, not a crash
-        return [Diagnosis("diagnose", "fail", f"{type(exc).__name__}: {exc}")]
-    result = []
-    for finding in findings:
-        if not isinstance(finding, Diagnosis):
-            result.append(Diagnosis("diagnose", "warn", f"unreadable finding {finding!r}"))
-        elif finding.status not in ("ok", "warn", "fail"):
-            result.append(Diagnosis(finding.check, "warn", f"[status {finding.status!r}] {finding.detail}"))
-        else:
-            result.append(finding)
-    return result
+    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
 
 
 COMMANDS = (list_command, show_command, release_command, forget_command, doctor_command)

@@ -13,7 +13,8 @@ this module is imported (``celery_exclusive.task`` imports it):
 * ``worker_process_init`` (each prefork child; the main process for other pools, at start):
   the lock store's connection is opened, so the first task does not pay for importing
   its driver and connecting (a prefork worker imports the driver once, in the main
-  process before it forks). A failure there is a WARNING; the first task retries it.
+  process before it forks). A failure there is a WARNING; the first task retries it. It
+  waits at most ``WARM_UP_TIMEOUT`` (5 s): a silent store does not hold the start longer.
 * ``worker_process_shutdown`` / ``worker_shutdown``: leases still held are released.
 * ``task_revoked`` (``terminated=True``) and ``task_failure`` with ``TimeLimitExceeded``:
   both fire in the worker's *main* process, the first right after the pool child was sent
@@ -40,7 +41,9 @@ from celery.app import app_or_default
 from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
 from celery_exclusive import observe
+from celery_exclusive.diagnostics import within
 from celery_exclusive.errors import ConfigurationError
+from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.urls import ENV_VAR, SETTING, resolve_url
@@ -63,6 +66,9 @@ STARTUP_CHECKS = ("log", "fatal", "off")
 EX_CONFIG = 78
 #: Key peeked to open the store's connection in a new pool process.
 WARM_UP_KEY = "celery-exclusive-warm-up"
+#: Longest the warm-up at process start waits for the store, in seconds (a silent store
+#: would otherwise hold the process start for the driver's own timeouts, 10-40 s).
+WARM_UP_TIMEOUT = 5.0
 
 
 class _ProcessState:
@@ -73,6 +79,8 @@ class _ProcessState:
         self.mutex = threading.Lock()
         self.services: weakref.WeakKeyDictionary[Any, LockService] = weakref.WeakKeyDictionary()
         self.settings: weakref.WeakKeyDictionary[Any, ExclusiveSettings] = weakref.WeakKeyDictionary()
+        #: Apps whose store this process has warmed up (or tried to): once is enough.
+        self.warmed: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 _state = _ProcessState()
@@ -140,6 +148,7 @@ def close_lock_services(*, release: bool = True) -> None:
         services = list(state.services.values())
         state.services.clear()
         state.settings.clear()
+        state.warmed.clear()
     for service in services:
         try:
             service.close(release=release)
@@ -221,6 +230,9 @@ def _pool_forks(instance: Any) -> bool:
 def warm_up(app: Any = None) -> None:
     """Open ``app``'s lock store connection now (driver import, connect, schema check).
 
+    Once per app and process, waiting at most :data:`WARM_UP_TIMEOUT` seconds (less if
+    the service's ``call_timeout`` is shorter): a store that does not answer by then is a
+    WARNING and the process goes on starting (the connect attempt ends in the background).
     Errors are logged as a WARNING and otherwise ignored: the first task retries and
     reports them itself.
     """
@@ -228,7 +240,13 @@ def warm_up(app: Any = None) -> None:
         app = _resolve_app(app)
         if not exclusive_task_names(app):
             return
-        get_lock_service(app).peek(WARM_UP_KEY)
+        state = _current()
+        with state.mutex:
+            if app in state.warmed:  # solo/threads pools: at worker start and at worker_process_init
+                return
+            state.warmed.add(app)
+        service = get_lock_service(app)
+        within(min(service.call_timeout, WARM_UP_TIMEOUT), "warm-up", lambda: service.peek(WARM_UP_KEY))
     except ConfigurationError as exc:
         logger.debug("celery-exclusive: no lock store to open at process start: %s", exc)
     except Exception as exc:
@@ -314,33 +332,47 @@ def release_killed(
 
 def _release_when_gone(service: LockService, key: str, task_id: str, what: str) -> None:
     try:
-        give_up = time.monotonic() + KILL_LOOKUP_WINDOW
-        while True:
-            info = service.peek(key)
-            if info is not None and info.holder.get("task_id") == task_id:
-                break
-            if time.monotonic() >= give_up:
-                return
-            time.sleep(_POLL)
+        info = _lease_of(service, key, task_id)
+        if info is None:
+            return
         pid = info.holder.get("pid")
         if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
             return
-        give_up = time.monotonic() + KILL_RELEASE_WAIT
-        while not process_gone(pid):
-            if time.monotonic() >= give_up:
-                logger.warning(
-                    "%s, but its process %d is still alive after %g s; lock %r is left to expire",
-                    what,
-                    pid,
-                    KILL_RELEASE_WAIT,
-                    key,
-                )
-                return
-            time.sleep(_POLL)
+        if not _wait_gone(pid):
+            logger.warning(
+                "%s, but its process %d is still alive after %g s; lock %r is left to expire",
+                what,
+                pid,
+                KILL_RELEASE_WAIT,
+                key,
+            )
+            return
         if service.force_release(key, info.token):
             logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
     except Exception:
         logger.exception("%s: could not release its lock %r; it expires with its ttl", what, key)
+
+
+def _lease_of(service: LockService, key: str, task_id: str) -> LockInfo | None:
+    """The lease on ``key`` held by run ``task_id``, looked for during :data:`KILL_LOOKUP_WINDOW`."""
+    give_up = time.monotonic() + KILL_LOOKUP_WINDOW
+    while True:
+        info = service.peek(key)
+        if info is not None and info.holder.get("task_id") == task_id:
+            return info
+        if time.monotonic() >= give_up:
+            return None
+        time.sleep(_POLL)
+
+
+def _wait_gone(pid: int) -> bool:
+    """Whether process ``pid`` exits within :data:`KILL_RELEASE_WAIT` seconds."""
+    give_up = time.monotonic() + KILL_RELEASE_WAIT
+    while not process_gone(pid):
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(_POLL)
+    return True
 
 
 def process_gone(pid: int) -> bool:

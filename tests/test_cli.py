@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from click.testing import CliRunner, Result
 
 from celery_exclusive import LockService
 from celery_exclusive.cli import cli, human_duration
+from celery_exclusive.diagnostics import doctor
 from tests.conftest import (
     POSTGRES_URL,
     REDIS_URL,
@@ -33,6 +35,7 @@ from tests.conftest import (
     require_server,
     with_option,
 )
+from tests.silent import silent_server
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -472,6 +475,28 @@ def test_configuration_and_input_errors_exit_2_masked() -> None:
     empty_key = invoke(None, "show", "", url="memory://")
     assert empty_key.exit_code == 2
     assert "must not be empty" in empty_key.stderr
+
+
+@pytest.mark.parametrize("scheme", ["redis", "postgresql+psycopg"])
+def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> None:
+    """A store that accepts connections and never answers is a failed connect check once the
+    call deadline passes (the service's call_timeout), not a doctor that waits out the driver."""
+    with silent_server() as port:
+        url = f"{scheme}://u:{SECRET}@127.0.0.1:{port}/test"
+        service = LockService(url, prefix="silent:", call_timeout=1.0)
+        try:
+            started = time.monotonic()
+            report = doctor(service, url=url)
+            took = time.monotonic() - started
+        finally:
+            service.close(release=False)
+    assert not report.ok
+    assert report.round_trip is None
+    checks = {d.check: d for d in report.checks}
+    assert checks["connect"].status == "fail"
+    assert "did not answer the peek within 1 s" in checks["connect"].detail
+    assert took < 3.0, took
+    assert SECRET not in repr(report)
 
 
 def test_doctor_warns_that_memory_is_per_process() -> None:

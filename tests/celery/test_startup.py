@@ -5,15 +5,27 @@ Real ``celery worker`` subprocesses of the integration app, real Redis broker, r
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+from celery import Celery
 from sqlalchemy import create_engine, inspect
 
-from celery_exclusive.worker import EX_CONFIG, STARTUP_CHECK_ENV, STARTUP_CHECK_SETTING
+from celery_exclusive.task import exclusive_task
+from celery_exclusive.worker import (
+    EX_CONFIG,
+    STARTUP_CHECK_ENV,
+    STARTUP_CHECK_SETTING,
+    WARM_UP_TIMEOUT,
+    get_lock_service,
+    warm_up,
+)
 from tests.celery.conftest import BROKER_URL, Process, spawn, wait_for, wait_ready
 from tests.conftest import POSTGRES_URL, drop_lock_table, require_server, with_option
+from tests.silent import silent_server
 
 WORKER = ["worker", "-P", "prefork", "-c", "1", "-l", "INFO", "--without-gossip", "--without-mingle"]
 
@@ -80,3 +92,54 @@ def test_unknown_startup_check_value_is_a_configuration_error(value: str) -> Non
 
     with pytest.raises(ConfigurationError, match=STARTUP_CHECK_SETTING):
         startup_check_mode({STARTUP_CHECK_SETTING: value})
+
+
+def _body() -> None:
+    pass
+
+
+@pytest.mark.parametrize("scheme", ["redis", "postgresql+psycopg"])
+def test_warm_up_on_a_silent_store_gives_up_at_its_deadline(
+    scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that accepts connections and never answers holds a process start for at most
+    WARM_UP_TIMEOUT (not the driver's 10-40 s): a WARNING, and the process goes on."""
+    with silent_server() as port:
+        app = Celery(f"silent-{uuid.uuid4().hex[:6]}", set_as_current=False)
+        app.conf.exclusive_url = f"{scheme}://u:pw@127.0.0.1:{port}/test"
+        exclusive_task(app=app, name=f"silent.t{uuid.uuid4().hex[:6]}")(_body)
+        try:
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="celery_exclusive"):
+                warm_up(app)
+            took = time.monotonic() - started
+        finally:
+            get_lock_service(app).close(release=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"did not answer the warm-up within {WARM_UP_TIMEOUT:g} s" in m for m in warnings), warnings
+    assert WARM_UP_TIMEOUT - 0.5 <= took < WARM_UP_TIMEOUT + 2, took
+    assert "pw" not in " ".join(warnings)
+
+
+def test_a_solo_worker_on_a_silent_store_starts_after_the_warm_up_deadline(celery_logdir: Path) -> None:
+    """A solo worker warms up in its main process before ``ready.``: on a silent store it logs
+    the deadline's WARNING and becomes ready instead of waiting out the driver's timeouts."""
+    require_server(BROKER_URL)
+    with silent_server() as port:
+        name = f"silent-{uuid.uuid4().hex[:6]}"
+        args = ["worker", "-P", "solo", "-l", "INFO", "--without-gossip", "--without-mingle"]
+        worker = spawn(
+            name,
+            [*args, "-n", f"{name}@%h", "-Q", f"cetest-{name}"],
+            {"CE_CELERY_QUEUE": f"cetest-{name}", "CELERY_EXCLUSIVE_URL": f"redis://127.0.0.1:{port}/0"},
+            celery_logdir,
+        )
+        try:
+            wait_ready([worker])
+            log = worker.text()
+        finally:
+            worker.stop(timeout=1)  # nothing to finish: no task was sent
+    warned = [line for line in log.splitlines() if "could not open the lock store at process start" in line]
+    assert len(warned) == 1, log[-3000:]
+    assert f"did not answer the warm-up within {WARM_UP_TIMEOUT:g} s" in warned[0]
+    assert log.index(warned[0]) < log.index(" ready.")
