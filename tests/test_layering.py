@@ -344,10 +344,13 @@ def probe(statement: str) -> dict[str, list[str]]:
         "celery_exclusive.service",
         "celery_exclusive.providers.memory",
         "celery_exclusive.cli",
+        "celery_exclusive.diagnostics",
+        "celery_exclusive.testing",
     ],
 )
 def test_the_lock_core_imports_no_worker_machinery_and_connects_no_receiver(module: str) -> None:
-    """The lock core and the ``celery exclusive`` command load without the Celery integration."""
+    """The lock core, the ``celery exclusive`` command and the test helpers (whose Celery
+    names are served lazily) load without the Celery integration."""
     seen = probe(f"import {module}")
     loaded = [m for m in WORKER_MACHINERY if any(s == m or s.startswith(m + ".") for s in seen["modules"])]
     assert loaded == []
@@ -388,3 +391,10 @@ def test_the_lazy_names_are_the_real_objects() -> None:
     assert set(celery_exclusive.__all__) <= set(dir(celery_exclusive))
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         celery_exclusive.nonexistent  # noqa: B018
+    from celery_exclusive import testing
+
+    assert testing.is_skipped is is_skipped
+    assert testing.skip_marker is sys.modules["celery_exclusive.task"].skip_marker
+    assert set(testing.__all__) <= set(dir(testing))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        testing.nonexistent  # noqa: B018

@@ -18,20 +18,40 @@ share it, a prefork worker does not. See docs/testing.md.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.lease import Lease
 from celery_exclusive.providers.base import Grant, LockInfo, encode_holder
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
-from celery_exclusive.task import COALESCED, MARKER_FIELD, SKIPPED, is_skipped, skip_marker
 from celery_exclusive.validation import check_key, check_prefix, seconds
-from celery_exclusive.worker import _current, _resolve_app, app_settings
+
+if TYPE_CHECKING:
+    from celery_exclusive.policies import is_skipped, skip_marker
+
+# Like the package's: the Celery integration (task, worker, policies) is imported on first
+# use, so ``import celery_exclusive.testing`` imports none of it and connects no receiver.
+_LAZY = {"is_skipped": "celery_exclusive.policies", "skip_marker": "celery_exclusive.policies"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "ExclusiveStore",
@@ -150,6 +170,8 @@ class ExclusiveStore:
 
     def install(self, app: Any = None) -> LockService:
         """Make ``app`` (default: the current app) use this store; returns its service."""
+        from celery_exclusive.worker import _current, _resolve_app, app_settings
+
         app = _resolve_app(app)
         if not hasattr(app, "conf") or not hasattr(app, "tasks"):
             raise InvalidArgumentError(f"install() needs a Celery app, got {type(app).__name__}")
@@ -175,6 +197,10 @@ class ExclusiveStore:
 
     def close(self) -> None:
         """Give every installed app its previous service back and drop this store's leases."""
+        if not self._installed and not self._services:
+            return
+        from celery_exclusive.worker import _current
+
         state = _current()
         with state.mutex:
             for app, previous in reversed(self._installed):
@@ -306,6 +332,8 @@ def _value(result: Any, timeout: float) -> Any:
 
 
 def _assert_marker(result: Any, kind: str, key: str | None, timeout: float) -> dict[str, Any]:
+    from celery_exclusive.policies import MARKER_FIELD
+
     value = _value(result, timeout)
     if not (isinstance(value, Mapping) and value.get(MARKER_FIELD) == kind):
         raise AssertionError(f"expected the {kind!r} marker of an exclusive task, got {value!r}")
@@ -319,16 +347,22 @@ def assert_skipped(result: Any, *, key: str | None = None, timeout: float = 10.0
 
     Returns the marker: ``{"celery_exclusive": "skipped", "key": ..., "holder": {...}}``.
     """
+    from celery_exclusive.policies import SKIPPED
+
     return _assert_marker(result, SKIPPED, key, timeout)
 
 
 def assert_coalesced(result: Any, *, key: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """Assert ``result`` is the marker of an ``on_locked="rerun"`` request that coalesced."""
+    from celery_exclusive.policies import COALESCED
+
     return _assert_marker(result, COALESCED, key, timeout)
 
 
 def assert_not_skipped(result: Any, *, timeout: float = 10.0) -> Any:
     """Assert the task's body ran (its result is no skip or coalesce marker); returns it."""
+    from celery_exclusive.policies import is_skipped
+
     value = _value(result, timeout)
     if is_skipped(value):
         raise AssertionError(f"expected the task's own result, got the marker {value!r}")
