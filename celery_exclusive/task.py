@@ -219,15 +219,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a task class per decorated function: reject bad options right here.
         super().__init_subclass__(**kwargs)
-        own = vars(cls).get("throws")
-        if own is not None and not isinstance(own, property):  # app.task(throws=...) or a class attribute
-            cls._own_throws = tuple(own)
-            delattr(cls, "throws")
-        cls._lock_keys = _key_builder_for(cls)
-        # Methods a subclass defines are its own business; data attributes are options.
-        options = [n for n, v in vars(cls).items() if not isinstance(v, _CLASS_MEMBERS)]
-        check_lock_attributes(options, _LOCK_ATTRIBUTES)
-        check_task_options(**{name: _raw_attribute(cls, attr) for name, attr in TASK_OPTIONS.items()})
+        _declared(cls)
 
     @property
     def throws(self) -> tuple[type[Exception], ...]:
@@ -415,11 +407,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     interrupter.disarm()
         except _interrupt.LeaseLostInterrupt as exc:
             self._finish(lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True))
-            raise LockLost(
-                lease.key,
-                lease.fence,
-                "the lease was lost while the task ran, so it was interrupted (lock_on_lost='terminate')",
-            ) from None
+            raise LockLost(lease.key, lease.fence, _INTERRUPTED) from None
         except BaseException as exc:
             report.finished(
                 lease,
@@ -429,12 +417,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         lost = self._finish(lease, retrying=False, done=redelivery.completion(self, None))
         report.finished(lease, lost)
         if lost and self.lock_settings.on_lost == "raise":
-            raise LockLost(
-                lease.key,
-                lease.fence,
-                "the lease was lost while the task ran, so the run may have overlapped another; "
-                "its result was discarded (lock_on_lost='raise')",
-            )
+            raise LockLost(lease.key, lease.fence, _DISCARDED)
         return result
 
     def _finish(self, lease: Lease, *, retrying: bool, done: Completion | None = None) -> bool:
@@ -447,6 +430,27 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
         self._lock_policy.finished(self, lease.key, retrying=retrying)
         return lost
+
+
+#: LockLost's messages: lock_on_lost="terminate" interrupted the body, "raise" dropped its result.
+_INTERRUPTED = "the lease was lost while the task ran, so it was interrupted (lock_on_lost='terminate')"
+_DISCARDED = (
+    "the lease was lost while the task ran, so the run may have overlapped another; "
+    "its result was discarded (lock_on_lost='raise')"
+)
+
+
+def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:
+    """Check and compile a new task class: its own ``throws``, its key, its lock options."""
+    own = vars(cls).get("throws")
+    if own is not None and not isinstance(own, property):  # app.task(throws=...) or a class attribute
+        cls._own_throws = tuple(own)
+        delattr(cls, "throws")
+    cls._lock_keys = _key_builder_for(cls)
+    # Methods a subclass defines are its own business; data attributes are options.
+    options = [n for n, v in vars(cls).items() if not isinstance(v, _CLASS_MEMBERS)]
+    check_lock_attributes(options, _LOCK_ATTRIBUTES)
+    check_task_options(**{name: _raw_attribute(cls, attr) for name, attr in TASK_OPTIONS.items()})
 
 
 _mixins: dict[type, type] = {}
