@@ -10,9 +10,9 @@ when ``celery_exclusive.worker`` is imported, which every exclusive task does.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from celery_exclusive import _lazy
 from celery_exclusive.errors import (
     AlreadyDone,
     AlreadyQueued,
@@ -60,12 +60,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return _lazy.load(globals(), _LAZY, name)
 
 
 def __dir__() -> list[str]:

@@ -18,13 +18,13 @@ share it, a prefork worker does not. See docs/testing.md.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from celery_exclusive import _lazy
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.lease import Lease
 from celery_exclusive.providers.base import Grant, LockInfo, encode_holder
@@ -41,12 +41,7 @@ _LAZY = {"is_skipped": "celery_exclusive.policies", "skip_marker": "celery_exclu
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return _lazy.load(globals(), _LAZY, name)
 
 
 def __dir__() -> list[str]:
