@@ -226,12 +226,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """The task's own expected errors (Celery's ``Task.throws``), and under
         ``on_locked="raise"`` LockedError: contention is then an expected outcome, which
         Celery logs at INFO without a traceback (the state is still FAILURE)."""
-        own = self._own_throws
-        try:
-            raising = self.lock_settings.on_locked == "raise"
-        except ExclusiveError:  # a misconfigured app fails elsewhere, loudly; not while logging
-            raising = False
-        return (*own, LockedError) if raising and LockedError not in own else own
+        return _throws(self)
 
     @throws.setter
     def throws(self, value: tuple[type[Exception], ...]) -> None:
@@ -337,12 +332,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         Code after ``retry(throw=False)`` runs without the lock. The lock-retry counter
         starts again from zero for the retried run.
         """
-        lease = self.lock
-        if lease is not None:
-            lease.release(redelivery.retried(self))
-        headers = self.request.headers
-        if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
-            options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
+        _before_retry(self, options)
         return super().retry(
             args=None if args is None else tuple(args),
             kwargs=None if kwargs is None else dict(kwargs),
@@ -438,6 +428,26 @@ _DISCARDED = (
     "the lease was lost while the task ran, so the run may have overlapped another; "
     "its result was discarded (lock_on_lost='raise')"
 )
+
+
+def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
+    """``task.throws``: its own, and LockedError under ``on_locked="raise"``."""
+    own = task._own_throws
+    try:
+        raising = task.lock_settings.on_locked == "raise"
+    except ExclusiveError:  # a misconfigured app fails elsewhere, loudly; not while logging
+        raising = False
+    return (*own, LockedError) if raising and LockedError not in own else own
+
+
+def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
+    """Release the run's lease before its retry is sent, and restart the lock-retry count."""
+    lease = task.lock
+    if lease is not None:
+        lease.release(redelivery.retried(task))
+    headers = task.request.headers
+    if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
+        options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:
