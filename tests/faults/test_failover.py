@@ -286,7 +286,7 @@ def test_postgres_failover_to_a_standby(faults: Faults, sync: bool) -> None:
                     assert (tally.kept, tally.lost, tally.refused) == (LEASES, LATE, 0), tally
                     assert tally.double <= LATE
                 # Fences still grow on the new primary.
-                highest = max(highest, *(lease.fence for lease in late))
+                highest = max([highest, *(lease.fence for lease in late)])
                 fresh = retrying(lambda round_=round_: holder.lock(f"fresh:{round_}"))
                 assert fresh.fence > highest
                 highest = fresh.fence
