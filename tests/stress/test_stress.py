@@ -34,6 +34,7 @@ from tests.celery.conftest import (
     delete_redis_prefix,
     drop_sql_table,
     spawn,
+    stop_all,
     wait_ready,
 )
 from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_server, with_option
@@ -148,8 +149,7 @@ def group(
         wait_ready(group.workers)
         yield group
     finally:
-        for worker in group.workers:
-            worker.stop()
+        stop_all(group.workers)
         with contextlib.suppress(Exception):
             delete_redis_prefix(stress.BROKER, stress.KEYPREFIX)
         if store == "redis":
