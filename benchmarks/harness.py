@@ -386,5 +386,5 @@ class Plan:
     def make(cls, quick: bool, rounds: int | None = None) -> Plan:
         """The quick or the full plan; ``rounds`` overrides the number of interleaved rounds."""
         if quick:
-            return cls(True, rounds or 2, 200, 60, 30, 0.4, 2, 1000, 2, 2000, 0.5, 60, 2, 2)
+            return cls(True, rounds or 2, 200, 60, 30, 0.25, 2, 1000, 2, 2000, 0.25, 60, 2, 2)
         return cls(False, rounds or 15, 2000, 600, 250, 2.0, 9, 1000, 15, 10_000, 3.0, 1000, 9, 15)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,24 +18,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.celery
 def test_quick_benchmark_completes_and_prints_every_row() -> None:
-    """``python -m benchmarks --quick`` exits 0 within 90 s and prints every row and target."""
+    """``python -m benchmarks --quick`` exits 0 and prints every row and target.
+
+    No time bound beyond a hang guard: it takes ~50 s on a quiet 2-core machine and went
+    past 80 s under load, and speeds are judged by the full benchmark only."""
     from benchmarks.__main__ import all_rows
 
     env = {k: v for k, v in os.environ.items() if k != "CE_BENCH_RUN_ID"}  # a run id of its own
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick"],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=240,
         check=False,
     )
-    elapsed = time.monotonic() - started
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
-    assert elapsed < 90
     missing = [name for name in all_rows() if f"| {name} |" not in done.stdout]
     assert not missing, f"rows not printed: {missing}\n{output[-6000:]}"
     assert "benchmark complete" in done.stdout
