@@ -56,6 +56,7 @@ from celery_exclusive.providers.base import (
 __all__ = ["SqlLockProvider", "lock_table"]
 
 _T = TypeVar("_T")
+_Scope = contextlib.AbstractContextManager[None]
 _RETRYABLE = (1213, 1020)  # MySQL deadlock / "record has changed": nothing was committed
 _ATTEMPTS = 5
 _CHUNK = 500
@@ -336,17 +337,9 @@ class SqlLockProvider(SqlStore):
         pgbouncer: bool = False,
     ) -> None:
         super().__init__(engine_or_url, table=table, create_table=create_table, pgbouncer=pgbouncer)
-        dialect, url = self._engine.dialect, self._engine.url
-        self._memory = dialect.name == "sqlite" and url.database in (None, "", ":memory:")
-        # An in-memory SQLite database is one shared connection: one transaction at a time.
-        self._serial: contextlib.AbstractContextManager[Any] = (
-            threading.RLock() if self._memory else contextlib.nullcontext()
-        )
-        self._clock = _LeaseClock() if dialect.name == "sqlite" else None
-        self._gate: Callable[[], contextlib.AbstractContextManager[Any]] = (
-            _FORK_GATE.call if dialect.name == "sqlite" else contextlib.nullcontext
-        )
-        self._sql = _generic_statements(dialect, table)
+        self._sql = _generic_statements(self._engine.dialect, table)
+        self._tx = _Transactions(self._engine, self._sql)
+        self._clock = self._tx.clock
 
     # -- the LockProvider operations -------------------------------------------------
 
@@ -373,25 +366,34 @@ class SqlLockProvider(SqlStore):
         """One acquire attempt in ``conn``'s transaction (committed if it grants)."""
         once = task_id is not None
         conn.execute(self._sql["bump"])  # serialises acquirers: no races, no gap-lock deadlocks
-        params.update(self._now(conn))
+        params.update(self._tx.now(conn))
         if once:
             params["task_id"] = task_id
-        key, token = params["key"], params["token"]
         row = conn.execute(self._sql["select_once" if once else "select"], params).first()
         if row is not None:
-            if once and row[-1] is not None:
-                return _done(key, str(task_id), row[-1])
-            info = info_of(row[:7])
-            if live(info):
-                return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
-            conn.execute(self._sql["delete"], params)
+            answer = self._existing(conn, row, params, task_id)
+            if answer is not None:
+                return answer
         found = conn.execute(self._sql["fence_once" if once and row is None else "fence"], params).one()
         if once and row is None and found[1] is not None:
-            return _done(key, str(task_id), found[1])
+            return _done(params["key"], str(task_id), found[1])
         fence = int(found[0])
         conn.execute(self._sql["insert"], {**params, "fence": fence})
         conn.commit()
         return Grant(fence, granted)
+
+    def _existing(
+        self, conn: Connection, row: Sequence[Any], params: dict[str, Any], task_id: str | None
+    ) -> Grant | Held | Done | None:
+        """What the key's row answers (a record, the holder, our own grant); None once a
+        dead row was deleted, for the caller to insert ours."""
+        if task_id is not None and row[-1] is not None:
+            return _done(params["key"], task_id, row[-1])
+        info = info_of(row[:7])
+        if live(info):
+            return Grant(info.fence, info.expires_in) if info.token == params["token"] else Held(info)
+        conn.execute(self._sql["delete"], params)
+        return None
 
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
@@ -407,7 +409,7 @@ class SqlLockProvider(SqlStore):
         self, conn: Connection, wanted: dict[tuple[str, str], float], answers: dict[tuple[str, str], float]
     ) -> None:
         pairs = sorted(wanted)  # a stable lock order across concurrent refreshers
-        now = self._now(conn)  # one instant for both statements on SQLite
+        now = self._tx.now(conn)  # one instant for both statements on SQLite
         conn.execute(
             self._sql["refresh"], [{"key": k, "token": t, "ttl": wanted[(k, t)], **now} for k, t in pairs]
         )
@@ -438,7 +440,7 @@ class SqlLockProvider(SqlStore):
             )
 
         def attempt(conn: Connection) -> bool:
-            params.update(self._now(conn))
+            params.update(self._tx.now(conn))
             owned = conn.execute(self._sql["release_live"], params).rowcount == 1
             if not owned:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
@@ -469,7 +471,7 @@ class SqlLockProvider(SqlStore):
         params: dict[str, Any] = {"key": key, "task_id": task_id}
 
         def attempt(conn: Connection) -> bool:
-            params.update(self._now(conn))
+            params.update(self._tx.now(conn))
             found = conn.execute(self._sql["done_get"], params).first() is not None
             conn.execute(self._sql["done_forget"], params)
             conn.commit()
@@ -502,7 +504,7 @@ class SqlLockProvider(SqlStore):
         """Dispose of the engine's connections if this provider created the engine."""
         self._closed = True
         if self._owns_engine:
-            with self._gate():
+            with self._tx.gate():
                 self._engine.dispose()
 
     def diagnose(self) -> list[Diagnosis]:
@@ -510,9 +512,9 @@ class SqlLockProvider(SqlStore):
         a read-only server (MariaDB/MySQL)."""
         findings: list[Diagnosis] = []
         try:
-            with self._gate(), self._engine.connect() as conn:
+            with self._tx.gate(), self._engine.connect() as conn:
                 exists = self._schema_findings(conn, findings)
-                findings.append(self._clock_finding(conn, exists))
+                findings.append(_clock_finding(self._clock, conn, self._sql, exists))
                 if self._clock is None:  # MariaDB/MySQL
                     read_only = bool(conn.execute(sa.text("SELECT @@read_only")).scalar_one())
                     findings.append(
@@ -522,69 +524,107 @@ class SqlLockProvider(SqlStore):
             findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
         return findings
 
-    def _clock_finding(self, conn: Connection, exists: bool) -> Diagnosis:
-        if self._clock is not None:
-            if exists:
-                self._clock.setup(conn, self._sql)
-            skew = self._clock.seconds() - time.time()
-            kind = "boot clock" if self._clock.anchor is not None else "wall clock"
-            detail = f"lease clock ({kind}) is {skew:+.3f}s from this machine's wall clock"
-        else:
-            skew = float(conn.execute(self._sql["now"]).scalar_one()) - time.time()
-            detail = f"server clock is {skew:+.3f}s from ours"
-        return Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", detail)
-
     # -- plumbing --------------------------------------------------------------------
 
     def _session(self) -> contextlib.AbstractContextManager[Any]:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._gate())
-        stack.enter_context(self._serial)
-        return stack
+        return self._tx.session()
 
     def _rows(self, op: str, statement: str, params: dict[str, Any]) -> list[Any]:
         """The rows of one read-only statement."""
         return self._transact(
-            op, lambda conn: list(conn.execute(self._sql[statement], {**params, **self._now(conn)}))
+            op, lambda conn: list(conn.execute(self._sql[statement], {**params, **self._tx.now(conn)}))
         )
-
-    def _now(self, conn: Connection) -> dict[str, float]:
-        """SQLite: ``{"now": ...}`` on the lease clock, read once the transaction has begun
-        (``BEGIN IMMEDIATE``: after any wait for the database). Elsewhere the server's clock
-        is used, and this is empty."""
-        if self._clock is None:
-            return {}
-        if not conn.in_transaction():
-            conn.begin()
-        return {"now": self._clock.julian()}
 
     def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
         """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying deadlocks."""
         self._ensure_schema()
-        if self._clock is not None and self._clock.anchor is None and self._clock.boot is not None:
-            with self._translated(op), self._session(), self._engine.connect() as conn:
-                self._clock.setup(conn, self._sql)
+        return self._tx.run(self._translated(op), work)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._tx.after_fork()
+
+
+class _Transactions:
+    """How the store's work runs: one transaction per call; on SQLite inside the fork gate,
+    on the lease clock, and (an in-memory database, one shared connection) one at a time;
+    MySQL's deadlocks retried."""
+
+    def __init__(self, engine: Engine, sql: dict[str, sa.TextClause]) -> None:
+        self._engine = engine
+        self._sql = sql
+        sqlite = engine.dialect.name == "sqlite"
+        self._memory = sqlite and engine.url.database in (None, "", ":memory:")
+        # An in-memory SQLite database is one shared connection: one transaction at a time.
+        self._serial: contextlib.AbstractContextManager[Any] = (
+            threading.RLock() if self._memory else contextlib.nullcontext()
+        )
+        self.clock = _LeaseClock() if sqlite else None
+        self.gate: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            _FORK_GATE.call if sqlite else contextlib.nullcontext
+        )
+
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around every use of a connection: the fork gate, then the serial lock."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.gate())
+        stack.enter_context(self._serial)
+        return stack
+
+    def now(self, conn: Connection) -> dict[str, float]:
+        """SQLite: ``{"now": ...}`` on the lease clock, read once the transaction has begun
+        (``BEGIN IMMEDIATE``: after any wait for the database). Elsewhere the server's clock
+        is used, and this is empty."""
+        if self.clock is None:
+            return {}
+        if not conn.in_transaction():
+            conn.begin()
+        return {"now": self.clock.julian()}
+
+    def run(
+        self, translated: contextlib.AbstractContextManager[None], work: Callable[[Connection], _T]
+    ) -> _T:
+        """``work(conn)`` in a transaction, driver errors translated by ``translated``."""
+        clock = self.clock
+        if clock is not None and clock.anchor is None and clock.boot is not None:
+            with translated, self.session(), self._engine.connect() as conn:
+                clock.setup(conn, self._sql)
         attempt = 0
         while True:
             attempt += 1
-            with self._translated(op):
+            with translated:
                 try:
-                    with self._session(), self._engine.connect() as conn:
+                    with self.session(), self._engine.connect() as conn:
                         return work(conn)
                 except sa_exc.DBAPIError as exc:
                     if attempt >= _ATTEMPTS or _code(exc) not in _RETRYABLE:
                         raise
             time.sleep(random.uniform(0.005, 0.02) * attempt)
 
-    def _after_fork(self) -> None:
-        super()._after_fork()
+    def after_fork(self) -> None:
         if self._memory:
             self._serial = threading.RLock()
-        if self._clock is not None:
+        if self.clock is not None:
             # Closing an inherited SQLite connection here would drop this process's POSIX
             # locks on the file, those of its new connections included: keep the old pool.
             INHERITED.append(self._engine.pool)
         self._engine.dispose(close=False)
+
+
+def _clock_finding(
+    clock: _LeaseClock | None, conn: Connection, sql: dict[str, sa.TextClause], exists: bool
+) -> Diagnosis:
+    """The lease clock (SQLite) or the server's clock against this machine's wall clock."""
+    if clock is not None:
+        if exists:
+            clock.setup(conn, sql)
+        skew = clock.seconds() - time.time()
+        kind = "boot clock" if clock.anchor is not None else "wall clock"
+        detail = f"lease clock ({kind}) is {skew:+.3f}s from this machine's wall clock"
+    else:
+        skew = float(conn.execute(sql["now"]).scalar_one()) - time.time()
+        detail = f"server clock is {skew:+.3f}s from ours"
+    return Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", detail)
 
 
 def _code(exc: sa_exc.DBAPIError) -> Any:
