@@ -394,6 +394,11 @@ class SqlStore(metaclass=abc.ABCMeta):
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+        self._setup(pgbouncer=pgbouncer)
+
+    @abc.abstractmethod
+    def _setup(self, *, pgbouncer: bool) -> None:
+        """The dialect's statements and how they are sent, once the shared state is set."""
 
     def _engine_of(self, engine_or_url: Engine | str, pgbouncer: bool) -> tuple[Engine, bool]:
         """``(engine, whether this store built it)``."""
@@ -426,6 +431,32 @@ class SqlStore(metaclass=abc.ABCMeta):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._masked!r}, table={self.table.name!r})"
+
+    # -- the reads both stores answer the same way -------------------------------------
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        if not self._records_on():
+            return None
+        rows = self._read("read a record", "done_get", {"key": key, "task_id": task_id})
+        return record_of(rows[0]) if rows else None
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        if not self._records_on():
+            return []
+        rows = self._read("list records", "done_list", {"prefix": prefix, "pattern": like_pattern(prefix)})
+        return sorted((record_of(row) for row in rows), key=lambda r: (r.key, r.task_id))
+
+    def peek(self, key: str) -> LockInfo | None:
+        rows = self._read("peek", "peek", {"key": key})
+        return info_of(rows[0]) if rows else None
+
+    def scan(self, prefix: str) -> list[LockInfo]:
+        rows = self._read("scan", "scan", {"prefix": prefix, "pattern": like_pattern(prefix)})
+        return sorted((info_of(row) for row in rows), key=lambda info: info.key)
+
+    @abc.abstractmethod
+    def _read(self, op: str, statement: str, params: dict[str, Any]) -> Sequence[Sequence[Any]]:
+        """The rows of one read-only statement (``op`` names it in errors)."""
 
     @abc.abstractmethod
     def diagnose(self) -> list[Diagnosis]:

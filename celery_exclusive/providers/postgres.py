@@ -39,10 +39,8 @@ from celery_exclusive.providers._sql_common import (
     SqlStore,
     create_fence,
     info_of,
-    like_pattern,
     live,
     prune_suffix,
-    record_of,
 )
 from celery_exclusive.providers.base import (
     Completion,
@@ -51,7 +49,6 @@ from celery_exclusive.providers.base import (
     Done,
     Grant,
     Held,
-    LockInfo,
     RefreshRequest,
 )
 
@@ -508,18 +505,10 @@ class PostgresLockProvider(SqlStore):
     _DIALECTS = ("postgresql",)
     _kind = "PostgreSQL "
 
-    def __init__(
-        self,
-        engine_or_url: Engine | str,
-        *,
-        table: str = "cache_entries",
-        create_table: bool = True,
-        pgbouncer: bool = False,
-    ) -> None:
-        super().__init__(engine_or_url, table=table, create_table=create_table, pgbouncer=pgbouncer)
+    def _setup(self, *, pgbouncer: bool) -> None:
         if self._owns_engine:
             event.listen(self._engine, "do_connect", _bounded_connect)
-        self._pg_sql = _pg_statements(self._engine.dialect, table)
+        self._pg_sql = _pg_statements(self._engine.dialect, self.table.name)
         self._psycopg_sql = {n: _libpq.PLACEHOLDER.sub(r"%(\1)s", s) for n, s in self._pg_sql.items()}
         # How statements are sent, chosen once: psycopg 3 directly, else SQLAlchemy's pool.
         self._executor: _DirectExecutor | _PooledExecutor
@@ -609,30 +598,10 @@ class PostgresLockProvider(SqlStore):
             )
         return any(bool(alive) for (alive,) in self._call(op, params, timeout))
 
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
-        if not self._records_on():
-            return None
-        rows = self._run_pg("done_get", {"key": key, "task_id": task_id})
-        return record_of(rows[0]) if rows else None
-
-    def completions(self, prefix: str) -> list[CompletionInfo]:
-        if not self._records_on():
-            return []
-        rows = self._run_pg("done_list", {"prefix": prefix, "pattern": like_pattern(prefix)})
-        return sorted((record_of(row) for row in rows), key=lambda r: (r.key, r.task_id))
-
     def forget(self, key: str, task_id: str) -> bool:
         if not self._records_on():
             return False
         return any(bool(alive) for (alive,) in self._run_pg("done_forget", {"key": key, "task_id": task_id}))
-
-    def peek(self, key: str) -> LockInfo | None:
-        rows = self._run_pg("peek", {"key": key})
-        return info_of(rows[0]) if rows else None
-
-    def scan(self, prefix: str) -> list[LockInfo]:
-        rows = self._run_pg("scan", {"prefix": prefix, "pattern": like_pattern(prefix)})
-        return sorted((info_of(row) for row in rows), key=lambda info: info.key)
 
     @property
     def supports_guard(self) -> bool:
@@ -730,6 +699,9 @@ class PostgresLockProvider(SqlStore):
         if timeout is None:
             return self._run_pg(op, params)
         return self._run_pg(op, params, timeout=timeout)
+
+    def _read(self, op: str, statement: str, params: dict[str, Any]) -> Rows:
+        return self._run_pg(statement, params)
 
     def _run_pg(self, op: str, params: dict[str, Any], timeout: float | None = None) -> Rows:
         """Run one statement through the executor; its rows (driver errors translated)."""

@@ -35,12 +35,10 @@ from celery_exclusive.providers._sql_common import (
     SqlStore,
     create_counter,
     info_of,
-    like_pattern,
     live,
     lock_table,
     logger,
     prune_suffix,
-    record_of,
 )
 from celery_exclusive.providers.base import (
     Completion,
@@ -49,7 +47,6 @@ from celery_exclusive.providers.base import (
     Done,
     Grant,
     Held,
-    LockInfo,
     RefreshRequest,
 )
 
@@ -312,6 +309,7 @@ class SqlLockProvider(SqlStore):
         create_table: bool = True,
         pgbouncer: bool = False,
     ) -> SqlLockProvider:
+        # The signature repeats SqlStore.__init__'s, so type checkers check calls against it.
         if cls is SqlLockProvider and _is_postgres(engine_or_url):
             from celery_exclusive.providers.postgres import PostgresLockProvider
 
@@ -328,16 +326,8 @@ class SqlLockProvider(SqlStore):
             return True
         return NotImplemented
 
-    def __init__(
-        self,
-        engine_or_url: Engine | str,
-        *,
-        table: str = "cache_entries",
-        create_table: bool = True,
-        pgbouncer: bool = False,
-    ) -> None:
-        super().__init__(engine_or_url, table=table, create_table=create_table, pgbouncer=pgbouncer)
-        self._sql = _generic_statements(self._engine.dialect, table)
+    def _setup(self, *, pgbouncer: bool) -> None:
+        self._sql = _generic_statements(self._engine.dialect, self.table.name)
         self._tx = _Transactions(self._engine, self._sql)
         self._clock = self._tx.clock
 
@@ -453,18 +443,6 @@ class SqlLockProvider(SqlStore):
 
         return self._transact("release", attempt)
 
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
-        if not self._records_on():
-            return None
-        rows = self._rows("read a record", "done_get", {"key": key, "task_id": task_id})
-        return record_of(rows[0]) if rows else None
-
-    def completions(self, prefix: str) -> list[CompletionInfo]:
-        if not self._records_on():
-            return []
-        rows = self._rows("list records", "done_list", {"prefix": prefix, "pattern": like_pattern(prefix)})
-        return sorted((record_of(row) for row in rows), key=lambda r: (r.key, r.task_id))
-
     def forget(self, key: str, task_id: str) -> bool:
         if not self._records_on():
             return False
@@ -478,14 +456,6 @@ class SqlLockProvider(SqlStore):
             return found
 
         return self._transact("forget a record", attempt)
-
-    def peek(self, key: str) -> LockInfo | None:
-        rows = self._rows("peek", "peek", {"key": key})
-        return info_of(rows[0]) if rows else None
-
-    def scan(self, prefix: str) -> list[LockInfo]:
-        rows = self._rows("scan", "scan", {"prefix": prefix, "pattern": like_pattern(prefix)})
-        return sorted((info_of(row) for row in rows), key=lambda info: info.key)
 
     @property
     def supports_guard(self) -> bool:
@@ -529,7 +499,7 @@ class SqlLockProvider(SqlStore):
     def _session(self) -> contextlib.AbstractContextManager[Any]:
         return self._tx.session()
 
-    def _rows(self, op: str, statement: str, params: dict[str, Any]) -> list[Any]:
+    def _read(self, op: str, statement: str, params: dict[str, Any]) -> list[Any]:
         """The rows of one read-only statement."""
         return self._transact(
             op, lambda conn: list(conn.execute(self._sql[statement], {**params, **self._tx.now(conn)}))
