@@ -169,7 +169,7 @@ def _c_floors(
     approaches: dict[str, Op], programs: list[floors.FloorProgram], provider: Any, cleanup: Cleanup
 ) -> dict[str, str]:
     """Add the C libpq floors to ``approaches`` (started, in ``programs``); why each is n/a."""
-    statements = getattr(provider, "_libpq_sql", None)
+    statements = getattr(getattr(provider, "_executor", None), "statements", None)
     if not statements or "acquire" not in statements or "release" not in statements:
         reason = "the provider's libpq statements (acquire, release) are not where they were"
         return {C_FLOOR: reason, C_DURABLE: reason}

@@ -32,9 +32,10 @@ from celery_exclusive.errors import (
     ExclusiveError,
     InvalidArgumentError,
 )
+from celery_exclusive.providers import KNOWN_SCHEMES
 from celery_exclusive.providers.base import CompletionInfo, LockInfo
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
-from celery_exclusive.urls import ENV_VAR, KNOWN_SCHEMES, mask_url, resolve_url, url_secrets
+from celery_exclusive.urls import ENV_VAR, mask_url, resolve_url, url_secrets
 
 EXIT_OK = 0
 EXIT_NOT_RELEASED = 1

@@ -16,31 +16,13 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from celery_exclusive.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from celery_exclusive.providers.base import LockProvider
+    from celery_exclusive.providers import LockProvider
+
+# The schemes themselves live in the provider registry (celery_exclusive.providers.PROVIDERS);
+# the names below that need them import it on use, so importing this module loads no provider.
 
 ENV_VAR = "CELERY_EXCLUSIVE_URL"
 SETTING = "exclusive_url"
-
-#: Scheme -> provider family. ``mysql+<driver>`` and ``postgresql+<driver>`` also match.
-KNOWN_SCHEMES = (
-    "django",
-    "memory",
-    "mariadb+pymysql",
-    "mysql+pymysql",
-    "postgresql",
-    "postgresql+psycopg",
-    "redis",
-    "redis+cluster",
-    "redis+sentinel",
-    "rediss",
-    "rediss+cluster",
-    "rediss+sentinel",
-    "sentinel",
-    "sqlite",
-    "unix",
-)
-
-_REDIS_VARIANTS = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 
 MASK = "***"
 # Text is masked token by token; a token ends at whitespace or a quote (URLs are shown in
@@ -167,6 +149,8 @@ def resolve_url(explicit: str | None = None, conf: Mapping[str, Any] | None = No
             " Your broker is Redis; to keep locks there too, set "
             f"app.conf.{SETTING} to a redis:// URL (it is never picked silently)."
         )
+    from celery_exclusive.providers import KNOWN_SCHEMES
+
     raise ConfigurationError(
         f"no lock store configured: pass a URL, set app.conf.{SETTING}, or set the "
         f"{ENV_VAR} environment variable (schemes: {', '.join(KNOWN_SCHEMES)}).{hint}"
@@ -174,24 +158,13 @@ def resolve_url(explicit: str | None = None, conf: Mapping[str, Any] | None = No
 
 
 def scheme_family(url: str) -> str:
-    """``sql``, ``redis`` or ``memory`` for a URL, or ConfigurationError naming known schemes."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(
-            f"malformed lock store URL {mask_url(str(url))!r}: expected scheme://..., "
-            f"one of {', '.join(KNOWN_SCHEMES)}"
-        )
-    scheme = url.split("://", 1)[0].lower()
-    base = scheme.split("+", 1)[0]
-    if scheme == "memory":
-        return "memory"
-    if scheme in ("redis", "rediss", "unix", "sentinel", *_REDIS_VARIANTS):
-        return "redis"
-    if base in ("postgresql", "postgres", "sqlite", "mysql", "mariadb") or scheme == "django":
-        return "sql"
-    raise ConfigurationError(
-        f"unknown lock store scheme {scheme!r} in {mask_url(url)!r}; "
-        f"known schemes: {', '.join(KNOWN_SCHEMES)}"
-    )
+    """``sql``, ``redis`` or ``memory`` for a URL, or ConfigurationError naming known schemes.
+
+    The registry's :func:`celery_exclusive.providers.scheme_family`, under its older name.
+    """
+    from celery_exclusive.providers import scheme_family
+
+    return scheme_family(url)
 
 
 _SENTINEL_ALIAS = {"sentinel": "redis+sentinel"}
@@ -264,24 +237,22 @@ def split_options(url: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, st
 
 
 def provider_from_url(url: str) -> LockProvider:
-    """Build the provider the URL's scheme selects; drivers are imported only here."""
-    family = scheme_family(url)
-    if family == "memory":
-        from celery_exclusive.providers.memory import MemoryLockProvider
+    """Build the provider the URL's scheme selects; drivers are imported only here.
 
-        split_options(url, ())  # no options, but a misspelt one must not pass silently
-        return MemoryLockProvider()
-    if family == "redis":
-        from celery_exclusive.providers.redis import RedisLockProvider
+    The registry's :func:`celery_exclusive.providers.provider_from_url`, under its older name.
+    """
+    from celery_exclusive.providers import provider_from_url
 
-        return RedisLockProvider(url)
-    if url.split("://", 1)[0].lower() == "django":  # a DATABASES alias: Django is imported only here
-        from celery_exclusive.contrib.django.store import provider_from_django_url
+    return provider_from_url(url)
 
-        return provider_from_django_url(url)
-    from celery_exclusive.providers.sql import SqlLockProvider
 
-    return SqlLockProvider.from_url(url)
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``KNOWN_SCHEMES``: the registry's, under its older name (read on use)."""
+    if name == "KNOWN_SCHEMES":
+        from celery_exclusive.providers import KNOWN_SCHEMES
+
+        return KNOWN_SCHEMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 hide_from_celery_reports()

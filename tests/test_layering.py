@@ -48,20 +48,13 @@ ALLOWED: dict[tuple[str, str], str] = {
     # LockedError rebuilds the holder LockInfo from the dict a result backend gives back.
     # Follow-up: the holder record type in a leaf module both import (issue #11 item 1/3).
     ("errors", "providers.base"): "LockedError(holder=dict) builds a LockInfo",
-    # provider_from_url names every provider; it moves into the provider registry
-    # (providers/__init__.py) in issue #11 item 1, which also removes the urls <-> providers
-    # cycle (redis, sql import urls for mask_url / split_options).
-    ("urls", "providers.base"): "provider_from_url's return type; moves with it (#11 item 1)",
-    ("urls", "providers.memory"): "provider_from_url; moves to the registry (#11 item 1)",
-    ("urls", "providers.redis"): "provider_from_url; moves to the registry (#11 item 1)",
-    ("urls", "providers.sql"): "provider_from_url; moves to the registry (#11 item 1)",
-    ("urls", "contrib.django.store"): "provider_from_url (django://); to the registry (#11 item 1)",
-    # The hand-written libpq runner is kept or replaced by psycopg's API in issue #11 item 2;
-    # if kept it becomes private (providers/_libpq.py) to PostgreSQL's own provider.
-    ("providers.sql", "providers.libpq"): "libpq runner, decided in #11 item 2",
-    # The socket watchdog for libpq calls: private to the PostgreSQL provider, it becomes
-    # providers/_deadline.py when PostgreSQL gets its own module (issue #11 item 1).
-    ("providers.sql", "providers.deadline"): "PostgreSQL's call deadlines; _deadline.py in #11 item 1",
+    # urls keeps its public names provider_from_url, scheme_family and KNOWN_SCHEMES as thin
+    # re-exports of the provider registry (imported on use, so urls loads no provider).
+    # Follow-up: deprecate them in favour of celery_exclusive.providers' (a public-name change).
+    ("urls", "providers"): "provider_from_url / scheme_family / KNOWN_SCHEMES re-export the registry",
+    # SqlLockProvider(postgresql URL or engine) keeps building the PostgreSQL store, as it did
+    # before PostgreSQL got its own module. Follow-up: deprecate that spelling.
+    ("providers.sql", "providers.postgres"): "SqlLockProvider(PostgreSQL URL) builds PostgresLockProvider",
     # Lease holds its LockService for typing only; the LeaseOwner Protocol (issue #11 item 3)
     # replaces it, which removes the service -> heartbeat -> lease -> service cycle.
     ("lease", "service"): "type of Lease._service; LeaseOwner Protocol in #11 item 3",

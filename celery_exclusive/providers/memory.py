@@ -23,6 +23,7 @@ from celery_exclusive.providers.base import (
     RefreshRequest,
     decode_holder,
 )
+from celery_exclusive.urls import split_options
 
 
 @dataclass(slots=True)
@@ -81,6 +82,13 @@ class MemoryLockProvider:
         # only while someone listens, so unwatched keys cost nothing.
         self._released = threading.Condition(threading.Lock())
         self._watched: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_url(cls, url: str) -> MemoryLockProvider:
+        """The provider of a ``memory://`` URL, which takes no options (a misspelt one
+        must not pass silently)."""
+        split_options(url, ())
+        return cls()
 
     def __repr__(self) -> str:
         return "MemoryLockProvider()"

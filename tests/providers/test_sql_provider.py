@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
-from celery_exclusive.providers import sql as sql_module
+from celery_exclusive.providers import postgres as postgres_module
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import drop_lock_table
@@ -599,7 +599,7 @@ def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
         assert provider._kept is not None
         (kept,) = provider._kept
         names = {row[0] for row in kept.execute("SELECT name FROM pg_prepared_statements").fetchall()}
-        assert provider._libpq_sql["acquire"].name.decode() in names
+        assert provider._executor.statements["acquire"].name.decode() in names
         kept.execute("DISCARD ALL")
         assert kept.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
         assert provider.release("k", "t")
@@ -657,7 +657,7 @@ def test_pg_fast_path_keeps_its_own_connections(pg: Db) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        assert 1 <= len(provider._kept) <= sql_module._KEEP
+        assert 1 <= len(provider._kept) <= postgres_module._KEEP
         assert pool.checkedout() == 0
 
         def detached() -> Any:
@@ -666,13 +666,13 @@ def test_pg_fast_path_keeps_its_own_connections(pg: Db) -> None:
             fairy.detach()
             return connection
 
-        while len(provider._kept) < sql_module._KEEP:
-            provider._keep(detached())
+        while len(provider._kept) < postgres_module._KEEP:
+            provider._executor.kept.keep(detached())
         one_too_many = detached()
-        provider._keep(one_too_many)
+        provider._executor.kept.keep(one_too_many)
         assert one_too_many.closed
         kept_now = list(provider._kept)
-        assert len(kept_now) == sql_module._KEEP
+        assert len(kept_now) == postgres_module._KEEP
         provider.close()
         assert provider._kept == []
         assert all(connection.closed for connection in kept_now)
@@ -727,7 +727,7 @@ def test_pg_engine_without_autocommit_commits(pg: Db) -> None:
 def test_pg_statements_also_run_through_sqlalchemy(pg: Db) -> None:
     """The path for PostgreSQL drivers other than psycopg 3 runs the same statements."""
     provider = pg.provider()
-    provider._fast = False
+    provider._executor = postgres_module._PooledExecutor(provider._engine, provider._pg_sql)
     try:
         first = provider.acquire("k", "a", 5, 60, '{"pid":1}')
         assert isinstance(first, Grant)

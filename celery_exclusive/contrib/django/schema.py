@@ -15,7 +15,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
 from celery_exclusive.errors import ConfigurationError
-from celery_exclusive.providers.sql import _create_counter, lock_table
+from celery_exclusive.providers._sql_common import create_counter, lock_table
 
 from .store import DEFAULT_TABLE, TABLE_SETTING
 
@@ -68,7 +68,7 @@ def create(schema_editor: Any, name: str) -> None:
     ]
     for ddl in statements:
         schema_editor.execute(str(ddl.compile(dialect=dialect)).strip(), params=None)
-    _create_counter(table, _Recorder(dialect, schema_editor))  # type: ignore[arg-type]
+    create_counter(table, _Recorder(dialect, schema_editor))  # type: ignore[arg-type]
 
 
 def drop(schema_editor: Any, name: str) -> None:

@@ -22,13 +22,14 @@ from urllib.parse import unquote, urlsplit
 import sqlalchemy as sa
 
 from celery_exclusive.errors import ConfigurationError, MissingDriverError
-from celery_exclusive.providers.sql import SqlLockProvider, _parse_bool
+from celery_exclusive.providers._sql_common import OPTIONS, parse_bool
+from celery_exclusive.providers.sql import SqlLockProvider
 from celery_exclusive.urls import mask_url, split_options
 
 APP = "celery_exclusive.contrib.django"
 TABLE_SETTING = "CELERY_EXCLUSIVE_TABLE"
 DEFAULT_TABLE = "cache_entries"
-_OPTIONS = ("table", "create_table", "pgbouncer")
+_OPTIONS = OPTIONS
 #: OPTIONS keys Django itself reads; they are not libpq / PyMySQL connection parameters.
 _DJANGO_ONLY = {
     "postgresql": {"isolation_level", "server_side_binding", "pool", "assume_role"},
@@ -57,8 +58,8 @@ def provider_from_django_url(url: str) -> SqlLockProvider:
     sa_url = sqlalchemy_url(alias, _vendor(alias), _settings_dict(alias))
     installed = _app_installed(settings)
     table = options.get("table") or getattr(settings, TABLE_SETTING, None) or DEFAULT_TABLE
-    create = _parse_bool("create_table", options.get("create_table", "false" if installed else "true"))
-    pgbouncer = _parse_bool("pgbouncer", options.get("pgbouncer", "false"))
+    create = parse_bool("create_table", options.get("create_table", "false" if installed else "true"))
+    pgbouncer = parse_bool("pgbouncer", options.get("pgbouncer", "false"))
     return SqlLockProvider(
         sa_url.render_as_string(hide_password=False), table=table, create_table=create, pgbouncer=pgbouncer
     )

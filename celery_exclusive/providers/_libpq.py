@@ -95,16 +95,7 @@ class Runner:
             None if (v := params[name]) is None else str(v).encode(encoding) for name in statement.params
         ]
         pgconn = connection.pgconn
-        if not self._prepare:
-            result = pgconn.exec_params(statement.sql, values)
-        else:
-            if statement.name not in prepared:
-                self._prepare_on(pgconn, statement, prepared)
-            result = pgconn.exec_prepared(statement.name, values)
-            if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
-                prepared.clear()  # the session lost every statement, not just this one
-                self._prepare_on(pgconn, statement, prepared)
-                result = pgconn.exec_prepared(statement.name, values)
+        result = self._execute(pgconn, statement, values, prepared)
         if result.status != _TUPLES_OK:
             self._raise(pgconn, result)
         columns = self._converters.get((statement.columns, encoding))
@@ -121,6 +112,21 @@ class Runner:
             )
             for row in range(result.ntuples)
         ]
+
+    def _execute(
+        self, pgconn: Any, statement: Statement, values: list[bytes | None], prepared: set[bytes]
+    ) -> Any:
+        """The statement's result: prepared on this session first if it is not (or no longer)."""
+        if not self._prepare:
+            return pgconn.exec_params(statement.sql, values)
+        if statement.name not in prepared:
+            self._prepare_on(pgconn, statement, prepared)
+        result = pgconn.exec_prepared(statement.name, values)
+        if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
+            prepared.clear()  # the session lost every statement, not just this one
+            self._prepare_on(pgconn, statement, prepared)
+            result = pgconn.exec_prepared(statement.name, values)
+        return result
 
     def _prepare_on(self, pgconn: Any, statement: Statement, prepared: set[bytes]) -> None:
         result = pgconn.prepare(statement.name, statement.sql)

@@ -1,0 +1,543 @@
+"""What the two SQL lock stores share: the schema, the engine, error text, the common plumbing.
+
+Private to :mod:`celery_exclusive.providers.postgres` (PostgreSQL) and
+:mod:`celery_exclusive.providers.sql` (SQLite, MariaDB/MySQL).
+
+Leases are rows of one table (``cache_entries`` by default) that may be shared with other
+application rows; only the row of the exact key being operated on is ever touched. Fences
+come from a counter that survives row deletion: the sequence ``<table>_fence_seq`` on
+PostgreSQL, the one-row table ``<table>_fence`` elsewhere. Completion records
+(``release(..., completion)``) live in ``<table>_done``, keyed by lock key and task id,
+created with the lock table; expired records are pruned by later releases.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import os
+import re
+import threading
+import weakref
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Connection, Dialect, Engine, make_url
+from sqlalchemy.pool import StaticPool
+
+from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
+from celery_exclusive.urls import mask_url, split_options, url_secrets
+from celery_exclusive.validation import MAX_LIFETIME_CAP
+
+logger = logging.getLogger("celery_exclusive.providers.sql")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_MAX_NAME = 63 - len("_fence_seq")  # derived names must fit PostgreSQL's and MySQL's limits
+#: SQLAlchemy backend -> (its default driver module, the pip extra that installs it): the
+#: backends the SQL stores serve (``postgres`` is read as ``postgresql``).
+DRIVERS = {
+    "postgresql": ("psycopg", "postgres"),
+    "sqlite": ("sqlite3", "sqlite"),
+    "mysql": ("pymysql", "mysql"),
+    "mariadb": ("pymysql", "mysql"),
+}
+#: pip names of SQLAlchemy drivers the extras do not install.
+_PIP_NAMES = {
+    "psycopg2": "psycopg2-binary",
+    "mysqldb": "mysqlclient",
+    "mysqlconnector": "mysql-connector-python",
+}
+#: libpq options for engines built from a URL: give up on an unanswered connect after 10 s,
+#: on unacknowledged data after 30 s, and on a silent peer after 10 + 3 x 5 s of keepalives.
+_PG_NETWORK_DEFAULTS = {
+    "connect_timeout": 10,
+    "tcp_user_timeout": 30_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+#: The ``ce_`` options of an SQL store URL.
+OPTIONS = ("table", "create_table", "pgbouncer")
+#: In a forked child, the parent's kept connections (and SQLite pools): never used, never
+#: closed (that would end the parent's sessions, or drop this process's SQLite file locks)
+#: and never collected (psycopg would warn they were left open).
+INHERITED: list[Any] = []
+# The origin's staleness threshold: a row older than the 24 h cap is dead whatever it says.
+# Never the requester's max_lifetime, or a caller with a short one could steal a long lease.
+STALE = int(MAX_LIFETIME_CAP)
+#: One record-writing release in this many (by task id) also prunes up to PRUNE_BATCH
+#: expired records, so pruning keeps up with far more writes than it costs.
+_PRUNE_EVERY = 8
+PRUNE_BATCH = 32
+Rows = list[tuple[Any, ...]]
+
+
+def prune_suffix(completion: Completion) -> str:
+    """``"_prune"`` for the one release in _PRUNE_EVERY (by task id) that prunes expired records."""
+    return "_prune" if zlib.crc32(completion.task_id.encode()) % _PRUNE_EVERY == 0 else ""
+
+
+def live(info: LockInfo) -> bool:
+    """Whether a row read from the store (times relative to the store's clock) is a live lease."""
+    return info.expires_in > 0 and info.hard_expires_in > 0 and info.age < STALE
+
+
+def like_pattern(prefix: str) -> str:
+    """A ``LIKE ... ESCAPE '!'`` pattern matching the keys that start with ``prefix``."""
+    return prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+
+
+def info_of(row: Sequence[Any]) -> LockInfo:
+    """The lease of a ``key, value, fence, age, expires_in, hard_expires_in, holder`` row."""
+    key, token, fence, age, expires_in, hard, holder = row
+    return LockInfo(
+        str(key),
+        str(token),
+        int(fence),
+        float(age),
+        float(expires_in),
+        float(hard),
+        decode_holder(holder),
+    )
+
+
+def record_of(row: Sequence[Any]) -> CompletionInfo:
+    """The completion record of a ``key, task_id, outcome, attempt, age, seconds left`` row."""
+    key, task_id, outcome, attempt, age, left = row
+    return CompletionInfo(str(key), str(task_id), str(outcome), int(attempt), float(age), float(left))
+
+
+def parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"option ce_{name} must be true or false, got {value!r}")
+
+
+class _Key(sa.types.TypeDecorator[str]):
+    """The key column: on MySQL/MariaDB a binary collation that also keeps trailing spaces.
+
+    'A' and 'a', and 'a' and 'a ' are different keys. ``utf8mb4_bin`` is PAD SPACE (it
+    ignores trailing spaces), so the NO PAD binary collation of the connected server is
+    used where it has one: MariaDB >= 10.2 ``utf8mb4_nopad_bin``, MySQL 8 ``utf8mb4_0900_bin``.
+    """
+
+    impl = sa.String(512)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name not in ("mysql", "mariadb"):
+            return dialect.type_descriptor(sa.String(512))
+        version = dialect.server_version_info or ()
+        if getattr(dialect, "is_mariadb", False):
+            collation = "utf8mb4_nopad_bin" if version >= (10, 2) else "utf8mb4_bin"
+        else:
+            collation = "utf8mb4_0900_bin" if version >= (8, 0) else "utf8mb4_bin"
+        return dialect.type_descriptor(mysql.VARCHAR(512, charset="utf8mb4", collation=collation))
+
+
+_KEY = _Key()
+_TASK_ID = sa.String(200).with_variant(
+    mysql.VARCHAR(200, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+)
+_TOKEN = sa.Text().with_variant(mysql.TEXT(charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb")
+_STAMP = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+
+
+def lock_table(metadata: sa.MetaData, name: str = "cache_entries") -> sa.Table:
+    """The lease table ``name`` in ``metadata``, for Alembic or ``metadata.create_all``.
+
+    Creating it also creates its fence counter and its completion-record table
+    ``<name>_done`` (``after_create``), idempotently.
+    """
+    check_name(name)
+    table = sa.Table(
+        name,
+        metadata,
+        sa.Column("key", _KEY, primary_key=True),
+        sa.Column("value", _TOKEN, nullable=False),
+        sa.Column("expires_at", _STAMP, nullable=False),
+        sa.Column("created_at", _STAMP, nullable=False),
+        sa.Column("deadline", _STAMP, nullable=False),
+        sa.Column("fence", sa.BigInteger(), nullable=False),
+        sa.Column("holder", sa.Text(), nullable=True),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+        mariadb_engine="InnoDB",
+        mariadb_charset="utf8mb4",
+    )
+    # Completion records (task id per lock key) live in a table of their own, so they can
+    # never collide with a lease or with another application's rows of a shared table.
+    # Like the fence counter it is made with the lock table (after_create), not by the
+    # caller's metadata, so create_all() does not try to make it twice.
+    done = sa.Table(
+        name + "_done",
+        sa.MetaData(),
+        sa.Column("key", _KEY, primary_key=True),
+        sa.Column("task_id", _TASK_ID, primary_key=True),
+        sa.Column("outcome", sa.String(16), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("created_at", _STAMP, nullable=False),
+        sa.Column("expires_at", _STAMP, nullable=False),
+        sa.Index(name + "_done_x", "expires_at"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+        mariadb_engine="InnoDB",
+        mariadb_charset="utf8mb4",
+    )
+    table.info["done"] = done
+    event.listen(table, "after_create", create_fence)
+    return table
+
+
+def check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name) or len(name) > _MAX_NAME:
+        raise ConfigurationError(
+            f"invalid lock table name {name!r}: use letters, digits and _, "
+            f"not starting with a digit, at most {_MAX_NAME} characters"
+        )
+
+
+def create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
+    done = table.info.get("done")
+    if done is not None:
+        done.create(connection, checkfirst=True)
+    create_counter(table, connection)
+
+
+def create_counter(table: sa.Table, connection: Connection) -> None:
+    """The fence counter of ``table``: a sequence on PostgreSQL, a one-row table elsewhere."""
+    dialect = connection.dialect
+    q = dialect.identifier_preparer.quote
+    if dialect.name == "postgresql":
+        connection.exec_driver_sql(f"CREATE SEQUENCE IF NOT EXISTS {q(table.name + '_fence_seq')} CACHE 1")
+        return
+    counter = q(table.name + "_fence")
+    sqlite = dialect.name == "sqlite"
+    ignore, options = ("OR IGNORE", "") if sqlite else ("IGNORE", " ENGINE=InnoDB")
+    connection.exec_driver_sql(
+        f"CREATE TABLE IF NOT EXISTS {counter} (id INTEGER PRIMARY KEY, n BIGINT NOT NULL){options}"
+    )
+    # Seeded from the table so a recreated counter still exceeds every stored fence.
+    connection.exec_driver_sql(
+        f"INSERT {ignore} INTO {counter} (id, n) SELECT 1, COALESCE(MAX(fence), 0) FROM {q(table.name)}"
+    )
+
+
+def _host_list_as_query(rest: str) -> str:
+    """PostgreSQL: libpq's ``user@h1:p1,h2:p2/db?q`` as SQLAlchemy's ``user@/db?host=h1:p1&
+    host=h2:p2&q`` (psycopg tries them in order, ``target_session_attrs`` decides which fits)."""
+    before_query, _, query = rest.partition("?")
+    authority, _, path = before_query.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    if "," not in hosts:
+        return rest
+    params = [f"host={host}" for host in hosts.split(",")] + ([query] if query else [])
+    return f"{userinfo}{at}/{path}?{'&'.join(params)}"
+
+
+def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
+    """``(backend, driver, SQLAlchemy URL)`` of an SQL store URL; the driver is the default
+    one where the URL names none (none at all for SQLite, whose driver is built in)."""
+    scheme, sep, rest = raw.partition("://")
+    backend, _, driver = scheme.lower().partition("+")
+    backend = "postgresql" if backend == "postgres" else backend
+    if not sep or backend not in DRIVERS:
+        raise ConfigurationError(f"not an SQL lock store URL: {mask_url(raw)!r}")
+    if backend != "sqlite":
+        driver = driver or DRIVERS[backend][0]
+    if backend == "postgresql":
+        rest = _host_list_as_query(rest)
+    try:
+        url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
+    except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
+        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {exc}") from None
+    return backend, driver, url
+
+
+def _postgres_options(url: sa.URL, driver: str, prepare: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
+    # libpq has no read timeout: without these a call on a network that went silent
+    # waits for TCP to give up (about 15 minutes on Linux). The URL may override each.
+    connect_args: dict[str, Any] = {k: v for k, v in _PG_NETWORK_DEFAULTS.items() if k not in url.query}
+    if not prepare and driver == "psycopg":
+        # Behind PgBouncer < 1.21 (transaction pooling) a statement psycopg prepared on
+        # one server connection is missing, or already there, on the next one.
+        connect_args["prepare_threshold"] = None
+    return kwargs, connect_args
+
+
+def _sqlite_options(url: sa.URL) -> tuple[dict[str, Any], dict[str, Any]]:
+    kwargs: dict[str, Any] = {}
+    connect_args: dict[str, Any] = {"timeout": 30}
+    if url.database in (None, "", ":memory:"):
+        kwargs["poolclass"] = StaticPool
+        connect_args["check_same_thread"] = False
+    return kwargs, connect_args
+
+
+def _mysql_options(url: sa.URL) -> tuple[dict[str, Any], dict[str, Any]]:
+    kwargs: dict[str, Any] = {"isolation_level": "READ COMMITTED", "pool_recycle": 3600}
+    return kwargs, ({} if "connect_timeout" in url.query else {"connect_timeout": 10})
+
+
+def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
+    """The engine of an SQL store URL, with the store's isolation, timeouts and pool rules.
+
+    ``prepare=False`` (PgBouncer before 1.21) stops psycopg preparing statements.
+    """
+    backend, driver, url = _parse_url(raw)
+    if backend == "postgresql":
+        kwargs, connect_args = _postgres_options(url, driver, prepare)
+    elif backend == "sqlite":
+        kwargs, connect_args = _sqlite_options(url)
+    else:
+        kwargs, connect_args = _mysql_options(url)
+    try:
+        engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
+    except (ImportError, sa_exc.NoSuchModuleError) as exc:
+        raise _missing_driver(backend, driver) from exc
+    if backend == "sqlite":
+        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    return engine
+
+
+def _missing_driver(backend: str, driver: str) -> MissingDriverError:
+    module, extra = DRIVERS[backend]
+    if not driver or driver == module:
+        return MissingDriverError(extra, module)
+    # The URL names a driver the extra does not install: the extra would not help.
+    package = _PIP_NAMES.get(driver, driver)
+    alternative = f"{backend}+{module}:// (pip install 'celery-exclusive[{extra}]')"
+    return MissingDriverError(extra, driver, f"pip install {package}, or use {alternative}")
+
+
+def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # transactions are begun by the "begin" event
+    with contextlib.suppress(Exception):  # WAL is an optimisation; a busy or read-only file keeps its mode
+        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+
+
+def error_text(masked: str, op: str, exc: BaseException, secrets: Sequence[str]) -> str:
+    """``SQL lock store <url> failed to <op>: <driver error>``, every secret masked."""
+    cause = getattr(exc, "orig", None) or exc
+    lines = str(cause).strip().splitlines()
+    reason = mask_url(lines[0] if lines else "", secrets)[:300]  # cut after masking
+    return f"SQL lock store {masked} failed to {op}: {type(cause).__name__}: {reason}"
+
+
+class Translated:
+    """``with store._translated(op):``: a driver error raised inside becomes the store's
+    :class:`BackendError` (chained from it, credentials masked); anything else, a
+    BackendError included, passes through untouched."""
+
+    __slots__ = ("_op", "_store")
+
+    def __init__(self, store: SqlStore, op: str) -> None:
+        self._store = store
+        self._op = op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+        if exc is not None and isinstance(exc, self._store._driver_errors):
+            raise self._store._error(self._op, exc) from exc
+
+
+class SqlStore(metaclass=abc.ABCMeta):
+    """What both SQL lock stores share: the engine (built from a URL or the caller's), the
+    table and its lazy creation, the completion-record table's presence, error translation,
+    and the fork hook. Thread-safe and fork-safe; see the subclasses for the statements.
+    """
+
+    max_key_length = 512
+    #: The SQLAlchemy dialects the store serves.
+    _DIALECTS: tuple[str, ...] = tuple(DRIVERS)
+    #: Names the store in the unsupported-dialect error ("PostgreSQL "; empty: any SQL store).
+    _kind = ""
+    #: Driver errors that :meth:`_translated` turns into BackendError.
+    _driver_errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError,)
+
+    def __init__(
+        self,
+        engine_or_url: Engine | str,
+        *,
+        table: str = "cache_entries",
+        create_table: bool = True,
+        pgbouncer: bool = False,
+    ) -> None:
+        check_name(table)
+        self._engine, self._owns_engine = self._engine_of(engine_or_url, pgbouncer)
+        dialect, url = self._engine.dialect, self._engine.url
+        if dialect.name not in self._DIALECTS:
+            raise ConfigurationError(f"unsupported SQL dialect {dialect.name!r} for a {self._kind}lock store")
+        self.table = lock_table(sa.MetaData(), table)
+        self._masked = mask_url(url.render_as_string(hide_password=True))
+        self._secrets = url_secrets(url.render_as_string(hide_password=False))
+        self._ready = not create_table
+        # Whether <table>_done exists: made with the lock table when create_table is on;
+        # else looked up on first use (a schema migrated before records existed lacks it).
+        self._records: bool | None = True if create_table else None
+        self._schema_lock = threading.Lock()
+        self._closed = False
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+        self._setup(pgbouncer=pgbouncer)
+
+    @abc.abstractmethod
+    def _setup(self, *, pgbouncer: bool) -> None:
+        """The dialect's statements and how they are sent, once the shared state is set."""
+
+    def _engine_of(self, engine_or_url: Engine | str, pgbouncer: bool) -> tuple[Engine, bool]:
+        """``(engine, whether this store built it)``."""
+        if isinstance(engine_or_url, str):
+            if split_options(engine_or_url, OPTIONS)[1]:
+                raise ConfigurationError(
+                    f"ce_ options in {mask_url(engine_or_url)!r} are read by "
+                    f"{type(self).__name__}.from_url() (and LockService); the constructor takes "
+                    "table=, create_table= and pgbouncer="
+                )
+            return engine_from_url(engine_or_url, prepare=not pgbouncer), True
+        if isinstance(engine_or_url, Engine):
+            return engine_or_url, False
+        raise ConfigurationError(f"expected an SQLAlchemy Engine or URL, got {type(engine_or_url).__name__}")
+
+    @classmethod
+    def from_url(cls, url: str) -> Any:
+        """A provider for ``url``; ``?ce_table=name&ce_create_table=false`` are our options.
+
+        ``ce_pgbouncer=true`` sends every statement unprepared (the provider prepares acquire
+        and release, psycopg any statement run five times), as PgBouncer before 1.21 (or
+        without ``max_prepared_statements``) cannot pool prepared statements.
+        """
+        base, options = split_options(url, OPTIONS)
+        create = parse_bool("create_table", options.get("create_table", "true"))
+        pgbouncer = parse_bool("pgbouncer", options.get("pgbouncer", "false"))
+        return cls(
+            base, table=options.get("table", "cache_entries"), create_table=create, pgbouncer=pgbouncer
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._masked!r}, table={self.table.name!r})"
+
+    # -- the reads both stores answer the same way -------------------------------------
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        if not self._records_on():
+            return None
+        rows = self._read("read a record", "done_get", {"key": key, "task_id": task_id})
+        return record_of(rows[0]) if rows else None
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        if not self._records_on():
+            return []
+        rows = self._read("list records", "done_list", {"prefix": prefix, "pattern": like_pattern(prefix)})
+        return sorted((record_of(row) for row in rows), key=lambda r: (r.key, r.task_id))
+
+    def peek(self, key: str) -> LockInfo | None:
+        rows = self._read("peek", "peek", {"key": key})
+        return info_of(rows[0]) if rows else None
+
+    def scan(self, prefix: str) -> list[LockInfo]:
+        rows = self._read("scan", "scan", {"prefix": prefix, "pattern": like_pattern(prefix)})
+        return sorted((info_of(row) for row in rows), key=lambda info: info.key)
+
+    @abc.abstractmethod
+    def _read(self, op: str, statement: str, params: dict[str, Any]) -> Sequence[Sequence[Any]]:
+        """The rows of one read-only statement (``op`` names it in errors)."""
+
+    @abc.abstractmethod
+    def diagnose(self) -> list[Diagnosis]:
+        """The store's own health checks (see ``LockProvider.diagnose``)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Dispose of the engine's connections if this store created the engine."""
+
+    # -- shared plumbing ---------------------------------------------------------------
+
+    def _translated(self, op: str) -> Translated:
+        """The one place a driver error becomes this store's BackendError (see Translated)."""
+        return Translated(self, op)
+
+    def _error(self, op: str, exc: BaseException) -> BackendError:
+        return BackendError(error_text(self._masked, op, exc, self._secrets))
+
+    def _session(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around every use of a connection (SQLite's fork gate and serial lock)."""
+        return contextlib.nullcontext()
+
+    def _records_on(self) -> bool:
+        """Whether the completion-record table is there; warns once if it is not."""
+        ready = self._records
+        if ready is None:
+            self._ensure_schema()
+            name = self.table.name + "_done"
+            translated = self._translated("look for the completion-record table")
+            with translated, self._session(), self._engine.connect() as conn:
+                ready = bool(sa.inspect(conn).has_table(name))
+            if not ready:
+                logger.warning(
+                    "SQL lock store %s: table %r is missing, so no completion records are kept "
+                    "(redelivered copies of finished tasks run again); create it with "
+                    "lock_table(metadata, %r) and metadata.create_all(), or set done_retention=False",
+                    self._masked,
+                    name,
+                    self.table.name,
+                )
+            self._records = ready
+        return ready
+
+    def _ensure_schema(self) -> None:
+        if self._ready:
+            return
+        with self._schema_lock:
+            for attempt in range(2):
+                if self._ready:
+                    return
+                try:
+                    self._create_schema()
+                    self._ready = True
+                except sa_exc.SQLAlchemyError as exc:
+                    # Another process may have created it between our check and our CREATE.
+                    lost_race = isinstance(exc, sa_exc.IntegrityError) or "already exists" in str(exc)
+                    if attempt or not lost_race:
+                        raise self._error("set up the lock table", exc) from exc
+
+    def _create_schema(self) -> None:
+        with self._session(), self._engine.connect() as conn, conn.begin():
+            self.table.create(conn, checkfirst=True)
+            create_fence(self.table, conn)
+
+    def _schema_findings(self, conn: Connection, findings: list[Diagnosis]) -> bool:
+        """Append whether the table (and its record table) exist; True if the table does."""
+        exists = sa.inspect(conn).has_table(self.table.name)
+        status = "ok" if exists else ("warn" if not self._ready else "fail")
+        findings.append(Diagnosis("schema", status, f"table {self.table.name!r} exists: {exists}"))
+        done = self.table.name + "_done"
+        if exists and not sa.inspect(conn).has_table(done):
+            findings.append(
+                Diagnosis("records", "warn", f"table {done!r} is missing: no completion records are kept")
+            )
+        return exists
+
+    def _after_fork(self) -> None:
+        self._schema_lock = threading.Lock()
+
+
+def _after_fork(ref: weakref.ReferenceType[SqlStore]) -> None:
+    store = ref()
+    if store is not None:
+        store._after_fork()

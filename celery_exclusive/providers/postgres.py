@@ -1,0 +1,717 @@
+"""PostgreSQL lock store (first class), via SQLAlchemy and psycopg 3.
+
+Leases are rows of one table (see :mod:`._sql_common` for the schema, shared with the other
+SQL stores); every time comparison uses the server's clock. Fences come from the sequence
+``<table>_fence_seq``, drawn under a per-key transaction-scoped advisory lock, so one key's
+fences grow in commit order.
+
+Each operation is one autocommit statement. How statements are sent is chosen once, when
+the provider is built (:class:`_DirectExecutor` or :class:`_PooledExecutor`): with psycopg 3
+on a connection the provider keeps (acquire and release as prepared statements through
+libpq directly, see ``_libpq.py``), and a contended acquire writes nothing (no transaction
+id, no WAL); with any other driver through SQLAlchemy's pool, the same statements. Taking
+over a dead row is the one case that needs a second statement.
+
+Completion records live in ``<table>_done``: the record is written by the release
+statement itself and checked by the acquire statement itself; expired records are pruned
+by later releases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Dialect, Engine
+
+from celery_exclusive.errors import BackendError, InvalidArgumentError, LockLost
+from celery_exclusive.providers import _deadline, _libpq
+from celery_exclusive.providers._sql_common import (
+    INHERITED,
+    PRUNE_BATCH,
+    STALE,
+    Rows,
+    SqlStore,
+    create_fence,
+    info_of,
+    live,
+    prune_suffix,
+)
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionInfo,
+    Diagnosis,
+    Done,
+    Grant,
+    Held,
+    RefreshRequest,
+)
+
+#: The hot statements sent through libpq directly, with their result column types.
+_LIBPQ_COLUMNS = {
+    "acquire": "bttiffft",
+    "acquire_once": "bttiffft",
+    "take_over": "bttiffft",
+    "release": "b",
+    "release_done": "b",
+    "release_done_prune": "b",
+}
+#: Connections the direct executor keeps for itself, out of the pool (more concurrent
+#: callers than this use the pool's, which then bounds them).
+_KEEP = 4
+
+
+def _pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
+    """Every statement of the store, by operation, as SQL text with ``:name`` parameters."""
+    q = dialect.identifier_preparer.quote
+    t, seq = q(name), q(name + "_fence_seq")
+    now = "WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts)"
+
+    def live(a: str) -> str:
+        return f"{a}.expires_at > n.ts AND {a}.deadline > n.ts"
+
+    def cols(a: str, ts: str = "n.ts") -> str:
+        return (
+            f"{a}.key, {a}.value, {a}.fence, extract(epoch FROM {ts} - {a}.created_at)::float8, "
+            f"extract(epoch FROM {a}.expires_at - {ts})::float8, "
+            f"extract(epoch FROM {a}.deadline - {ts})::float8, {a}.holder"
+        )
+
+    fields = "key, value, expires_at, created_at, deadline, fence, holder"
+    returning = "t." + fields.replace(", ", ", t.")
+    # Every statement that can grant the key draws its fence only while holding the key's
+    # lock (a transaction-scoped advisory lock on (hashtext(table), hashtext(key)), taken
+    # just before the draw and kept until commit), so the fences of one key are drawn in
+    # the order their grants commit: a statement that drew a fence and stalled before its
+    # insert makes the next acquirer wait for it instead of letting that acquirer take,
+    # use and release the key with a larger fence before the stalled insert commits the
+    # smaller one. The lock is taken only where a fence is drawn, so a contended acquire
+    # (a live row in its snapshot) still takes no lock, no xid and writes no WAL.
+    # The same step raises the transaction's synchronous_commit to "on" (keeping
+    # remote_apply), so a grant is durable whatever the server's default; the refresh
+    # does the same in its "n" step.
+    durable = (
+        "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+        "WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)"
+    )
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS varchar)))"
+    key_lock = f"lk AS MATERIALIZED (SELECT {lock}, {durable})"
+    fence = f"(SELECT nextval('{seq}') FROM lk)"
+    # The common case, one cheap statement: a free key (no row) is inserted; an existing row
+    # is only read and returned (live or not, see _live), so a contended attempt takes no
+    # xid, takes no key lock, writes no WAL and calls no nextval. A racing inserter holds
+    # the key lock until it commits; ON CONFLICT then does nothing (no rows come back).
+    # Its clock is statement_timestamp(), when the server received it: stable within the
+    # statement without a CTE, and never later than the truth, so the lease it grants
+    # expires no earlier than the holder's own deadline, which counts from before sending.
+    ts = "statement_timestamp()"
+    acquire = f"""WITH {key_lock},
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT CAST(:key AS varchar), CAST(:token AS text), {ts} + make_interval(secs => :ttl), {ts},
+         {ts} + make_interval(secs => :life), {fence}, CAST(:holder AS text)
+  WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
+  ON CONFLICT (key) DO NOTHING
+  RETURNING t.fence)
+SELECT true, NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL::float8, NULL::text FROM ins
+UNION ALL
+SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
+    # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
+    # matches it while it is dead; if the row was deleted meanwhile, an INSERT ... DO
+    # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
+    # a winner wait for its commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE
+    # would lock the row, take an xid and flush a commit, delaying the winner's release).
+    take_over = f"""{now}, {key_lock},
+cur AS MATERIALIZED (
+  SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {STALE})) AS live
+  FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
+upd AS (
+  UPDATE {t} AS t SET value = :token, expires_at = n.ts + make_interval(secs => :ttl), created_at = n.ts,
+    deadline = n.ts + make_interval(secs => :life), fence = {fence}, holder = :holder
+  FROM n
+  WHERE t.key = :key AND EXISTS (SELECT 1 FROM cur WHERE NOT cur.live)
+    AND (t.expires_at <= n.ts OR t.deadline <= n.ts
+         OR t.created_at <= n.ts - make_interval(secs => {STALE}))
+  RETURNING {returning}),
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
+         {fence}, :holder
+  FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live) AND NOT EXISTS (SELECT 1 FROM upd)
+  ON CONFLICT (key) DO NOTHING
+  RETURNING {returning})
+SELECT true, {cols("upd")} FROM upd CROSS JOIN n
+UNION ALL
+SELECT true, {cols("ins")} FROM ins CROSS JOIN n
+UNION ALL
+SELECT false, {cols("cur")} FROM cur CROSS JOIN n
+WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
+    d = q(name + "_done")
+    done_cols = (
+        "outcome, attempt, extract(epoch FROM {ts} - created_at)::float8, "
+        "extract(epoch FROM expires_at - {ts})::float8"
+    )
+    # acquire, but a live completion record of :task_id on the key refuses it (a row whose
+    # first column is NULL carries the record: outcome, attempt, age, seconds left).
+    # Derived from acquire's text, so the two cannot drift apart: one more CTE first, the
+    # insert and the holder's row only without a record, and the record's row.
+    head, insert_guard = "WITH ", "WHERE NOT EXISTS (SELECT 1 FROM"
+    if not acquire.startswith(head) or insert_guard not in acquire:  # pragma: no cover - a code change
+        raise AssertionError("acquire_once cannot be derived from the acquire statement")
+    acquire_once = (
+        f"WITH d AS (SELECT {done_cols.format(ts=ts)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {ts}),\n" + acquire[len(head) :]
+    ).replace(insert_guard, "WHERE NOT EXISTS (SELECT 1 FROM d) AND NOT EXISTS (SELECT 1 FROM", 1)
+    acquire_once += (
+        " AND NOT EXISTS (SELECT 1 FROM d)\nUNION ALL\nSELECT NULL::bool, d.outcome::varchar, NULL::text, "
+        "d.attempt::bigint, d.age, d.left_s, NULL::float8, NULL::text "
+        "FROM d AS d(outcome, attempt, age, left_s)"
+    )
+    clock = "clock_timestamp()"
+    release_done = f"""WITH rel AS (
+  DELETE FROM {t} WHERE key = :key AND value = :token
+    AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+  RETURNING expires_at > {clock} AND deadline > {clock} AS live),
+rec AS (
+  INSERT INTO {d} AS r (key, task_id, outcome, attempt, created_at, expires_at)
+  VALUES (CAST(:key AS varchar), CAST(:task_id AS varchar), CAST(:outcome AS varchar), CAST(:attempt AS int),
+          {clock}, {clock} + make_interval(secs => CAST(:retain AS float8)))
+  ON CONFLICT (key, task_id) DO UPDATE SET outcome = EXCLUDED.outcome, attempt = EXCLUDED.attempt,
+    created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+  RETURNING 1)"""
+    return {
+        "acquire": acquire,
+        "acquire_once": acquire_once,
+        # release and the completion record in one statement (data-modifying CTEs all run).
+        "release_done": release_done + "\nSELECT live FROM rel",
+        # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
+        # so the table stays small while the common statement stays cheap to plan.
+        "release_done_prune": release_done
+        + f""",
+prune AS (
+  DELETE FROM {d} WHERE (key, task_id) IN (
+    SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
+    ORDER BY expires_at LIMIT {PRUNE_BATCH} FOR UPDATE SKIP LOCKED))
+SELECT live FROM rel""",
+        "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {clock}",
+        "done_list": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key LIKE :pattern ESCAPE '!' AND expires_at > {clock}",
+        "done_forget": f"DELETE FROM {d} WHERE key = :key AND task_id = :task_id "
+        f"RETURNING expires_at > {clock}",
+        "take_over": take_over,
+        "refresh": f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts, {durable} AS durable)
+UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
+FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS float8[]))
+  WITH ORDINALITY AS r(key, token, ttl, i)
+WHERE t.key = r.key AND t.value = r.token AND {live("t")}
+RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
+        # The release's commit does not wait for its WAL flush (synchronous_commit off for
+        # this one transaction): it halves the release's latency. A server crash in the
+        # next ~0.6 s can bring the released row back, to expire with its ttl: a key held
+        # longer, never a second holder, since any later acquire's flush covers this WAL.
+        "release": f"DELETE FROM {t} WHERE key = :key AND value = :token "
+        "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL "
+        "RETURNING expires_at > clock_timestamp() AND deadline > clock_timestamp()",
+        "peek": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n WHERE t.key = :key AND {live('t')}",
+        "scan": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n "
+        f"WHERE t.key LIKE :pattern ESCAPE '!' AND {live('t')}",
+        # Run on the caller's connection: the share lock makes a takeover or release of
+        # this row (an UPDATE or DELETE) wait until the caller's transaction ends.
+        "guard": f"SELECT fence FROM {t} WHERE key = :key AND value = :token AND fence = :fence "
+        "AND expires_at > clock_timestamp() AND deadline > clock_timestamp() "
+        f"AND created_at > clock_timestamp() - make_interval(secs => {STALE}) FOR SHARE",
+    }
+
+
+def _bounded_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    """A connection opened for a call with a deadline gives up connecting by then."""
+    timeout = _deadline.connect_timeout(cparams.get("connect_timeout"))
+    if timeout is not None:
+        cparams["connect_timeout"] = timeout
+
+
+class _KeptConnections:
+    """Up to ``_KEEP`` psycopg connections owned by the provider, detached from the pool: a
+    checkout and check-in cost as much Python time as the SQL. Thread-safe (list operations
+    are atomic); a connection is used by one thread at a time, between :meth:`take` and
+    :meth:`keep`."""
+
+    def __init__(self) -> None:
+        self.connections: list[Any] = []
+        self.closed = False
+
+    def take(self) -> Any | None:
+        """A kept connection, or None if there is none."""
+        with contextlib.suppress(IndexError):  # another thread took the last one
+            return self.connections.pop()
+        return None
+
+    def has_room(self) -> bool:
+        return len(self.connections) < _KEEP
+
+    def keep(self, connection: Any) -> None:
+        """Keep an owned connection for the next statement, or close it if full or closed."""
+        if not self.closed and len(self.connections) < _KEEP:
+            self.connections.append(connection)
+        else:
+            connection.close()
+
+    def drop(self) -> None:
+        """Close every kept connection."""
+        kept = self.connections
+        while kept:
+            try:
+                connection = kept.pop()
+            except IndexError:
+                return
+            with contextlib.suppress(Exception):  # a dead connection still closes locally
+                connection.close()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's connections are never used, closed or collected."""
+        INHERITED.extend(self.connections)
+        self.connections = []
+
+
+class _PooledExecutor:
+    """Statements through SQLAlchemy's pool (``text()``): PostgreSQL drivers other than psycopg 3.
+
+    ``timeout`` is not enforced here: the driver's own network timeouts apply."""
+
+    kept: _KeptConnections | None = None
+
+    def __init__(self, engine: Engine, sql: dict[str, str]) -> None:
+        self._engine = engine
+        self._texts = {op: sa.text(text) for op, text in sql.items()}
+        self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError,)
+
+    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        with self._engine.connect() as conn:
+            rows = [tuple(row) for row in conn.execute(self._texts[op], params)]
+            conn.commit()
+        return rows
+
+    def close(self) -> None:
+        return None
+
+    def after_fork(self) -> None:
+        return None
+
+
+class _DirectExecutor:
+    """Statements on psycopg 3 connections: acquire and release through the libpq runner,
+    the others through psycopg's ``execute``; kept connections (for an engine the provider
+    built), per-call deadlines. Driver errors are re-raised for the provider to translate,
+    after the connection they happened on was put away."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        psycopg_sql: dict[str, str],
+        sql: dict[str, str],
+        *,
+        keep: bool,
+        prepare: bool,
+        masked: str,
+    ) -> None:
+        import psycopg
+
+        self._engine = engine
+        self._sql = psycopg_sql
+        self._masked = masked
+        self.kept = _KeptConnections() if keep else None
+        self.runner = _libpq.Runner(prepare=prepare)
+        self.statements = _libpq.statements(sql, _LIBPQ_COLUMNS)
+        self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
+        self._broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+
+    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        """One statement, autocommit, on a kept or pooled connection; its rows.
+
+        With ``timeout`` the call gives up after about that long: connecting is bounded by
+        ``connect_timeout`` (whole seconds, at least 2), the statement by :mod:`._deadline`'s
+        watchdog, which shuts the socket down; the connection is dropped."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with _deadline.connect_budget(timeout):
+            fairy, dbapi = self._connection()
+        left = None if end is None else max(end - time.monotonic(), 0.001)
+        watch = None
+        try:
+            with _deadline.watch(-1 if left is None else dbapi.pgconn.socket, left) as watch:
+                rows = self._send(dbapi, op, params)
+        except self.errors as exc:
+            if watch is not None and watch.fired:
+                raise self._too_slow(fairy, dbapi, op, watch.timeout) from exc
+            self._failed(fairy, dbapi, exc)
+            raise
+        except BaseException:
+            self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
+            raise
+        if watch is not None and watch.fired:  # answered just as its deadline shut the socket
+            self._too_slow(fairy, dbapi, op, watch.timeout)
+        else:
+            self._put_back(fairy, dbapi)
+        return rows
+
+    def _send(self, dbapi: Any, op: str, params: dict[str, Any]) -> Rows:
+        hot = self.statements.get(op)
+        if hot is not None:  # acquire and release skip psycopg's cursor layer
+            rows: Rows = self.runner.run(dbapi, hot, params)
+        else:
+            rows = dbapi.execute(self._sql[op], params).fetchall()
+        if not dbapi.autocommit:  # an engine the caller built without autocommit
+            dbapi.commit()
+        return rows
+
+    def _connection(self) -> tuple[Any, Any]:
+        """``(None, a kept psycopg connection)``, or ``(pool checkout, its connection)``."""
+        if self.kept is not None:
+            kept = self.kept.take()
+            if kept is not None:
+                return None, kept
+        fairy = self._engine.raw_connection()
+        return fairy, fairy.driver_connection
+
+    def _put_back(self, fairy: Any, dbapi: Any) -> None:
+        """After a statement: keep its connection (detached from the pool while we keep fewer
+        than ``_KEEP``), or return it to the pool."""
+        if fairy is not None and self.kept is not None and self.kept.has_room():
+            fairy.detach()  # ours from now on; the pool forgets it
+            fairy = None
+        if fairy is None:
+            self._keep(dbapi)
+        else:
+            fairy.close()
+
+    def _keep(self, dbapi: Any) -> None:
+        if self.kept is not None:
+            self.kept.keep(dbapi)
+        else:  # pragma: no cover - only kept connections are detached
+            dbapi.close()
+
+    @staticmethod
+    def _abandon(fairy: Any, dbapi: Any) -> None:
+        if fairy is None:
+            dbapi.close()
+        else:
+            fairy.invalidate()
+            fairy.close()
+
+    def _too_slow(self, fairy: Any, dbapi: Any, op: str, timeout: float) -> BackendError:
+        """Drop the connection a call outlived its deadline on; the error to raise. Only this
+        call was too slow (a lock wait, a silent network): the other connections fail by their
+        own deadlines if they must."""
+        self._abandon(fairy, dbapi)
+        return BackendError(
+            f"SQL lock store {self._masked} failed to {op}: no answer within its {timeout:.3g} s "
+            "deadline (connection dropped)"
+        )
+
+    def _failed(self, fairy: Any, dbapi: Any, exc: BaseException) -> None:
+        """Put away the connection a statement failed on (``fairy`` None: a kept one)."""
+        if dbapi.closed:
+            # The server or the network dropped it, so likely its idle siblings too (a
+            # restart, a failover): recycle every connection made before now, as
+            # SQLAlchemy does on a disconnect, instead of each failing one more call.
+            self.close()
+            if fairy is None:
+                self._engine.dispose()
+            else:
+                self._engine.pool._invalidate(fairy, exc)
+        if fairy is not None:
+            if isinstance(exc, self._broken) or not dbapi.autocommit:
+                fairy.invalidate(exc)
+            fairy.close()
+        elif dbapi.closed or isinstance(exc, self._broken):
+            dbapi.close()
+        else:
+            self._keep(dbapi)
+
+    def close(self) -> None:
+        """Close every kept connection."""
+        if self.kept is not None:
+            self.kept.drop()
+
+    def after_fork(self) -> None:
+        if self.kept is not None:
+            self.kept.after_fork()
+
+
+def _answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
+    """What an acquire statement's rows mean; None for a dead row (left to take_over).
+
+    No rows: a concurrent acquirer inserted the key between our read and our insert.
+    """
+    if not rows:
+        return Held(None)
+    fresh, *row = rows[0]
+    if fresh:
+        return Grant(int(row[2]), granted)
+    info = info_of(row)
+    if not live(info):
+        return None
+    return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
+
+
+def _guard_connection(connection: Any) -> tuple[Connection | None, Any]:
+    """``(SQLAlchemy connection, None)`` or ``(None, psycopg connection)`` of a guard() call,
+    checked to be inside a transaction on PostgreSQL."""
+    from sqlalchemy.orm import Session
+
+    if isinstance(connection, Session):
+        connection = connection.connection()
+    if isinstance(connection, Connection):
+        if connection.dialect.name != "postgresql":
+            raise InvalidArgumentError(
+                f"guard() needs a connection to the PostgreSQL lock database, got a "
+                f"{connection.dialect.name} connection"
+            )
+        if getattr(connection.connection.driver_connection, "autocommit", False) is True:
+            raise InvalidArgumentError(
+                "guard() needs a connection inside a transaction, not in autocommit mode: "
+                "the share lock would end with the statement"
+            )
+        return connection, None
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - psycopg is how PostgreSQL is reached
+        psycopg = None  # type: ignore[assignment]
+    if psycopg is not None and isinstance(connection, psycopg.Connection):
+        if connection.autocommit:
+            raise InvalidArgumentError(
+                "guard() needs a psycopg connection inside a transaction, not in autocommit "
+                "mode: the share lock would end with the statement"
+            )
+        return None, connection
+    raise InvalidArgumentError(
+        "guard() needs the SQLAlchemy Connection or Session (or psycopg connection) of your "
+        f"transaction, got {type(connection).__name__}"
+    )
+
+
+class PostgresLockProvider(SqlStore):
+    """Leases in a PostgreSQL table; see the module docstring. Thread-safe and fork-safe.
+
+    ``SqlLockProvider`` builds this class for a PostgreSQL URL or engine, and
+    ``isinstance(provider, SqlLockProvider)`` holds for it.
+    """
+
+    _DIALECTS = ("postgresql",)
+    _kind = "PostgreSQL "
+
+    def _setup(self, *, pgbouncer: bool) -> None:
+        if self._owns_engine:
+            event.listen(self._engine, "do_connect", _bounded_connect)
+        self._pg_sql = _pg_statements(self._engine.dialect, self.table.name)
+        self._psycopg_sql = {n: _libpq.PLACEHOLDER.sub(r"%(\1)s", s) for n, s in self._pg_sql.items()}
+        # How statements are sent, chosen once: psycopg 3 directly, else SQLAlchemy's pool.
+        self._executor: _DirectExecutor | _PooledExecutor
+        if self._engine.dialect.driver == "psycopg":
+            self._executor = _DirectExecutor(
+                self._engine,
+                self._psycopg_sql,
+                self._pg_sql,
+                keep=self._owns_engine,
+                prepare=not pgbouncer,
+                masked=self._masked,
+            )
+        else:
+            self._executor = _PooledExecutor(self._engine, self._pg_sql)
+        self._driver_errors = self._executor.errors
+
+    @property
+    def _kept(self) -> list[Any] | None:
+        """The connections kept out of the pool (None: the engine is the caller's, or the
+        driver not psycopg 3)."""
+        kept = self._executor.kept
+        return None if kept is None else kept.connections
+
+    # -- the LockProvider operations -------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Grant | Held | Done:
+        granted = float(min(ttl, max_lifetime))
+        params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
+        if task_id is not None and not self._records_on():
+            task_id = None
+        end = None if timeout is None else time.monotonic() + timeout
+        if task_id is None:
+            rows = self._call("acquire", params, timeout)
+        else:
+            rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
+            if rows and rows[0][0] is None:  # the completion record's row
+                _, outcome, _, tries, age, left, *_ = rows[0]
+                return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
+        answer = _answer(rows, token, granted)
+        if answer is None:  # a dead row (its holder crashed or lost it): take it over
+            left = None if end is None else max(end - time.monotonic(), 0.001)
+            answer = _answer(self._call("take_over", params, left), token, granted)
+        return Held(None) if answer is None else answer
+
+    def refresh(
+        self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
+    ) -> list[float | None]:
+        wanted = {(r.key, r.token): float(r.ttl) for r in requests}  # a repeated request: the last ttl wins
+        if not wanted:
+            return []
+        pairs = sorted(wanted)  # a stable lock order across concurrent refreshers
+        params = {
+            "keys": [k for k, _ in pairs],
+            "tokens": [t for _, t in pairs],
+            "ttls": [wanted[p] for p in pairs],
+        }
+        answers = {
+            pairs[int(index) - 1]: float(left) for index, left in self._call("refresh", params, timeout)
+        }
+        return [answers.get((r.key, r.token)) for r in requests]
+
+    def release(
+        self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
+    ) -> bool:
+        params: dict[str, Any] = {"key": key, "token": token}
+        if completion is not None and not self._records_on():
+            completion = None
+        if completion is None:
+            op = "release"
+        else:
+            op = "release_done" + prune_suffix(completion)
+            params.update(
+                task_id=completion.task_id,
+                outcome=completion.outcome,
+                attempt=int(completion.attempt),
+                retain=float(completion.retain),
+            )
+        return any(bool(alive) for (alive,) in self._call(op, params, timeout))
+
+    def forget(self, key: str, task_id: str) -> bool:
+        if not self._records_on():
+            return False
+        return any(bool(alive) for (alive,) in self._run_pg("done_forget", {"key": key, "task_id": task_id}))
+
+    @property
+    def supports_guard(self) -> bool:
+        """True: PostgreSQL is the one SQL store where :meth:`guard` works."""
+        return True
+
+    def guard(self, connection: Any, key: str, token: str, fence: int) -> None:
+        """Check, inside the caller's transaction, that ``token`` holds ``key`` with ``fence``.
+
+        PostgreSQL only. ``connection`` is the caller's SQLAlchemy ``Connection`` (or ORM
+        ``Session``), or a psycopg 3 connection, to the database that holds the lock table,
+        with a transaction open (autocommit is refused: the check would end with the
+        statement). The live row is locked ``FOR SHARE`` until that transaction ends, and
+        a takeover or release must UPDATE or DELETE it, so it waits: the caller's writes
+        in the same transaction commit only while the lease is current. Raises
+        :class:`LockLost` if the lease expired, was released or taken over (the caller
+        should roll back). The caller's own driver errors are not translated.
+
+        Trade-off: the heartbeat's refresh of that row waits too (and with it the whole
+        batched refresh of the service's leases), so keep guarded transactions well
+        shorter than the ttl minus its safety margin, and end them before releasing the
+        lease (a release waits for them). Under REPEATABLE READ or SERIALIZABLE, acquire
+        the lease before the transaction takes its snapshot; a concurrent refresh or
+        takeover then makes this statement fail with a serialization error (retry the
+        transaction).
+        """
+        params = {"key": key, "token": token, "fence": int(fence)}
+        alchemy, psycopg_connection = _guard_connection(connection)
+        if alchemy is not None:
+            found = alchemy.execute(sa.text(self._pg_sql["guard"]), params).first() is not None
+        else:
+            found = psycopg_connection.execute(self._psycopg_sql["guard"], params).fetchone() is not None
+        if not found:
+            raise LockLost(
+                key,
+                fence,
+                "guard found no live lease with this token and fence: it expired, was released "
+                "or taken over; roll back this transaction",
+            )
+
+    def close(self) -> None:
+        """Dispose of the engine's connections if this provider created the engine."""
+        self._closed = True
+        if self._executor.kept is not None:
+            self._executor.kept.closed = True
+        self._executor.close()
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def diagnose(self) -> list[Diagnosis]:
+        """Schema presence, server clock vs this machine's, a read-only server, and the
+        server's ``synchronous_commit`` (which acquire and refresh override)."""
+        findings: list[Diagnosis] = []
+        try:
+            with self._engine.connect() as conn:
+                self._schema_findings(conn, findings)
+                now = float(
+                    conn.execute(sa.text("SELECT extract(epoch FROM clock_timestamp())")).scalar_one()
+                )
+                skew = now - time.time()
+                detail = f"server clock is {skew:+.3f}s from ours"
+                findings.append(Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", detail))
+                read_only = bool(conn.execute(sa.text("SELECT pg_is_in_recovery()")).scalar_one())
+                findings.append(
+                    Diagnosis("writable", "fail" if read_only else "ok", f"read-only: {read_only}")
+                )
+                setting = str(conn.execute(sa.text("SHOW synchronous_commit")).scalar_one())
+                kept = "remote_apply" if setting == "remote_apply" else "on"
+                detail = (
+                    f"server synchronous_commit is {setting!r}; acquire and refresh commit with "
+                    f"{kept} regardless, release with 'off'"
+                )
+                findings.append(Diagnosis("synchronous_commit", "ok", detail))
+        except sa_exc.SQLAlchemyError as exc:
+            findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
+        return findings
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _create_schema(self) -> None:
+        # CREATE ... IF NOT EXISTS still races in the catalog (a unique violation on
+        # pg_class), so creators queue on a transaction-scoped lock (PgBouncer-safe), in a
+        # real transaction rather than autocommit.
+        options = {"isolation_level": "READ COMMITTED"}
+        with self._engine.connect().execution_options(**options) as conn, conn.begin():
+            conn.execute(
+                sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+                {"name": f"celery_exclusive.schema.{self.table.name}"},
+            )
+            self.table.create(conn, checkfirst=True)
+            create_fence(self.table, conn)
+
+    def _call(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        """``_run_pg``, passing ``timeout`` only when there is one."""
+        if timeout is None:
+            return self._run_pg(op, params)
+        return self._run_pg(op, params, timeout=timeout)
+
+    def _read(self, op: str, statement: str, params: dict[str, Any]) -> Rows:
+        return self._run_pg(statement, params)
+
+    def _run_pg(self, op: str, params: dict[str, Any], timeout: float | None = None) -> Rows:
+        """Run one statement through the executor; its rows (driver errors translated)."""
+        self._ensure_schema()
+        with self._translated(op):
+            return self._executor.run(op, params, timeout)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # The child never shares the parent's sockets: neither the kept connections nor the
+        # pool's (dropped without closing, as SQLAlchemy recommends after fork).
+        self._executor.after_fork()
+        self._engine.dispose(close=False)
