@@ -25,7 +25,7 @@ from celery_exclusive.errors import (
     LockRetriesExceeded,
     MissingDriverError,
 )
-from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.lease import Lease, LeaseOwner, LeaseState, ReleaseOutcome
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import (
     Completion,
@@ -84,6 +84,7 @@ __all__ = [
     "Held",
     "InvalidArgumentError",
     "Lease",
+    "LeaseOwner",
     "LeaseSet",
     "LeaseState",
     "LockInfo",

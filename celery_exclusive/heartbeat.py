@@ -31,8 +31,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from celery_exclusive.errors import BackendError
-from celery_exclusive.lease import Lease, LeaseState
-from celery_exclusive.providers.base import LockProvider, RefreshRequest, accepts_timeout
+from celery_exclusive.lease import Lease
+from celery_exclusive.providers.base import LockProvider, accepts_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -54,19 +54,20 @@ RELEASE_RETRY_TIMEOUT = 2.0
 #: Store calls in flight at once (abandoned ones included); more leases wait for a slot.
 MAX_CALLS = 16
 _refresh_interval = operator.attrgetter("refresh_interval")
+_FINAL = "lock %r reached its max lifetime (%g s); it will be allowed to expire"
+#: (store key, token) of a release to retry, and the time after which the store surely expired it.
+_Release = tuple[tuple[str, str], float]
 
 
-def _request(lease: Lease) -> RefreshRequest:
-    """The lease's refresh request, made once: it never changes."""
-    request = lease._request = RefreshRequest(lease.store_key, lease.token, lease.ttl)
-    return request
+def _deadline(lease: Lease) -> float:
+    return lease._deadline_at()
 
 
 def call_timeout(leases: Sequence[Lease], now: float) -> float:
     """Seconds from ``now`` a refresh of ``leases`` may take on the socket: until the earliest
     local deadline (after it the leases are LOST anyway), within
     [:data:`MIN_CALL_TIMEOUT`, :data:`CALL_TIMEOUT_CAP`]."""
-    left = min(lease._deadline for lease in leases) - now
+    left = min(map(_deadline, leases)) - now
     return float(max(MIN_CALL_TIMEOUT, min(left, CALL_TIMEOUT_CAP)))
 
 
@@ -80,8 +81,20 @@ def refresh_timeout(leases: Sequence[Lease], now: float) -> float:
     :data:`CALL_TIMEOUT_CAP`; at least :data:`MIN_CALL_TIMEOUT`.
     """
     interval = min(map(_refresh_interval, leases))
-    left = min(lease._deadline for lease in leases) - now
+    left = min(map(_deadline, leases)) - now
     return float(max(MIN_CALL_TIMEOUT, min(interval, left / 2, CALL_TIMEOUT_CAP)))
+
+
+def _warn_if_overran(leases: Sequence[Lease], duration: float) -> None:
+    shortest = min(map(_refresh_interval, leases))
+    if duration > shortest / 2:
+        logger.warning(
+            "celery-exclusive heartbeat overran: refreshing %d leases took %.3f s "
+            "(shortest refresh interval %.3f s)",
+            len(leases),
+            duration,
+            shortest,
+        )
 
 
 class _Call:
@@ -98,6 +111,132 @@ class _Call:
         self.finished = False
         self.abandoned = False
         self.done = threading.Event()
+
+
+class _InFlight:
+    """The heartbeat's store calls in flight, each in a thread of its own, and the releases
+    still to retry. At most :data:`MAX_CALLS` at once; a call past its deadline is given up
+    (its leases may be refreshed again on another connection) and its thread left to end
+    by itself. Every method takes ``mutex`` (the heartbeat's) itself."""
+
+    def __init__(
+        self, mutex: threading.Lock, release: Callable[[str, str], object], clock: Callable[[], float]
+    ) -> None:
+        self.mutex = mutex
+        self._release = release  # one retried release, with its deadline
+        self._clock = clock
+        self.calls: list[_Call] = []  # in flight and not yet abandoned
+        self.busy: set[int] = set()  # id() of the leases those calls carry
+        # (store key, token) -> monotonic time after which the store has surely expired it.
+        self.pending_release: dict[tuple[str, str], float] = {}
+        self.releasing: _Call | None = None
+
+    def start(
+        self,
+        leases: Sequence[Lease],
+        now: float,
+        timeouts: tuple[float, float],
+        target: Callable[..., None],
+        *args: object,
+        releases: bool = False,
+    ) -> _Call | None:
+        """Run ``target(call, *args)`` in a thread of its own; None if no slot is free.
+        ``timeouts``: how long the heartbeat waits for it, and how long it may take."""
+        call = _Call(leases, now, *timeouts)
+        with self.mutex:
+            if len(self.calls) >= MAX_CALLS:
+                return None
+            self.calls.append(call)
+            self.busy.update(map(id, leases))
+            if releases:
+                self.releasing = call
+        # Not the heartbeat's thread_factory: that one makes the heartbeat thread (tests replace it).
+        thread = threading.Thread(target=target, args=(call, *args), name="celery-exclusive-call")
+        thread.daemon = True
+        thread.start()
+        return call
+
+    def start_refreshes(
+        self, due: list[Lease], now: float, batch_size: int, refresh: Callable[[_Call], None]
+    ) -> list[_Call]:
+        """Start ``refresh(call)`` for ``due`` in batches of ``batch_size``, in as many calls as
+        there are free slots."""
+        # Leases in JEOPARDY (their last call failed or was given up) go in calls of their
+        # own: whatever made theirs hang (a slow node, a dead connection) must not take the
+        # healthy leases' refresh down with it.
+        started: list[_Call] = []
+        failing = [lease for lease in due if lease._failing()]
+        healthy = [lease for lease in due if not lease._failing()] if failing else due
+        for group in (healthy, failing):
+            for first in range(0, len(group), batch_size):
+                batch = group[first : first + batch_size]
+                timeouts = (refresh_timeout(batch, now), call_timeout(batch, now))
+                call = self.start(batch, now, timeouts, refresh)
+                if call is None:
+                    break  # every slot is taken by calls still in flight: retry next pass
+                started.append(call)
+        return started
+
+    def _drop(self, call: _Call) -> None:
+        """Forget ``call`` (caller holds ``mutex``)."""
+        self.calls.remove(call)
+        self.busy.difference_update(map(id, call.leases))
+        if self.releasing is call:
+            self.releasing = None
+
+    def finish(self, call: _Call) -> bool:
+        """Mark ``call`` answered; False if it had been abandoned already."""
+        with self.mutex:
+            call.finished = True
+            if call.abandoned:
+                return False
+            self._drop(call)
+        return True
+
+    def abandon_overdue(self, now: float) -> list[_Call]:
+        """Give up waiting for every call past its deadline; returns them."""
+        with self.mutex:
+            overdue = [c for c in self.calls if not c.finished and now >= c.deadline]
+            for call in overdue:
+                call.abandoned = True
+                self._drop(call)
+        return overdue
+
+    def add_release(self, store_key: str, token: str, until: float) -> None:
+        """Retry releasing ``token``'s lease on ``store_key`` until confirmed or ``until``
+        (caller holds ``mutex``)."""
+        self.pending_release[(store_key, token)] = until
+
+    def releases_due(self) -> list[_Release]:
+        """The releases to retry now: all pending, unless a retry call is still in flight."""
+        with self.mutex:
+            return list(self.pending_release.items()) if self.releasing is None else []
+
+    def retry_releases(self, call: _Call, releases: list[_Release]) -> None:
+        """Release each of ``releases`` once, in ``call``'s thread; a release the store
+        answered, or past its ``until``, is no longer pending."""
+        try:
+            for (store_key, token), until in releases:
+                if call.abandoned:
+                    return
+                try:
+                    self._release(store_key, token)
+                except Exception:
+                    if self._clock() < until:
+                        continue  # still unknown; the store may still hold it, try again next pass
+                with self.mutex:
+                    self.pending_release.pop((store_key, token), None)
+        finally:
+            self.finish(call)
+            call.done.set()
+
+    def wake_times(self) -> list[float]:
+        """When the heartbeat must look again for the calls' sake (caller holds ``mutex``)."""
+        return [call.deadline for call in self.calls]
+
+    def idle(self) -> bool:
+        """True with no call in flight and no release to retry (caller holds ``mutex``)."""
+        return not self.calls and not self.pending_release
 
 
 class Heartbeat:
@@ -124,11 +263,8 @@ class Heartbeat:
         self._batch_size = batch_size
         self._thread_factory = thread_factory
         self._leases: dict[int, Lease] = {}
-        # (store key, token) -> monotonic time after which the store has surely expired it.
-        self._pending_release: dict[tuple[str, str], float] = {}
-        self._calls: list[_Call] = []  # in flight and not yet abandoned
-        self._busy: set[int] = set()  # id() of the leases those calls carry
-        self._releasing: _Call | None = None
+        self._inflight = _InFlight(self.mutex, self._release_once, clock)
+        self._pending_release = self._inflight.pending_release  # the same dict (tests look at it)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -143,7 +279,7 @@ class Heartbeat:
         for every acquisition costs a thread switch per lock, which measured as much as the
         round trip of an uncontended Redis acquire.
         """
-        due = lease._deadline if lease._final else min(lease._deadline, lease._next_refresh)
+        due = lease._wake_at()
         with self.mutex:
             self._leases[id(lease)] = lease
             wake = not self._start_thread() and due < self._wake_at
@@ -171,7 +307,7 @@ class Heartbeat:
         token is kept until a release is confirmed, so no lease is orphaned for its ttl.
         """
         with self.mutex:
-            self._pending_release[(store_key, token)] = until
+            self._inflight.add_release(store_key, token, until)
             self._start_thread()
         self._wake.set()
 
@@ -211,7 +347,7 @@ class Heartbeat:
                 delay = 1.0
             with self.mutex:
                 now = self._clock()
-                if self._leases or self._pending_release or self._calls:
+                if self._leases or not self._inflight.idle():
                     idle_since = None
                 else:
                     idle_since = now if idle_since is None else idle_since
@@ -239,91 +375,34 @@ class Heartbeat:
         self._abandon_overdue(now)
         with self.mutex:
             active = list(self._leases.values())
-            pending = list(self._pending_release.items()) if self._releasing is None else []
-            busy = set(self._busy)
+            busy = set(self._inflight.busy)
         due: list[Lease] = []
         strictly_due = False
         for lease in active:
-            if now >= lease._deadline:
+            what = lease._due(now)
+            if what == "lost":
                 self._lose(lease, "the lease was not confirmed before its local deadline")
-                continue
-            if id(lease) in busy:
-                continue
-            if not lease._final and lease._next_refresh - lease.refresh_interval / 2 <= now:
+            elif what != "later" and id(lease) not in busy:
                 due.append(lease)
-                strictly_due = strictly_due or lease._next_refresh <= now
-        started: list[_Call] = []
-        if strictly_due:
-            # Leases in JEOPARDY (their last call failed or was given up) go in calls of
-            # their own: whatever made theirs hang (a slow node, a dead connection) must not
-            # take the healthy leases' refresh down with it.
-            healthy = [lease for lease in due if lease._state is LeaseState.HELD]
-            failing = [lease for lease in due if lease._state is not LeaseState.HELD]
-            for group in (healthy, failing):
-                for first in range(0, len(group), self._batch_size):
-                    batch = group[first : first + self._batch_size]
-                    call = self._start(batch, now, refresh_timeout(batch, now), call_timeout(batch, now))
-                    if call is None:
-                        break  # every slot is taken by calls still in flight: retry next pass
-                    started.append(call)
+                strictly_due = strictly_due or what == "now"
+        started = (
+            self._inflight.start_refreshes(due, now, self._batch_size, self._refresh_call)
+            if strictly_due
+            else []
+        )
+        pending = self._inflight.releases_due()
         if pending:
             timeout = RELEASE_RETRY_TIMEOUT * len(pending)
-            call = self._start([], now, timeout, timeout, pending)
+            call = self._inflight.start(
+                [], now, (timeout, timeout), self._inflight.retry_releases, pending, releases=True
+            )
             if call is not None:
                 started.append(call)
         return started
 
-    def _start(
-        self,
-        leases: Sequence[Lease],
-        now: float,
-        timeout: float,
-        socket_timeout: float,
-        releases: list[tuple[tuple[str, str], float]] | None = None,
-    ) -> _Call | None:
-        """Run one refresh (or the pending releases) in a thread of its own; None if no slot."""
-        call = _Call(leases, now, timeout, socket_timeout)
-        with self.mutex:
-            if len(self._calls) >= MAX_CALLS:
-                return None
-            self._calls.append(call)
-            self._busy.update(map(id, leases))
-            if releases is not None:
-                self._releasing = call
-        # Not thread_factory's: that one makes the heartbeat thread (tests replace it).
-        if releases is None:
-            thread = threading.Thread(target=self._refresh_call, args=(call,), name="celery-exclusive-call")
-        else:
-            thread = threading.Thread(
-                target=self._retry_releases, args=(call, releases), name="celery-exclusive-call"
-            )
-        thread.daemon = True
-        thread.start()
-        return call
-
-    def _finish(self, call: _Call) -> bool:
-        """Mark ``call`` answered; False if it had been abandoned already."""
-        with self.mutex:
-            call.finished = True
-            if call.abandoned:
-                return False
-            self._calls.remove(call)
-            self._busy.difference_update(map(id, call.leases))
-            if self._releasing is call:
-                self._releasing = None
-        return True
-
     def _abandon_overdue(self, now: float) -> None:
         """Give up waiting for every call past its deadline: its leases may be refreshed again."""
-        with self.mutex:
-            overdue = [c for c in self._calls if not c.finished and now >= c.deadline]
-            for call in overdue:
-                call.abandoned = True
-                self._calls.remove(call)
-                self._busy.difference_update(map(id, call.leases))
-                if self._releasing is call:
-                    self._releasing = None
-        for call in overdue:
+        for call in self._inflight.abandon_overdue(now):
             if call.leases:
                 error = BackendError(
                     f"lock store gave no answer to a refresh within {call.timeout:.3g} s; "
@@ -344,7 +423,7 @@ class Heartbeat:
         self._apply(leases, sent, answers, late=False)
 
     def _send_refresh(self, leases: Sequence[Lease], timeout: float) -> list[float | None]:
-        requests = [lease._request or _request(lease) for lease in leases]
+        requests = [lease._refresh_request() for lease in leases]
         if self._timeouts:
             return self._provider.refresh(requests, timeout=timeout)
         return self._provider.refresh(requests)
@@ -355,11 +434,11 @@ class Heartbeat:
         try:
             answers = self._send_refresh(leases, call.socket_timeout)
         except Exception as exc:
-            if self._finish(call):
+            if self._inflight.finish(call):
                 self._jeopardy(leases, sent, exc)
             self._done(call)
             return
-        late = not self._finish(call)
+        late = not self._inflight.finish(call)
         try:
             self._apply(leases, sent, answers, late=late)
         finally:
@@ -373,39 +452,23 @@ class Heartbeat:
         self, leases: Sequence[Lease], sent: float, answers: list[float | None], *, late: bool
     ) -> None:
         duration = self._clock() - sent
-        shortest = min(map(_refresh_interval, leases))
-        if duration > shortest / 2:
-            logger.warning(
-                "celery-exclusive heartbeat overran: refreshing %d leases took %.3f s "
-                "(shortest refresh interval %.3f s)",
-                len(leases),
-                duration,
-                shortest,
-            )
+        _warn_if_overran(leases, duration)
         confirmed: list[Lease] = []
         disowned: list[Lease] = []
         final: list[Lease] = []
-        live = (LeaseState.HELD, LeaseState.JEOPARDY)
         with self.mutex:  # once per batch: a thousand leases confirm in well under a millisecond
             for lease, granted in zip(leases, answers, strict=True):
                 if granted is None:
                     disowned.append(lease)
                     continue
-                if lease._state in live:
-                    if late and sent + granted - lease._margin <= lease._deadline:
-                        continue  # a later refresh already said more
-                    lease._confirm(sent, granted, clamped=granted < lease.ttl * 0.99 - 1e-3)
+                if lease._confirm(sent, granted, late=late):
                     confirmed.append(lease)
-                if lease._final:
-                    final.append(lease)
+                    if lease._final_reached():
+                        final.append(lease)
         for lease in disowned:
             self._lose(lease, "the store no longer lists this token: the lease expired or was taken over")
         for lease in final:
-            logger.warning(
-                "lock %r reached its max lifetime (%g s); it will be allowed to expire",
-                lease.key,
-                lease.max_lifetime,
-            )
+            logger.warning(_FINAL, lease.key, lease.max_lifetime)
         self._refreshed(confirmed, duration)
 
     def _jeopardy(self, leases: Sequence[Lease], sent: float, exc: Exception) -> None:
@@ -416,42 +479,22 @@ class Heartbeat:
         )
         with self.mutex:
             for lease in leases:
-                if lease._state is LeaseState.HELD:
-                    lease._state = LeaseState.JEOPARDY
-                # Retry soon, several times before the local deadline, never faster than 20/s.
-                remaining = lease._deadline - sent
-                lease._next_refresh = sent + min(lease.refresh_interval, max(0.05, remaining / 4))
+                lease._jeopardise(sent)
         self._failed(list(leases), exc)
 
-    def _retry_releases(self, call: _Call, releases: list[tuple[tuple[str, str], float]]) -> None:
-        try:
-            for (store_key, token), until in releases:
-                if call.abandoned:
-                    return
-                try:
-                    if self._timeouts:
-                        self._provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT)
-                    else:
-                        self._provider.release(store_key, token)
-                except Exception:
-                    if self._clock() < until:
-                        continue  # still unknown; the store may still hold it, try again next pass
-                with self.mutex:
-                    self._pending_release.pop((store_key, token), None)
-        finally:
-            self._finish(call)
-            call.done.set()
+    def _release_once(self, store_key: str, token: str) -> None:
+        if self._timeouts:
+            self._provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT)
+        else:
+            self._provider.release(store_key, token)
 
     def _next_delay(self) -> float:
         now = self._clock()
         with self.mutex:
-            leases = self._leases.values()
-            wake = [lease._deadline for lease in leases]
-            wake += [
-                lease._next_refresh for lease in leases if not lease._final and id(lease) not in self._busy
-            ]
-            wake += [call.deadline for call in self._calls]
-            if self._pending_release:
+            busy = self._inflight.busy
+            wake = [lease._wake_at(refreshing=id(lease) in busy) for lease in self._leases.values()]
+            wake += self._inflight.wake_times()
+            if self._inflight.pending_release:
                 wake.append(now + 1.0)
         if not wake:
             return MAX_SLEEP

@@ -19,13 +19,10 @@ import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 from celery_exclusive.errors import InvalidArgumentError, LockLost
 from celery_exclusive.providers.base import Completion, GuardsTransactions, RefreshRequest
-
-if TYPE_CHECKING:
-    from celery_exclusive.service import LockService
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -54,6 +51,39 @@ class ReleaseOutcome(str, enum.Enum):
 def safety_margin(ttl: float) -> float:
     """Seconds subtracted from a granted lease for the local deadline."""
     return min(ttl * SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_CAP)
+
+
+class LeaseOwner(Protocol):
+    """What a lease needs from the service that made it; ``LockService`` implements it.
+
+    The lease owns its state and every transition of it; the owner keeps the clock, the
+    store, and what a loss means beyond the lease (the heartbeat's list, the log, the
+    signals, the callbacks). Leases are made by the service only: this Protocol documents
+    the seam (and keeps ``lease`` from importing ``service``), it is not a plug-in point.
+    """
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The monotonic clock the lease's deadlines run on."""
+        ...
+
+    @property
+    def provider(self) -> object:
+        """The lock store (``Lease.guard`` uses it if it is ``GuardsTransactions``)."""
+        ...
+
+    def release(self, lease: Lease, completion: Completion | None = None) -> ReleaseOutcome:
+        """Release ``lease`` in the store (see ``LockService.release``)."""
+        ...
+
+    def _lose(self, lease: Lease, reason: str) -> None:
+        """Make ``lease`` LOST (through ``Lease._mark_lost``) and tell everyone who asked."""
+        ...
+
+
+#: What a heartbeat pass has to do with one lease (see :meth:`Lease._due`).
+_Due = Literal["lost", "later", "soon", "now"]
+_LIVE = (LeaseState.HELD, LeaseState.JEOPARDY)
 
 
 class Lease:
@@ -87,7 +117,7 @@ class Lease:
 
     def __init__(
         self,
-        service: LockService,
+        service: LeaseOwner,
         *,
         key: str,
         store_key: str,
@@ -119,7 +149,7 @@ class Lease:
         self._deadline = 0.0
         self._next_refresh = 0.0
         self._final = False
-        self._confirm(sent_at, granted, clamped=False)
+        self._confirm(sent_at, granted, clamped=False)  # HELD from its acquisition
 
     def __repr__(self) -> str:
         return f"<Lease key={self.key!r} fence={self.fence} state={self._state.value}>"
@@ -135,7 +165,12 @@ class Lease:
     @property
     def state(self) -> LeaseState:
         """The current health state; LOST is also reported once the local deadline passes."""
-        if self._state in (LeaseState.HELD, LeaseState.JEOPARDY) and self._service.clock() >= self._deadline:
+        # Reading the state past the local deadline makes the lease LOST, with everything a
+        # loss does (``lost`` set, ``on_lost`` callbacks, the lock_lost signal), not only a
+        # LOST answer: the holder must never see LOST while its callbacks wait for the next
+        # heartbeat pass (which may be a second away, or never come under a test's idle
+        # thread), and two readers must never see different states of one lease.
+        if self._state in _LIVE and self._service.clock() >= self._deadline:
             self._service._lose(self, "the lease was not confirmed before its local deadline")
         return self._state
 
@@ -218,13 +253,86 @@ class Lease:
             return self._service.release(self)
         return self._service.release(self, completion)
 
-    # State changes below are made by the service and heartbeat while holding ``_mutex``.
+    # The transitions. The owner and its heartbeat call them holding ``_mutex`` (the
+    # heartbeat's, shared by every lease of one service) and never touch the fields.
 
-    def _confirm(self, sent_at: float, granted: float, *, clamped: bool) -> None:
-        """The store granted ``granted`` seconds to a request sent at ``sent_at``."""
+    def _confirm(
+        self, sent_at: float, granted: float, *, clamped: bool | None = None, late: bool = False
+    ) -> bool:
+        """The store granted ``granted`` seconds to a refresh sent at ``sent_at``: True if that
+        extended the lease (False if it is no longer live, or ``late`` and already extended
+        further by a later refresh). ``clamped`` (default: judged from ``granted``) says the
+        store clamped it at the hard deadline, after which refreshing cannot help."""
+        if self._state not in _LIVE:
+            return False
+        if late and sent_at + granted - self._margin <= self._deadline:
+            return False  # a later refresh already said more
+        if clamped is None:
+            clamped = granted < self.ttl * 0.99 - 1e-3
         self._deadline = sent_at + granted - self._margin
         self._next_refresh = sent_at + self.refresh_interval
-        # Once the store clamps at the hard deadline, refreshing again cannot help.
         self._final = clamped or self._next_refresh >= self.hard_deadline
         if self._state is LeaseState.JEOPARDY:
             self._state = LeaseState.HELD
+        return True
+
+    def _jeopardise(self, sent_at: float) -> None:
+        """A refresh sent at ``sent_at`` failed or was given up: JEOPARDY, and retry soon,
+        several times before the local deadline, never faster than 20 a second."""
+        if self._state is LeaseState.HELD:
+            self._state = LeaseState.JEOPARDY
+        remaining = self._deadline - sent_at
+        self._next_refresh = sent_at + min(self.refresh_interval, max(0.05, remaining / 4))
+
+    def _mark_lost(self) -> tuple[list[Callable[[Lease, str], object]], threading.Event | None] | None:
+        """Make the lease LOST; None if it was not live. Else the ``on_lost`` callbacks to call
+        and the ``lost`` event to set (None unless someone asked for it), outside the mutex."""
+        if self._state not in _LIVE:
+            return None
+        self._state = LeaseState.LOST
+        callbacks, self._on_lost = self._on_lost, []
+        return callbacks, self._lost
+
+    def _mark_released(self) -> bool | None:
+        """Make the lease RELEASED; None if it already was, else whether it had been LOST."""
+        if self._state is LeaseState.RELEASED:
+            return None
+        was_lost = self._state is LeaseState.LOST
+        self._state = LeaseState.RELEASED
+        return was_lost
+
+    def _due(self, now: float) -> _Due:
+        """What the heartbeat must do at ``now``: lose the lease (past its local deadline),
+        refresh it ("now"), refresh it if a round trip goes anyway (within half an interval
+        of due: "soon"), or nothing yet ("later"; always, once at its max lifetime)."""
+        if now >= self._deadline:
+            return "lost"
+        if self._final or self._next_refresh - self.refresh_interval / 2 > now:
+            return "later"
+        return "now" if self._next_refresh <= now else "soon"
+
+    def _failing(self) -> bool:
+        """True unless HELD: its last refresh failed (its retries go in calls of their own)."""
+        return self._state is not LeaseState.HELD
+
+    def _final_reached(self) -> bool:
+        """True once refreshing cannot extend the lease (its max lifetime is reached)."""
+        return self._final
+
+    def _wake_at(self, *, refreshing: bool = False) -> float:
+        """When the heartbeat must next look at the lease: its local deadline, or its next
+        refresh if earlier (unless ``refreshing``: a call for it is in flight, or it is final)."""
+        if refreshing or self._final:
+            return self._deadline
+        return min(self._deadline, self._next_refresh)
+
+    def _deadline_at(self) -> float:
+        """The local deadline, on the owner's clock."""
+        return self._deadline
+
+    def _refresh_request(self) -> RefreshRequest:
+        """The lease's refresh request, made on first use (it never changes)."""
+        request = self._request
+        if request is None:
+            request = self._request = RefreshRequest(self.store_key, self.token, self.ttl)
+        return request

@@ -11,7 +11,6 @@ Usable without Celery::
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import secrets
@@ -25,9 +24,10 @@ from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from celery_exclusive import many, signals, waiting
+from celery_exclusive._store import StoreCalls, is_store_error  # noqa: F401 (is_store_error's old home)
 from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
-from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.lease import Lease, ReleaseOutcome
 from celery_exclusive.providers.base import (
     COMPLETION_OUTCOMES,
     MAX_TASK_ID_LENGTH,
@@ -40,7 +40,6 @@ from celery_exclusive.providers.base import (
     LockInfo,
     LockProvider,
     RefreshRequest,
-    accepts_timeout,
     encode_holder,
 )
 from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
@@ -68,22 +67,6 @@ DEFAULT_CALL_TIMEOUT = 10.0
 #: Longest a release waits for the store before it reports UNKNOWN (the heartbeat then
 #: keeps retrying it in the background), in seconds.
 RELEASE_TIMEOUT = 2.0
-#: Top-level packages whose exceptions are the store's failures (driver, network, pool):
-#: only these, and OSError, become BackendError. Anything else, above all an exception a
-#: signal handler raised into the calling thread (KeyboardInterrupt, Celery's
-#: SoftTimeLimitExceeded), propagates unchanged.
-_DRIVER_PACKAGES = frozenset(
-    {"redis", "hiredis", "psycopg", "psycopg2", "sqlalchemy", "pymysql", "MySQLdb", "sqlite3", "_sqlite3"}
-)
-
-
-def is_store_error(exc: BaseException) -> bool:
-    """True if ``exc`` came from the lock store's driver or the network (an outage)."""
-    if isinstance(exc, (BackendError, OSError)):
-        return True
-    if not isinstance(exc, Exception):
-        return False
-    return any(cls.__module__.partition(".")[0] in _DRIVER_PACKAGES for cls in type(exc).__mro__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +101,58 @@ def new_token() -> str:
     return f"{_this.token_prefix}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
 
 
+def _check_batch_size(size: object) -> int:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise InvalidArgumentError(f"heartbeat_batch_size must be a positive int, got {size!r}")
+    return size
+
+
+def _store_from(store: LockProvider | str | None) -> tuple[str | None, LockProvider]:
+    """The URL (None for a provider given as such) and the provider of ``store``."""
+    if store is None or isinstance(store, str):
+        url = resolve_url(store)
+        return url, provider_from_url(url)
+    if isinstance(store, LockProvider):
+        return None, store
+    raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
+
+
+def _check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if holder is None:
+        return {}
+    if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
+        raise InvalidArgumentError("holder must be a mapping with str keys")
+    return holder
+
+
+def _check_filter(prefix: object, *, text: bool = True) -> str:
+    """A key filter: a str without NUL (and, with ``text``, valid Unicode)."""
+    if not isinstance(prefix, str) or "\x00" in prefix:
+        raise InvalidArgumentError("prefix must be a str without NUL characters")
+    if text:
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("prefix must be valid Unicode text (no lone surrogates)") from None
+    return prefix
+
+
+def _unprefix(key: str, prefix: str) -> str:
+    return key[len(prefix) :] if key.startswith(prefix) else key
+
+
+def _unprefixed(info: LockInfo, prefix: str) -> LockInfo:
+    return LockInfo(
+        _unprefix(info.key, prefix),
+        info.token,
+        info.fence,
+        info.age,
+        info.expires_in,
+        info.hard_expires_in,
+        info.holder,
+    )
+
+
 class LockService:
     """Acquires, keeps alive and releases leases on one lock store.
 
@@ -125,6 +160,11 @@ class LockService:
     process is the intended use: it owns one heartbeat thread for all its leases. Safe to
     use from several threads, and across ``fork`` (a child starts with no leases and never
     reuses the parent's connections).
+
+    Every store call has a deadline: ``call_timeout`` for acquiring (its retry included),
+    inspecting (``peek``, ``locks``, the completion records) and ``force_release``; at most
+    :data:`RELEASE_TIMEOUT` for a lease's release. Past it the call raises BackendError
+    (a release reports UNKNOWN) however silent the store is.
     """
 
     def __init__(
@@ -148,35 +188,21 @@ class LockService:
             seconds("max_lifetime", max_lifetime),
             ttl_explicit=True,
         )
-        self._refresh_explicit = refresh_interval is not None
-        if (
-            not isinstance(heartbeat_batch_size, int)
-            or isinstance(heartbeat_batch_size, bool)
-            or heartbeat_batch_size < 1
-        ):
-            raise InvalidArgumentError(
-                f"heartbeat_batch_size must be a positive int, got {heartbeat_batch_size!r}"
-            )
+        self._refresh_explicit = refresh_interval is not None  # read by _Leasing
+        self._batch_size = _check_batch_size(heartbeat_batch_size)
         for name, value in (("clock", clock), ("thread_factory", thread_factory)):
             if not callable(value):
                 raise InvalidArgumentError(f"{name} must be callable, got {type(value).__name__}")
-        if store is None or isinstance(store, str):
-            url = resolve_url(store)
-            self._url: str | None = url
-            self.provider: LockProvider = provider_from_url(url)
-        elif isinstance(store, LockProvider):
-            self._url = None
-            self.provider = store
-        else:
-            raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
-        self._timeouts = all(accepts_timeout(getattr(self.provider, name)) for name in ("acquire", "release"))
+        self._url, self.provider = _store_from(store)
         self.clock = clock
         #: Whether the store keeps completion records (see ``completion()``).
         self.keeps_records = isinstance(self.provider, CompletionStore)
-        self._batch_size = heartbeat_batch_size
         self._thread_factory = thread_factory
+        self._calls = StoreCalls()
+        self._records = _Records(self)
+        self._leasing = _Leasing(self)
         self._closed = False
-        self._heartbeat = self._new_heartbeat()
+        self._heartbeat = self._leasing.new_heartbeat()
         #: Leases taken with ``hold_at_least``: (seconds, when the grant arrived on self.clock).
         #: Popped at release (or loss), so a lease never outlives its use here.
         self._cooldowns: dict[Lease, tuple[float, float]] = {}
@@ -185,17 +211,6 @@ class LockService:
     def __repr__(self) -> str:
         where = mask_url(self._url) if self._url else repr(self.provider)
         return f"<LockService {where} prefix={self.prefix!r}>"
-
-    def _new_heartbeat(self) -> Heartbeat:
-        return Heartbeat(
-            self.provider,
-            clock=self.clock,
-            lose=self._lose,
-            refreshed=self._refreshed,
-            failed=self._refresh_failed,
-            batch_size=self._batch_size,
-            thread_factory=self._thread_factory,
-        )
 
     @property
     def heartbeat(self) -> Heartbeat:
@@ -223,12 +238,14 @@ class LockService:
 
         With ``wait`` (seconds), retry until it is free or the time is up (see
         :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``: see :meth:`lock`."""
-        cooldown = None if hold_at_least is None else self._check_cooldown(hold_at_least, max_lifetime)
+        cooldown = (
+            None if hold_at_least is None else self._leasing.check_cooldown(hold_at_least, max_lifetime)
+        )
         if wait is None:
-            taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
+            taken = self._leasing.take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
         else:
             taken = waiting.take_waiting(
-                lambda _final: self._take(
+                lambda _final: self._leasing.take(
                     key, ttl, refresh_interval, max_lifetime, holder, name_holder=False
                 ),
                 self.provider,
@@ -236,7 +253,7 @@ class LockService:
                 waiting.check_wait(wait),
             )
         if isinstance(taken, Lease):
-            self._cool(taken, cooldown)
+            self._leasing.cool(taken, cooldown)
             return taken
         return None
 
@@ -275,12 +292,14 @@ class LockService:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self.keeps_records:
                 task_id = None
-        cooldown = None if hold_at_least is None else self._check_cooldown(hold_at_least, max_lifetime)
+        cooldown = (
+            None if hold_at_least is None else self._leasing.check_cooldown(hold_at_least, max_lifetime)
+        )
         if wait is None:
-            taken = self._take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
+            taken = self._leasing.take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
         else:
             taken = waiting.take_waiting(
-                lambda final: self._take(
+                lambda final: self._leasing.take(
                     key, ttl, refresh_interval, max_lifetime, holder, name_holder=final, task_id=task_id
                 ),
                 self.provider,
@@ -289,7 +308,7 @@ class LockService:
             )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
-        self._cool(taken, cooldown)
+        self._leasing.cool(taken, cooldown)
         return taken
 
     def lock_many(
@@ -348,87 +367,20 @@ class LockService:
         holder: Mapping[str, Any] | None,
         wait: float | None,
     ) -> many.LeaseSet | tuple[str, Held]:
-        self._check_open()
         checked = many.check_keys(keys)
         for key in checked:
-            check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        self._durations(ttl, refresh_interval, max_lifetime)
-        self._check_holder(holder)
+            self._check_key(key)
+        self._leasing.durations(ttl, refresh_interval, max_lifetime)
+        _check_holder(holder)
         return many.take_all(
             checked,
-            lambda key, final: self._take(
+            lambda key, final: self._leasing.take(
                 key, ttl, refresh_interval, max_lifetime, holder, name_holder=final
             ),
             lambda key: self.prefix + key,
             self.provider,
             None if wait is None else waiting.check_wait(wait),
         )
-
-    def _check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
-        cooldown = seconds("hold_at_least", hold_at_least)
-        lifetime = self.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
-        if cooldown > lifetime:
-            raise InvalidArgumentError(
-                f"hold_at_least ({cooldown:g} s) must not exceed max_lifetime ({lifetime:g} s)"
-            )
-        return cooldown
-
-    def _cool(self, lease: Lease, cooldown: float | None) -> None:
-        if cooldown is not None:
-            self._cooldowns[lease] = (cooldown, self.clock())
-
-    def _take(
-        self,
-        key: str,
-        ttl: float | timedelta | None,
-        refresh_interval: float | timedelta | None,
-        max_lifetime: float | timedelta | None,
-        holder: Mapping[str, Any] | None,
-        *,
-        name_holder: bool = True,
-        task_id: str | None = None,
-    ) -> Lease | Held:
-        """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
-        raises as LockedError, without the cost of an exception on the contended path.
-        Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
-        as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
-        self._check_open()
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        ttl_s, interval_s, lifetime_s = self._durations(ttl, refresh_interval, max_lifetime)
-        encoded = (
-            _this.holder if holder is None else encode_holder({**_this.meta, **self._check_holder(holder)})
-        )
-        store_key = self.prefix + key
-        token = new_token()
-        sent = self.clock()
-        answer = self._acquire(
-            store_key, token, ttl_s, lifetime_s, encoded, *(() if task_id is None else (task_id,))
-        )
-        if isinstance(answer, Done):
-            raise AlreadyDone(key, self._unprefixed_record(answer.record))
-        if not isinstance(answer, Grant):
-            if not name_holder and not signals.lock_contended.receivers:
-                return answer  # a failed try_lock, the hot path under contention
-            found = answer.holder if answer.holder is not None else self._winner(store_key)
-            holder_info = None if found is None else self._unprefixed(found)
-            signals.send(signals.lock_contended, self, key=key, holder=holder_info)
-            return Held(holder_info)
-        lease = Lease(
-            self,
-            key=key,
-            store_key=store_key,
-            token=token,
-            fence=answer.fence,
-            ttl=ttl_s,
-            refresh_interval=interval_s,
-            max_lifetime=lifetime_s,
-            sent_at=sent,
-            granted=answer.ttl,
-            mutex=self._heartbeat.mutex,
-        )
-        self._heartbeat.add(lease)
-        signals.send(signals.lock_acquired, self, key=key, lease=lease)
-        return lease
 
     def run_exclusive(
         self,
@@ -449,7 +401,7 @@ class LockService:
             raise InvalidArgumentError("on_locked must be callable")
         if not callable(fn):
             raise InvalidArgumentError("fn must be callable")
-        lease = self._take(key, ttl, refresh_interval, max_lifetime, holder)
+        lease = self._leasing.take(key, ttl, refresh_interval, max_lifetime, holder)
         if isinstance(lease, Held):
             if on_locked is not None:
                 on_locked()
@@ -473,16 +425,7 @@ class LockService:
         which is what its writer wanted) and bounded by ``call_timeout``; an outage raises
         :class:`BackendError`, any exception that is not the store's propagates unchanged.
         """
-        self._check_open()
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
-        if lifetime > MAX_LIFETIME_CAP:
-            raise InvalidArgumentError(f"ttl is {lifetime:g} s; the hard cap is 24 h")
-        encoded = encode_holder({**_this.meta, **self._check_holder(holder)})
-        token = new_token()
-        args = (self.prefix + key, token, lifetime, lifetime, encoded)
-        answer = self._call("mark", self.provider.acquire, *args, timeout=self.call_timeout)
-        return token if isinstance(answer, Grant) else None
+        return self._leasing.mark(key, ttl, holder)
 
     # -- releasing ------------------------------------------------------------------------
 
@@ -496,111 +439,14 @@ class LockService:
         :meth:`completion`); on UNKNOWN the record may be missing (the retried release
         does not carry it).
         """
-        if completion is not None:
-            _check_completion(completion)
-            if not self.keeps_records:
-                completion = None
-        with self._heartbeat.mutex:
-            if lease._state is LeaseState.RELEASED:
-                return ReleaseOutcome.NOT_OWNED
-            was_lost = lease._state is LeaseState.LOST
-            lease._state = LeaseState.RELEASED
-            self._heartbeat.discard(lease)
-        cooling = self._cooldowns.pop(lease, None)
-        if cooling is not None and not was_lost:
-            left = cooling[0] - (self.clock() - cooling[1])
-            if left > 0.001:
-                return self._release_cooling(lease, left, completion)
-        try:
-            record = () if completion is None else (completion,)  # a third-party provider may not take it
-            owned = bool(
-                self._call(
-                    "release",
-                    self.provider.release,
-                    lease.store_key,
-                    lease.token,
-                    *record,
-                    timeout=min(self.call_timeout, RELEASE_TIMEOUT),
-                )
-            )
-        except BackendError as exc:
-            logger.warning(
-                "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
-            )
-            self._heartbeat.retry_release(lease.store_key, lease.token, until=lease._deadline + lease.ttl)
-            outcome = ReleaseOutcome.UNKNOWN
-        else:
-            outcome = ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
-            if not owned and not was_lost:
-                logger.warning(
-                    "lock %r (fence %d) was no longer held at release: it expired or was taken "
-                    "over, so the protected work may have overlapped another holder's",
-                    lease.key,
-                    lease.fence,
-                )
-        signals.send(
-            signals.lock_released,
-            self,
-            key=lease.key,
-            lease=lease,
-            outcome=outcome,
-            held_for=self.clock() - lease.acquired_at,
-        )
-        return outcome
-
-    def _release_cooling(self, lease: Lease, left: float, completion: Completion | None) -> ReleaseOutcome:
-        """End a ``hold_at_least`` lease ``left`` seconds from now instead of deleting it.
-
-        A refresh sets the expiry to ``min(store now + ttl, hard deadline)`` on every store, so
-        it shortens a lease as well as it extends one. The completion record is written by a
-        release under a token that owns nothing (a store writes the record whether or not the
-        token owns the key, and deletes only what it owns).
-        """
-        timeout = min(self.call_timeout, RELEASE_TIMEOUT)
-        try:
-            answers = self._call(
-                "release",
-                self.provider.refresh,
-                [RefreshRequest(lease.store_key, lease.token, left)],
-                timeout=timeout,
-            )
-            if completion is not None:
-                self._call(
-                    "record",
-                    self.provider.release,
-                    lease.store_key,
-                    "cooldown:" + lease.token,
-                    completion,
-                    timeout=timeout,
-                )
-        except BackendError as exc:
-            # The lease then ends at its own expiry (no heartbeat keeps it): later than asked.
-            logger.warning(
-                "could not shorten lock %r (fence %d) to its cooldown: %s", lease.key, lease.fence, exc
-            )
-            outcome = ReleaseOutcome.UNKNOWN
-        else:
-            outcome = (
-                ReleaseOutcome.RELEASED if answers and answers[0] is not None else ReleaseOutcome.NOT_OWNED
-            )
-        signals.send(
-            signals.lock_released,
-            self,
-            key=lease.key,
-            lease=lease,
-            outcome=outcome,
-            held_for=self.clock() - lease.acquired_at,
-        )
-        return outcome
+        return self._leasing.release(lease, self._records.for_release(completion))
 
     def force_release(self, key: str, token: str) -> bool:
         """Release exactly the lease ``token`` holds on ``key`` (operators, worker hooks)."""
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         if not isinstance(token, str) or not token:
             raise InvalidArgumentError("token must be a non-empty str")
-        return bool(
-            self._call("release", self.provider.release, self.prefix + key, token, timeout=self.call_timeout)
-        )
+        return bool(self._call("release", self.provider.release, self.prefix + key, token))
 
     # -- inspecting -----------------------------------------------------------------------
 
@@ -608,19 +454,12 @@ class LockService:
         """The live lease on ``key`` (key shown without the prefix), or None if free."""
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         info = self._call("peek", self.provider.peek, self.prefix + key)
-        return None if info is None else self._unprefixed(info)
+        return None if info is None else _unprefixed(info, self.prefix)
 
     def locks(self, prefix: str = "") -> list[LockInfo]:
         """Every live lease whose key (without the service prefix) starts with ``prefix``."""
-        if not isinstance(prefix, str) or "\x00" in prefix:
-            raise InvalidArgumentError("prefix must be a str without NUL characters")
-        try:
-            prefix.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgumentError("prefix must be valid Unicode text (no lone surrogates)") from None
-        return [
-            self._unprefixed(info) for info in self._call("scan", self.provider.scan, self.prefix + prefix)
-        ]
+        found = self._call("scan", self.provider.scan, self.prefix + _check_filter(prefix))
+        return [_unprefixed(info, self.prefix) for info in found]
 
     # -- completion records -----------------------------------------------------------
 
@@ -632,38 +471,18 @@ class LockService:
         the :class:`~celery_exclusive.providers.base.CompletionStore` methods) answers None,
         ``[]`` and False here, and ``lock``/``release`` then ignore records.
         """
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        check_task_id(task_id, MAX_TASK_ID_LENGTH)
-        if not isinstance(self.provider, CompletionStore):
-            return None
-        found = self._call("read a record", self.provider.completion, self.prefix + key, task_id)
-        return None if found is None else self._unprefixed_record(found)
+        return self._records.completion(key, task_id)
 
     def completions(self, prefix: str = "") -> list[CompletionInfo]:
         """Every live completion record on a key (without the prefix) starting with ``prefix``."""
-        if not isinstance(prefix, str) or "\x00" in prefix:
-            raise InvalidArgumentError("prefix must be a str without NUL characters")
-        if not isinstance(self.provider, CompletionStore):
-            return []
-        found = self._call("list records", self.provider.completions, self.prefix + prefix)
-        return [self._unprefixed_record(record) for record in found]
+        return self._records.completions(prefix)
 
     def forget(self, key: str, task_id: str) -> bool:
         """Delete the completion record of ``task_id`` on ``key``; True if a live one existed.
 
         A later copy of that task's message then runs its body again.
         """
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        check_task_id(task_id, MAX_TASK_ID_LENGTH)
-        if not isinstance(self.provider, CompletionStore):
-            return False
-        return bool(self._call("forget a record", self.provider.forget, self.prefix + key, task_id))
-
-    def _unprefixed_record(self, record: CompletionInfo) -> CompletionInfo:
-        key = record.key[len(self.prefix) :] if record.key.startswith(self.prefix) else record.key
-        return CompletionInfo(
-            key, record.task_id, record.outcome, record.attempt, record.age, record.expires_in
-        )
+        return self._records.forget(key, task_id)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -686,42 +505,275 @@ class LockService:
 
     def _after_fork_in_child(self) -> None:
         # The parent's leases are the parent's: the child neither refreshes nor releases them.
-        self._heartbeat = self._new_heartbeat()
+        self._heartbeat = self._leasing.new_heartbeat()
+        self._calls = StoreCalls()  # the parent's stuck calls have no thread here
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_key(self, key: str) -> None:
+        """Check the service is open and ``key`` is a valid key for it."""
         if self._closed:
             raise InvalidArgumentError("this LockService is closed")
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
 
-    def _durations(
+    def _call(
+        self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> T:
+        """Call the provider within ``timeout`` seconds (default ``call_timeout``); the
+        driver's and the network's exceptions become BackendError, any other propagates."""
+        return self._calls.call(
+            what, method, *args, timeout=self.call_timeout if timeout is None else timeout, **kwargs
+        )
+
+    def _lose(self, lease: Lease, reason: str) -> None:
+        """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""
+        self._leasing.lose(lease, reason)
+
+
+class _Leasing:
+    """How a service takes, releases and loses leases: the durations, the holder metadata,
+    the acquire with its one same-token retry, who holds a contended key, markers."""
+
+    def __init__(self, service: LockService) -> None:
+        self._service = service
+
+    def take(
+        self,
+        key: str,
+        ttl: float | timedelta | None,
+        refresh_interval: float | timedelta | None,
+        max_lifetime: float | timedelta | None,
+        holder: Mapping[str, Any] | None,
+        *,
+        name_holder: bool = True,
+        task_id: str | None = None,
+    ) -> Lease | Held:
+        """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
+        raises as LockedError, without the cost of an exception on the contended path.
+        Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
+        as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
+        service = self._service
+        service._check_key(key)
+        ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
+        encoded = _this.holder if holder is None else encode_holder({**_this.meta, **_check_holder(holder)})
+        store_key = service.prefix + key
+        token = new_token()
+        sent = service.clock()
+        answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)
+        if isinstance(answer, Done):
+            raise AlreadyDone(key, service._records.unprefixed(answer.record))
+        if not isinstance(answer, Grant):
+            if not name_holder and not signals.lock_contended.receivers:
+                return answer  # a failed try_lock, the hot path under contention
+            return self._contended(key, store_key, answer)
+        lease = Lease(
+            service,
+            key=key,
+            store_key=store_key,
+            token=token,
+            fence=answer.fence,
+            ttl=ttl_s,
+            refresh_interval=interval_s,
+            max_lifetime=lifetime_s,
+            sent_at=sent,
+            granted=answer.ttl,
+            mutex=service.heartbeat.mutex,
+        )
+        service.heartbeat.add(lease)
+        signals.send(signals.lock_acquired, service, key=key, lease=lease)
+        return lease
+
+    def _contended(self, key: str, store_key: str, answer: Held) -> Held:
+        """Held naming the holder of ``key`` (unprefixed), after the lock_contended signal."""
+        found = answer.holder if answer.holder is not None else self._winner(store_key)
+        holder_info = None if found is None else _unprefixed(found, self._service.prefix)
+        signals.send(signals.lock_contended, self._service, key=key, holder=holder_info)
+        return Held(holder_info)
+
+    def mark(self, key: str, ttl: float | timedelta | None, holder: Mapping[str, Any] | None) -> str | None:
+        """See :meth:`LockService.mark`."""
+        service = self._service
+        service._check_key(key)
+        lifetime = service.max_lifetime if ttl is None else seconds("ttl", ttl)
+        if lifetime > MAX_LIFETIME_CAP:
+            raise InvalidArgumentError(f"ttl is {lifetime:g} s; the hard cap is 24 h")
+        encoded = encode_holder({**_this.meta, **_check_holder(holder)})
+        token = new_token()
+        args = (service.prefix + key, token, lifetime, lifetime, encoded)
+        answer = service._call("mark", service.provider.acquire, *args)
+        return token if isinstance(answer, Grant) else None
+
+    def check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
+        cooldown = seconds("hold_at_least", hold_at_least)
+        lifetime = (
+            self._service.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
+        )
+        if cooldown > lifetime:
+            raise InvalidArgumentError(
+                f"hold_at_least ({cooldown:g} s) must not exceed max_lifetime ({lifetime:g} s)"
+            )
+        return cooldown
+
+    def cool(self, lease: Lease, cooldown: float | None) -> None:
+        if cooldown is not None:
+            self._service._cooldowns[lease] = (cooldown, self._service.clock())
+
+    def _release_cooling(self, lease: Lease, left: float, completion: Completion | None) -> ReleaseOutcome:
+        """End a ``hold_at_least`` lease ``left`` seconds from now instead of deleting it.
+
+        A refresh sets the expiry to ``min(store now + ttl, hard deadline)`` on every store, so
+        it shortens a lease as well as it extends one. The completion record is written by a
+        release under a token that owns nothing (a store writes the record whether or not the
+        token owns the key, and deletes only what it owns).
+        """
+        service = self._service
+        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
+        try:
+            answers = service._call(
+                "release",
+                service.provider.refresh,
+                [RefreshRequest(lease.store_key, lease.token, left)],
+                timeout=timeout,
+            )
+            if completion is not None:
+                service._call(
+                    "record",
+                    service.provider.release,
+                    lease.store_key,
+                    "cooldown:" + lease.token,
+                    completion,
+                    timeout=timeout,
+                )
+        except BackendError as exc:
+            # The lease then ends at its own expiry (no heartbeat keeps it): later than asked.
+            logger.warning(
+                "could not shorten lock %r (fence %d) to its cooldown: %s", lease.key, lease.fence, exc
+            )
+            outcome = ReleaseOutcome.UNKNOWN
+        else:
+            outcome = (
+                ReleaseOutcome.RELEASED if answers and answers[0] is not None else ReleaseOutcome.NOT_OWNED
+            )
+        signals.send(
+            signals.lock_released,
+            service,
+            key=lease.key,
+            lease=lease,
+            outcome=outcome,
+            held_for=service.clock() - lease.acquired_at,
+        )
+        return outcome
+
+    def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:
+        """See :meth:`LockService.release` (``completion`` already checked)."""
+        service = self._service
+        with service.heartbeat.mutex:
+            was_lost = lease._mark_released()
+            if was_lost is None:
+                return ReleaseOutcome.NOT_OWNED
+            service.heartbeat.discard(lease)
+        cooling = service._cooldowns.pop(lease, None)
+        if cooling is not None and not was_lost:
+            left = cooling[0] - (service.clock() - cooling[1])
+            if left > 0.001:
+                return self._release_cooling(lease, left, completion)
+        record = () if completion is None else (completion,)  # a third-party provider may not take it
+        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
+        try:
+            owned = bool(
+                service._call(
+                    "release",
+                    service.provider.release,
+                    lease.store_key,
+                    lease.token,
+                    *record,
+                    timeout=timeout,
+                )
+            )
+        except BackendError as exc:
+            logger.warning(
+                "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
+            )
+            service.heartbeat.retry_release(
+                lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
+            )
+            outcome = ReleaseOutcome.UNKNOWN
+        else:
+            outcome = ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
+            if not owned and not was_lost:
+                logger.warning(
+                    "lock %r (fence %d) was no longer held at release: it expired or was taken "
+                    "over, so the protected work may have overlapped another holder's",
+                    lease.key,
+                    lease.fence,
+                )
+        held_for = service.clock() - lease.acquired_at
+        signals.send(
+            signals.lock_released, service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
+        )
+        return outcome
+
+    def lose(self, lease: Lease, reason: str) -> None:
+        """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""
+        service = self._service
+        with service.heartbeat.mutex:
+            lost = lease._mark_lost()
+            if lost is None:
+                return
+            service.heartbeat.discard(lease)
+            service._cooldowns.pop(lease, None)
+        callbacks, event = lost
+        if event is not None:  # None unless someone asked for it; ``lost`` then sets it itself
+            event.set()
+        logger.warning("lock %r (fence %d) LOST: %s", lease.key, lease.fence, reason)
+        signals.send(signals.lock_lost, service, key=lease.key, lease=lease, reason=reason)
+        for callback in callbacks:
+            try:
+                callback(lease, reason)
+            except Exception:
+                logger.exception("on_lost callback for lock %r failed", lease.key)
+
+    def new_heartbeat(self) -> Heartbeat:
+        """A heartbeat for the service's leases (one per process: a forked child gets its own)."""
+        service = self._service
+        return Heartbeat(
+            service.provider,
+            clock=service.clock,
+            lose=service._lose,
+            refreshed=self._refreshed,
+            failed=self._refresh_failed,
+            batch_size=service._batch_size,
+            thread_factory=service._thread_factory,
+        )
+
+    def _refreshed(self, leases: list[Lease], duration: float) -> None:
+        if leases:
+            signals.send(signals.lock_refreshed, self._service, leases=leases, duration=duration)
+
+    def _refresh_failed(self, leases: list[Lease], error: Exception) -> None:
+        signals.send(signals.refresh_failed, self._service, leases=leases, error=error)
+
+    def durations(
         self, ttl: object, refresh_interval: object, max_lifetime: object
     ) -> tuple[float, float, float]:
+        service = self._service
         if ttl is None and refresh_interval is None and max_lifetime is None:
-            return self.ttl, self.refresh_interval, self.max_lifetime
-        lifetime = self.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
+            return service.ttl, service.refresh_interval, service.max_lifetime
+        lifetime = service.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
         interval = None if refresh_interval is None else seconds("refresh_interval", refresh_interval)
         if ttl is None:
             # Keep the service's explicit interval unless a shorter max_lifetime caps the ttl under it.
             if (
                 interval is None
-                and self._refresh_explicit
-                and self.refresh_interval < min(self.ttl, lifetime)
+                and service._refresh_explicit
+                and service.refresh_interval < min(service.ttl, lifetime)
             ):
-                interval = self.refresh_interval
-            return lease_durations(self.ttl, interval, lifetime, ttl_explicit=False)
+                interval = service.refresh_interval
+            return lease_durations(service.ttl, interval, lifetime, ttl_explicit=False)
         return lease_durations(seconds("ttl", ttl), interval, lifetime, ttl_explicit=True)
 
-    @staticmethod
-    def _check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:
-        if holder is None:
-            return {}
-        if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
-            raise InvalidArgumentError("holder must be a mapping with str keys")
-        return holder
-
     def _acquire(
-        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *once: str
+        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *, task_id: str | None
     ) -> Grant | Held | Done:
         """Acquire, retrying once with the same token: the store recognises its own token, so a
         retry after a lost reply returns the lease the first attempt took instead of orphaning it.
@@ -730,88 +782,86 @@ class LockService:
         none if less than 0.1 s is). An exception that is not the store's (a signal handler's,
         such as Celery's SoftTimeLimitExceeded) propagates unchanged; the token is then
         released in the background, as the store may have recorded the lease."""
-        budget_end = time.monotonic() + self.call_timeout
+        service = self._service
+        budget_end = time.monotonic() + service.call_timeout
+        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
+        args = (store_key, token, ttl, max_lifetime, holder)
         for attempt in (1, 2):
-            sent = self.clock()
+            sent = service.clock()
             try:
-                acquire = self.provider.acquire
-                if once:  # keyword-only, and a third-party provider may not take it
-                    acquire = functools.partial(acquire, task_id=once[0])
-                return self._call(
-                    "acquire",
-                    acquire,
-                    store_key,
-                    token,
-                    ttl,
-                    max_lifetime,
-                    holder,
-                    timeout=budget_end - time.monotonic(),
+                return service._call(
+                    "acquire", service.provider.acquire, *args, timeout=budget_end - time.monotonic(), **once
                 )
             except BackendError:
                 if attempt == 2 or budget_end - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
                     # The store may have recorded the lease before failing: release it once it answers.
-                    self._heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
+                    service.heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
                     raise
                 time.sleep(ACQUIRE_RETRY_DELAY)
             except BaseException:
-                self._heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
+                service.heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _call(self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
-        """Call the provider (with ``timeout`` if it takes one); the driver's and the network's
-        exceptions become BackendError, any other exception propagates unchanged."""
-        try:
-            if timeout is not None and self._timeouts:
-                return method(*args, timeout=max(timeout, 0.001))
-            return method(*args)
-        except BackendError:
-            raise
-        except Exception as exc:
-            if not is_store_error(exc):
-                raise
-            raise BackendError(f"lock store failed during {what}: {type(exc).__name__}") from exc
 
     def _winner(self, store_key: str) -> LockInfo | None:
         """Who holds a key whose acquire lost a race and could not say (PostgreSQL: the
         racing insert committed after the statement's snapshot); None if already gone."""
         try:
-            return self._call("peek", self.provider.peek, store_key)
+            return self._service._call("peek", self._service.provider.peek, store_key)
         except BackendError:  # the key was held: that stands even if this extra look fails
             return None
 
-    def _unprefixed(self, info: LockInfo) -> LockInfo:
-        key = info.key[len(self.prefix) :] if info.key.startswith(self.prefix) else info.key
-        return LockInfo(
-            key, info.token, info.fence, info.age, info.expires_in, info.hard_expires_in, info.holder
+
+class _Records:
+    """The service's completion records (see :meth:`LockService.completion`): key checks,
+    the prefix, and None/[]/False from a store that keeps none."""
+
+    def __init__(self, service: LockService) -> None:
+        self._service = service
+        self._store = service.provider if isinstance(service.provider, CompletionStore) else None
+
+    def for_release(self, completion: Completion | None) -> Completion | None:
+        """``completion`` checked, or None when there is none or the store keeps no records."""
+        if completion is None:
+            return None
+        _check_completion(completion)
+        return completion if self._store is not None else None
+
+    def _store_key(self, key: str, task_id: str) -> str:
+        service = self._service
+        check_key(key, prefix=service.prefix, max_length=service.provider.max_key_length)
+        check_task_id(task_id, MAX_TASK_ID_LENGTH)
+        return service.prefix + key
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        store_key = self._store_key(key, task_id)
+        if self._store is None:
+            return None
+        found = self._service._call("read a record", self._store.completion, store_key, task_id)
+        return None if found is None else self.unprefixed(found)
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        _check_filter(prefix, text=False)
+        if self._store is None:
+            return []
+        found = self._service._call("list records", self._store.completions, self._service.prefix + prefix)
+        return [self.unprefixed(record) for record in found]
+
+    def forget(self, key: str, task_id: str) -> bool:
+        store_key = self._store_key(key, task_id)
+        if self._store is None:
+            return False
+        return bool(self._service._call("forget a record", self._store.forget, store_key, task_id))
+
+    def unprefixed(self, record: CompletionInfo) -> CompletionInfo:
+        return CompletionInfo(
+            _unprefix(record.key, self._service.prefix),
+            record.task_id,
+            record.outcome,
+            record.attempt,
+            record.age,
+            record.expires_in,
         )
-
-    def _lose(self, lease: Lease, reason: str) -> None:
-        with self._heartbeat.mutex:
-            if lease._state not in (LeaseState.HELD, LeaseState.JEOPARDY):
-                return
-            lease._state = LeaseState.LOST
-            self._heartbeat.discard(lease)
-            self._cooldowns.pop(lease, None)
-            callbacks = list(lease._on_lost)
-            lease._on_lost.clear()
-            lost = lease._lost  # None unless someone asked for it; ``lost`` then sets it itself
-        if lost is not None:
-            lost.set()
-        logger.warning("lock %r (fence %d) LOST: %s", lease.key, lease.fence, reason)
-        signals.send(signals.lock_lost, self, key=lease.key, lease=lease, reason=reason)
-        for callback in callbacks:
-            try:
-                callback(lease, reason)
-            except Exception:
-                logger.exception("on_lost callback for lock %r failed", lease.key)
-
-    def _refreshed(self, leases: list[Lease], duration: float) -> None:
-        if leases:
-            signals.send(signals.lock_refreshed, self, leases=leases, duration=duration)
-
-    def _refresh_failed(self, leases: list[Lease], error: Exception) -> None:
-        signals.send(signals.refresh_failed, self, leases=leases, error=error)
 
 
 def _check_completion(completion: object) -> None:

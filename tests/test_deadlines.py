@@ -131,7 +131,10 @@ def test_refresh_timeout_bounds() -> None:
     class L:
         def __init__(self, interval: float, deadline: float) -> None:
             self.refresh_interval = interval
-            self._deadline = deadline
+            self.deadline = deadline
+
+        def _deadline_at(self) -> float:
+            return self.deadline
 
     assert refresh_timeout([L(0.5, 10.0)], 9.0) == 0.5  # type: ignore[list-item]
     assert refresh_timeout([L(5.0, 10.0)], 9.0) == 0.5  # type: ignore[list-item]  # half of what is left
@@ -205,3 +208,57 @@ def test_is_store_error() -> None:
     assert not is_store_error(SoftTimeLimitExceeded())
     assert not is_store_error(KeyboardInterrupt())
     assert not is_store_error(ValueError())
+
+
+class _SilentOldStyle(OldStyleProvider):
+    """An old-style provider (no ``timeout`` keyword) whose store stops answering on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.silent = threading.Event()
+        self.unblock = threading.Event()
+
+    def _wait(self) -> None:
+        if self.silent.is_set():
+            self.unblock.wait(30)
+
+    def acquire(self, key: str, token: str, ttl: float, max_lifetime: float, holder: str) -> Grant | Held:
+        self._wait()
+        return super().acquire(key, token, ttl, max_lifetime, holder)
+
+    def peek(self, key: str) -> Any:
+        self._wait()
+        return super().peek(key)
+
+    def scan(self, prefix: str) -> Any:
+        self._wait()
+        return super().scan(prefix)
+
+
+def test_the_service_enforces_the_deadline_of_calls_without_a_timeout_keyword() -> None:
+    """peek, locks and lock on a provider that cannot take ``timeout=``: the service stops
+    waiting at call_timeout (BackendError), and answers again once the store does."""
+    provider = _SilentOldStyle()
+    service = LockService(provider, call_timeout=0.3)
+    try:
+        assert service.peek("k") is None
+        provider.silent.set()
+        for call in (lambda: service.peek("k"), service.locks, lambda: service.lock("k", ttl=1.0)):
+            started = time.monotonic()
+            with pytest.raises(BackendError, match="no answer"):
+                call()
+            assert time.monotonic() - started <= 0.3 + SLACK
+        provider.silent.clear()
+        provider.unblock.set()
+        # The abandoned acquire may take "k" when the store answers at last, after its
+        # background release was answered already: then "k" is free at its ttl (1 s).
+        until = time.monotonic() + 5
+        while service._calls._stuck and time.monotonic() < until:  # the abandoned calls end
+            time.sleep(0.01)
+        while service.peek("k") is not None and time.monotonic() < until:
+            time.sleep(0.05)
+        assert service.lock("k").release().value == "released"
+    finally:
+        provider.unblock.set()
+        service.heartbeat._pending_release.clear()
+        service.close()

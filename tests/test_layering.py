@@ -13,7 +13,7 @@ Layers, bottom up:
   ``_validation``, ``_urls``, ``*_urls``) import only ``errors``;
 * providers (``providers/*``): only leaf modules, ``providers.base`` and ``providers._*``;
   the registry ``providers/__init__.py`` is the one place that may name every provider;
-* lock core (``lease``, ``heartbeat``, ``service``, ``waiting``, ``many``): leaf,
+* lock core (``lease``, ``heartbeat``, ``service``, ``waiting``, ``many``, ``_store``): leaf,
   ``providers.base``, the registry, ``signals`` and each other; no concrete provider
   (``providers.<backend>``) and nothing of the Celery layer;
 * everything else (the Celery layer: task, worker, settings, keys, observe, policies,
@@ -55,9 +55,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # SqlLockProvider(postgresql URL or engine) keeps building the PostgreSQL store, as it did
     # before PostgreSQL got its own module. Follow-up: deprecate that spelling.
     ("providers.sql", "providers.postgres"): "SqlLockProvider(PostgreSQL URL) builds PostgresLockProvider",
-    # Lease holds its LockService for typing only; the LeaseOwner Protocol (issue #11 item 3)
-    # replaces it, which removes the service -> heartbeat -> lease -> service cycle.
-    ("lease", "service"): "type of Lease._service; LeaseOwner Protocol in #11 item 3",
 }
 
 
@@ -116,7 +113,7 @@ def import_graph() -> dict[str, dict[str, int]]:
 
 
 LEAF = {"errors", "validation", "_validation", "urls", "_urls"}
-CORE = {"lease", "heartbeat", "service", "waiting", "many"}
+CORE = {"lease", "heartbeat", "service", "waiting", "many", "_store"}
 REGISTRY = "providers"
 
 

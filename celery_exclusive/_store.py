@@ -1,0 +1,130 @@
+"""The lock service's calls to its provider: each with a deadline, store failures as BackendError.
+
+Part of the lock core (it serves :mod:`celery_exclusive.service`). A provider method that
+takes the ``timeout`` keyword (see :func:`~celery_exclusive.providers.base.accepts_timeout`)
+enforces the deadline itself, on its socket. One that does not (``peek``, ``scan`` and the
+completion-record methods of the built-in stores; any method of a provider written before the
+keyword existed) runs in a thread of its own that the caller stops waiting for at the
+deadline: the caller gets BackendError in time, and the stuck call ends when the driver
+gives up (its connection is the driver's to discard). At most :data:`MAX_STUCK` such calls
+may be left running at once; past that, calls without a timeout fail at once instead of
+piling up threads on a store that stopped answering.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers.base import accepts_timeout
+
+T = TypeVar("T")
+
+#: Top-level packages whose exceptions are the store's failures (driver, network, pool):
+#: only these, and OSError, become BackendError. Anything else, above all an exception a
+#: signal handler raised into the calling thread (KeyboardInterrupt, Celery's
+#: SoftTimeLimitExceeded), propagates unchanged.
+_DRIVER_PACKAGES = frozenset(
+    {"redis", "hiredis", "psycopg", "psycopg2", "sqlalchemy", "pymysql", "MySQLdb", "sqlite3", "_sqlite3"}
+)
+#: Calls past their deadline whose threads may still be running, at most.
+MAX_STUCK = 16
+
+
+def is_store_error(exc: BaseException) -> bool:
+    """True if ``exc`` came from the lock store's driver or the network (an outage)."""
+    if isinstance(exc, (BackendError, OSError)):
+        return True
+    if not isinstance(exc, Exception):
+        return False
+    return any(cls.__module__.partition(".")[0] in _DRIVER_PACKAGES for cls in type(exc).__mro__)
+
+
+class _Outcome:
+    """What a call run in a thread of its own returned or raised, once it has."""
+
+    __slots__ = ("abandoned", "done", "error", "finished", "value")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.finished = False  # set under StoreCalls._lock
+        self.abandoned = False  # set under StoreCalls._lock: the caller stopped waiting
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class StoreCalls:
+    """Calls one provider's methods within deadlines (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._takes_timeout: dict[str, bool] = {}  # method name -> accepts_timeout(method)
+        self._lock = threading.Lock()
+        self._stuck = 0  # calls given up whose threads have not ended yet
+
+    def call(
+        self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> T:
+        """``method(*args, **kwargs)`` within ``timeout`` seconds (None: the driver's own
+        timeouts); the driver's and the network's exceptions become BackendError, any other
+        exception propagates unchanged."""
+        try:
+            if timeout is None:
+                return method(*args, **kwargs)
+            timeout = max(timeout, 0.001)
+            if self._accepts_timeout(method):
+                return method(*args, timeout=timeout, **kwargs)
+            return self._in_thread(what, timeout, method, *args, **kwargs)
+        except BackendError:
+            raise
+        except Exception as exc:
+            if not is_store_error(exc):
+                raise
+            raise BackendError(f"lock store failed during {what}: {type(exc).__name__}") from exc
+
+    def _accepts_timeout(self, method: Callable[..., object]) -> bool:
+        name = getattr(method, "__name__", "")
+        takes = self._takes_timeout.get(name)
+        if takes is None:
+            takes = self._takes_timeout[name] = accepts_timeout(method)
+        return takes
+
+    def _in_thread(self, what: str, timeout: float, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run the call in a thread of its own and wait for it at most ``timeout`` seconds."""
+        with self._lock:
+            if self._stuck >= MAX_STUCK:
+                raise BackendError(
+                    f"lock store failed during {what}: {self._stuck} earlier calls are still "
+                    "waiting for it past their deadlines"
+                )
+        outcome = _Outcome()
+        thread = threading.Thread(
+            target=self._run, args=(outcome, method, args, kwargs), name="celery-exclusive-call", daemon=True
+        )
+        thread.start()
+        if not outcome.done.wait(timeout):
+            with self._lock:
+                if not outcome.finished:
+                    outcome.abandoned = True
+                    self._stuck += 1
+            if outcome.abandoned:
+                raise BackendError(f"lock store gave no answer during {what} within {timeout:.3g} s")
+        return outcome.result()  # type: ignore[no-any-return]
+
+    def _run(self, outcome: _Outcome, method: Callable[..., object], args: Any, kwargs: Any) -> None:
+        try:
+            outcome.value = method(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller, which re-raises it
+            outcome.error = exc
+        finally:
+            with self._lock:
+                outcome.finished = True
+                if outcome.abandoned:
+                    self._stuck -= 1
+            outcome.done.set()
