@@ -66,8 +66,9 @@ live locks: use ``noeviction`` (``diagnose()`` fails otherwise).
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,7 @@ from celery_exclusive.providers._redis_urls import (
     wait_settings,
     whole_ms,
 )
+from celery_exclusive.providers._redis_wake import ReleaseSignals, Subscription
 from celery_exclusive.providers._redis_wire import Wire, as_text
 from celery_exclusive.providers.base import (
     Completion,
@@ -215,6 +217,7 @@ class RedisLockProvider:
             self._execute = self._via_client
         else:
             self._execute = self._target.client.execute_command
+        self._signals: ReleaseSignals | None = None
         self._scripts = ScriptRunner(
             lambda: self._client,
             self._execute,
@@ -307,6 +310,30 @@ class RedisLockProvider:
         record = (completion.task_id, value, whole_ms(completion.retain))
         return bool(self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout))
 
+    def subscribe(self, key: str) -> Subscription:
+        """Listen for releases of ``key`` (``WakesWaiters``): sharded pub/sub on the key,
+        published by the release script (providers/_redis_wake.py). Raises when the server
+        cannot confirm it (a BackendError for a driver error); the waiter then polls."""
+        signals = self._signals
+        if signals is None or signals.pid != os.getpid():  # a child never uses its parent's
+            with self._connecting:
+                signals = self._signals
+                if signals is None or signals.pid != os.getpid():
+                    signals = self._signals = ReleaseSignals(self._route)
+        with self._translated:
+            return signals.subscribe(key)
+
+    def _route(self, key: str) -> tuple[str, Callable[[], Any]]:
+        """The server owning ``key`` and a factory of unconnected connections to it."""
+        if self._cluster:
+            node = self._client.get_node_from_key(key)
+            pool = node.redis_connection.connection_pool
+            name = node.name
+        else:
+            pool = self._target.pool if self._target.pool is not None else self._client.connection_pool
+            name = "primary"
+        return name, lambda: pool.connection_class(**pool.connection_kwargs)
+
     def completion(self, key: str, task_id: str) -> CompletionInfo | None:
         now, *found = self._scripts.run(DONE, 1, key, task_id)
         records = [self._record(key, field, value, now) for _, field, value in found]
@@ -392,6 +419,9 @@ class RedisLockProvider:
         return infos
 
     def close(self) -> None:
+        signals, self._signals = self._signals, None
+        if signals is not None and signals.pid == os.getpid():
+            signals.close()
         if self._wire is not None:
             self._wire.close()
         if self._target.built and self._target.client is not None:

@@ -1,0 +1,245 @@
+"""Release signals for Redis waiters (``WakesWaiters``): sharded pub/sub on the lock key.
+
+``release.lua`` ends, when it has freed a live lease, with ``SPUBLISH <key> ''``: the
+channel is the lock key itself, so on Redis Cluster it hashes to the script's own slot
+(a script may publish only there) and the message goes to that shard's nodes alone,
+where plain ``PUBLISH`` would be broadcast over the cluster bus to every node. Standalone
+and Sentinel use the same ``SPUBLISH``/``SSUBSCRIBE`` (on one server they behave as
+``PUBLISH``/``SUBSCRIBE``), so one script and one listener serve every deployment. Pub/sub
+channels are not keys: nothing is written, and a release nobody waits for costs one
+publish to no one. Redis < 7 has no sharded pub/sub: the script's ``pcall`` fails quietly,
+``SSUBSCRIBE`` is refused, and waiters poll.
+
+:class:`ReleaseSignals` (one per provider and process) keeps one subscriber connection per
+server (per primary on Cluster: the one owning the key's slot), opened on the first
+subscription, with a daemon thread reading it and waking the subscriptions of the key a
+message names. A key is subscribed while someone waits for it and unsubscribed when the
+last one leaves. :meth:`ReleaseSignals.subscribe` returns only once the server confirmed
+the subscription, so a release after it is seen (the Protocol's "subscribe before the
+first try").
+
+Losing the connection (a kill, a restart, a Sentinel failover) breaks its subscriptions:
+their ``wait`` raises and the waiter polls for the rest of that wait (at the poll bound of
+:mod:`celery_exclusive.waiting`); the next subscription opens a new connection. So do a
+server-side ``sunsubscribe`` (a slot moved on Cluster) and a subscription not confirmed
+within :data:`CONFIRM_TIMEOUT`. A child process never uses its parent's connections: the
+provider makes a new ``ReleaseSignals`` when the pid changed, leaving the inherited one
+untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from celery_exclusive.providers._redis_wire import _connect_within, as_text
+
+#: Seconds to connect the subscriber connection, and for the server to confirm a
+#: subscription; past it the waiter polls.
+CONFIRM_TIMEOUT = 1.0
+
+
+class SignalsLost(ConnectionError):
+    """A subscription cannot signal (its connection is gone); the waiter polls instead."""
+
+
+class _Link:
+    """One subscriber connection and the daemon thread reading it."""
+
+    def __init__(self, signals: ReleaseSignals, node: str, conn: Any) -> None:
+        self.node = node
+        self.conn = conn
+        self.alive = True
+        #: Unsubscribes sent and not yet answered, per channel: any other ``sunsubscribe``
+        #: is the server's (a slot moved away).
+        self.leaving: dict[str, int] = {}
+        self.thread = threading.Thread(
+            target=signals._listen, args=(self,), name=f"celery-exclusive-wake {node}", daemon=True
+        )
+
+
+class _Watch:
+    """The subscription state of one key on one link, shared by its subscribers."""
+
+    __slots__ = ("broken", "changed", "confirmed", "link", "released", "subscribers")
+
+    def __init__(self, link: _Link, lock: threading.Lock) -> None:
+        self.link = link
+        self.changed = threading.Condition(lock)
+        self.subscribers = 0
+        self.released = 0
+        self.confirmed = False
+        self.broken = False
+
+
+class Subscription:
+    """One waiter's view of a key's releases (``providers.base.ReleaseSubscription``)."""
+
+    def __init__(self, signals: ReleaseSignals, key: str, watch: _Watch) -> None:
+        self._signals = signals
+        self._key = key
+        self._watch = watch
+        self._seen = watch.released
+        self._open = True
+
+    def wait(self, timeout: float) -> bool:
+        watch = self._watch
+        with watch.changed:
+            if not self._open:
+                raise SignalsLost("subscription closed")
+            watch.changed.wait_for(lambda: watch.released != self._seen or watch.broken, timeout)
+            if watch.released != self._seen:
+                self._seen = watch.released
+                return True
+            if watch.broken:
+                raise SignalsLost("the subscriber connection was lost")
+            return False
+
+    def close(self) -> None:
+        with self._watch.changed:
+            if not self._open:
+                return
+            self._open = False
+            self._signals._leave(self._key, self._watch)
+
+
+class ReleaseSignals:
+    """Subscriptions to lock keys' release channels, for one provider in one process.
+
+    ``route(key)`` names the server owning ``key`` and gives a factory of unconnected
+    redis-py connections to it.
+    """
+
+    def __init__(self, route: Callable[[str], tuple[str, Callable[[], Any]]]) -> None:
+        self.pid = os.getpid()
+        self._route = route
+        self._lock = threading.Lock()
+        self._connecting = threading.Lock()
+        self._links: dict[str, _Link] = {}
+        self._watches: dict[str, _Watch] = {}
+        #: Why this server cannot signal (no SSUBSCRIBE before Redis 7), once seen.
+        self._unsupported: str | None = None
+
+    def subscribe(self, key: str) -> Subscription:
+        """Subscribe to ``key``'s releases; returns once the server confirmed it. Raises a
+        driver error or :class:`SignalsLost` when it cannot (the waiter then polls)."""
+        if self._unsupported is not None:
+            raise SignalsLost(self._unsupported)
+        link = self._link(*self._route(key))
+        with self._lock:
+            if not link.alive:  # lost since: never send on it (redis-py would reconnect it)
+                raise SignalsLost(f"no subscription to releases of {key!r}")
+            watch = self._watches.get(key)
+            if watch is None or watch.broken or watch.link is not link:
+                watch = _Watch(link, self._lock)
+                self._watches[key] = watch
+                self._send(link, "SSUBSCRIBE", key)
+            watch.subscribers += 1
+            subscription = Subscription(self, key, watch)
+            confirmed = watch.changed.wait_for(lambda: watch.confirmed or watch.broken, CONFIRM_TIMEOUT)
+            if confirmed and not watch.broken:
+                return subscription
+            subscription._open = False
+            self._leave(key, watch)
+            if not confirmed:  # a connection that stopped answering: open a new one next time
+                self._lost(link)
+        raise SignalsLost(self._unsupported or f"no subscription to releases of {key!r}")
+
+    def _link(self, node: str, make: Callable[[], Any]) -> _Link:
+        link = self._links.get(node)
+        if link is not None and link.alive:
+            return link
+        with self._connecting:
+            link = self._links.get(node)
+            if link is not None and link.alive:
+                return link
+            conn = make()
+            _connect_within(conn, CONFIRM_TIMEOUT)
+            conn._sock.settimeout(None)  # a subscriber waits for messages as long as it takes
+            link = _Link(self, node, conn)
+            with self._lock:
+                self._links[node] = link
+            link.thread.start()
+            return link
+
+    def _send(self, link: _Link, *command: str) -> None:
+        """Send on ``link`` (holding the lock, so commands go out in the order recorded)."""
+        try:
+            link.conn.send_command(*command, check_health=False)
+        except Exception:
+            self._lost(link)
+            raise
+
+    def _leave(self, key: str, watch: _Watch) -> None:
+        """One subscriber of ``watch`` left (holding the lock); the last one unsubscribes."""
+        watch.subscribers -= 1
+        if watch.subscribers > 0 or self._watches.get(key) is not watch:
+            return
+        del self._watches[key]
+        link = watch.link
+        if watch.broken or not link.alive:
+            return
+        link.leaving[key] = link.leaving.get(key, 0) + 1
+        try:
+            self._send(link, "SUNSUBSCRIBE", key)
+        except Exception:  # the link is marked lost; nothing is left to unsubscribe
+            return
+
+    def _listen(self, link: _Link) -> None:
+        """The reader thread of ``link``: dispatch messages until the connection fails."""
+        try:
+            while True:
+                reply = link.conn.read_response(push_request=True)
+                if isinstance(reply, list) and len(reply) == 3:
+                    self._dispatch(link, as_text(reply[0]), as_text(reply[1]))
+        except Exception as exc:
+            if "unknown command" in str(exc).lower():
+                self._unsupported = "this Redis has no sharded pub/sub (SSUBSCRIBE, Redis >= 7)"
+        with self._lock:
+            self._lost(link)
+
+    def _dispatch(self, link: _Link, kind: str, key: str) -> None:
+        with self._lock:
+            if kind == "sunsubscribe" and link.leaving.get(key):
+                link.leaving[key] -= 1
+                if not link.leaving[key]:
+                    del link.leaving[key]
+                return
+            watch = self._watches.get(key)
+            if watch is None or watch.link is not link:
+                return
+            if kind == "smessage":
+                watch.released += 1
+            elif kind == "ssubscribe":
+                watch.confirmed = True
+            elif kind == "sunsubscribe":  # the server's: the slot moved; its waiters poll
+                watch.broken = True
+                del self._watches[key]
+            else:
+                return
+            watch.changed.notify_all()
+
+    def _lost(self, link: _Link) -> None:
+        """``link`` is gone (holding the lock): its subscriptions break, its waiters poll."""
+        if link.alive:
+            link.alive = False
+            if self._links.get(link.node) is link:
+                del self._links[link.node]
+            for key, watch in list(self._watches.items()):
+                if watch.link is link:
+                    watch.broken = True
+                    del self._watches[key]
+                    watch.changed.notify_all()
+        link.conn.disconnect()
+
+    def close(self) -> None:
+        """Close every subscriber connection (their readers end; open subscriptions break)."""
+        with self._lock:
+            links = list(self._links.values())
+            for link in links:
+                self._lost(link)
+        for link in links:
+            if link.thread is not threading.current_thread():
+                link.thread.join(CONFIRM_TIMEOUT)
