@@ -22,6 +22,9 @@ from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
+
+# Woken handover on the cluster (p50 within 50 ms, as on every store that signals releases).
+from tests.contract.test_waiting import test_a_waiter_acquires_soon_after_the_release  # noqa: F401
 from tests.scale._servers import cluster_ports, processes, start_cluster_node, wait_for
 from tests.scale.conftest import contract_store
 
@@ -312,3 +315,27 @@ globals().update(
         if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
     }
 )
+
+
+def test_a_release_wakes_its_waiters_on_every_primary(provider: RedisLockProvider) -> None:
+    """release.lua's SPUBLISH on the key (the script's own slot) reaches a subscriber on the
+    key's shard: keys on each of the three primaries, one subscriber connection per primary."""
+    prefix = f"w{uuid.uuid4().hex[:8]}:"
+    cluster = provider._client
+    by_node: dict[str, str] = {}
+    for i in range(200):
+        key = f"{prefix}{i}"
+        by_node.setdefault(cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key)).name, key)
+    assert len(by_node) == 3
+    subscriptions = {key: provider.subscribe(key) for key in by_node.values()}
+    signals = provider._signals
+    assert signals is not None
+    assert sorted(signals._links) == sorted(by_node)
+    for key, subscription in subscriptions.items():
+        assert isinstance(provider.acquire(key, "tok", 30.0, 600.0, "{}"), Grant)
+        assert subscription.wait(0.1) is False
+        assert provider.release(key, "tok") is True
+        assert subscription.wait(5.0) is True
+        assert all(s.wait(0) is False for k, s in subscriptions.items() if k != key)
+    for subscription in subscriptions.values():
+        subscription.close()

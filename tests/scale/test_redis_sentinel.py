@@ -7,6 +7,9 @@ documented in docs/scaling.md.
 
 from __future__ import annotations
 
+import statistics
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ import redis
 from celery_exclusive import BackendError, LockService
 from celery_exclusive.providers.base import Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
+from celery_exclusive.testing.contract import wait_until
 from tests.scale._servers import binary, free_port, processes, start, wait_for
 
 
@@ -125,3 +129,45 @@ def test_an_unknown_service_is_a_backend_error(sentinel: tuple[int, int]) -> Non
         assert "s3cret" not in str(raised.value)
     finally:
         provider.close()
+
+
+def test_waiters_are_woken_on_the_primary_the_sentinel_names(sentinel: tuple[int, int]) -> None:
+    """Through the sentinel, the subscriber connection is on the primary and a release
+    wakes the waiter (p50 of 10 handovers within 50 ms); an unknown service cannot be
+    subscribed to (a BackendError, so the waiter would poll and its attempt fail)."""
+    primary_port, sentinel_port = sentinel
+    prefix = f"w{uuid.uuid4().hex[:8]}:"
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster/0"
+    holder, waiter = LockService(url, prefix=prefix), LockService(url, prefix=prefix)
+    direct = redis.Redis(port=primary_port)
+    latencies: list[float] = []
+    try:
+        for _ in range(10):
+            lease = holder.lock("job", ttl=30)
+            acquired: list[float] = []
+            thread = threading.Thread(target=_wait_and_release, args=(waiter, acquired))
+            thread.start()
+            assert wait_until(
+                lambda: direct.execute_command("PUBSUB", "SHARDNUMSUB", prefix + "job")[1] == 1, 5.0
+            )
+            released = time.monotonic()
+            lease.release()
+            thread.join(15)
+            latencies.append(acquired[0] - released)
+        assert statistics.median(latencies) <= 0.05, latencies
+    finally:
+        holder.close()
+        waiter.close()
+        direct.close()
+    provider = RedisLockProvider(f"redis+sentinel://127.0.0.1:{sentinel_port}/nosuch")
+    try:
+        with pytest.raises(BackendError, match="nosuch"):
+            provider.subscribe("k")
+    finally:
+        provider.close()
+
+
+def _wait_and_release(service: LockService, acquired: list[float]) -> None:
+    lease = service.lock("job", ttl=30, wait=10)
+    acquired.append(time.monotonic())
+    lease.release()
