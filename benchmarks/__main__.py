@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks import capacity, celery_e2e, contention, footprint, heartbeat, pg_locks, redis_locks
+from benchmarks import capacity, celery_e2e, contention, footprint, heartbeat, pg_locks, redis_locks, waiting
 from benchmarks.harness import (
     CELERY_BROKER,
     ORIGIN_TABLE,
@@ -43,12 +43,21 @@ from benchmarks.harness import (
     timed,
 )
 
-SECTIONS = ("redis", "postgres", "contention", "heartbeat", "footprint", "capacity", "celery")
+SECTIONS = ("redis", "postgres", "contention", "waiting", "heartbeat", "footprint", "capacity", "celery")
 
 
 def all_rows() -> list[str]:
     """The name of every row and target the full suite prints (the quick test checks them)."""
-    modules: list[Any] = [redis_locks, pg_locks, contention, heartbeat, footprint, capacity, celery_e2e]
+    modules: list[Any] = [
+        redis_locks,
+        pg_locks,
+        contention,
+        waiting,
+        heartbeat,
+        footprint,
+        capacity,
+        celery_e2e,
+    ]
     names: list[str] = []
     for module in modules:
         names += module.ROWS
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "redis": lambda: redis_locks.run(report, plan, cleanup),
         "postgres": lambda: pg_locks.run(report, plan, cleanup),
         "contention": lambda: contention.run(report, plan, cleanup),
+        "waiting": lambda: waiting.run(report, plan, cleanup),
         "heartbeat": lambda: heartbeat.run(report, plan, cleanup),
         "footprint": lambda: footprint.run(report, plan),
         "capacity": lambda: capacity.run(report, plan, cleanup),
