@@ -29,9 +29,14 @@ Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` pr
   needs its own session-level connection (one per waiting service, shared by its waiters),
   so behind PgBouncer in transaction mode (where LISTEN does not work) and on SQLite and
   MariaDB (no such mechanism) the store does not offer ``subscribe`` and waiters poll.
-* Redis (after the Lua scripts move to .lua files): pub/sub, the release script ending with
-  ``PUBLISH`` on ``<key>:released`` (in Cluster, ``SPUBLISH``: sharded pub/sub routes the
-  message to the key's own shard instead of broadcasting to every node). Chosen over a
+* Redis (implemented, providers/_redis_wake.py): sharded pub/sub, ``release.lua`` ending
+  with ``SPUBLISH`` on the key itself when it freed a live lease (on Cluster the channel is
+  in the script's own slot, and the message goes to the key's shard instead of being
+  broadcast to every node as ``PUBLISH`` would; standalone and Sentinel use the same
+  command, so one script serves all three; Redis < 7 has none and its waiters poll). A
+  waiter subscribes on one connection per server (per primary on Cluster) per provider and
+  process, read by a daemon thread, and returns from ``subscribe`` once the server
+  confirmed it. A lost connection breaks its subscriptions: the waiter polls. Chosen over a
   per-key signal list (python-redis-lock's ``BLPOP``): a list needs a write per release
   even when nobody waits, its entries must expire, one waiter consumes the signal meant
   for all (the others then poll), and a blocking pop holds a pooled connection per waiter;
