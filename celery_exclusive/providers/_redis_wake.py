@@ -22,7 +22,8 @@ Losing the connection (a kill, a restart, a Sentinel failover) breaks its subscr
 their ``wait`` raises and the waiter polls for the rest of that wait (at the poll bound of
 :mod:`celery_exclusive.waiting`); the next subscription opens a new connection. So do a
 server-side ``sunsubscribe`` (a slot moved on Cluster) and a subscription not confirmed
-within :data:`CONFIRM_TIMEOUT`. A child process never uses its parent's connections: the
+within :data:`CONFIRM_TIMEOUT` (after which waiters poll for :data:`STALLED_FOR` seconds
+before trying to subscribe again). A child process never uses its parent's connections: the
 provider makes a new ``ReleaseSignals`` when the pid changed, leaving the inherited one
 untouched.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,9 @@ from celery_exclusive.providers._redis_wire import _connect_within, as_text
 #: Seconds to connect the subscriber connection, and for the server to confirm a
 #: subscription; past it the waiter polls.
 CONFIRM_TIMEOUT = 1.0
+#: Seconds after a subscription went unconfirmed during which waiters poll without trying
+#: to subscribe (a server or proxy that swallows SSUBSCRIBE costs one wait, not every one).
+STALLED_FOR = 30.0
 
 
 class SignalsLost(ConnectionError):
@@ -121,12 +126,16 @@ class ReleaseSignals:
         self._watches: dict[str, _Watch] = {}
         #: Why this server cannot signal (no SSUBSCRIBE before Redis 7), once seen.
         self._unsupported: str | None = None
+        #: Monotonic time until which subscribing is not tried (see :data:`STALLED_FOR`).
+        self._stalled_until = 0.0
 
     def subscribe(self, key: str) -> Subscription:
         """Subscribe to ``key``'s releases; returns once the server confirmed it. Raises a
         driver error or :class:`SignalsLost` when it cannot (the waiter then polls)."""
         if self._unsupported is not None:
             raise SignalsLost(self._unsupported)
+        if time.monotonic() < self._stalled_until:
+            raise SignalsLost("a recent subscription went unconfirmed; polling for now")
         link = self._link(*self._route(key))
         with self._lock:
             if not link.alive:  # lost since: never send on it (redis-py would reconnect it)
@@ -143,7 +152,8 @@ class ReleaseSignals:
                 return subscription
             subscription._open = False
             self._leave(key, watch)
-            if not confirmed:  # a connection that stopped answering: open a new one next time
+            if not confirmed:  # a connection that stopped answering: a new one, but not at once
+                self._stalled_until = time.monotonic() + STALLED_FOR
                 self._lost(link)
         raise SignalsLost(self._unsupported or f"no subscription to releases of {key!r}")
 
