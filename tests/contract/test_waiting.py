@@ -2,7 +2,7 @@
 SQLite, PostgreSQL, MariaDB, Redis), issue #13 items 1 and 3.
 
 Stores that signal releases (:class:`~celery_exclusive.providers.base.WakesWaiters`, today
-memory only) must hand over within 50 ms (p50); the others within the poll bound.
+memory and Redis) must hand over within 50 ms (p50); the others within the poll bound.
 """
 
 from __future__ import annotations
