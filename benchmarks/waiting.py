@@ -92,8 +92,10 @@ def handover(url: str, prefix: str, trials: int, *, polled: bool = False) -> lis
     return latencies
 
 
-def _contend(url: str, prefix: str, seconds: float, start: Any, results: Any) -> None:
-    service = LockService(url, prefix=prefix)
+def _contend(
+    url: str, prefix: str, seconds: float, start: Any, results: Any, *, polled: bool = False
+) -> None:
+    service = LockService(Polled(LockService(url).provider) if polled else url, prefix=prefix)
     service.peek("fair")
     count = 0
     start.wait()
@@ -111,11 +113,12 @@ def _contend(url: str, prefix: str, seconds: float, start: Any, results: Any) ->
     results.put(count)
 
 
-def fairness(url: str, prefix: str, seconds: float, processes: int = 8) -> list[int]:
+def fairness(url: str, prefix: str, seconds: float, processes: int = 8, *, polled: bool = False) -> list[int]:
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(processes), ctx.Queue()
     procs = [
-        ctx.Process(target=_contend, args=(url, prefix, seconds, start, results)) for _ in range(processes)
+        ctx.Process(target=_contend, args=(url, prefix, seconds, start, results), kwargs={"polled": polled})
+        for _ in range(processes)
     ]
     for proc in procs:
         proc.start()
@@ -152,10 +155,15 @@ def main() -> None:
             )
         if name == "memory":
             continue  # in-process only: no cross-process fairness to measure
-        counts = fairness(url, prefix, args.seconds)
-        total = sum(counts)
-        shares = " ".join(f"{100 * c / total:4.1f}%" for c in counts) if total else "-"
-        print(f"{name:9} fairness 8 procs: {total} acquisitions, shares {shares}, Jain {jain(counts):.3f}")
+        for polled in (False, True) if woken else (False,):
+            counts = fairness(url, prefix, args.seconds, polled=polled)
+            total = sum(counts)
+            shares = " ".join(f"{100 * c / total:4.1f}%" for c in counts) if total else "-"
+            how = "polled" if polled or not woken else "woken"
+            print(
+                f"{name:9} fairness {how:6} 8 procs: {total} acquisitions, shares {shares},"
+                f" Jain {jain(counts):.3f}"
+            )
 
 
 def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
