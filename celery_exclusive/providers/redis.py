@@ -60,6 +60,11 @@ must never expire is the unbounded memory this design avoids. Keys written by ve
 before this design carry no TTL until they are next acquired or released; deleting such
 an idle ``{fence: N}`` hash is safe (the next fence comes from the clock).
 
+Waiting (``LockService.lock(key, wait=)``): the release script, when it frees a live lease,
+sends ``SPUBLISH`` on the key itself, and :meth:`RedisLockProvider.subscribe` listens with
+``SSUBSCRIBE`` on one connection per server and process (providers/_redis_wake.py); Redis
+< 7 has no sharded pub/sub and its waiters poll.
+
 Keys now carry TTLs, so a ``volatile-*`` (or ``allkeys-*``) ``maxmemory-policy`` may evict
 live locks: use ``noeviction`` (``diagnose()`` fails otherwise).
 """
