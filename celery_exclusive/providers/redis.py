@@ -19,6 +19,11 @@ default 0.5) bounds it. A grant or refresh that fewer than N replicas acknowledg
 the timeout is a BackendError, not a lease: it may exist on the primary only, which a
 failover would lose. A contended acquire wrote nothing and is answered as usual.
 
+Waiting (``LockService.lock(key, wait=)``): the release script, when it frees a live lease,
+sends ``SPUBLISH`` on the key itself, and :meth:`RedisLockProvider.subscribe` listens with
+``SSUBSCRIBE`` on one connection per server and process (providers/_redis_wake.py); Redis
+< 7 has no sharded pub/sub and its waiters poll.
+
 Each lock is one hash at exactly the key given, with fields ``token``, ``fence``,
 ``created``, ``expires`` and ``deadline`` (milliseconds on the Redis server's clock,
 ``expires <= deadline``) and ``holder`` (JSON). The scripts report times in microseconds
@@ -59,11 +64,6 @@ user's own key; a global counter would send every acquire to one slot; and a cou
 must never expire is the unbounded memory this design avoids. Keys written by versions
 before this design carry no TTL until they are next acquired or released; deleting such
 an idle ``{fence: N}`` hash is safe (the next fence comes from the clock).
-
-Waiting (``LockService.lock(key, wait=)``): the release script, when it frees a live lease,
-sends ``SPUBLISH`` on the key itself, and :meth:`RedisLockProvider.subscribe` listens with
-``SSUBSCRIBE`` on one connection per server and process (providers/_redis_wake.py); Redis
-< 7 has no sharded pub/sub and its waiters poll.
 
 Keys now carry TTLs, so a ``volatile-*`` (or ``allkeys-*``) ``maxmemory-policy`` may evict
 live locks: use ``noeviction`` (``diagnose()`` fails otherwise).

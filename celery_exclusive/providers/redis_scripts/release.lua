@@ -18,6 +18,9 @@ if r[1] then
     if live then owned = 1 end
   end
 end
+-- A live lease freed wakes its waiters (providers/_redis_wake.py): SPUBLISH on channel
+-- KEYS[1], in this script's slot on Cluster; pcall: Redis < 7 has none (waiters poll).
+if owned == 1 then redis.pcall('SPUBLISH', KEYS[1], '') end
 local keep = (tonumber(r[3]) or 0) - now
 if ARGV[2] then
   local until_ms = now + tonumber(ARGV[4])
@@ -40,7 +43,4 @@ if ARGV[2] then
   if not cleared and redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], int(keep)) end
 end
 if cleared then redis.call('PEXPIRE', KEYS[1], int(math.max(RETAIN, keep))) end
--- A live lease freed wakes its waiters (providers/_redis_wake.py): SPUBLISH on channel
--- KEYS[1], in this script's slot on Cluster; pcall: Redis < 7 has none (waiters poll).
-if owned == 1 then redis.pcall('SPUBLISH', KEYS[1], '') end
 return owned
