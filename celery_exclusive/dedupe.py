@@ -61,6 +61,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -96,39 +97,66 @@ def apply_async(
 ) -> Any:
     """``task.apply_async(args, kwargs, **options)`` through the queued marker; ``send`` publishes."""
     settings = task.lock_settings
-    mode = settings.dedupe
-    if not mode or task.app.conf.task_always_eager or _resending(task, options):
-        return send(args, kwargs, **options)
-    ttl = marker_ttl(task, settings.dedupe_ttl, options)
-    if ttl is None:  # the message is expired already: it will never run, nor block anything
+    ttl = _ttl_if_deduped(task, settings, options)
+    if ttl is None:
         return send(args, kwargs, **options)
     key = task.lock_key_for(args or (), kwargs or {})
-    service = task.lock_service
-    marker = key + QUEUED_SUFFIX
     task_id = options.get("task_id") or str(uuid.uuid4())
-    holder = {"task_id": task_id, "task_name": task.name}
+    taken = _take(task.lock_service, key, settings.dedupe, ttl, {"task_id": task_id, "task_name": task.name})
+    if isinstance(taken, _Found):
+        return _duplicate(task, key, taken.task_id, settings.on_duplicate)
+    if taken is None:
+        logger.warning(
+            "%s: the queued marker of %r kept changing hands; sending without dedupe", task.name, key
+        )
+        return send(args, kwargs, **options)
+    headers = dict(options.get("headers") or {})
+    headers[HEADER] = {"key": key, "token": taken, "mode": settings.dedupe}
+    try:
+        return send(args, kwargs, **{**options, "task_id": task_id, "headers": headers})
+    except BaseException:
+        with contextlib.suppress(BackendError):  # the ttl bounds it if the store is down too
+            task.lock_service.force_release(key + QUEUED_SUFFIX, taken)
+        raise
+
+
+def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> float | None:
+    """The new marker's ttl, or None when this send takes none (no dedupe, eager, a re-send
+    of the running task, or a message expired already: it will never run nor block anything)."""
+    if not settings.dedupe or task.app.conf.task_always_eager or _resending(task, options):
+        return None
+    return marker_ttl(task, settings.dedupe_ttl, options)
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A failed mark: the id of the task queued (or, under until_done, running) for the key."""
+
+    task_id: str | None
+
+
+def _take(service: Any, key: str, mode: str, ttl: float, holder: dict[str, Any]) -> str | _Found | None:
+    """The new marker's token, the duplicate found, or None when the marker kept changing hands."""
+    marker = key + QUEUED_SUFFIX
     for _ in range(_ATTEMPTS):
         token = service.mark(marker, ttl=ttl, holder=holder)
         if token is None:
             existing = _existing(service, key, marker, mode)
             if existing is _FREED:
                 continue  # released between our mark and our look: take it again
-            return _duplicate(task, key, existing, settings.on_duplicate)
-        if mode == "until_done":
-            running = service.peek(key)
-            if running is not None and running.holder.get("task_id"):
-                service.force_release(marker, token)
-                return _duplicate(task, key, running.holder["task_id"], settings.on_duplicate)
-        headers = dict(options.get("headers") or {})
-        headers[HEADER] = {"key": key, "token": token, "mode": mode}
-        try:
-            return send(args, kwargs, **{**options, "task_id": task_id, "headers": headers})
-        except BaseException:
-            with contextlib.suppress(BackendError):  # the ttl bounds it if the store is down too
-                service.force_release(marker, token)
-            raise
-    logger.warning("%s: the queued marker of %r kept changing hands; sending without dedupe", task.name, key)
-    return send(args, kwargs, **options)
+            return _Found(existing)
+        running = _running_id(service, key) if mode == "until_done" else None
+        if running is None:
+            return token
+        service.force_release(marker, token)
+        return _Found(running)
+    return None
+
+
+def _running_id(service: Any, key: str) -> str | None:
+    """The id of the task whose run holds ``key``'s execution lock, if any."""
+    running = service.peek(key)
+    return None if running is None else running.holder.get("task_id") or None
 
 
 #: What :func:`_existing` answers for a marker released since the failed mark.
@@ -140,9 +168,9 @@ def _existing(service: Any, key: str, marker: str, mode: str) -> Any:
     if mode == "until_done":
         # The marker may be a concurrent sender's that is about to find the run and publish
         # nothing: the run is the duplicate then, not the marker's id.
-        running = service.peek(key)
-        if running is not None and running.holder.get("task_id"):
-            return running.holder["task_id"]
+        running = _running_id(service, key)
+        if running is not None:
+            return running
     queued = service.peek(marker)
     return _FREED if queued is None else queued.holder.get("task_id")
 
