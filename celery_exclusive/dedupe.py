@@ -17,8 +17,14 @@ whoever ends the message releases exactly that marker, by token:
 * the worker, when the run starts (``"until_start"``, the default: Celery's
   ``task_prerun``), or once the run holds the execution lock (``"until_done"``); and in
   every case when the message's run ends (``task_postrun``), whether it ran, skipped or failed;
+* the revoking process, when ``AsyncResult.revoke()`` / ``app.control.revoke(ids)``
+  returns (the broadcast was sent): it looks the ids' markers up (one scan of the store's
+  live leases, so a revoke costs O(leases held); no reverse record is written at send,
+  which keeps a send at one store round trip) and releases them by token, so the key is
+  free at once while the message still waits in its queue (see :func:`install_revoke`);
 * the worker, when it discards the message as revoked or expired (``task_revoked``), or
-  rejects it (``task_rejected``, ``task_unknown``);
+  rejects it (``task_rejected``, ``task_unknown``): revokes from elsewhere (``celery
+  control revoke``, Flower, another language) free the key only then;
 * the sender, when the publish raises (broker down): no marker is left behind.
 
 What no one releases expires: the marker lives ``dedupe_ttl`` (default
@@ -66,6 +72,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
+from celery.app.control import Control
 
 from celery_exclusive.errors import AlreadyQueued, BackendError
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -288,3 +295,78 @@ def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if marker is not None and app is not None:
         _release(app, marker, "rejected")
+
+
+# -- the revoking process's side: a revoke frees the ids' markers at once ------------------
+
+
+def install_revoke(app: Any) -> None:
+    """Make ``app.control.revoke`` (and so ``AsyncResult.revoke``, ``GroupResult.revoke``)
+    also release the revoked ids' queued markers (called when an ExclusiveTask is bound).
+
+    The app's control is built from ``app.control_cls`` on first use: before that, the
+    default class is swapped for :class:`RevokingControl` (importable by name, so the app
+    still pickles); a custom or already built control gets its instance's ``revoke`` wrapped.
+    """
+    if getattr(app, _REVOKE_INSTALLED, False):
+        return
+    setattr(app, _REVOKE_INSTALLED, True)
+    if "control" not in app.__dict__ and app.control_cls in (_DEFAULT_CONTROL, Control):
+        app.control_cls = "celery_exclusive.dedupe:RevokingControl"
+        return
+    control = app.control
+    if isinstance(control, RevokingControl):
+        return
+    original = control.revoke
+
+    def revoke(task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = original(task_id, *args, **kwargs)
+        release_revoked(app, task_id)
+        return answer
+
+    control.revoke = revoke
+
+
+class RevokingControl(Control):
+    """Celery's ``Control`` whose ``revoke`` also releases the ids' queued markers."""
+
+    def revoke(self, task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = super().revoke(task_id, *args, **kwargs)
+        release_revoked(self.app, task_id)
+        return answer
+
+
+def release_revoked(app: Any, task_ids: Any) -> int:
+    """Release the queued markers naming ``task_ids`` (an id or ids); how many it released.
+
+    Only after the revoke broadcast went out (a revoke that raised frees nothing). A store
+    outage is logged, not raised: the revoke itself took effect, and the worker that meets
+    the message releases its marker then (``task_revoked``), the marker's ttl at the latest.
+    """
+    ids = {task_ids} if isinstance(task_ids, str) else {str(one) for one in task_ids or ()}
+    if not ids or not _dedupes(app):
+        return 0
+    from celery_exclusive.worker import get_lock_service
+
+    released = 0
+    try:
+        service = get_lock_service(app)
+        for info in service.locks():
+            if info.key.endswith(QUEUED_SUFFIX) and info.holder.get("task_id") in ids:
+                released += service.force_release(info.key, info.token)
+    except BackendError:
+        logger.warning("could not release the queued markers of revoked %s", sorted(ids), exc_info=True)
+    return released
+
+
+def _dedupes(app: Any) -> bool:
+    """Whether a task registered on ``app`` deduplicates (else a revoke has no marker to free)."""
+    for task in list(app.tasks.values()):
+        settings = getattr(type(task), "lock_settings", None) and task.lock_settings
+        if settings and settings.dedupe:
+            return True
+    return False
+
+
+_REVOKE_INSTALLED = "_celery_exclusive_revoke_installed"
+_DEFAULT_CONTROL = "celery.app.control:Control"

@@ -74,6 +74,7 @@ from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
 from celery_exclusive import _interrupt, dedupe, observe, policies, redelivery
+from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
@@ -215,6 +216,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
     _own_throws: tuple[type[Exception], ...] = ()
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Celery's hook on binding: a revoke through ``app.control`` then frees queued markers."""
+        super().on_bound(app)
+        install_revoke(app)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a task class per decorated function: reject bad options right here.
@@ -604,6 +611,7 @@ def exclusive_task(
     def decorate(function: Callable[..., Any]) -> Any:
         KeyBuilder.for_function(options.get("lock_key"), function, bound=bool(options.get("bind")))
         if app is not None:
+            install_revoke(app)  # before the app is finalized (its control may be built first)
             return app.task(**options)(function)
         return shared_task(**options)(function)
 

@@ -4,8 +4,10 @@
 name in tests/celery/app.py), ``args``, ``options`` (apply_async's), ``calls`` (how many
 sends, each from its own thread), ``start_at`` (wall time to start sending at, so that
 several producers send at once) and ``kill_before_publish`` (SIGKILL this process when the
-first send, holding its marker, is about to publish). Prints one JSON list, one entry per
-send: ``{"id": ...}`` or ``{"error": class name, "task_id": ...}``.
+first send, holding its marker, is about to publish), ``revoke`` (then revoke every id sent
+with ``AsyncResult.revoke()``, appending ``{"revoke_seconds": ...}``, the time that took)
+and ``then_send`` (then send once more, appending its answer). Prints one JSON list, one
+entry per send: ``{"id": ...}`` or ``{"error": class name, "task_id": ...}``.
 """
 
 from __future__ import annotations
@@ -38,19 +40,31 @@ def main(spec: dict[str, Any]) -> None:
         delay = spec.get("start_at", 0) - time.time()
         if delay > 0:
             time.sleep(delay)
-        try:
-            result = task.apply_async(tuple(spec.get("args", ())), {}, **spec.get("options", {}))
-            answers[index] = {"id": result.id}
-        except Exception as exc:
-            traceback.print_exc()
-            answers[index] = {"error": type(exc).__name__, "task_id": getattr(exc, "task_id", None)}
+        answers[index] = _send(task, spec)
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(answers))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if spec.get("revoke"):
+        began = time.monotonic()
+        for answer in list(answers):
+            if "id" in answer:
+                task.AsyncResult(answer["id"]).revoke()
+        answers.append({"revoke_seconds": time.monotonic() - began})
+    if spec.get("then_send"):
+        answers.append(_send(task, spec))
     print(json.dumps(answers))
+
+
+def _send(task: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    try:
+        result = task.apply_async(tuple(spec.get("args", ())), {}, **spec.get("options", {}))
+    except Exception as exc:
+        traceback.print_exc()
+        return {"error": type(exc).__name__, "task_id": getattr(exc, "task_id", None)}
+    return {"id": result.id}
 
 
 if __name__ == "__main__":

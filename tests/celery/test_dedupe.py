@@ -187,14 +187,44 @@ def test_on_duplicate_raise_names_the_queued_task(group: WorkerGroup) -> None:
     assert queue_length(held) == 1
 
 
+def test_revoke_frees_the_key_at_once_while_the_message_is_still_queued(group: WorkerGroup) -> None:
+    """AsyncResult.revoke() in a producer frees the queued marker before it returns, while the
+    message still sits in a queue no worker consumes: a send right after publishes anew."""
+    key_id, tag, held = uid(), uid(), f"{group.queue}-held-{uid()}"
+    spec = {"task": "dedupe_start", "args": [key_id, tag], "options": {"queue": held}}
+    first, revoked, again = produce(group, {**spec, "revoke": True, "then_send": True})
+    assert revoked["revoke_seconds"] < 5.0, revoked  # one broadcast and one scan (typically ~0.01 s)
+    assert "id" in again
+    assert again["id"] != first["id"]
+    assert queue_length(held) == 2  # the revoked message is still queued, and the new one
+    marker = group.service.peek(f"dedupe:{key_id}{QUEUED}")
+    assert marker is not None
+    assert marker.holder["task_id"] == again["id"]
+    # Revoked from another process (not the sender): the marker is gone when that returns.
+    produce(group, {**spec, "revoke": True, "calls": 0})  # sends nothing: revokes nothing
+    assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is not None
+    (third,) = produce(group, spec)
+    assert third["id"] == again["id"]  # still queued: a duplicate
+    revoke_only = [
+        sys.executable,
+        "-c",
+        f"from tests.celery.app import app; app.AsyncResult({again['id']!r}).revoke()",
+    ]
+    subprocess.run(revoke_only, check=True, cwd=ROOT, env=_env(group), timeout=60)
+    assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is None
+    assert queue_length(held) == 2
+
+
 def test_a_revoked_queued_task_frees_its_key_when_the_worker_discards_it(group: WorkerGroup) -> None:
-    """A queued task revoked before it runs releases its marker (task_revoked) as soon as a
-    worker meets its message; a new send then publishes."""
+    """Revoked by a bare broadcast (as `celery control revoke` or Flower send it, which skip
+    the producer's hook): the marker is released (task_revoked) when a worker meets the
+    message; a new send then publishes."""
     from tests.celery.app import app
 
     key_id, tag, held = uid(), uid(), f"{group.queue}-held-{uid()}"
     (first,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag], "options": {"queue": held}})
-    app.control.revoke(first["id"])
+    app.control.broadcast("revoke", arguments={"task_id": first["id"]})
+    assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is not None
     time.sleep(0.5)  # the broadcast reaches the worker
     consume(group, held)
     wait_for(lambda: group.service.peek(f"dedupe:{key_id}{QUEUED}") is None, 15, what="the marker's release")
