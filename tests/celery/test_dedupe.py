@@ -334,3 +334,46 @@ def test_cooldown_runs_at_most_once_per_window(group: WorkerGroup) -> None:
     assert 2 <= len(starts) <= 4, starts  # 3 or 4 expected; a slow pickup may merge one window
     assert all(after - before >= 2.95 for before, after in itertools.pairwise(starts)), starts
     assert len([r for r in results if is_skipped(r)]) == 10 - len(starts)
+
+
+def _planted_marker(group: WorkerGroup, key: str) -> tuple[str, dict[str, Any]]:
+    """A queued marker taken here (as a send would) and the header that names it."""
+    from celery_exclusive.dedupe import HEADER
+
+    task_id = str(uuid.uuid4())
+    token = group.service.mark(key + QUEUED, ttl=120, holder={"task_id": task_id})
+    assert token is not None
+    return task_id, {HEADER: {"key": key, "token": token, "mode": "until_start"}}
+
+
+def test_a_message_for_an_unregistered_task_frees_its_marker(group: WorkerGroup) -> None:
+    """The worker rejects a message naming a task it does not know (task_unknown): the marker
+    its header names is released then, not at its 120 s ttl."""
+    from tests.celery.app import app
+
+    key = f"dedupe:{uid()}"
+    task_id, headers = _planted_marker(group, key)
+    app.send_task("tests.celery.app.no_such_task", ("x",), task_id=task_id, headers=headers, queue=group.queue)
+    wait_for(lambda: group.service.peek(key + QUEUED) is None, 20, what="the marker's release")
+    wait_for(lambda: "no_such_task" in group.dump(), 10, what="the worker's log of the unknown task")
+
+
+def test_a_message_the_worker_cannot_read_as_a_task_frees_its_marker(group: WorkerGroup) -> None:
+    """A message without a task name (a foreign publish) is rejected (task_rejected): the
+    marker its header names is released then."""
+    import kombu
+
+    from tests.celery.app import app
+
+    key = f"dedupe:{uid()}"
+    _, headers = _planted_marker(group, key)
+    with app.producer_or_acquire() as producer:
+        producer.publish(
+            {"not": "a task"},
+            exchange="",
+            routing_key=group.queue,
+            headers=headers,
+            serializer="json",
+            declare=[kombu.Queue(group.queue)],
+        )
+    wait_for(lambda: group.service.peek(key + QUEUED) is None, 20, what="the marker's release")
