@@ -235,7 +235,32 @@ def lease_state(key: str) -> str:
     return next((state for suffix, state in MARKER_STATES.items() if key.endswith(suffix)), "held")
 
 
-def lock_json(info: LockInfo) -> dict[str, Any]:
+#: Holder field a task with ``cooldown`` stores at acquire (the seconds it stays held).
+COOLDOWN_FIELD = "cooldown"
+
+
+def full_state(service: LockService, info: LockInfo) -> str:
+    """:func:`lease_state`, and ``cooling`` for a run's lease kept past its end by a cooldown.
+
+    A store cannot change a lease's holder when the release shortens it to the cooldown's
+    end, so the holder says only that a cooldown applies (``cooldown``, written at
+    acquire); the run has ended when its completion record exists (the release writes it
+    in the same step). One store call per such lease. Without records (``lock_retention``
+    off, or a ``service.lock(..., hold_at_least=...)`` lease with no task id) a cooling
+    lease shows as ``held``.
+    """
+    state = lease_state(info.key)
+    task_id = info.holder.get("task_id")
+    if state != "held" or not info.holder.get(COOLDOWN_FIELD) or not isinstance(task_id, str) or not task_id:
+        return state
+    try:
+        record = service.completion(info.key, task_id)
+    except InvalidArgumentError:  # an id no record can hold (too long, NUL): none was written
+        return state
+    return state if record is None else "cooling"
+
+
+def lock_json(info: LockInfo, state: str | None = None) -> dict[str, Any]:
     """The stable JSON form of a lease (see docs/cli.md)."""
     return {
         "key": info.key,
@@ -245,7 +270,7 @@ def lock_json(info: LockInfo) -> dict[str, Any]:
         "expires_in": round(info.expires_in, 3),
         "hard_expires_in": round(info.hard_expires_in, 3),
         "holder": info.holder,
-        "state": lease_state(info.key),
+        "state": lease_state(info.key) if state is None else state,
     }
 
 
@@ -283,9 +308,12 @@ def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
     target = _target(click.get_current_context())
     if done:
         return _list_done(target, filter_prefix, as_json)
-    locks = target.service().locks(filter_prefix)
+    service = target.service()
+    locks = service.locks(filter_prefix)
+    states = [full_state(service, info) for info in locks]
     if as_json:
-        _dump({"prefix": target.prefix, "filter": filter_prefix, "locks": [lock_json(i) for i in locks]})
+        found = [lock_json(info, state) for info, state in zip(locks, states, strict=True)]
+        _dump({"prefix": target.prefix, "filter": filter_prefix, "locks": found})
         return EXIT_OK
     if not locks:
         click.echo(f"no live leases under {target.prefix + filter_prefix!r}")
@@ -294,7 +322,7 @@ def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
     rows = [
         [
             printable(info.key),
-            lease_state(info.key),
+            state,
             _cell(info.holder.get("host")),
             _cell(info.holder.get("pid")),
             _cell(info.holder.get("task_id")),
@@ -303,7 +331,7 @@ def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
             human_duration(info.expires_in),
             str(info.fence),
         ]
-        for info in locks
+        for info, state in zip(locks, states, strict=True)
     ]
     click.echo(_table(rows, headers))
     return EXIT_OK
@@ -319,9 +347,10 @@ def show_command(key: str, as_json: bool) -> int:
     A free key is not an error: it prints "is free" (JSON: null) and exits 0.
     """
     target = _target(click.get_current_context())
-    info = target.service().peek(key)
+    service = target.service()
+    info = service.peek(key)
     if as_json:
-        _dump(None if info is None else lock_json(info))
+        _dump(None if info is None else lock_json(info, full_state(service, info)))
         return EXIT_OK
     if info is None:
         click.echo(f"{key!r} is free")

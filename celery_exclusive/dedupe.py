@@ -80,6 +80,8 @@ from celery_exclusive.validation import MAX_LIFETIME_CAP
 if TYPE_CHECKING:
     from celery.result import AsyncResult
 
+    from celery_exclusive.service import LockService
+
 #: The ExclusiveTask calling in (Any: this module must not import the task module).
 Task = Any
 
@@ -142,7 +144,9 @@ class _Found:
     task_id: str | None
 
 
-def _take(service: Any, key: str, mode: str, ttl: float, holder: dict[str, Any]) -> str | _Found | None:
+def _take(
+    service: LockService, key: str, mode: str, ttl: float, holder: dict[str, Any]
+) -> str | _Found | None:
     """The new marker's token, the duplicate found, or None when the marker kept changing hands."""
     marker = key + QUEUED_SUFFIX
     for _ in range(_ATTEMPTS):
@@ -160,10 +164,11 @@ def _take(service: Any, key: str, mode: str, ttl: float, holder: dict[str, Any])
     return None
 
 
-def _running_id(service: Any, key: str) -> str | None:
+def _running_id(service: LockService, key: str) -> str | None:
     """The id of the task whose run holds ``key``'s execution lock, if any."""
     running = service.peek(key)
-    return None if running is None else running.holder.get("task_id") or None
+    task_id = None if running is None else running.holder.get("task_id")
+    return task_id if isinstance(task_id, str) and task_id else None
 
 
 #: What :func:`_existing` answers for a marker released since the failed mark.

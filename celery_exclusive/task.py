@@ -370,6 +370,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             holder["worker"] = request.hostname
         if self._lock_policy.hands_on_reruns:
             holder[policies.HANDS_ON_RERUNS] = True
+        if self.lock_settings.cooldown:
+            holder["cooldown"] = self.lock_settings.cooldown  # `list` shows "cooling" after the run
         return holder
 
     def _acquire(

@@ -353,7 +353,9 @@ def test_a_message_for_an_unregistered_task_frees_its_marker(group: WorkerGroup)
 
     key = f"dedupe:{uid()}"
     task_id, headers = _planted_marker(group, key)
-    app.send_task("tests.celery.app.no_such_task", ("x",), task_id=task_id, headers=headers, queue=group.queue)
+    app.send_task(
+        "tests.celery.app.no_such_task", ("x",), task_id=task_id, headers=headers, queue=group.queue
+    )
     wait_for(lambda: group.service.peek(key + QUEUED) is None, 20, what="the marker's release")
     wait_for(lambda: "no_such_task" in group.dump(), 10, what="the worker's log of the unknown task")
 
@@ -377,3 +379,50 @@ def test_a_message_the_worker_cannot_read_as_a_task_frees_its_marker(group: Work
             declare=[kombu.Queue(group.queue)],
         )
     wait_for(lambda: group.service.peek(key + QUEUED) is None, 20, what="the marker's release")
+
+
+def test_a_worker_killed_during_the_cooldown_does_not_extend_it_and_list_shows_cooling(
+    group: WorkerGroup,
+) -> None:
+    """cooldown=3: once the run has ended, `list` shows its key `cooling`; SIGKILL of the
+    worker process that ran it changes nothing: the key is free 3 s after the run started
+    (no heartbeat keeps a cooling lease), not at the lease's ttl."""
+    from click.testing import CliRunner
+
+    from celery_exclusive.cli import cli
+    from tests.celery.app import cooled
+
+    key_id, tag = uid(), uid()
+    key = f"cool:{key_id}"
+    group.send(cooled, key_id, tag, 0.0).get(timeout=30)
+    (run,) = [r for r in records(tag) if r["kind"] == "run"]
+    listed = CliRunner().invoke(
+        cli,
+        ["--url", group.url, "--prefix", group.prefix, "list", "--json", key],
+        env={"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None},
+    )
+    assert listed.exit_code == 0, listed.output
+    (lease,) = json.loads(listed.output)["locks"]
+    assert lease["state"] == "cooling", lease
+    assert lease["holder"]["cooldown"] == 3
+    assert lease["expires_in"] <= 3.0
+    os.kill(run["pid"], 9)  # the prefork pool replaces the process
+    wait_for(lambda: group.service.peek(key) is None, 10, what="the cooldown's end")
+    assert time.time() - run["start"] < 3.0 + 1.5
+    assert time.time() - run["start"] > 2.9
+
+
+def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
+    """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a
+    run longer than its cooldown frees the key when it ends."""
+    from celery_exclusive.cli import full_state
+    from tests.celery.app import cooled
+
+    key_id, tag = uid(), uid()
+    result = group.send(cooled, key_id, tag, 4.0)
+    wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the run to start")
+    info = group.service.peek(f"cool:{key_id}")
+    assert info is not None
+    assert full_state(group.service, info) == "held"
+    result.get(timeout=30)
+    assert group.service.peek(f"cool:{key_id}") is None
