@@ -23,7 +23,17 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks import capacity, celery_e2e, contention, footprint, heartbeat, pg_locks, redis_locks, waiting
+from benchmarks import (
+    capacity,
+    celery_e2e,
+    contention,
+    dedupe_send,
+    footprint,
+    heartbeat,
+    pg_locks,
+    redis_locks,
+    waiting,
+)
 from benchmarks.harness import (
     CELERY_BROKER,
     ORIGIN_TABLE,
@@ -43,7 +53,17 @@ from benchmarks.harness import (
     timed,
 )
 
-SECTIONS = ("redis", "postgres", "contention", "waiting", "heartbeat", "footprint", "capacity", "celery")
+SECTIONS = (
+    "redis",
+    "postgres",
+    "contention",
+    "waiting",
+    "heartbeat",
+    "footprint",
+    "capacity",
+    "celery",
+    "dedupe",
+)
 
 
 def all_rows() -> list[str]:
@@ -57,6 +77,7 @@ def all_rows() -> list[str]:
         footprint,
         capacity,
         celery_e2e,
+        dedupe_send,
     ]
     names: list[str] = []
     for module in modules:
@@ -154,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "footprint": lambda: footprint.run(report, plan),
         "capacity": lambda: capacity.run(report, plan, cleanup),
         "celery": lambda: celery_e2e.run(report, plan, cleanup),
+        "dedupe": lambda: dedupe_send.run(report, plan, cleanup),
     }
     failed: list[str] = []
     try:

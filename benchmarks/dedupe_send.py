@@ -1,6 +1,8 @@
 """What ``dedupe`` costs the producer: deduplicated ``delay()`` against plain ``delay()``.
 
-``python -m benchmarks.dedupe_send [--sends 300] [--rounds 6]`` publishes, per lock store
+Section ``dedupe`` of ``python -m benchmarks`` (target: deduplicated sends >= 0.7x plain on
+Redis, judged on the per-round ratios); also standalone:
+``python -m benchmarks.dedupe_send [--sends 300] [--rounds 6]``. It publishes, per lock store
 (Redis, PostgreSQL), rounds of ``delay()`` calls on a Redis broker, alternating a plain
 exclusive task and the same task with ``dedupe=True`` (each call a new key, so every
 deduplicated send takes a marker and publishes: one lock-store round trip on top of the
@@ -25,6 +27,9 @@ from benchmarks.harness import (
     REDIS_PREFIX,
     REDIS_URL,
     TABLE,
+    Cleanup,
+    Plan,
+    Report,
     delete_redis_keys,
     drop_pg_tables,
     glob_escape,
@@ -36,6 +41,21 @@ from celery_exclusive.worker import close_lock_services
 
 #: The target: deduplicated sends at least this fraction of plain sends' rate, on Redis.
 TARGET = 0.7
+SECTION = "dedupe"
+STORES = ("redis", "postgres")
+TARGET_REDIS = "redis: deduped delay() vs plain delay() (rate ratio)"
+
+
+def _names(store: str) -> tuple[str, str, str]:
+    return (
+        f"{store}: plain delay()/s (exclusive task, Redis broker)",
+        f"{store}: deduped delay()/s (marker taken, then the publish)",
+        f"{store}: duplicate delay()/s (key queued: nothing published)",
+    )
+
+
+ROWS = [name for store in STORES for name in _names(store)]
+TARGETS: list[tuple[str, float, str, str]] = [(TARGET_REDIS, TARGET, ">=", "x")]
 
 
 def make_app(store: str, url: str) -> tuple[Any, Any, Any]:
@@ -65,8 +85,43 @@ def rate(send: Any, keys: range) -> float:
     return len(keys) / (time.perf_counter() - start)
 
 
+def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
+    """The section: per store, interleaved rounds of the three kinds of send; the Redis target."""
+    sends, rounds = (20, 2) if plan.quick else (200, min(plan.rounds, 9))
+    urls = {"redis": REDIS_URL, "postgres": with_table(POSTGRES_URL, TABLE)}
+    broker_down = reachable(CELERY_BROKER)
+    for store in STORES:
+        names = _names(store)
+        why = broker_down or reachable(urls[store])
+        if why:
+            report.unavailable(SECTION, names, TARGETS if store == "redis" else [], why)
+            continue
+        series = measure_rounds(store, urls[store], sends, rounds)
+        ratios = [d / p for p, d in zip(series["plain"], series["dedupe"], strict=True) if p > 0]
+        plain, deduped, duplicate = (statistics.median(series[k]) for k in ("plain", "dedupe", "duplicate"))
+        extra_us = 1e6 / deduped - 1e6 / plain
+        report.row(SECTION, names[0], rate=plain, unit="sends/s", note=f"median of {rounds} rounds")
+        report.row(
+            SECTION,
+            names[1],
+            rate=deduped,
+            unit="sends/s",
+            note=f"{statistics.median(ratios):.2f}x plain; +{extra_us:.0f} us a send (one store round trip)",
+        )
+        report.row(SECTION, names[2], rate=duplicate, unit="sends/s", note=f"{duplicate / plain:.2f}x plain")
+        if store == "redis":
+            report.target(TARGET_REDIS, statistics.median(ratios), TARGET, rounds=ratios)
+
+
 def measure(store: str, url: str, sends: int, rounds: int) -> dict[str, float]:
     """Median rates (sends/s) of plain, deduplicated and duplicate sends, alternated per round."""
+    return {
+        kind: statistics.median(values) for kind, values in measure_rounds(store, url, sends, rounds).items()
+    }
+
+
+def measure_rounds(store: str, url: str, sends: int, rounds: int) -> dict[str, list[float]]:
+    """Each round's rates (sends/s) of plain, deduplicated and duplicate sends, alternated."""
     app, plain, deduped = make_app(store, url)
     rates: dict[str, list[float]] = {"plain": [], "dedupe": [], "duplicate": []}
     with app.connection_for_write() as connection, connection.Producer() as producer:
@@ -84,7 +139,7 @@ def measure(store: str, url: str, sends: int, rounds: int) -> dict[str, float]:
             rates["dedupe"].append(rate(send_deduped, range(base, base + sends)))
             rates["duplicate"].append(rate(send_deduped, range(base, base + sends)))  # all queued now
     close_lock_services()
-    return {kind: statistics.median(values) for kind, values in rates.items()}
+    return rates
 
 
 def main() -> None:
