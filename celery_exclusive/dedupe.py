@@ -344,28 +344,33 @@ class RevokingControl(Control):
 def release_revoked(app: Any, task_ids: Any) -> int:
     """Release the queued markers naming ``task_ids`` (an id or ids); how many it released.
 
-    Only after the revoke broadcast went out (a revoke that raised frees nothing). A store
-    outage is logged, not raised: the revoke itself took effect, and the worker that meets
-    the message releases its marker then (``task_revoked``), the marker's ttl at the latest.
+    Only after the revoke broadcast went out (a revoke that raised frees nothing). A failure
+    here (a store outage, settings that do not resolve) is logged, not raised: the revoke
+    itself took effect, and the worker that meets the message releases its marker then
+    (``task_revoked``), the marker's ttl at the latest.
     """
     ids = {task_ids} if isinstance(task_ids, str) else {str(one) for one in task_ids or ()}
-    if not ids or not _dedupes(app):
-        return 0
     from celery_exclusive.worker import get_lock_service
 
     released = 0
     try:
+        if not ids or not _dedupes(app):
+            return 0
         service = get_lock_service(app)
         for info in service.locks():
             if info.key.endswith(QUEUED_SUFFIX) and info.holder.get("task_id") in ids:
                 released += service.force_release(info.key, info.token)
-    except BackendError:
+    except Exception:  # the revoke went out: its caller must not see it fail (see above)
         logger.warning("could not release the queued markers of revoked %s", sorted(ids), exc_info=True)
     return released
 
 
 def _dedupes(app: Any) -> bool:
-    """Whether a task registered on ``app`` deduplicates (else a revoke has no marker to free)."""
+    """Whether a task registered on ``app`` may deduplicate (else a revoke has no marker to free)."""
+    if not app.finalized:
+        # Its tasks are not built (a process that revokes without having sent): building them
+        # here would finalize the app as a side effect of a revoke. Scan; it finds what is there.
+        return True
     for task in list(app.tasks.values()):
         settings = getattr(type(task), "lock_settings", None) and task.lock_settings
         if settings and settings.dedupe:

@@ -118,3 +118,41 @@ def test_apply_async_keeps_celerys_positional_parameters() -> None:
     task = exclusive_task(app=app, key="add:{x}", dedupe=True)(add)
     result = task.apply_async((1, 2), None, "my-id")
     assert (result.id, result.get()) == ("my-id", 3)
+
+
+def test_an_app_with_an_exclusive_task_revokes_through_revoking_control_and_still_pickles() -> None:
+    """Declaring an exclusive task swaps the app's control class (by name, before it is built)."""
+    import pickle
+
+    from celery_exclusive.dedupe import RevokingControl
+
+    app = Celery("revoking-control", set_as_current=False)
+    exclusive_task(app=app, key="k")(lambda: None)
+    assert isinstance(app.control, RevokingControl)
+    again = pickle.loads(pickle.dumps(app))  # noqa: S301  # our own bytes, just made
+    assert again.control_cls == "celery_exclusive.dedupe:RevokingControl"
+
+
+def test_release_revoked_frees_exactly_the_revoked_ids_markers() -> None:
+    """The revoke path finds markers by the task id in their holder and releases only those;
+    a key that is not a marker, or another id's marker, stays."""
+    from celery_exclusive.dedupe import QUEUED_SUFFIX, release_revoked
+    from celery_exclusive.worker import close_lock_services, get_lock_service
+
+    app = Celery("release-revoked", set_as_current=False)
+    app.conf.exclusive_url = "memory://"
+
+    def job(n: int) -> int:
+        return n
+
+    exclusive_task(app=app, key="job:{n}", dedupe=True, name="release-revoked.job")(job)
+    service = get_lock_service(app)
+    try:
+        assert service.mark("job:1" + QUEUED_SUFFIX, ttl=60, holder={"task_id": "a"})
+        assert service.mark("job:2" + QUEUED_SUFFIX, ttl=60, holder={"task_id": "b"})
+        assert service.mark("job:3", ttl=60, holder={"task_id": "a"})
+        assert release_revoked(app, "a") == 1
+        assert release_revoked(app, ["a", "c"]) == 0
+        assert [info.key for info in service.locks()] == ["job:2" + QUEUED_SUFFIX, "job:3"]
+    finally:
+        close_lock_services()
