@@ -31,7 +31,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Dialect, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
-from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
 from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -87,6 +87,15 @@ def prune_suffix(completion: Completion) -> str:
 def live(info: LockInfo) -> bool:
     """Whether a row read from the store (times relative to the store's clock) is a live lease."""
     return info.expires_in > 0 and info.hard_expires_in > 0 and info.age < STALE
+
+
+def check_sweep(prefix: str, limit: int) -> str:
+    """``prefix`` once a sweep's arguments are checked (InvalidArgumentError otherwise)."""
+    if not isinstance(prefix, str) or "\x00" in prefix:
+        raise InvalidArgumentError("sweep prefix must be a str without NUL characters")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgumentError(f"sweep limit must be a positive int, got {limit!r}")
+    return prefix
 
 
 def like_pattern(prefix: str) -> str:

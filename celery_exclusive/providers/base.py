@@ -212,6 +212,33 @@ class CompletionStore(LockProvider, Protocol):
         ...
 
 
+#: Most rows one sweep deletes by default (leases and completion records each).
+SWEEP_LIMIT = 500
+
+
+@runtime_checkable
+class Sweeps(Protocol):
+    """Optional: a store whose dead leases stay behind as rows (the SQL stores, memory).
+
+    A lease whose holder died (SIGKILL, OOM) and whose key is never acquired again stays a
+    row until something deletes it. The heartbeat calls :meth:`sweep` now and then (see
+    ``LockService(sweep_interval=...)``), and so does ``celery-exclusive sweep``. Redis has
+    no such method: its keys expire by themselves.
+    """
+
+    def sweep(self, prefix: str, limit: int = SWEEP_LIMIT, *, timeout: float | None = None) -> int:
+        """Delete at most ``limit`` dead leases and at most ``limit`` expired completion
+        records on keys starting with ``prefix``; the number of rows deleted.
+
+        Only rows that are dead on the store's own clock, judged inside the deleting
+        statement itself, are deleted: a lease that is live, refreshed or taken over
+        meanwhile is never touched. Fences do not depend on the rows (they come from a
+        counter), so a deleted key's next fence is still larger than every earlier one.
+        ``timeout`` as for ``refresh``.
+        """
+        ...
+
+
 @runtime_checkable
 class GuardsTransactions(Protocol):
     """A provider whose lease can fence writes inside the caller's own transaction.

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from celery_exclusive.providers.base import (
+    SWEEP_LIMIT,
     Completion,
     CompletionInfo,
     Diagnosis,
@@ -34,6 +35,10 @@ class _Row:
     expires_at: float
     deadline: float
     holder: str
+
+
+def _alive(row: _Row, now: float) -> bool:
+    return row.expires_at > now and row.deadline > now
 
 
 class _Subscription:
@@ -210,6 +215,19 @@ class MemoryLockProvider:
             live = self._record(key, task_id, self._clock()) is not None
             self._done.pop((key, task_id), None)
             return live
+
+    def sweep(self, prefix: str, limit: int = SWEEP_LIMIT, *, timeout: float | None = None) -> int:
+        """Delete up to ``limit`` dead leases and ``limit`` expired records under ``prefix``
+        (``Sweeps``); fences are kept per key apart from the rows, so they still grow."""
+        with self._mutex:
+            now = self._clock()
+            dead = [k for k, r in self._rows.items() if k.startswith(prefix) and not _alive(r, now)][:limit]
+            old = [p for p, r in self._done.items() if p[0].startswith(prefix) and r[3] <= now][:limit]
+            for key in dead:
+                del self._rows[key]
+            for pair in old:
+                del self._done[pair]
+            return len(dead) + len(old)
 
     def peek(self, key: str) -> LockInfo | None:
         with self._mutex:

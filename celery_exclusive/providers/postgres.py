@@ -37,12 +37,15 @@ from celery_exclusive.providers._sql_common import (
     STALE,
     Rows,
     SqlStore,
+    check_sweep,
     create_fence,
     info_of,
+    like_pattern,
     live,
     prune_suffix,
 )
 from celery_exclusive.providers.base import (
+    SWEEP_LIMIT,
     Completion,
     CompletionInfo,
     Diagnosis,
@@ -226,6 +229,44 @@ RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
         "guard": f"SELECT fence FROM {t} WHERE key = :key AND value = :token AND fence = :fence "
         "AND expires_at > clock_timestamp() AND deadline > clock_timestamp() "
         f"AND created_at > clock_timestamp() - make_interval(secs => {STALE}) FOR SHARE",
+    }
+
+
+def _pg_sweep_statements(dialect: Dialect, name: str) -> dict[str, str]:
+    """The sweep (``Sweeps``): at most ``:limit`` dead leases and ``:limit`` expired
+    completion records under ``:pattern``, deleted in one statement; counts of each.
+
+    A row is chosen only while dead at the statement's clock and locked ``FOR UPDATE SKIP
+    LOCKED`` (a row an acquire or refresh is changing is skipped, not waited for); the lock
+    re-checks a row changed since the snapshot, and the DELETE repeats the condition, so a
+    lease that is live (or revived by a takeover) is never deleted. Fences come from the
+    sequence, so a deleted key's next fence still exceeds all earlier ones.
+    """
+    q = dialect.identifier_preparer.quote
+    t, d = q(name), q(name + "_done")
+
+    def dead(a: str) -> str:
+        return (
+            f"({a}.expires_at < n.ts OR {a}.deadline < n.ts "
+            f"OR {a}.created_at < n.ts - make_interval(secs => {STALE}))"
+        )
+
+    leases = f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts),
+dead AS (
+  SELECT c.key FROM {t} AS c CROSS JOIN n WHERE c.key LIKE :pattern ESCAPE '!' AND {dead("c")}
+  LIMIT :limit FOR UPDATE OF c SKIP LOCKED),
+gone AS (
+  DELETE FROM {t} AS t USING n WHERE t.key IN (SELECT key FROM dead) AND {dead("t")} RETURNING 1)"""
+    records = f""",
+old AS (
+  SELECT r.key, r.task_id FROM {d} AS r CROSS JOIN n WHERE r.key LIKE :pattern ESCAPE '!'
+    AND r.expires_at < n.ts LIMIT :limit FOR UPDATE OF r SKIP LOCKED),
+forgotten AS (
+  DELETE FROM {d} AS r USING n WHERE (r.key, r.task_id) IN (SELECT key, task_id FROM old)
+    AND r.expires_at < n.ts RETURNING 1)"""
+    return {
+        "sweep": leases + records + "\nSELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM forgotten)",
+        "sweep_leases": leases + "\nSELECT (SELECT count(*) FROM gone), 0",
     }
 
 
@@ -509,6 +550,7 @@ class PostgresLockProvider(SqlStore):
         if self._owns_engine:
             event.listen(self._engine, "do_connect", _bounded_connect)
         self._pg_sql = _pg_statements(self._engine.dialect, self.table.name)
+        self._pg_sql.update(_pg_sweep_statements(self._engine.dialect, self.table.name))
         self._psycopg_sql = {n: _libpq.PLACEHOLDER.sub(r"%(\1)s", s) for n, s in self._pg_sql.items()}
         # How statements are sent, chosen once: psycopg 3 directly, else SQLAlchemy's pool.
         self._executor: _DirectExecutor | _PooledExecutor
@@ -602,6 +644,14 @@ class PostgresLockProvider(SqlStore):
         if not self._records_on():
             return False
         return any(bool(alive) for (alive,) in self._run_pg("done_forget", {"key": key, "task_id": task_id}))
+
+    def sweep(self, prefix: str, limit: int = SWEEP_LIMIT, *, timeout: float | None = None) -> int:
+        """Delete up to ``limit`` dead leases and ``limit`` expired records under ``prefix``
+        in one statement (see ``Sweeps.sweep``); the rows deleted."""
+        params = {"pattern": like_pattern(check_sweep(prefix, limit)), "limit": int(limit)}
+        op = "sweep" if self._records_on() else "sweep_leases"
+        rows = self._call(op, params, timeout)
+        return sum(int(n) for n in rows[0]) if rows else 0
 
     @property
     def supports_guard(self) -> bool:

@@ -32,15 +32,19 @@ from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers._sql_common import (
     INHERITED,
     PRUNE_BATCH,
+    STALE,
     SqlStore,
+    check_sweep,
     create_counter,
     info_of,
+    like_pattern,
     live,
     lock_table,
     logger,
     prune_suffix,
 )
 from celery_exclusive.providers.base import (
+    SWEEP_LIMIT,
     Completion,
     CompletionInfo,
     Diagnosis,
@@ -155,6 +159,47 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     texts = {name: sa.text(s) for name, s in sql.items()}
     texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
     return texts
+
+
+def _generic_sweep_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]:
+    """The sweep (``Sweeps``) on SQLite or MariaDB/MySQL: dead leases and expired records
+    under a prefix, at most ``:limit`` of each, every condition on the store's clock.
+
+    SQLite deletes in one statement per table (the database is locked for writing anyway).
+    MariaDB first reads the candidates' keys without locking (a full scan, as ``scan``
+    does), then deletes those rows by key with the condition repeated: the DELETE locks
+    only them and judges each on its latest committed version, so a row refreshed or taken
+    over meanwhile stays. Fences come from ``<table>_fence``, never from the rows.
+    """
+    q = dialect.identifier_preparer.quote
+    t, d, k = q(name), q(name + "_done"), q("key")
+    if dialect.name == "sqlite":
+        match = f"substr({k}, 1, length(:prefix)) = :prefix"
+        dead = (
+            "(julianday(expires_at) < :now OR julianday(deadline) < :now "
+            f"OR (:now - julianday(created_at)) * 86400.0 > {STALE})"
+        )
+        texts = {
+            "sweep_leases": f"DELETE FROM {t} WHERE rowid IN "
+            f"(SELECT rowid FROM {t} WHERE {match} AND {dead} LIMIT :limit)",
+            "sweep_done": f"DELETE FROM {d} WHERE rowid IN "
+            f"(SELECT rowid FROM {d} WHERE {match} AND julianday(expires_at) < :now LIMIT :limit)",
+        }
+        return {op: sa.text(text) for op, text in texts.items()}
+    now = "UTC_TIMESTAMP(6)"
+    match = f"{k} LIKE :pattern ESCAPE '!'"
+    dead = f"(expires_at < {now} OR deadline < {now} OR created_at < {now} - INTERVAL {STALE} SECOND)"
+    texts = {
+        "sweep_find": f"SELECT {k} FROM {t} IGNORE INDEX (PRIMARY) WHERE {match} AND {dead} LIMIT :limit",
+        "sweep_leases": f"DELETE FROM {t} WHERE {k} IN :keys AND {dead}",
+        "sweep_find_done": f"SELECT DISTINCT {k} FROM {d} IGNORE INDEX (PRIMARY) "
+        f"WHERE {match} AND expires_at < {now} LIMIT :limit",
+        "sweep_done": f"DELETE FROM {d} WHERE {k} IN :keys AND expires_at < {now} LIMIT :limit",
+    }
+    out = {op: sa.text(text) for op, text in texts.items()}
+    for op in ("sweep_leases", "sweep_done"):
+        out[op] = out[op].bindparams(sa.bindparam("keys", expanding=True))
+    return out
 
 
 _UNIX_EPOCH_JD = 2440587.5
@@ -328,6 +373,7 @@ class SqlLockProvider(SqlStore):
 
     def _setup(self, *, pgbouncer: bool) -> None:
         self._sql = _generic_statements(self._engine.dialect, self.table.name)
+        self._sql.update(_generic_sweep_statements(self._engine.dialect, self.table.name))
         self._tx = _Transactions(self._engine, self._sql)
         self._clock = self._tx.clock
 
@@ -456,6 +502,32 @@ class SqlLockProvider(SqlStore):
             return found
 
         return self._transact("forget a record", attempt)
+
+    def sweep(self, prefix: str, limit: int = SWEEP_LIMIT, *, timeout: float | None = None) -> int:
+        """Delete up to ``limit`` dead leases and ``limit`` expired records under ``prefix``
+        in one transaction (see ``Sweeps.sweep``); the rows deleted."""
+        params: dict[str, Any] = {
+            "prefix": check_sweep(prefix, limit),
+            "pattern": like_pattern(prefix),
+            "limit": int(limit),
+        }
+        tables = ("leases", "done") if self._records_on() else ("leases",)
+
+        def attempt(conn: Connection) -> int:
+            params.update(self._tx.now(conn))
+            removed = 0
+            for table in tables:
+                if self._clock is not None:  # SQLite: one statement per table
+                    removed += conn.execute(self._sql[f"sweep_{table}"], params).rowcount
+                    continue
+                find = "sweep_find" if table == "leases" else "sweep_find_done"
+                keys = [row[0] for row in conn.execute(self._sql[find], params)]
+                if keys:
+                    removed += conn.execute(self._sql[f"sweep_{table}"], {**params, "keys": keys}).rowcount
+            conn.commit()
+            return removed
+
+        return self._transact("sweep", attempt)
 
     @property
     def supports_guard(self) -> bool:
