@@ -1,4 +1,4 @@
-"""Operator commands: list, show, release and diagnose leases in a lock store.
+"""Operator commands: list, show, release, sweep and diagnose leases in a lock store.
 
 Two front ends share one set of sub-commands and differ only in where the store comes from:
 
@@ -33,7 +33,7 @@ from celery_exclusive.errors import (
     InvalidArgumentError,
 )
 from celery_exclusive.providers import KNOWN_SCHEMES
-from celery_exclusive.providers.base import CompletionInfo, LockInfo
+from celery_exclusive.providers.base import SWEEP_LIMIT, CompletionInfo, LockInfo
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
 from celery_exclusive.urls import ENV_VAR, mask_url, resolve_url, url_secrets
 
@@ -486,6 +486,55 @@ def forget_command(task_id: str, key: str | None) -> int:
     return EXIT_OK
 
 
+@click.command(name="sweep")
+@_option(
+    "--prefix",
+    "filter_prefix",
+    default="",
+    metavar="PREFIX",
+    help="Only keys starting with PREFIX (matched without the lock prefix).",
+)
+@_option(
+    "--limit",
+    default=SWEEP_LIMIT,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most dead leases (and most expired records) to delete in one batch.",
+)
+@_option("--all", "every", is_flag=True, help="Repeat batches until none is full.")
+@_json_option()
+@_handled
+def sweep_command(filter_prefix: str, limit: int, every: bool, as_json: bool) -> int:
+    """Delete dead leases and expired completion records, printing how many.
+
+    A dead lease (its holder crashed and its key was never taken again) stays a row in an
+    SQL store until swept; workers' heartbeats sweep a batch every minute. Only rows dead
+    on the store's clock are deleted: live leases are never touched, and fences keep
+    growing. Redis needs no sweep (its keys expire by themselves): 0 rows there.
+    """
+    target = _target(click.get_current_context())
+    service = target.service()
+    removed = batch = service.sweep(filter_prefix, limit=limit)
+    while every and batch >= limit:
+        batch = service.sweep(filter_prefix, limit=limit)
+        removed += batch
+    where = target.prefix + filter_prefix
+    if as_json:
+        _dump(
+            {
+                "prefix": target.prefix,
+                "filter": filter_prefix,
+                "removed": removed,
+                "store_sweeps": service.sweeps,
+            }
+        )
+    elif not service.sweeps:
+        click.echo(f"removed 0 rows under {printable(repr(where))}: this store's keys expire by themselves")
+    else:
+        click.echo(f"removed {removed} dead row(s) under {printable(repr(where))}")
+    return EXIT_OK
+
+
 @click.command(name="doctor")
 @_json_option()
 @_handled
@@ -519,7 +568,7 @@ def doctor_command(as_json: bool) -> int:
     return EXIT_OK if report.ok else EXIT_CHECK_FAILED
 
 
-COMMANDS = (list_command, show_command, release_command, forget_command, doctor_command)
+COMMANDS = (list_command, show_command, release_command, forget_command, sweep_command, doctor_command)
 
 
 # -- front ends -----------------------------------------------------------------------------

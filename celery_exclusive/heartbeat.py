@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import random
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -53,6 +54,8 @@ MIN_CALL_TIMEOUT = 0.05
 RELEASE_RETRY_TIMEOUT = 2.0
 #: Store calls in flight at once (abandoned ones included); more leases wait for a slot.
 MAX_CALLS = 16
+#: Deadline of a sweep call (``sweep=``), in seconds; it holds one call slot meanwhile.
+SWEEP_TIMEOUT = 5.0
 _refresh_interval = operator.attrgetter("refresh_interval")
 _FINAL = "lock %r reached its max lifetime (%g s); it will be allowed to expire"
 #: (store key, token) of a release to retry, and the time after which the store surely expired it.
@@ -239,6 +242,47 @@ class _InFlight:
         return not self.calls and not self.pending_release
 
 
+class _Sweeper:
+    """When the heartbeat sweeps dead rows (``sweep(timeout) -> rows``), and the sweep call.
+
+    Every ``interval`` seconds (jittered to 80-100 % of it, so processes started together
+    spread out and no gap exceeds it), the first one within an interval of the first pass;
+    soon again after a full batch, to work through a backlog. Never while a sweep is in
+    flight or while refreshes use more than half the call slots. A failure is logged at
+    debug level and changes nothing else: leases never depend on it.
+    """
+
+    def __init__(self, sweep: Callable[[float], int], interval: float, limit: int) -> None:
+        self._sweep = sweep
+        self.interval = interval
+        self.limit = limit
+        self.at = math.inf  # when the next sweep is due (heartbeat clock); set on the first pass
+        self.running = False
+
+    def due(self, now: float, inflight: _InFlight) -> bool:
+        if self.at == math.inf:
+            self.at = now + random.uniform(0.0, self.interval)
+        if self.running or now < self.at or len(inflight.calls) > MAX_CALLS // 2:
+            return False
+        self.running = True
+        return True
+
+    def run(self, call: _Call, clock: Callable[[], float], inflight: _InFlight) -> None:
+        removed = 0
+        try:
+            removed = self._sweep(SWEEP_TIMEOUT)
+            if removed:
+                logger.debug("celery-exclusive heartbeat swept %d dead row(s)", removed)
+        except Exception as exc:  # the sweep is housekeeping: it never affects a lease
+            logger.debug("celery-exclusive heartbeat sweep failed: %s", exc)
+        finally:
+            pause = 0.05 if removed >= self.limit else random.uniform(0.8, 1.0)
+            self.at = clock() + self.interval * pause
+            self.running = False
+            inflight.finish(call)
+            call.done.set()
+
+
 class Heartbeat:
     """Refreshes the registered leases; ``mutex`` guards every lease's state."""
 
@@ -252,8 +296,13 @@ class Heartbeat:
         failed: Callable[[list[Lease], Exception], None],
         batch_size: int = 1000,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
+        sweep: Callable[[float], int] | None = None,
+        sweep_interval: float = 60.0,
+        sweep_limit: int = 500,
     ) -> None:
         self.mutex = threading.Lock()
+        # sweep(timeout) deletes dead rows; run every ~sweep_interval while the thread runs.
+        self._sweep = _Sweeper(sweep, sweep_interval, sweep_limit) if sweep is not None else None
         self._provider = provider
         self._timeouts = accepts_timeout(provider.refresh) and accepts_timeout(provider.release)
         self._clock = clock
@@ -398,6 +447,15 @@ class Heartbeat:
             )
             if call is not None:
                 started.append(call)
+        if self._sweep is not None and self._sweep.due(now, self._inflight):
+            # After the refreshes, in a call thread of its own: it never delays them.
+            call = self._inflight.start(
+                [], now, (SWEEP_TIMEOUT, SWEEP_TIMEOUT), self._sweep.run, self._clock, self._inflight
+            )
+            if call is not None:
+                started.append(call)
+            else:
+                self._sweep.running = False
         return started
 
     def _abandon_overdue(self, now: float) -> None:
@@ -496,6 +554,8 @@ class Heartbeat:
             wake += self._inflight.wake_times()
             if self._inflight.pending_release:
                 wake.append(now + 1.0)
+            if self._sweep is not None and self._leases and not self._sweep.running:
+                wake.append(max(self._sweep.at, now + 0.25))  # 0.25: not a spin while slots are busy
         if not wake:
             return MAX_SLEEP
         return min(max(min(wake) - now, 0.001), MAX_SLEEP)

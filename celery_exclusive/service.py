@@ -31,6 +31,7 @@ from celery_exclusive.lease import Lease, ReleaseOutcome
 from celery_exclusive.providers.base import (
     COMPLETION_OUTCOMES,
     MAX_TASK_ID_LENGTH,
+    SWEEP_LIMIT,
     Completion,
     CompletionInfo,
     CompletionStore,
@@ -40,6 +41,8 @@ from celery_exclusive.providers.base import (
     LockInfo,
     LockProvider,
     RefreshRequest,
+    Sweeps,
+    accepts_timeout,
     encode_holder,
 )
 from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
@@ -56,6 +59,11 @@ T = TypeVar("T")
 logger = logging.getLogger("celery_exclusive")
 
 DEFAULT_PREFIX = "task-lock:"
+#: Seconds between the heartbeat's sweeps of dead rows (``LockService(sweep_interval=)``).
+DEFAULT_SWEEP_INTERVAL = 60.0
+#: Environment variable read when ``sweep_interval`` is not given: seconds, or 0/off.
+SWEEP_ENV_VAR = "CELERY_EXCLUSIVE_SWEEP_INTERVAL"
+_FROM_ENV: Any = object()
 DEFAULT_TTL = 15 * 60.0
 DEFAULT_MAX_LIFETIME = MAX_LIFETIME_CAP
 _HOST = socket.gethostname()[:64]
@@ -125,6 +133,24 @@ def _check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return holder
 
 
+def _sweep_interval(value: object) -> float | None:
+    """The heartbeat's sweep interval in seconds, None for off; from the environment
+    (``CELERY_EXCLUSIVE_SWEEP_INTERVAL``: seconds, or 0/off) when not given."""
+    if value is _FROM_ENV:
+        raw = os.environ.get(SWEEP_ENV_VAR, "").strip().lower()
+        if not raw:
+            return DEFAULT_SWEEP_INTERVAL
+        if raw in ("0", "off", "false", "no"):
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"{SWEEP_ENV_VAR} must be seconds or 0/off, got {raw!r}") from None
+    if value is None or value is False or value == 0:
+        return None
+    return seconds("sweep_interval", value)
+
+
 def _check_filter(prefix: object, *, text: bool = True) -> str:
     """A key filter: a str without NUL (and, with ``text``, valid Unicode)."""
     if not isinstance(prefix, str) or "\x00" in prefix:
@@ -179,8 +205,11 @@ class LockService:
         heartbeat_batch_size: int = 1000,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
         call_timeout: float | timedelta = DEFAULT_CALL_TIMEOUT,
+        sweep_interval: float | timedelta | None = _FROM_ENV,
     ) -> None:
         self.prefix = check_prefix(prefix)
+        #: Seconds between sweeps of dead rows by the heartbeat; None: off (see :meth:`sweep`).
+        self.sweep_interval = _sweep_interval(sweep_interval)
         self.call_timeout = seconds("call_timeout", call_timeout)
         self.ttl, self.refresh_interval, self.max_lifetime = lease_durations(
             seconds("ttl", ttl),
@@ -484,6 +513,46 @@ class LockService:
         """
         return self._records.forget(key, task_id)
 
+    # -- housekeeping ---------------------------------------------------------------------
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether the store keeps dead leases as rows to sweep (SQL stores, memory); Redis
+        keys expire by themselves."""
+        return isinstance(self.provider, Sweeps)
+
+    def sweep(self, prefix: str = "", *, limit: int = SWEEP_LIMIT) -> int:
+        """Delete up to ``limit`` dead leases and ``limit`` expired completion records on
+        keys (without the service prefix) starting with ``prefix``; the rows deleted.
+
+        Only rows dead on the store's clock are deleted (a live lease never is); fences stay
+        increasing. The heartbeat does this by itself every ``sweep_interval`` seconds while
+        the process uses the service. 0 on a store without rows to sweep (Redis).
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
+        full = self.prefix + _check_filter(prefix)
+        if not full:
+            raise InvalidArgumentError(
+                "sweep needs a non-empty key prefix: the lock table may hold other applications' rows"
+            )
+        provider = self.provider
+        if not isinstance(provider, Sweeps):
+            return 0
+        if accepts_timeout(provider.sweep):
+            return int(self._call("sweep", provider.sweep, full, limit, timeout=self.call_timeout))
+        return int(self._call("sweep", provider.sweep, full, limit))
+
+    def _heartbeat_sweep(self) -> Callable[[float], int] | None:
+        """What the heartbeat calls to sweep (None: off, no prefix, or nothing to sweep)."""
+        provider = self.provider
+        if self.sweep_interval is None or not self.prefix or not isinstance(provider, Sweeps):
+            return None
+        prefix = self.prefix
+        if accepts_timeout(provider.sweep):
+            return lambda timeout: provider.sweep(prefix, SWEEP_LIMIT, timeout=timeout)
+        return lambda _timeout: provider.sweep(prefix, SWEEP_LIMIT)
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self, *, release: bool = True) -> None:
@@ -744,6 +813,9 @@ class _Leasing:
             failed=self._refresh_failed,
             batch_size=service._batch_size,
             thread_factory=service._thread_factory,
+            sweep=service._heartbeat_sweep(),
+            sweep_interval=service.sweep_interval or DEFAULT_SWEEP_INTERVAL,
+            sweep_limit=SWEEP_LIMIT,
         )
 
     def _refreshed(self, leases: list[Lease], duration: float) -> None:
