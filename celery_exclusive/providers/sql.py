@@ -29,8 +29,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Dialect, Engine
 
 from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.providers._libpq import PLACEHOLDER
 from celery_exclusive.providers._sql_common import (
     INHERITED,
+    MYSQL_MULTI_STATEMENTS,
     PRUNE_BATCH,
     STALE,
     SqlStore,
@@ -375,6 +377,7 @@ class SqlLockProvider(SqlStore):
         self._sql = _generic_statements(self._engine.dialect, self.table.name)
         self._sql.update(_generic_sweep_statements(self._engine.dialect, self.table.name))
         self._tx = _Transactions(self._engine, self._sql)
+        self._batches: dict[tuple[str, ...], str] = {}
         self._clock = self._tx.clock
 
     # -- the LockProvider operations -------------------------------------------------
@@ -477,6 +480,10 @@ class SqlLockProvider(SqlStore):
 
         def attempt(conn: Connection) -> bool:
             params.update(self._tx.now(conn))
+            if completion is not None and self._batched(conn):
+                owned = self._release_batch(conn, params, prune=bool(prune_suffix(completion)))
+                conn.commit()
+                return owned
             owned = conn.execute(self._sql["release_live"], params).rowcount == 1
             if not owned:
                 conn.execute(self._sql["release_any"], params)  # our own expired row: tidy it away
@@ -488,6 +495,39 @@ class SqlLockProvider(SqlStore):
             return owned
 
         return self._transact("release", attempt)
+
+    def _batched(self, conn: Connection) -> bool:
+        """Whether ``conn`` (pymysql with multi-statements, as engines built from a URL are)
+        can send a record-writing release as one batch."""
+        if self._clock is not None or self._engine.dialect.driver != "pymysql":
+            return False
+        flag = getattr(conn.connection.driver_connection, "client_flag", 0)
+        return bool(flag & MYSQL_MULTI_STATEMENTS)
+
+    def _release_batch(self, conn: Connection, params: dict[str, Any], *, prune: bool) -> bool:
+        """The release's DELETE, the tidy-up of our own expired row and the completion
+        record (and one in _PRUNE_EVERY times the prune) in one round trip, as one batch of
+        statements in the release's transaction; True if the lease was still ours."""
+        errors = self._engine.dialect.loaded_dbapi.Error
+        names = ("release_live", "release_any", "done_put") + (("done_prune",) if prune else ())
+        batch = self._batches.get(names)
+        if batch is None:
+            batch = "; ".join(PLACEHOLDER.sub(r"%(\1)s", str(self._sql[n])) for n in names)
+            self._batches[names] = batch
+        if not conn.in_transaction():
+            conn.begin()  # so that the caller's commit() commits (pymysql sends nothing here)
+        dbapi: Any = conn.connection.driver_connection
+        cursor = dbapi.cursor()
+        try:
+            cursor.execute(batch, params)
+            owned = cursor.rowcount == 1
+            while cursor.nextset():  # an error in a later statement is raised here
+                pass
+        except errors as exc:
+            raise sa_exc.DBAPIError.instance(batch, params, exc, errors) from exc
+        finally:
+            cursor.close()
+        return bool(owned)
 
     def forget(self, key: str, task_id: str) -> bool:
         if not self._records_on():

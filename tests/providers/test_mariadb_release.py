@@ -1,0 +1,98 @@
+"""MariaDB: a release that writes a completion record costs no extra round trip (issue 10).
+
+The DELETE, the tidy-up of our own expired row and the record go to the server as one batch
+of statements in the release's transaction. Counted here as commands the driver sends (a
+count, not a timing); the time is in ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers.base import Completion, Grant
+from celery_exclusive.providers.sql import SqlLockProvider
+from tests.providers.test_sql_provider import Db, _database
+
+
+@pytest.fixture
+def maria(tmp_path: Path) -> Iterator[Db]:
+    yield from _database("mariadb", tmp_path)
+
+
+def _commands(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import pymysql.connections
+
+    sent: list[str] = []
+    original = pymysql.connections.Connection._execute_command
+
+    def counted(self: Any, command: int, sql: Any) -> Any:
+        sent.append(str(sql)[:40])
+        return original(self, command, sql)
+
+    monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
+    return sent
+
+
+def test_release_with_a_record_sends_as_many_commands_as_without(
+    maria: Db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provider = maria.provider()
+    try:
+        provider.acquire("warm", "t", 5, 10, "{}")
+        provider.release("warm", "t", Completion("w", "success", 0, 60))
+        sent = _commands(monkeypatch)
+        counts = []
+        for i, record in enumerate([None, Completion("id", "success", 0, 60)] * 8):
+            key = f"k{i}"
+            assert isinstance(provider.acquire(key, "t", 5, 10, "{}"), Grant)
+            sent.clear()
+            assert provider.release(key, "t", record) is True
+            counts.append(len(sent))
+        plain, with_record = set(counts[0::2]), set(counts[1::2])
+        assert plain == with_record, (plain, with_record)  # the prune batch included
+        assert provider.completion("k1", "id") is not None  # the batch was committed
+        assert provider.peek("k1") is None
+        # Not owned any more (expired and taken by nobody): False, the record still written.
+        provider.acquire("gone", "t", 0.05, 10, "{}")
+        import time
+
+        time.sleep(0.2)
+        assert provider.release("gone", "t", Completion("late", "failure", 1, 60)) is False
+        assert provider.completion("gone", "late") is not None
+        assert "gone" not in maria.rows()  # our own expired row was tidied away
+    finally:
+        provider.close()
+
+
+def test_a_failing_record_write_rolls_the_release_back_as_a_backend_error(maria: Db) -> None:
+    provider = maria.provider()
+    try:
+        provider.acquire("k", "t", 30, 60, "{}")
+        engine = sa.create_engine(maria.url)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"ALTER TABLE {maria.table}_done MODIFY outcome VARCHAR(2) NOT NULL"))
+        engine.dispose()
+        with pytest.raises(BackendError):
+            provider.release("k", "t", Completion(f"id{uuid.uuid4().hex}", "success", 0, 60))
+        assert provider.peek("k") is not None  # one transaction: the DELETE was rolled back too
+    finally:
+        provider.close()
+
+
+def test_a_caller_engine_without_multi_statements_still_releases(maria: Db) -> None:
+    engine = sa.create_engine(maria.url, isolation_level="READ COMMITTED")
+    provider = SqlLockProvider(engine, table=maria.table)
+    try:
+        provider.acquire("k", "t", 30, 60, "{}")
+        assert provider.release("k", "t", Completion("id", "success", 0, 60)) is True
+        assert provider.completion("k", "id") is not None
+    finally:
+        provider.close()
+        engine.dispose()
