@@ -45,6 +45,13 @@ CONNECT_TIMEOUT = 5.0
 RETRY_MIN, RETRY_MAX = 0.1, 5.0
 
 
+def waiter_lock(function: str, channel_sql: str) -> str:
+    """SQL calling ``pg_<function>`` on the advisory lock of the channel ``channel_sql`` (an
+    SQL expression): waiters hold it shared, a release tries it exclusively (see postgres.py).
+    The bigint lock space, apart from the (int, int) key locks of the acquire statements."""
+    return f"pg_{function}(hashtextextended({channel_sql}, 0))"
+
+
 def channel(table: str, key: str) -> str:
     """The notification channel of ``key`` (already prefixed) in lock table ``table``."""
     return "ce_" + hashlib.sha256(f"{table}\0{key}".encode()).hexdigest()[:24]
@@ -201,6 +208,9 @@ class Listener:
             if not conn.autocommit:
                 conn.rollback()
                 conn.autocommit = True
+            # A waiter registration blocked past this (a foreign bigint advisory lock)
+            # fails: the connection is dropped and made again, and waiters poll meanwhile.
+            conn.execute(f"SET lock_timeout = {int(COMMAND_TIMEOUT * 1000)}")
             conn.add_notify_handler(lambda notify: self._dispatch(notify.channel))
         except BaseException:
             conn.close()
@@ -214,7 +224,10 @@ class Listener:
         start, stop = sorted(wanted - self._listening), sorted(self._listening - wanted)
         if not start and not stop:
             return
-        commands = [f"LISTEN {c}" for c in start] + [f"UNLISTEN {c}" for c in stop]
+        # LISTEN, then register as a waiter (releases notify only while someone is); a
+        # release committing meanwhile holds the lock exclusively and this waits for it.
+        commands = [f"LISTEN {c}; SELECT {waiter_lock('advisory_lock_shared', repr(c))}" for c in start]
+        commands += [f"SELECT {waiter_lock('advisory_unlock_shared', repr(c))}; UNLISTEN {c}" for c in stop]
         conn = self._conn
         with _deadline.watch(conn.pgconn.socket, COMMAND_TIMEOUT):
             conn.execute("; ".join(commands))

@@ -177,8 +177,21 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
     clock = "clock_timestamp()"
 
     def wake(freed_live: str) -> str:
-        """``freed_live``, having notified the key's channel when it is true (CASE: only then)."""
-        return f"CASE WHEN {freed_live} THEN pg_notify(CAST(:channel AS text), '') IS NOT NULL ELSE false END"
+        """``freed_live``, having notified the key's channel when it is true and someone
+        waits for the key. A waiter holds a shared session lock on the channel's advisory
+        lock (:func:`._pg_listen.waiter_lock`) from before its first attempt: when the try
+        below gets the lock exclusively, nobody waits and nothing is sent (a NOTIFY wakes
+        every listening backend of the database, so an unconditional one would cost each
+        release ~30 µs per listening process). A waiter registering meanwhile blocks on the
+        lock until this release commits, so its first attempt sees the key free. CASE
+        evaluates its branches in order: the try only for a freed live lease, the notify
+        only when the try failed."""
+        channel = "CAST(:channel AS text)"
+        return (
+            f"CASE WHEN NOT ({freed_live}) THEN false "
+            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN true "
+            f"ELSE pg_notify({channel}, '') IS NOT NULL END"
+        )
 
     release_done = f"""WITH rel AS (
   DELETE FROM {t} WHERE key = :key AND value = :token
