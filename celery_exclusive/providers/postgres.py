@@ -548,13 +548,15 @@ class PostgresLockProvider(SqlStore):
         self._driver_errors = self._executor.errors
         # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`) on psycopg 3 connected to
         # the server itself; behind PgBouncer in transaction mode (no session to LISTEN on)
-        # and with other drivers the provider does not offer ``subscribe`` (None hides it
-        # from ``isinstance(provider, WakesWaiters)``) and waiters poll. The release
+        # and with other drivers ``subscribe`` refuses and waiters poll. The release
         # statements notify whatever the driver, for waiters in other processes.
         self._listener: _pg_listen.Listener | None = None
         self._listen_lock = threading.Lock()
-        if self._engine.dialect.driver != "psycopg" or pgbouncer:
-            self.__dict__["subscribe"] = None
+        self._no_wake: str | None = None
+        if pgbouncer:
+            self._no_wake = "behind PgBouncer (ce_pgbouncer=true) there is no session to LISTEN on"
+        elif self._engine.dialect.driver != "psycopg":
+            self._no_wake = f"the {self._engine.dialect.driver} driver is not psycopg 3"
 
     @property
     def _kept(self) -> list[Any] | None:
@@ -636,7 +638,11 @@ class PostgresLockProvider(SqlStore):
     def subscribe(self, key: str) -> _pg_listen.Subscription:
         """Listen for releases of ``key`` (``WakesWaiters``): ``LISTEN`` on the key's channel,
         notified by the release statement, on one connection per provider and process
-        (providers/_pg_listen.py). Returns once listening or shortly after (see there)."""
+        (providers/_pg_listen.py). Returns once listening or shortly after (see there).
+        Raises SignalsLost behind PgBouncer (``ce_pgbouncer=true``) and with drivers other
+        than psycopg 3: the waiter then polls."""
+        if self._no_wake is not None:
+            raise _pg_listen.SignalsLost(f"no release signals: {self._no_wake}; waiters poll")
         listener = self._listener
         if listener is None or listener.pid != os.getpid():  # a child never uses its parent's
             with self._listen_lock:
