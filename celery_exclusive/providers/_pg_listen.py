@@ -30,11 +30,16 @@ import hashlib
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from celery_exclusive.providers import _deadline
 
+#: Seconds a channel stays LISTENed (and its waiter registration held) after its last
+#: subscriber left: back-to-back waits on one key skip an UNLISTEN and a LISTEN, at the cost
+#: of that key's releases notifying meanwhile.
+LINGER = 1.0
 #: Seconds ``subscribe`` waits for its LISTEN to be in effect before returning anyway.
 SUBSCRIBE_WAIT = 0.05
 #: Seconds a LISTEN/UNLISTEN on the listener connection may take before it is dropped.
@@ -64,11 +69,13 @@ class SignalsLost(ConnectionError):
 class _Watch:
     """The subscribers of one channel in this process, and the releases they were sent."""
 
-    __slots__ = ("changed", "listening", "lost", "released", "subscribers")
+    __slots__ = ("changed", "idle_since", "listening", "lost", "released", "subscribers")
 
     def __init__(self, lock: threading.Lock) -> None:
         self.changed = threading.Condition(lock)
         self.subscribers = 0
+        #: When the last subscriber left (monotonic; None while it has subscribers).
+        self.idle_since: float | None = None
         self.released = 0
         #: Whether the channel is LISTENed on the current connection.
         self.listening = False
@@ -127,9 +134,11 @@ class Listener:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        #: The channels LISTENed on the current connection (the thread changes it, holding
+        #: the lock; a channel leaves it before its UNLISTEN, joins it after its LISTEN).
+        self._listened: set[str] = set()
         # Owned by the thread:
         self._conn: Any = None
-        self._listening: set[str] = set()
 
     def subscribe(self, name: str) -> Subscription:
         """Subscribe to channel ``name``; returns once it is LISTENed, or after
@@ -140,7 +149,11 @@ class Listener:
             watch = self._watches.get(name)
             if watch is None:
                 watch = self._watches[name] = _Watch(self._lock)
+                # Still LISTENed after its last subscriber left: in effect (if the thread
+                # UNLISTENs it after all, it LISTENs again and signals, see _sync).
+                watch.listening = name in self._listened
             watch.subscribers += 1
+            watch.idle_since = None
             subscription = Subscription(self, name, watch)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -154,11 +167,26 @@ class Listener:
         return subscription
 
     def _leave(self, name: str, watch: _Watch) -> None:
-        """A subscriber of ``watch`` left (holding the lock); the last one unlistens."""
+        """A subscriber of ``watch`` left (holding the lock); after the last one, the
+        channel is UNLISTENed :data:`LINGER` seconds later (unless someone subscribes)."""
         watch.subscribers -= 1
         if watch.subscribers <= 0 and self._watches.get(name) is watch:
-            del self._watches[name]
-            self._poke()
+            watch.idle_since = time.monotonic()
+            self._poke()  # the thread times the linger out
+
+    def _wanted(self) -> tuple[set[str], float | None]:
+        """(holding the lock) The channels to LISTEN, dropping watches that lingered long
+        enough; and seconds until the next one expires (None: none lingers)."""
+        now, soonest = time.monotonic(), None
+        for name, watch in list(self._watches.items()):
+            if watch.idle_since is None:
+                continue
+            left = watch.idle_since + LINGER - now
+            if left <= 0:
+                del self._watches[name]
+            elif soonest is None or left < soonest:
+                soonest = left
+        return set(self._watches), soonest
 
     def _poke(self) -> None:
         with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
@@ -172,7 +200,7 @@ class Listener:
             with self._lock:
                 if self.closed:
                     break
-                wanted = set(self._watches)
+                wanted, linger = self._wanted()
             if self._conn is None and wanted:
                 try:
                     self._open()
@@ -186,7 +214,7 @@ class Listener:
                 continue
             try:
                 self._sync(wanted)
-                self._read()
+                self._read(linger)
             except Exception:
                 self._lost()
         self._drop()
@@ -216,12 +244,13 @@ class Listener:
             conn.close()
             raise
         self._conn = conn
-        self._listening = set()
         self.backend_pid = int(conn.info.backend_pid)
 
     def _sync(self, wanted: set[str]) -> None:
         """LISTEN the channels wanted and not yet listened to; UNLISTEN those left."""
-        start, stop = sorted(wanted - self._listening), sorted(self._listening - wanted)
+        with self._lock:
+            start, stop = sorted(wanted - self._listened), sorted(self._listened - wanted)
+            self._listened -= set(stop)
         if not start and not stop:
             return
         # LISTEN, then register as a waiter (releases notify only while someone is); a
@@ -231,22 +260,26 @@ class Listener:
         conn = self._conn
         with _deadline.watch(conn.pgconn.socket, COMMAND_TIMEOUT):
             conn.execute("; ".join(commands))
-        self._listening = (self._listening | set(start)) - set(stop)
         with self._lock:
+            self._listened |= set(start)
             for name in start:
                 watch = self._watches.get(name)
-                if watch is not None:
-                    watch.listening = True
-                    if watch.lost:  # a release while we were away may be missed: look again
-                        watch.lost = False
-                        watch.signal()
-                    else:
-                        watch.changed.notify_all()
+                if watch is None:
+                    continue
+                # A subscriber that returned before this LISTEN (it timed out waiting, or
+                # took the channel for LISTENed while it was being UNLISTENed) may have
+                # missed a release: signal it, so its waiter looks again.
+                missed = watch.lost or watch.listening
+                watch.listening, watch.lost = True, False
+                if missed:
+                    watch.signal()
+                else:
+                    watch.changed.notify_all()
 
-    def _read(self) -> None:
-        """Wait for notifications or a poke; dispatch what arrived."""
+    def _read(self, timeout: float | None) -> None:
+        """Wait for notifications or a poke (or ``timeout`` seconds); dispatch what arrived."""
         pgconn = self._conn.pgconn
-        ready, _, _ = select.select([pgconn.socket, self._wake_r], [], [])
+        ready, _, _ = select.select([pgconn.socket, self._wake_r], [], [], timeout)
         if self._wake_r in ready:
             self._drain()
         if pgconn.socket in ready:
@@ -274,7 +307,8 @@ class Listener:
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
-        self._listening = set()
+        with self._lock:
+            self._listened = set()
         self.backend_pid = None
         if conn is not None:
             with contextlib.suppress(Exception):  # a dead connection still closes locally

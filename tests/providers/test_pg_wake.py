@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from celery_exclusive import LockService, ReleaseOutcome
-from celery_exclusive.providers._pg_listen import SignalsLost, channel
+from celery_exclusive.providers._pg_listen import LINGER, SignalsLost, channel
 from celery_exclusive.providers.base import Grant, WakesWaiters
 from celery_exclusive.providers.postgres import PostgresLockProvider
 from celery_exclusive.waiting import POLL_MAX
@@ -57,7 +57,7 @@ def subscribed(provider: PostgresLockProvider, key: str) -> Any:
 
 def test_psycopg_wakes_and_pgbouncer_mode_polls() -> None:
     woken = LockService(URL).provider
-    polled = LockService(URL + "&ce_pgbouncer=true").provider
+    polled: Any = LockService(URL + "&ce_pgbouncer=true").provider
     try:
         assert isinstance(woken, WakesWaiters)
         with pytest.raises(SignalsLost, match="PgBouncer"):  # no session to LISTEN on: waiters poll
@@ -124,7 +124,7 @@ def test_a_release_notifies_only_while_a_waiter_is_registered(provider: Postgres
         assert [n.channel for n in spy.notifies(timeout=5, stop_after=1)] == [channel(TABLE, key)]
         assert subscription.wait(5) is True
         subscription.close()
-        time.sleep(0.3)  # the listener unregisters (UNLISTEN, unlock) in its own time
+        time.sleep(LINGER + 0.5)  # the listener unregisters (UNLISTEN, unlock) after the linger
         take(provider, key, "t3")
         assert provider.release(key, "t3") is True
         assert list(spy.notifies(timeout=0.3)) == []
