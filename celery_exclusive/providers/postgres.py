@@ -12,6 +12,12 @@ libpq directly, see ``_libpq.py``), and a contended acquire writes nothing (no t
 id, no WAL); with any other driver through SQLAlchemy's pool, the same statements. Taking
 over a dead row is the one case that needs a second statement.
 
+Waiters (``LockService.lock(key, wait=)``) are woken by LISTEN/NOTIFY: the release
+statements, when they free a live lease while a waiter is registered on the key, call
+``pg_notify`` in the same statement; :meth:`PostgresLockProvider.subscribe` LISTENs on one
+connection per provider and process (providers/_pg_listen.py). Behind PgBouncer
+(``ce_pgbouncer=true``) and with drivers other than psycopg 3, waiters poll.
+
 Completion records live in ``<table>_done``: the record is written by the release
 statement itself and checked by the acquire statement itself; expired records are pruned
 by later releases.
