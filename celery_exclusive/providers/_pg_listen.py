@@ -201,22 +201,19 @@ class Listener:
                 if self.closed:
                     break
                 wanted, linger = self._wanted()
-            if self._conn is None and wanted:
-                try:
-                    self._open()
-                    retry = RETRY_MIN
-                except Exception:
-                    self._idle(retry)
-                    retry = min(retry * 2, RETRY_MAX)
-                    continue
-            if self._conn is None:
+            if self._conn is None and not wanted:
                 self._idle(None)
                 continue
             try:
+                if self._conn is None:
+                    self._open()
                 self._sync(wanted)
                 self._read(linger)
-            except Exception:
+                retry = RETRY_MIN
+            except Exception:  # a connection that fails at once again is retried ever slower
                 self._lost()
+                self._idle(retry)
+                retry = min(retry * 2, RETRY_MAX)
         self._drop()
 
     def _idle(self, timeout: float | None) -> None:
