@@ -54,6 +54,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
 
     from benchmarks.origin import OriginLock, origin_table
     from celery_exclusive import LockService
+    from celery_exclusive.providers._pg_listen import channel
     from celery_exclusive.providers.base import encode_holder
 
     service = LockService(with_table(POSTGRES_URL, TABLE), prefix="svc:", ttl=TTL)
@@ -75,7 +76,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             rows = raw.execute(sql["acquire"], {**params, "holder": holder}).fetchall()
             if not rows or not rows[0][0]:
                 raise RuntimeError("raw: key unexpectedly held")
-            raw.execute(sql["release"], params).fetchall()
+            raw.execute(sql["release"], {**params, "channel": channel(TABLE, params["key"])}).fetchall()
 
         def advisory_lock(i: int) -> None:
             key = f"{TABLE}:adv:{i % KEYS}"
@@ -195,7 +196,9 @@ def _c_floors(
             life=LIFE,
             holder=holder,
             acquire=(acquire.sql, acquire.params),
-            release=(release_sql, release.params),
+            # The release notifies a channel when it frees the lease: the key's name serves
+            # (the cost of pg_notify does not depend on the channel's name).
+            release=(release_sql, tuple("key" if p == "channel" else p for p in release.params)),
         )
         programs.append(program_run)
         approaches[name] = program_run.as_approach()

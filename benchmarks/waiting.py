@@ -6,15 +6,15 @@ Run on its own::
 
 * handover: one holder releases, one waiter (another service, ``lock(wait=)``) acquires;
   the release-to-acquired time over 40 trials, p50/p99. Stores that signal releases
-  (memory and Redis today) hand over on the signal, and are measured once more with the
+  (memory, Redis and PostgreSQL) hand over on the signal, and are measured once more with the
   signals hidden (``polled``: the waiter sees a store without ``subscribe``), which is what
   the other stores do: hand over within the poll bound (0.05 s).
 * fairness: 8 processes loop ``lock(key, wait=10)`` / hold 5 ms / release on one key for
   ``--seconds``; each process's share of the acquisitions (ideal 12.5 %), and Jain's index
   (1.0 = perfectly even, 1/8 = one process got everything).
 
-The Redis handover, woken and polled, is also the ``waiting`` section of
-``python -m benchmarks`` (:func:`run`; target: woken p50 <= 2 ms).
+The Redis and PostgreSQL handovers, woken and polled, are also the ``waiting`` section of
+``python -m benchmarks`` (:func:`run`; targets: woken p50 <= 2 ms).
 
 Keys use a unique prefix and are released at the end; nothing else is touched.
 """
@@ -29,14 +29,38 @@ import time
 import uuid
 from typing import Any
 
-from benchmarks.harness import REDIS_PREFIX, REDIS_URL, Cleanup, Plan, Report, percentile, reachable
+from benchmarks.harness import (
+    POSTGRES_URL,
+    REDIS_PREFIX,
+    REDIS_URL,
+    TABLE,
+    Cleanup,
+    Plan,
+    Report,
+    drop_pg_tables,
+    percentile,
+    reachable,
+    with_table,
+)
 from celery_exclusive import LockService
 from celery_exclusive.providers.base import WakesWaiters
 
 SECTION = "waiting"
-ROWS = ["redis handover woken", "redis handover polled"]
-#: (name, bound, op, unit) of the section's target.
-TARGETS = [("redis woken handover p50", 2.0, "<=", " ms")]
+ROWS = [
+    "redis handover woken",
+    "redis handover polled",
+    "postgres handover woken",
+    "postgres handover polled",
+]
+#: (name, bound, op, unit) of the section's targets.
+TARGETS = [
+    ("redis woken handover p50", 2.0, "<=", " ms"),
+    ("postgres woken handover p50", 2.0, "<=", " ms"),
+]
+#: The PostgreSQL table of the section (dropped at the end of the run).
+WAIT_TABLE = f"{TABLE}_wait"
+#: How each store's release signals its waiters (the woken row's note).
+SIGNALS = {"redis": "SPUBLISH from release.lua", "postgres": "pg_notify from the release statement, LISTEN"}
 
 URLS = {
     "memory": "memory://",
@@ -167,27 +191,36 @@ def main() -> None:
 
 
 def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
-    """The ``waiting`` section: Redis handover woken by the release vs a polling waiter."""
-    reason = reachable(REDIS_URL)
-    if reason:
-        report.unavailable(SECTION, ROWS, TARGETS, reason)
-        return
+    """The ``waiting`` section: Redis and PostgreSQL handover woken by the release vs a
+    polling waiter."""
     trials = 5 if plan.quick else 40
-    p50s = {}
-    for name, polled in zip(ROWS, (False, True), strict=True):
-        lat = handover(REDIS_URL, REDIS_PREFIX + "wait:", trials, polled=polled)
-        p50s[name] = percentile(lat, 0.5)
-        report.row(
-            SECTION,
-            name,
-            p50_us=p50s[name] * 1e6,
-            p99_us=percentile(lat, 0.99) * 1e6,
-            note=f"release to acquired, {trials} trials"
-            + ("; signals hidden, poll bound 50 ms" if polled else "; SPUBLISH from release.lua"),
-        )
-    name, bound, op, unit = TARGETS[0]
-    note = "quick: too few trials to judge" if plan.quick else ""
-    report.target(name, p50s[ROWS[0]] * 1000, bound, op=op, unit=unit, note=note)
+    stores = {
+        "redis": (REDIS_URL, REDIS_PREFIX + "wait:"),
+        "postgres": (with_table(POSTGRES_URL, WAIT_TABLE), "wait:"),
+    }
+    for index, (store, (url, prefix)) in enumerate(stores.items()):
+        rows, targets = ROWS[2 * index : 2 * index + 2], TARGETS[index : index + 1]
+        reason = reachable(url)
+        if reason:
+            report.unavailable(SECTION, rows, targets, reason)
+            continue
+        if store == "postgres":
+            cleanup.add(f"table {WAIT_TABLE}", lambda: drop_pg_tables(WAIT_TABLE, WAIT_TABLE + "_done"))
+        p50s = {}
+        for name, polled in zip(rows, (False, True), strict=True):
+            lat = handover(url, prefix, trials, polled=polled)
+            p50s[name] = percentile(lat, 0.5)
+            report.row(
+                SECTION,
+                name,
+                p50_us=p50s[name] * 1e6,
+                p99_us=percentile(lat, 0.99) * 1e6,
+                note=f"release to acquired, {trials} trials"
+                + ("; signals hidden, poll bound 50 ms" if polled else f"; {SIGNALS[store]}"),
+            )
+        name, bound, op, unit = targets[0]
+        note = "quick: too few trials to judge" if plan.quick else ""
+        report.target(name, p50s[rows[0]] * 1000, bound, op=op, unit=unit, note=note)
 
 
 if __name__ == "__main__":

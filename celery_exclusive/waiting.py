@@ -21,14 +21,17 @@ out), cut short by a release signal where the store gives one. Guarantees:
 Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` protocol):
 
 * memory: a ``threading.Condition`` notified by ``release`` (implemented).
-* PostgreSQL (after the provider split, in ``providers/postgres.py``): ``LISTEN`` on a
-  channel derived from the store key (``ce_`` + 16 hex of its SHA-256: channel names are
-  identifiers of at most 63 bytes), and the release statement itself calls
-  ``pg_notify(channel, '')`` in the same statement, so the releaser pays no extra round trip;
-  NOTIFY is delivered at commit, so a waiter woken by it sees the row gone. The listener
-  needs its own session-level connection (one per waiting service, shared by its waiters),
-  so behind PgBouncer in transaction mode (where LISTEN does not work) and on SQLite and
-  MariaDB (no such mechanism) the store does not offer ``subscribe`` and waiters poll.
+* PostgreSQL (implemented, providers/_pg_listen.py): ``LISTEN`` on a channel derived from
+  the table and store key (``ce_`` + 24 hex of a SHA-256: channel names are identifiers of
+  at most 63 bytes), and the release statement itself calls ``pg_notify(channel, '')`` when
+  it frees a live lease and a waiter is registered (a shared advisory lock per channel,
+  held by the waiters' listener connection), so the releaser pays no extra round trip;
+  NOTIFY is delivered at commit, so a waiter woken by it sees the row gone, and a release
+  rolled back sends nothing. The listener needs its own session-level connection (one per
+  provider and process, shared by its waiters), so behind PgBouncer in transaction mode
+  (``ce_pgbouncer=true``: LISTEN does not work there) and with drivers other than psycopg 3
+  ``subscribe`` refuses and waiters poll; so they do on SQLite and MariaDB (no such
+  mechanism, no ``subscribe``).
 * Redis (implemented, providers/_redis_wake.py): sharded pub/sub, ``release.lua`` ending
   with ``SPUBLISH`` on the key itself when it freed a live lease (on Cluster the channel is
   in the script's own slot, and the message goes to the key's shard instead of being

@@ -12,6 +12,12 @@ libpq directly, see ``_libpq.py``), and a contended acquire writes nothing (no t
 id, no WAL); with any other driver through SQLAlchemy's pool, the same statements. Taking
 over a dead row is the one case that needs a second statement.
 
+Waiters (``LockService.lock(key, wait=)``) are woken by LISTEN/NOTIFY: the release
+statements, when they free a live lease while a waiter is registered on the key, call
+``pg_notify`` in the same statement; :meth:`PostgresLockProvider.subscribe` LISTENs on one
+connection per provider and process (providers/_pg_listen.py). Behind PgBouncer
+(``ce_pgbouncer=true``) and with drivers other than psycopg 3, waiters poll.
+
 Completion records live in ``<table>_done``: the record is written by the release
 statement itself and checked by the acquire statement itself; expired records are pruned
 by later releases.
@@ -20,6 +26,8 @@ by later releases.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +38,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Dialect, Engine
 
 from celery_exclusive.errors import BackendError, InvalidArgumentError, LockLost
-from celery_exclusive.providers import _deadline, _libpq
+from celery_exclusive.providers import _deadline, _libpq, _pg_listen
 from celery_exclusive.providers._sql_common import (
     INHERITED,
     PRUNE_BATCH,
@@ -176,6 +184,24 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
         "FROM d AS d(outcome, attempt, age, left_s)"
     )
     clock = "clock_timestamp()"
+
+    def wake(freed_live: str) -> str:
+        """``freed_live``, having notified the key's channel when it is true and someone
+        waits for the key. A waiter holds a shared session lock on the channel's advisory
+        lock (:func:`._pg_listen.waiter_lock`) from before its first attempt: when the try
+        below gets the lock exclusively, nobody waits and nothing is sent (a NOTIFY wakes
+        every listening backend of the database, so an unconditional one would cost each
+        release ~30 µs per listening process). A waiter registering meanwhile blocks on the
+        lock until this release commits, so its first attempt sees the key free. CASE
+        evaluates its branches in order: the try only for a freed live lease, the notify
+        only when the try failed."""
+        channel = "CAST(:channel AS text)"
+        return (
+            f"CASE WHEN NOT ({freed_live}) THEN false "
+            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN true "
+            f"ELSE pg_notify({channel}, '') IS NOT NULL END"
+        )
+
     release_done = f"""WITH rel AS (
   DELETE FROM {t} WHERE key = :key AND value = :token
     AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
@@ -191,7 +217,7 @@ rec AS (
         "acquire": acquire,
         "acquire_once": acquire_once,
         # release and the completion record in one statement (data-modifying CTEs all run).
-        "release_done": release_done + "\nSELECT live FROM rel",
+        "release_done": release_done + f"\nSELECT {wake('live')} FROM rel",
         # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
         # so the table stays small while the common statement stays cheap to plan.
         "release_done_prune": release_done
@@ -200,7 +226,7 @@ prune AS (
   DELETE FROM {d} WHERE (key, task_id) IN (
     SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
     ORDER BY expires_at LIMIT {PRUNE_BATCH} FOR UPDATE SKIP LOCKED))
-SELECT live FROM rel""",
+SELECT {wake("live")} FROM rel""",
         "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
         f"WHERE key = :key AND task_id = :task_id AND expires_at > {clock}",
         "done_list": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
@@ -218,9 +244,11 @@ RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
         # this one transaction): it halves the release's latency. A server crash in the
         # next ~0.6 s can bring the released row back, to expire with its ttl: a key held
         # longer, never a second holder, since any later acquire's flush covers this WAL.
+        # Freeing a live lease also notifies the key's channel (:mod:`._pg_listen`), in the
+        # same statement: delivered to LISTENing waiters when the release commits.
         "release": f"DELETE FROM {t} WHERE key = :key AND value = :token "
         "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL "
-        "RETURNING expires_at > clock_timestamp() AND deadline > clock_timestamp()",
+        f"RETURNING {wake('expires_at > clock_timestamp() AND deadline > clock_timestamp()')}",
         "peek": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n WHERE t.key = :key AND {live('t')}",
         "scan": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n "
         f"WHERE t.key LIKE :pattern ESCAPE '!' AND {live('t')}",
@@ -566,6 +594,17 @@ class PostgresLockProvider(SqlStore):
         else:
             self._executor = _PooledExecutor(self._engine, self._pg_sql)
         self._driver_errors = self._executor.errors
+        # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`) on psycopg 3 connected to
+        # the server itself; behind PgBouncer in transaction mode (no session to LISTEN on)
+        # and with other drivers ``subscribe`` refuses and waiters poll. The release
+        # statements notify whatever the driver, for waiters in other processes.
+        self._listener: _pg_listen.Listener | None = None
+        self._listen_lock = threading.Lock()
+        self._no_wake: str | None = None
+        if pgbouncer:
+            self._no_wake = "behind PgBouncer (ce_pgbouncer=true) there is no session to LISTEN on"
+        elif self._engine.dialect.driver != "psycopg":
+            self._no_wake = f"the {self._engine.dialect.driver} driver is not psycopg 3"
 
     @property
     def _kept(self) -> list[Any] | None:
@@ -625,7 +664,11 @@ class PostgresLockProvider(SqlStore):
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
-        params: dict[str, Any] = {"key": key, "token": token}
+        params: dict[str, Any] = {
+            "key": key,
+            "token": token,
+            "channel": _pg_listen.channel(self.table.name, key),
+        }
         if completion is not None and not self._records_on():
             completion = None
         if completion is None:
@@ -639,6 +682,31 @@ class PostgresLockProvider(SqlStore):
                 retain=float(completion.retain),
             )
         return any(bool(alive) for (alive,) in self._call(op, params, timeout))
+
+    def subscribe(self, key: str) -> _pg_listen.Subscription:
+        """Listen for releases of ``key`` (``WakesWaiters``): ``LISTEN`` on the key's channel,
+        notified by the release statement, on one connection per provider and process
+        (providers/_pg_listen.py). Returns once listening or shortly after (see there).
+        Raises SignalsLost behind PgBouncer (``ce_pgbouncer=true``) and with drivers other
+        than psycopg 3: the waiter then polls."""
+        if self._no_wake is not None:
+            raise _pg_listen.SignalsLost(f"no release signals: {self._no_wake}; waiters poll")
+        listener = self._listener
+        if listener is None or listener.pid != os.getpid():  # a child never uses its parent's
+            with self._listen_lock:
+                listener = self._listener
+                if listener is None or listener.pid != os.getpid():
+                    if self._closed:
+                        raise _pg_listen.SignalsLost("the provider is closed")
+                    listener = self._listener = _pg_listen.Listener(self._listen_connection, self.table.name)
+        return listener.subscribe(_pg_listen.channel(self.table.name, key))
+
+    def _listen_connection(self) -> Any:
+        """A psycopg connection of the engine's, detached from its pool: the listener's own."""
+        fairy = self._engine.raw_connection()
+        connection = fairy.driver_connection
+        fairy.detach()
+        return connection
 
     def forget(self, key: str, task_id: str) -> bool:
         if not self._records_on():
@@ -695,6 +763,10 @@ class PostgresLockProvider(SqlStore):
     def close(self) -> None:
         """Dispose of the engine's connections if this provider created the engine."""
         self._closed = True
+        with self._listen_lock:
+            listener, self._listener = self._listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.close()
         if self._executor.kept is not None:
             self._executor.kept.closed = True
         self._executor.close()
@@ -765,3 +837,7 @@ class PostgresLockProvider(SqlStore):
         # pool's (dropped without closing, as SQLAlchemy recommends after fork).
         self._executor.after_fork()
         self._engine.dispose(close=False)
+        listener, self._listener = self._listener, None
+        if listener is not None:  # the parent's: its connection and thread are not ours
+            INHERITED.append(listener)
+        self._listen_lock = threading.Lock()

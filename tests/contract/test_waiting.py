@@ -2,7 +2,8 @@
 SQLite, PostgreSQL, MariaDB, Redis), issue #13 items 1 and 3.
 
 Stores that signal releases (:class:`~celery_exclusive.providers.base.WakesWaiters`, today
-memory and Redis) must hand over within 50 ms (p50); the others within the poll bound.
+memory, Redis and PostgreSQL) must hand over within 50 ms (p50); the others within the poll
+bound.
 """
 
 from __future__ import annotations

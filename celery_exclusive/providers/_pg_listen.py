@@ -1,0 +1,330 @@
+"""Release signals for PostgreSQL waiters (``WakesWaiters``): ``LISTEN``/``NOTIFY``.
+
+The release statements end, when they freed a live lease, with ``pg_notify(channel, '')``
+in the same statement (no extra round trip for the releaser; see ``postgres.py``). NOTIFY
+is transactional: it is delivered when the release commits (a release rolled back sends
+nothing), so a woken waiter sees the row gone. The channel is :func:`channel`: ``ce_`` and
+24 hex digits of the SHA-256 of the table and the store key (a channel is an identifier of
+at most 63 bytes; a collision only wakes a waiter spuriously).
+
+:class:`Listener` (one per provider and process, made on the first wait) keeps one
+dedicated psycopg connection in autocommit, out of the pool, read by a daemon thread that
+waits on its socket (and on a pipe that tells it about new subscriptions). A channel is
+``LISTEN``\\ ed while someone in the process waits for its key and ``UNLISTEN``\\ ed when the
+last one leaves. :meth:`Listener.subscribe` returns once the ``LISTEN`` is in effect, or after
+:data:`SUBSCRIBE_WAIT` seconds if it is not yet (the first connection, a server away): the
+subscription then starts signalling when it is, and meanwhile the waiter polls.
+
+Losing the connection (a restart, a terminated backend, a failover) loses the notifications
+sent meanwhile: every subscription is then signalled spuriously (its waiter retries at
+once), and the thread reconnects with backoff and ``LISTEN``\\ s again, signalling once more
+when it did. A lost signal only costs latency: waiters poll at the poll bound anyway. A
+child process never uses its parent's listener (the provider makes a new one when the pid
+changed and leaves the inherited one untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery_exclusive.providers import _deadline
+
+#: Seconds a channel stays LISTENed (and its waiter registration held) after its last
+#: subscriber left: back-to-back waits on one key skip an UNLISTEN and a LISTEN, at the cost
+#: of that key's releases notifying meanwhile.
+LINGER = 1.0
+#: Seconds ``subscribe`` waits for its LISTEN to be in effect before returning anyway.
+SUBSCRIBE_WAIT = 0.05
+#: Seconds a LISTEN/UNLISTEN on the listener connection may take before it is dropped.
+COMMAND_TIMEOUT = 2.0
+#: Seconds a listener connection may take to open.
+CONNECT_TIMEOUT = 5.0
+#: First and longest pause between reconnection attempts, in seconds.
+RETRY_MIN, RETRY_MAX = 0.1, 5.0
+
+
+def waiter_lock(function: str, channel_sql: str) -> str:
+    """SQL calling ``pg_<function>`` on the advisory lock of the channel ``channel_sql`` (an
+    SQL expression): waiters hold it shared, a release tries it exclusively (see postgres.py).
+    The bigint lock space, apart from the (int, int) key locks of the acquire statements."""
+    return f"pg_{function}(hashtextextended({channel_sql}, 0))"
+
+
+def channel(table: str, key: str) -> str:
+    """The notification channel of ``key`` (already prefixed) in lock table ``table``."""
+    return "ce_" + hashlib.sha256(f"{table}\0{key}".encode()).hexdigest()[:24]
+
+
+class SignalsLost(ConnectionError):
+    """A subscription cannot signal (closed, or its listener is); the waiter polls."""
+
+
+class _Watch:
+    """The subscribers of one channel in this process, and the releases they were sent."""
+
+    __slots__ = ("changed", "idle_since", "listening", "lost", "released", "subscribers")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.changed = threading.Condition(lock)
+        self.subscribers = 0
+        #: When the last subscriber left (monotonic; None while it has subscribers).
+        self.idle_since: float | None = None
+        self.released = 0
+        #: Whether the channel is LISTENed on the current connection.
+        self.listening = False
+        #: Whether releases may have gone unheard (a lost connection, a subscriber that did
+        #: not wait for the LISTEN): signal once the channel is LISTENed.
+        self.lost = False
+
+    def signal(self) -> None:
+        """One release (or a possibly missed one); the caller holds the lock."""
+        self.released += 1
+        self.changed.notify_all()
+
+
+class Subscription:
+    """One waiter's view of a key's releases (``providers.base.ReleaseSubscription``)."""
+
+    def __init__(self, listener: Listener, name: str, watch: _Watch) -> None:
+        self._listener = listener
+        self._channel = name
+        self._watch = watch
+        self._seen = watch.released
+        self._open = True
+
+    def wait(self, timeout: float) -> bool:
+        watch = self._watch
+        with watch.changed:
+            if not self._open or self._listener.closed:
+                raise SignalsLost("the subscription is closed")
+            watch.changed.wait_for(lambda: watch.released != self._seen, max(0.0, timeout))
+            if watch.released != self._seen:
+                self._seen = watch.released
+                return True
+            return False
+
+    def close(self) -> None:
+        with self._watch.changed:
+            if self._open:
+                self._open = False
+                self._listener._leave(self._channel, self._watch)
+
+
+class Listener:
+    """The LISTEN connection of one provider in one process; ``connect()`` returns a new
+    psycopg 3 connection that is this listener's alone."""
+
+    def __init__(self, connect: Callable[[], Any], name: str = "postgres") -> None:
+        self.pid = os.getpid()
+        self.closed = False
+        #: The server process of the current connection (None while disconnected).
+        self.backend_pid: int | None = None
+        self._connect = connect
+        self._name = name
+        self._lock = threading.Lock()
+        self._watches: dict[str, _Watch] = {}
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        #: The channels LISTENed on the current connection (the thread changes it, holding
+        #: the lock; a channel leaves it before its UNLISTEN, joins it after its LISTEN).
+        self._listened: set[str] = set()
+        # Owned by the thread:
+        self._conn: Any = None
+
+    def subscribe(self, name: str) -> Subscription:
+        """Subscribe to channel ``name``; returns once it is LISTENed, or after
+        :data:`SUBSCRIBE_WAIT` seconds (the subscription signals from when it is)."""
+        with self._lock:
+            if self.closed:
+                raise SignalsLost("the listener is closed")
+            watch = self._watches.get(name)
+            if watch is None:
+                watch = self._watches[name] = _Watch(self._lock)
+                # Still LISTENed after its last subscriber left: in effect (if the thread
+                # UNLISTENs it after all, it LISTENs again and signals, see _sync).
+                watch.listening = name in self._listened
+            watch.subscribers += 1
+            watch.idle_since = None
+            subscription = Subscription(self, name, watch)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"celery-exclusive-listen {self._name}", daemon=True
+                )
+                self._thread.start()
+            if not watch.listening:
+                self._poke()
+                if not watch.changed.wait_for(lambda: watch.listening or self.closed, SUBSCRIBE_WAIT):
+                    watch.lost = True  # a release before the LISTEN is missed: signal once it is on
+        return subscription
+
+    def _leave(self, name: str, watch: _Watch) -> None:
+        """A subscriber of ``watch`` left (holding the lock); after the last one, the
+        channel is UNLISTENed :data:`LINGER` seconds later (unless someone subscribes)."""
+        watch.subscribers -= 1
+        if watch.subscribers <= 0 and self._watches.get(name) is watch:
+            watch.idle_since = time.monotonic()
+            self._poke()  # the thread times the linger out
+
+    def _wanted(self) -> tuple[set[str], float | None]:
+        """(holding the lock) The channels to LISTEN, dropping watches that lingered long
+        enough; and seconds until the next one expires (None: none lingers)."""
+        now, soonest = time.monotonic(), None
+        for name, watch in list(self._watches.items()):
+            if watch.idle_since is None:
+                continue
+            left = watch.idle_since + LINGER - now
+            if left <= 0:
+                del self._watches[name]
+            elif soonest is None or left < soonest:
+                soonest = left
+        return set(self._watches), soonest
+
+    def _poke(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(self._wake_w, b"x")
+
+    # -- the thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        retry = RETRY_MIN
+        while True:
+            with self._lock:
+                if self.closed:
+                    break
+                wanted, linger = self._wanted()
+            if self._conn is None and not wanted:
+                self._idle(None)
+                continue
+            try:
+                if self._conn is None:
+                    self._open()
+                self._sync(wanted)
+                self._read(linger)
+                retry = RETRY_MIN
+            except Exception:  # a connection that fails at once again is retried ever slower
+                self._lost()
+                self._idle(retry)
+                retry = min(retry * 2, RETRY_MAX)
+        self._drop()
+
+    def _idle(self, timeout: float | None) -> None:
+        """Wait for a poke (or ``timeout`` seconds), then drain the pipe."""
+        select.select([self._wake_r], [], [], timeout)
+        self._drain()
+
+    def _drain(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 512):
+                pass
+
+    def _open(self) -> None:
+        with _deadline.connect_budget(CONNECT_TIMEOUT):
+            conn = self._connect()
+        try:
+            if not conn.autocommit:
+                conn.rollback()
+                conn.autocommit = True
+            # A waiter registration blocked past this (a foreign bigint advisory lock)
+            # fails: the connection is dropped and made again, and waiters poll meanwhile.
+            conn.execute(f"SET lock_timeout = {int(COMMAND_TIMEOUT * 1000)}")
+            conn.add_notify_handler(lambda notify: self._dispatch(notify.channel))
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self.backend_pid = int(conn.info.backend_pid)
+
+    def _sync(self, wanted: set[str]) -> None:
+        """LISTEN the channels wanted and not yet listened to; UNLISTEN those left."""
+        with self._lock:
+            start, stop = sorted(wanted - self._listened), sorted(self._listened - wanted)
+            self._listened -= set(stop)
+        if not start and not stop:
+            return
+        # LISTEN, then register as a waiter (releases notify only while someone is); a
+        # release committing meanwhile holds the lock exclusively and this waits for it.
+        commands = [f"LISTEN {c}; SELECT {waiter_lock('advisory_lock_shared', repr(c))}" for c in start]
+        commands += [f"SELECT {waiter_lock('advisory_unlock_shared', repr(c))}; UNLISTEN {c}" for c in stop]
+        conn = self._conn
+        with _deadline.watch(conn.pgconn.socket, COMMAND_TIMEOUT):
+            conn.execute("; ".join(commands))
+        with self._lock:
+            self._listened |= set(start)
+            for name in start:
+                watch = self._watches.get(name)
+                if watch is None:
+                    continue
+                # A subscriber that returned before this LISTEN (it timed out waiting, or
+                # took the channel for LISTENed while it was being UNLISTENed) may have
+                # missed a release: signal it, so its waiter looks again.
+                missed = watch.lost or watch.listening
+                watch.listening, watch.lost = True, False
+                if missed:
+                    watch.signal()
+                else:
+                    watch.changed.notify_all()
+
+    def _read(self, timeout: float | None) -> None:
+        """Wait for notifications or a poke (or ``timeout`` seconds); dispatch what arrived."""
+        pgconn = self._conn.pgconn
+        ready, _, _ = select.select([pgconn.socket, self._wake_r], [], [], timeout)
+        if self._wake_r in ready:
+            self._drain()
+        if pgconn.socket in ready:
+            pgconn.consume_input()  # raises when the connection is gone
+            while (notify := pgconn.notifies()) is not None:
+                self._dispatch(notify.relname.decode())
+            if pgconn.status != 0:  # psycopg.pq.ConnStatus.OK
+                raise SignalsLost("the listener connection is gone")
+
+    def _dispatch(self, name: str) -> None:
+        with self._lock:
+            watch = self._watches.get(name)
+            if watch is not None:
+                watch.signal()
+
+    def _lost(self) -> None:
+        """The connection failed: drop it, and signal every subscription (their waiters
+        retry at once: a release may have been missed)."""
+        self._drop()
+        with self._lock:
+            for watch in self._watches.values():
+                if watch.listening:
+                    watch.listening, watch.lost = False, True
+                watch.signal()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        with self._lock:
+            self._listened = set()
+        self.backend_pid = None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a dead connection still closes locally
+                conn.close()
+
+    def close(self) -> None:
+        """Close the connection and end the thread; open subscriptions stop signalling."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            for watch in self._watches.values():
+                watch.changed.notify_all()
+            thread = self._thread
+            self._poke()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(COMMAND_TIMEOUT + 1)
+        if thread is None or not thread.is_alive():
+            self._drop()
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
