@@ -494,7 +494,8 @@ def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> Non
     assert report.round_trip is None
     checks = {d.check: d for d in report.checks}
     assert checks["connect"].status == "fail"
-    assert "did not answer the peek within 1 s" in checks["connect"].detail
+    # The service's own call deadline or doctor's, whichever ends the peek first.
+    assert "peek within 1 s" in checks["connect"].detail
     assert took < 3.0, took
     assert SECRET not in repr(report)
 
