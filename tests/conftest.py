@@ -30,6 +30,28 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 collect_ignore = ["plugin_example"]
 
 
+#: Files whose tests measure time (deadlines, wake-up latency, benchmarks) or inject faults
+#: with private servers and network namespaces: scripts/test runs them after the rest, one
+#: at a time, so a neighbour's load cannot stretch what they time. Paths under tests/.
+SERIAL = (
+    "faults/",
+    "scale/",
+    "stress/",
+    "test_benchmarks_quick.py",
+    "test_deadlines.py",
+    "contract/test_waiting.py",
+)
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests of the :data:`SERIAL` files ``serial``."""
+    for item in items:
+        path = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        if path.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
+
 class IdleThread(threading.Thread):
     """A ``thread_factory`` thread that exits at once: no heartbeat runs, so leases keep
     their first grant unless the test calls ``heartbeat.beat()`` itself."""
