@@ -77,18 +77,19 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers._redis_diagnose import server_findings
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
     DONE,
+    FENCES,
     FORGET,
     PEEK,
     REFRESH,
     RELEASE,
-    RETAIN_MS,
     ScriptRunner,
     Translating,
+    fence_key,
 )
 from celery_exclusive.providers._redis_urls import (
     Target,
@@ -120,11 +121,11 @@ __all__ = [
     "ACQUIRE",
     "DEFAULT_WAIT_TIMEOUT",
     "DONE",
+    "FENCES",
     "FORGET",
     "PEEK",
     "REFRESH",
     "RELEASE",
-    "RETAIN_MS",
     "RedisLockProvider",
 ]
 
@@ -195,6 +196,7 @@ class RedisLockProvider:
     ) -> None:
         try:
             import redis
+            from redis.crc import key_slot
             from redis.exceptions import RedisClusterException
         except ImportError as exc:
             raise MissingDriverError("redis", "redis") from exc
@@ -208,6 +210,8 @@ class RedisLockProvider:
         self._display = self._target.display
         self._connecting = threading.Lock()
         self._cluster = self._target.cluster
+        #: A key's hash slot, as the cluster computes it (UTF-8 keys, hash tags honoured).
+        self._slot_of = key_slot
         self._wait_replicas, self._wait_ms = wait_settings(self._target)
         # RedisClusterException (no reachable node, say) is not a RedisError.
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
@@ -275,8 +279,11 @@ class RedisLockProvider:
         task_id: str | None = None,
         timeout: float | None = None,
     ) -> Grant | Held | Done:
+        if key.startswith(FENCES):
+            raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
         once = () if task_id is None else (task_id,)
-        args = (1, key, token, whole_ms(ttl), whole_ms(max_lifetime), holder, *once)
+        fences = fence_key(self._slot_of(key.encode())) if self._cluster else FENCES
+        args = (2, key, fences, token, whole_ms(ttl), whole_ms(max_lifetime), holder, *once)
         if self._wait_replicas:
             (reply,), acks = self._scripts.run_acked(ACQUIRE, [args], timeout)
             if reply[0] == 1 and acks < self._wait_replicas:
