@@ -53,7 +53,7 @@ high-water key is set to it, in the same script: one string key ``FENCES``
 (``celery-exclusive:fences``) per standalone or Sentinel server, and on Redis Cluster one
 per hash slot, ``FENCES{<tag>}`` with a three-character tag whose CRC16 is that slot
 (``fence_key`` in providers/_redis_scripts.py), so at most 16,384 keys of
-about 80 B. The high-water mark never decreases, so fences are strictly increasing per key
+72 B each. The high-water mark never decreases, so fences are strictly increasing per key
 (indeed per server, or per slot) **whatever the server's clock does**: a clock stepped back
 by D only makes fences run ahead of ``TIME`` by up to D, until the clock catches up; the
 clock term keeps fences roughly time-ordered (about 1.7e15, exact in Lua's doubles below
