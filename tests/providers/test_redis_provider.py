@@ -144,10 +144,22 @@ def test_hash_ttl_follows_the_lease_and_release_deletes_it(provider: RedisLockPr
     """A held hash expires with its lease (a refresh moves that, never past the hard deadline);
     a release deletes it; a dead lease's hash is gone once its lease expired."""
     key = prefix + "retain"
+    client = provider._client
+
+    def dies_with_the_lease() -> bool:
+        """The hash expires exactly at the lease's ``expires`` (ms), never before it."""
+        try:
+            at = client.execute_command("PEXPIRETIME", key)
+        except redis.ResponseError:  # Redis < 7 has no PEXPIRETIME: the pttl checks remain
+            return True
+        return bool(at == int(client.hget(key, "expires")))
+
     assert isinstance(provider.acquire(key, "tok", 30.0, 600.0, "{}"), Grant)
-    assert 29_000 < provider._client.pttl(key) <= 30_000
+    assert 29_000 < client.pttl(key) <= 30_000
+    assert dies_with_the_lease()
     assert provider.refresh([RefreshRequest(key, "tok", 120.0)])[0] is not None
-    assert 119_000 < provider._client.pttl(key) <= 120_000
+    assert 119_000 < client.pttl(key) <= 120_000
+    assert dies_with_the_lease()
     assert provider.refresh([RefreshRequest(key, "tok", 900.0)])[0] is not None
     assert 590_000 < provider._client.pttl(key) <= 600_000  # the hard deadline caps it
     assert provider.release(key, "tok") is True

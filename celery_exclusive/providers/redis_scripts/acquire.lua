@@ -30,6 +30,7 @@ if KEYS[2] then
 end
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
            'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
--- Completion records kept longer than the lease keep the hash alive as long.
-redis.call('PEXPIRE', KEYS[1], int(math.max(ttl, (tonumber(r[7]) or 0) - now)))
+-- Completion records kept longer than the lease keep the hash alive as long. An absolute
+-- time: PEXPIRE would count from the script's start, up to its run time before `now`.
+redis.call('PEXPIREAT', KEYS[1], int(math.max(now + ttl, tonumber(r[7]) or 0)))
 return {1, fence, (now + ttl) * 1000 - us}

@@ -13,7 +13,7 @@ for i = 1, n do
     local expires = math.min(now + tonumber(ARGV[n + i]), tonumber(r[3]))
     if expires > now then
       redis.call('HSET', KEYS[i], 'expires', int(expires))
-      redis.call('PEXPIRE', KEYS[i], int(math.max(expires, tonumber(r[4]) or 0) - now))
+      redis.call('PEXPIREAT', KEYS[i], int(math.max(expires, tonumber(r[4]) or 0)))
       out[i] = expires * 1000 - us
     end
   end
