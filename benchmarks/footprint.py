@@ -1,4 +1,5 @@
-"""Footprint: memory per held lease (tracemalloc), and what ``import celery_exclusive`` loads."""
+"""Footprint: memory per held lease (tracemalloc), what a released Redis key leaves behind, and
+what ``import celery_exclusive`` loads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness import (
     POSTGRES_URL,
@@ -23,10 +25,12 @@ from benchmarks.harness import (
 SECTION = "footprint"
 MEMORY = "memory per held lease (tracemalloc over 10,000 leases)"
 IMPORT = "import celery_exclusive in a fresh interpreter"
-ROWS = [MEMORY, IMPORT]
+RETAINED = "Redis memory left per released distinct key (MEMORY USAGE)"
+ROWS = [MEMORY, RETAINED, IMPORT]
 T_MEMORY = "footprint: bytes of Python memory per held lease"
+T_RETAINED = "footprint: Redis retention, MiB per 1 M distinct keys a day"
 T_IMPORT = "footprint: drivers imported by `import celery_exclusive` (redis, psycopg, pymysql)"
-TARGETS = [(T_MEMORY, 2048, "<=", " B"), (T_IMPORT, 0, "==", "")]
+TARGETS = [(T_MEMORY, 2048, "<=", " B"), (T_RETAINED, 20, "<=", " MiB"), (T_IMPORT, 0, "==", "")]
 DRIVERS = ("redis", "psycopg", "pymysql")
 
 _PROBE = """
@@ -40,8 +44,9 @@ print(json.dumps({"seconds": elapsed, "loaded": [n for n in names if n in sys.mo
 
 
 def run(report: Report, plan: Plan) -> None:
-    """Both measurements."""
+    """Every measurement."""
     memory(report, plan)
+    retained(report, plan)
     imports(report)
 
 
@@ -87,6 +92,61 @@ def memory(report: Report, plan: Plan) -> None:
         for lease in leases:
             lease.release()
     finally:
+        service.close()
+
+
+def _usage(client: Any, keys: list[str]) -> int:
+    """Bytes ``MEMORY USAGE`` gives for ``keys`` (absent keys count 0), pipelined."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.memory_usage(key, samples=0)
+    return sum(int(n or 0) for n in pipe.execute())
+
+
+def retained(report: Report, plan: Plan) -> None:
+    """Acquire and release ``plan.many_leases`` distinct keys (the per-object key idiom), then sum
+    ``MEMORY USAGE`` of what they left (the keys under this run's prefix, found by SCAN) and of
+    the fence high-water keys the store keeps (a fixed cost, counted whole here): per key.
+
+    Only this run's own keys are measured: never ``INFO`` (a shared server's other clients
+    would be counted) and never a flush."""
+    import redis
+
+    from celery_exclusive import LockService
+
+    why = reachable(REDIS_URL)
+    if why is not None:
+        report.unavailable(SECTION, [RETAINED], [TARGETS[1]], why)
+        return
+    prefix = f"{REDIS_PREFIX}ret:"
+    service = LockService(REDIS_URL, prefix=prefix, ttl=60.0)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        n = plan.many_leases
+        for i in range(n):
+            service.lock(f"object-{i}").release()
+        left = [k.decode() for k in client.scan_iter(match=prefix + "*", count=1000)]
+        fixed = [k.decode() for k in client.scan_iter(match="celery-exclusive:fences*", count=1000)]
+        kept, hwm = _usage(client, left), _usage(client, fixed)
+        per_key = (kept + hwm) / n
+        per_million_mib = per_key * 1_000_000 / 2**20
+        report.row(
+            SECTION,
+            RETAINED,
+            rate=per_key,
+            unit="B/key",
+            note=(
+                f"{n:,} keys acquired and released; {len(left):,} keys left ({kept:,} B), "
+                f"{len(fixed):,} fence high-water keys ({hwm:,} B, a fixed cost); "
+                f"= {per_million_mib:.1f} MiB per 1 M keys a day"
+            ),
+        )
+        report.target(T_RETAINED, per_million_mib, 20, op="<=", unit=" MiB", note="issue #16")
+    finally:
+        mine = list(client.scan_iter(match=prefix + "*", count=1000))
+        for start in range(0, len(mine), 1000):
+            client.delete(*mine[start : start + 1000])
+        client.close()
         service.close()
 
 

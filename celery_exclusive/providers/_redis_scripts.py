@@ -9,6 +9,8 @@ several pipelined in one round trip, optionally followed by ``WAIT`` for replica
 
 from __future__ import annotations
 
+import binascii
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -18,15 +20,15 @@ from typing import Any
 
 from celery_exclusive.errors import BackendError
 from celery_exclusive.providers._redis_wire import Wire, left
-from celery_exclusive.validation import MAX_LIFETIME_CAP
 
-#: Milliseconds a lock hash outlives its lease's hard deadline, or its release.
-RETAIN_MS = int(MAX_LIFETIME_CAP * 1000)
+#: The fence high-water key of a standalone or Sentinel server; on Redis Cluster, one key per
+#: hash slot, ``FENCES{<tag>}`` (:func:`fence_key`). A lock key starting so is refused.
+FENCES = "celery-exclusive:fences"
+SLOTS = 16384
+_TAG_CHARS = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 _FOLDER = files("celery_exclusive.providers").joinpath("redis_scripts")
 _PRELUDE = _FOLDER.joinpath("prelude.lua").read_text(encoding="utf-8")
-if f"\nlocal RETAIN = {RETAIN_MS}\n" not in _PRELUDE:  # pragma: no cover - a packaging mistake
-    raise ImportError(f"redis_scripts/prelude.lua must set RETAIN to RETAIN_MS ({RETAIN_MS})")
 
 
 def _compose(name: str) -> str:
@@ -45,6 +47,32 @@ SHA = {
     for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET)
 }
 CHUNK = 1000  # keys per script call: bounds how long one script blocks Redis
+
+
+@functools.cache
+def _tag_tables() -> tuple[dict[int, bytes], list[int]]:
+    """Slot bits of each two-character prefix (first in ``_TAG_CHARS`` order kept), and of
+    each third character: CRC16 (init 0) is linear over messages of one length, so the slot of
+    ``c1 c2 c3`` is ``crc(c1 c2 0) ^ crc(0 0 c3)``, masked."""
+    pairs: dict[int, bytes] = {}
+    for a in _TAG_CHARS:
+        for b in _TAG_CHARS:
+            pairs.setdefault(binascii.crc_hqx(bytes((a, b, 0)), 0) % SLOTS, bytes((a, b)))
+    return pairs, [binascii.crc_hqx(bytes((0, 0, c)), 0) % SLOTS for c in _TAG_CHARS]
+
+
+@functools.cache
+def fence_key(slot: int) -> str:
+    """The fence high-water key of Redis Cluster hash slot ``slot``: ``FENCES{<tag>}``, the tag
+    three letters or digits whose CRC16 is ``slot`` (the first third character, in
+    ``_TAG_CHARS`` order, that some prefix completes). Part of the stored format: every
+    process, and every version, must name the same key for a slot (tests pin it)."""
+    pairs, thirds = _tag_tables()
+    for c, bits in zip(_TAG_CHARS, thirds, strict=True):
+        prefix = pairs.get(slot ^ bits)
+        if prefix is not None:
+            return f"{FENCES}{{{(prefix + bytes((c,))).decode()}}}"
+    raise ValueError(f"no hash slot {slot!r}")  # pragma: no cover - every slot has a tag
 
 
 class Translating:

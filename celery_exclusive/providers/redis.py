@@ -33,40 +33,47 @@ A lease is live while ``token`` is set and
 ``expires`` is in the future; every operation is a Lua script that reads the clock with
 ``TIME``, so expiry is decided by Redis alone (``redis_scripts/*.lua``, each headed by its
 keys, arguments and reply; providers/_redis_scripts.py loads and runs them). Every
-script touches one key, or (refresh, peek) several keys of one hash slot, so all of it
-works on Redis Cluster.
+script touches the keys of one hash slot (a lock hash, its slot's fence key, or several
+lock hashes of one slot), so all of it works on Redis Cluster.
 
-Retention. Acquiring sets the hash's TTL to the lease's hard deadline plus ``RETAIN_MS``
-(24 h, the max-lifetime cap); releasing clears the lease fields, keeps ``fence`` and sets
-the TTL to ``RETAIN_MS``. A lock key therefore costs memory for at most 24 h after its
-lease ends, however many distinct keys (one per work item, say) are ever used.
+Retention. A lock hash's TTL follows its lease: acquiring sets it to the ttl, each refresh
+to the new expiry (never past the hard deadline), and releasing deletes the hash. A
+released key therefore leaves nothing, and a crashed holder's hash is gone when its lease
+expires, however many distinct keys (one per work item, say) are ever used.
 
 Completion records (``release(..., completion)``) are fields ``done:<task id>`` of the
 same hash, valued ``expires|recorded|attempt|outcome`` (server milliseconds): no key of
 their own, so they never collide with a lock key and stay in the lock's hash slot. A record
 past its expiry counts as absent; expired ones are pruned by a later release on that key.
-The hash then lives as long as its longest-kept record (field ``done_max``), if longer.
+The hash then lives as long as its longest-kept record (field ``done_max``), if longer:
+a release clears the lease fields and keeps the hash that long.
 
-Fences. A grant's fence is ``max(previous fence + 1, TIME in microseconds)``. While the
-hash exists the previous fence makes the new one larger; once it has expired, at least
-24 h have passed since the last fence of that key was issued (each fence is the server's
-microsecond clock at its grant, or barely above it), so the clock alone is larger. Fences
-are thus strictly increasing per key unless Redis's clock steps back by more than 24 h
-(or a failover lands on a server whose clock is that far behind) while the key is unused.
-When Redis *loses* the hash (restart without persistence, ``FLUSHALL``, failover to a
-replica without it), the clock alone decides: a clock s seconds behind where it was gives
-a smaller fence to a key last granted within s seconds (docs/faults.md).
-They are large (about 1.7e15, exact in Lua's doubles below 2**53) and not consecutive.
-Why no separate counter key: a script's keys must share one hash slot on Redis Cluster,
-and a counter key derived from an arbitrary lock key cannot always share its slot (a name
-with ``}`` but no valid hash tag defeats every hash-tag trick) and could collide with a
-user's own key; a global counter would send every acquire to one slot; and a counter that
-must never expire is the unbounded memory this design avoids. Keys written by versions
-before this design carry no TTL until they are next acquired or released; deleting such
-an idle ``{fence: N}`` hash is safe (the next fence comes from the clock).
+Fences. A grant's fence is ``max(high-water + 1, previous fence + 1, TIME in µs)`` and the
+high-water key is set to it, in the same script: one string key ``FENCES``
+(``celery-exclusive:fences``) per standalone or Sentinel server, and on Redis Cluster one
+per hash slot, ``FENCES{<tag>}`` with a three-character tag whose CRC16 is that slot
+(``fence_key`` in providers/_redis_scripts.py), so at most 16,384 keys of
+72 B each. The high-water mark never decreases, so fences are strictly increasing per key
+(indeed per server, or per slot) **whatever the server's clock does**: a clock stepped back
+by D only makes fences run ahead of ``TIME`` by up to D, until the clock catches up; the
+clock term keeps fences roughly time-ordered (about 1.7e15, exact in Lua's doubles below
+2**53, not consecutive). The previous-fence term adopts hashes older versions left.
+Lock keys starting with ``FENCES`` are refused (InvalidArgumentError).
+When Redis *loses* the high-water key (restart without persistence, ``FLUSHALL``, a
+failover to a replica that had not received the last grants, or its eviction under an
+``allkeys-*`` policy), the clock alone decides again: a clock s seconds behind where it was
+gives a smaller fence to a key last granted within s seconds (docs/faults.md). It
+replicates with the grant that set it (one script), so a failover loses it only where it
+loses that grant too. On Cluster, resharding a slot moves its fence key like any other: a
+grant in that slot while only one of its two keys has moved is refused (``TRYAGAIN``,
+which redis-py retries for a while, then a BackendError), never made without the mark.
+Why not per-key retention of the fence (the former design, 24 h after each release): it
+kept 120 B per released distinct key (MEMORY USAGE; ~165-197 B in ``used_memory``), and
+its guarantee ended at a clock step back of more than 24 h.
 
-Keys now carry TTLs, so a ``volatile-*`` (or ``allkeys-*``) ``maxmemory-policy`` may evict
-live locks: use ``noeviction`` (``diagnose()`` fails otherwise).
+The high-water keys carry no TTL and lock hashes do, so a ``volatile-*`` (or
+``allkeys-*``) ``maxmemory-policy`` may evict live locks, and an ``allkeys-*`` one the
+high-water keys too: use ``noeviction`` (``diagnose()`` fails otherwise).
 """
 
 from __future__ import annotations
@@ -77,18 +84,19 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
+from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers._redis_diagnose import server_findings
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
     DONE,
+    FENCES,
     FORGET,
     PEEK,
     REFRESH,
     RELEASE,
-    RETAIN_MS,
     ScriptRunner,
     Translating,
+    fence_key,
 )
 from celery_exclusive.providers._redis_urls import (
     Target,
@@ -120,11 +128,11 @@ __all__ = [
     "ACQUIRE",
     "DEFAULT_WAIT_TIMEOUT",
     "DONE",
+    "FENCES",
     "FORGET",
     "PEEK",
     "REFRESH",
     "RELEASE",
-    "RETAIN_MS",
     "RedisLockProvider",
 ]
 
@@ -195,6 +203,7 @@ class RedisLockProvider:
     ) -> None:
         try:
             import redis
+            from redis.crc import key_slot
             from redis.exceptions import RedisClusterException
         except ImportError as exc:
             raise MissingDriverError("redis", "redis") from exc
@@ -208,6 +217,8 @@ class RedisLockProvider:
         self._display = self._target.display
         self._connecting = threading.Lock()
         self._cluster = self._target.cluster
+        #: A key's hash slot, as the cluster computes it (UTF-8 keys, hash tags honoured).
+        self._slot_of = key_slot
         self._wait_replicas, self._wait_ms = wait_settings(self._target)
         # RedisClusterException (no reachable node, say) is not a RedisError.
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
@@ -275,8 +286,11 @@ class RedisLockProvider:
         task_id: str | None = None,
         timeout: float | None = None,
     ) -> Grant | Held | Done:
+        if key.startswith(FENCES):
+            raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
         once = () if task_id is None else (task_id,)
-        args = (1, key, token, whole_ms(ttl), whole_ms(max_lifetime), holder, *once)
+        fences = fence_key(self._slot_of(key.encode())) if self._cluster else FENCES
+        args = (2, key, fences, token, whole_ms(ttl), whole_ms(max_lifetime), holder, *once)
         if self._wait_replicas:
             (reply,), acks = self._scripts.run_acked(ACQUIRE, [args], timeout)
             if reply[0] == 1 and acks < self._wait_replicas:

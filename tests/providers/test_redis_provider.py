@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_exclusive.errors import BackendError, ConfigurationError
+from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError
+from celery_exclusive.providers._redis_scripts import SLOTS, fence_key
 from celery_exclusive.providers._redis_wire import POLL_AFTER
-from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest
-from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
+from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.redis import FENCES, RedisLockProvider
 from celery_exclusive.urls import scheme_family
 from tests.conftest import IN_CI, REDIS_URL, require_server
 
@@ -118,7 +119,8 @@ def server_micros(client: redis.Redis) -> int:
 
 
 def test_fence_increases_across_release_and_expiry(provider: RedisLockProvider, prefix: str) -> None:
-    """Fences strictly increase across release and expiry, and the fence outlives the lease."""
+    """Fences strictly increase across release and expiry; a released key leaves nothing, its
+    last fence is kept by the server's high-water key."""
     key = prefix + "fence"
     before = server_micros(provider._client)
     first = provider.acquire(key, "a", 30.0, 60.0, "{}")
@@ -132,41 +134,109 @@ def test_fence_increases_across_release_and_expiry(provider: RedisLockProvider, 
     third = provider.acquire(key, "c", 30.0, 60.0, "{}")
     assert isinstance(third, Grant)
     assert third.fence > second.fence
-    # The fence lives in the lock's own hash, which outlives the lease (for 24 h).
     assert provider.release(key, "c") is True
-    assert provider._client.hgetall(key) == {b"fence": str(third.fence).encode()}
+    assert provider._client.exists(key) == 0
+    assert provider._client.memory_usage(key) is None
+    assert int(provider._client.get(FENCES)) >= third.fence  # shared: other keys raise it too
 
 
-def test_hash_ttl_is_deadline_plus_retention_then_retention_after_release(
-    provider: RedisLockProvider, prefix: str
-) -> None:
-    """A held hash expires 24 h after its hard deadline; a released one within 24 h, fence kept."""
+def test_hash_ttl_follows_the_lease_and_release_deletes_it(provider: RedisLockProvider, prefix: str) -> None:
+    """A held hash expires with its lease (a refresh moves that, never past the hard deadline);
+    a release deletes it; a dead lease's hash is gone once its lease expired."""
     key = prefix + "retain"
-    grant = provider.acquire(key, "tok", 30.0, 600.0, "{}")
-    assert isinstance(grant, Grant)
-    assert RETAIN_MS + 590_000 < provider._client.pttl(key) <= RETAIN_MS + 600_000
-    assert provider.refresh([RefreshRequest(key, "tok", 60.0)])[0] is not None
-    assert RETAIN_MS + 590_000 < provider._client.pttl(key) <= RETAIN_MS + 600_000  # deadline unchanged
+    client = provider._client
+
+    def dies_with_the_lease() -> bool:
+        """The hash expires exactly at the lease's ``expires`` (ms), never before it."""
+        try:
+            at = client.execute_command("PEXPIRETIME", key)
+        except redis.ResponseError:  # Redis < 7 has no PEXPIRETIME: the pttl checks remain
+            return True
+        return bool(at == int(client.hget(key, "expires")))
+
+    assert isinstance(provider.acquire(key, "tok", 30.0, 600.0, "{}"), Grant)
+    assert 29_000 < client.pttl(key) <= 30_000
+    assert dies_with_the_lease()
+    assert provider.refresh([RefreshRequest(key, "tok", 120.0)])[0] is not None
+    assert 119_000 < client.pttl(key) <= 120_000
+    assert dies_with_the_lease()
+    assert provider.refresh([RefreshRequest(key, "tok", 900.0)])[0] is not None
+    assert 590_000 < provider._client.pttl(key) <= 600_000  # the hard deadline caps it
     assert provider.release(key, "tok") is True
-    assert RETAIN_MS - 10_000 < provider._client.pttl(key) <= RETAIN_MS == 24 * 3600 * 1000
-    assert int(provider._client.hget(key, "fence")) == grant.fence
+    assert provider._client.exists(key) == 0
     assert provider.peek(key) is None
     assert provider.scan(prefix) == []
+    dead = prefix + "dead"
+    assert isinstance(provider.acquire(dead, "crashed", 0.2, 600.0, "{}"), Grant)
+    time.sleep(0.35)  # its holder never refreshes or releases
+    assert provider._client.exists(dead) == 0
 
 
-def test_fence_after_the_hash_expired_comes_from_the_clock(provider: RedisLockProvider, prefix: str) -> None:
-    """Once a released hash has expired, the next fence still exceeds every earlier one."""
+def test_fence_after_the_hash_was_deleted_exceeds_every_earlier_one(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    """The released hash is deleted (and here also any that expired, or was evicted, is deleted
+    by hand): the next fence still exceeds every earlier one of that key."""
     key = prefix + "gone"
     fences = []
-    for token in ("a", "b", "c"):
+    for token in ("a", "b", "c", "d"):
         grant = provider.acquire(key, token, 30.0, 60.0, "{}")
         assert isinstance(grant, Grant)
         fences.append(grant.fence)
-        assert provider.release(key, token) is True
-        provider._client.pexpire(key, 1)  # what 24 h of retention ends in
-        time.sleep(0.01)
+        if token in ("b", "d"):
+            provider._client.delete(key)  # expiry or eviction of a held key's hash
+        else:
+            assert provider.release(key, token) is True
         assert provider._client.exists(key) == 0
     assert fences == sorted(set(fences))
+
+
+def test_a_completion_record_keeps_the_hash_for_its_retention(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    """Completion records survive release for their retention (the hash stays that long, then
+    goes); the key's next fence is still higher."""
+    key = prefix + "done"
+    grant = provider.acquire(key, "tok", 30.0, 60.0, "{}")
+    assert isinstance(grant, Grant)
+    assert provider.release(key, "tok", Completion("task-1", "success", 1, 300.0)) is True
+    assert 299_000 < provider._client.pttl(key) <= 300_000
+    record = provider.completion(key, "task-1")
+    assert record is not None
+    assert record.outcome == "success"
+    again = provider.acquire(key, "tok2", 30.0, 60.0, "{}")
+    assert isinstance(again, Grant)
+    assert again.fence > grant.fence
+    assert provider._client.pttl(key) > 299_000  # the record's retention, not the lease's ttl
+    assert provider.refresh([RefreshRequest(key, "tok2", 10.0)])[0] is not None
+    assert provider._client.pttl(key) > 299_000
+    assert provider.release(key, "tok2") is True
+    assert provider.completion(key, "task-1") is not None
+    assert provider._client.pttl(key) > 299_000
+
+
+def test_the_fence_keys_are_refused_as_lock_keys(provider: RedisLockProvider) -> None:
+    """A lock key naming the store's own high-water keys is bad input, refused before Redis."""
+    for key in (FENCES, fence_key(0), FENCES + "x"):
+        with pytest.raises(InvalidArgumentError, match="fences"):
+            provider.acquire(key, "tok", 30.0, 60.0, "{}")
+
+
+def test_every_cluster_slot_has_its_own_pinned_fence_key() -> None:
+    """``fence_key(slot)`` lands in ``slot`` for all 16,384 slots, each a distinct short key;
+    the names are part of the stored format (a change would split a slot's high-water mark
+    between versions), so a few are pinned here."""
+    from redis.crc import key_slot
+
+    names = [fence_key(slot) for slot in range(SLOTS)]
+    assert [key_slot(name.encode()) for name in names] == list(range(SLOTS))
+    assert len(set(names)) == SLOTS
+    assert max(len(name) for name in names) == len(FENCES) + 5
+    assert (names[0], names[1], names[16383]) == (
+        "celery-exclusive:fences{la2}",
+        "celery-exclusive:fences{oD0}",
+        "celery-exclusive:fences{hia}",
+    )
 
 
 def test_a_burst_of_acquisitions_stays_strictly_increasing(provider: RedisLockProvider, prefix: str) -> None:
@@ -190,7 +260,7 @@ def test_a_legacy_hash_without_ttl_is_adopted(provider: RedisLockProvider, prefi
     grant = provider.acquire(key, "tok", 30.0, 60.0, "{}")
     assert isinstance(grant, Grant)
     assert grant.fence > 7
-    assert provider._client.pttl(key) > RETAIN_MS
+    assert 0 < provider._client.pttl(key) <= 30_000
     assert provider.release(key, "tok") is True
 
 

@@ -18,8 +18,10 @@ import redis
 from redis.cluster import RedisCluster
 
 from celery_exclusive import LockService
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers._redis_scripts import fence_key
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
-from celery_exclusive.providers.redis import RETAIN_MS, RedisLockProvider
+from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
 
@@ -71,7 +73,7 @@ def test_core_operations_across_every_node(provider: RedisLockProvider) -> None:
     assert info.expires_in > 100.0
     live = sorted(k for i, k in enumerate(keys) if i % 7)
     assert [i.key for i in provider.scan(prefix)] == live
-    assert RETAIN_MS - 10_000 < cluster.pttl(keys[0]) <= RETAIN_MS  # released: fence kept 24 h
+    assert cluster.exists(keys[0]) == 0  # released: deleted, its fence kept by its slot's key
     for key in live:
         assert provider.release(key, "tok") is True
     assert provider.scan(prefix) == []
@@ -110,6 +112,31 @@ def test_fences_increase_per_key_on_every_node(provider: RedisLockProvider) -> N
             assert grant.fence > last[key]
             last[key] = grant.fence
             assert provider.release(key, f"t{round_}") is True
+            assert provider._client.exists(key) == 0
+
+
+def test_each_slot_keeps_its_high_water_fence_in_that_slot(provider: RedisLockProvider) -> None:
+    """A grant sets its slot's own high-water key (on the node owning the slot) to the fence;
+    once the hash is gone, that key alone makes the next fence higher, even ahead of the clock
+    (as after a clock step back: the stored high-water mark then exceeds TIME)."""
+    cluster = provider._client
+    keys = [f"h{uuid.uuid4().hex[:8]}:{i}" for i in range(40)]
+    for key in keys:
+        slot = cluster.keyslot(key)
+        fences = fence_key(slot)
+        assert cluster.keyslot(fences) == slot
+        grant = provider.acquire(key, "tok", 30.0, 60.0, "{}")
+        assert isinstance(grant, Grant)
+        assert int(cluster.get(fences)) >= grant.fence
+        assert provider.release(key, "tok") is True
+        ahead = int(cluster.get(fences)) + 86_400 * 10**6  # a day ahead of the server's clock
+        cluster.set(fences, str(ahead))
+        again = provider.acquire(key, "tok", 30.0, 60.0, "{}")
+        assert isinstance(again, Grant)
+        assert again.fence == ahead + 1
+        assert provider.release(key, "tok") is True
+    owners = {cluster.nodes_manager.get_node_from_slot(cluster.keyslot(k)).name for k in keys}
+    assert len(owners) == 3
 
 
 def test_a_given_cluster_client_is_used_and_left_open(redis_cluster: str) -> None:
@@ -201,6 +228,11 @@ def test_a_held_lease_survives_resharding(provider: RedisLockProvider) -> None:
         asking.execute_command("ASKING")
         asking.exists(key)
         assert asking.execute()[1] == 1  # the hash is on the target; the source now says ASK
+        # The slot's fence key has not moved yet: a script on both keys is refused (TRYAGAIN,
+        # which redis-py retries for a while) until it has, an outage, never a wrong grant.
+        with pytest.raises(BackendError):
+            provider.acquire(key, "rival", 30.0, 600.0, "{}")
+        src.execute_command("MIGRATE", host, int(port), "", 0, 5000, "KEYS", fence_key(slot))
         # Mid-move: the source answers ASK for the key, which now lives on the target.
         assert provider.refresh([RefreshRequest(key, "tok", 40.0)]) == [pytest.approx(40.0, abs=1.0)]
         assert isinstance(provider.acquire(key, "rival", 30.0, 600.0, "{}"), Held)
@@ -215,7 +247,7 @@ def test_a_held_lease_survives_resharding(provider: RedisLockProvider) -> None:
         assert info is not None
         assert (info.token, info.fence) == ("tok", grant.fence)
         assert cluster.nodes_manager.get_node_from_slot(slot).name == target_name
-        assert dst.pttl(key) > RETAIN_MS  # the retention TTL moved with the hash
+        assert 40_000 < dst.pttl(key) <= 50_000  # the TTL moved with the hash (the last refresh)
         assert isinstance(provider.acquire(key, "rival", 30.0, 600.0, "{}"), Held)
         assert provider.release(key, "tok") is True
         again = provider.acquire(key, "next", 30.0, 600.0, "{}")

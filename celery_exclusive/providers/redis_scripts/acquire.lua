@@ -1,13 +1,15 @@
--- KEYS[1]  the lock hash
+-- KEYS[1]  the lock hash; KEYS[2] (optional) its fence high-water key: a string in the same
+--          hash slot holding the largest fence granted there (providers/_redis_scripts.py)
 -- ARGV[1]  token, ARGV[2] ttl ms, ARGV[3] max lifetime ms, ARGV[4] holder JSON,
 --          ARGV[5] (optional) a task id whose completion record refuses the grant
 -- returns  {1, fence, µs left} if granted (or already held by ARGV[1]),
 --          {2, record, now in ms} if ARGV[5] has a live completion record, else
 --          {0, token, fence, created, expires, deadline, holder, now in µs} of the live holder
--- A grant's fence is max(previous fence + 1, TIME in microseconds); the hash then lives
--- until RETAIN ms after the lease's hard deadline.
+-- A grant's fence is max(high-water + 1, previous fence + 1, TIME in microseconds), and the
+-- high-water key is set to it; the hash lives until the lease expires (refresh.lua moves
+-- that), or as long as its longest-kept completion record (field 'done_max').
 -- Runs after prelude.lua: cat prelude.lua acquire.lua > /tmp/acquire.lua &&
---   redis-cli --eval /tmp/acquire.lua KEY , TOKEN 30000 60000 '{}'
+--   redis-cli --eval /tmp/acquire.lua KEY celery-exclusive:fences , TOKEN 30000 60000 '{}'
 if ARGV[5] then
   local d = redis.call('HGET', KEYS[1], 'done:' .. ARGV[5])
   if d and (tonumber(string.match(d, '^(%d+)|')) or 0) > now then return {2, d, now} end
@@ -22,8 +24,13 @@ end
 local life = tonumber(ARGV[3])
 local ttl = math.min(tonumber(ARGV[2]), life)
 local fence = math.max((tonumber(r[2]) or 0) + 1, us)
+if KEYS[2] then
+  fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, fence)
+  redis.call('SET', KEYS[2], int(fence))
+end
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
            'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
--- Completion records kept longer than that keep the hash alive as long.
-redis.call('PEXPIRE', KEYS[1], int(math.max(life + RETAIN, (tonumber(r[7]) or 0) - now)))
+-- Completion records kept longer than the lease keep the hash alive as long. An absolute
+-- time: PEXPIRE would count from the script's start, up to its run time before `now`.
+redis.call('PEXPIREAT', KEYS[1], int(math.max(now + ttl, tonumber(r[7]) or 0)))
 return {1, fence, (now + ttl) * 1000 - us}

@@ -11,6 +11,3 @@ local us = t[1] * 1000000 + t[2]
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 -- Numbers are written as plain integers: Redis 7.2+ would format 1.7e15 as "1.7e+15".
 local function int(n) return string.format('%.0f', n) end
--- Milliseconds a lock hash outlives its lease's hard deadline, or its release: RETAIN_MS of
--- providers/redis.py, the 24 h max-lifetime cap (the loader refuses a file that disagrees).
-local RETAIN = 86400000

@@ -2,8 +2,9 @@
 -- ARGV[1]  token; optionally a completion record: ARGV[2] task id, ARGV[3] its stored
 --          value 'expires|recorded|attempt|outcome' without the times, ARGV[4] retain ms
 -- returns  1 if ARGV[1] held a live lease and it was deleted, else 0 (a dead lease is
---          cleared either way); the fence field stays, for RETAIN ms (or as long as the
---          longest-kept completion record, field 'done_max')
+--          cleared either way); clearing deletes the hash, unless completion records keep
+--          it (as long as the longest-kept one, field 'done_max'): the key's next fence
+--          comes from the high-water key (acquire.lua)
 -- A record is field 'done:<task id>' of the same hash (no key of its own, so one slot);
 -- expired records are pruned when the hash has doubled since the last pruning.
 -- Runs after prelude.lua: cat prelude.lua release.lua > /tmp/release.lua &&
@@ -42,5 +43,7 @@ if ARGV[2] then
   end
   if not cleared and redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], int(keep)) end
 end
-if cleared then redis.call('PEXPIRE', KEYS[1], int(math.max(RETAIN, keep))) end
+if cleared then
+  if keep > 0 then redis.call('PEXPIRE', KEYS[1], int(keep)) else redis.call('DEL', KEYS[1]) end
+end
 return owned
