@@ -167,8 +167,8 @@ class KeyBuilder:
     def _check_template(self, spec: object) -> None:
         if not isinstance(spec, str):
             raise InvalidArgumentError(
-                "lock key must be a format template str, a list of them or a callable, "
-                f"got {type(spec).__name__}"
+                "lock key must be a format template str or a callable, got "
+                f"{type(spec).__name__} (several keys: a list of templates)"
             )
         if not spec:
             raise InvalidArgumentError("lock key template must not be empty")

@@ -57,7 +57,7 @@ def test_a_single_key_task_is_unchanged(app: Celery) -> None:
         (["a:{n}", "a:{n}"], "repeats a template"),
         (["a:{n}", "b:{n"], "malformed"),
         (["a:{n}", "b:{m}"], "no parameter 'm'"),
-        (["a:{n}", 3], "got int"),
+        (["a:{n}", 3], "or a callable, got int"),
         ([f"k{i}:{{n}}" for i in range(65)], "at most 64"),
     ],
 )
