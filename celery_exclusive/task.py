@@ -31,6 +31,11 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
   then ``lock_wait_fallback`` (``"skip"``, ``"retry"`` or ``"raise"``) decides.
 * a callable ``(task, key, holder) -> result``: its return value is the task's result.
 
+Several keys (``key=["tenant:{a}", "resource:{b}"]``, or a key callable returning several):
+the run holds all of them (``LockService.lock_many``: all or none, canonical order), the
+policy sees the first refused key, the loss of any key is a loss, and the first key in
+canonical order carries the completion record; ``self.locks`` is the :class:`LeaseSet`.
+
 Inside the body, ``self.lock`` (``bind=True``) is the current :class:`Lease`: read
 ``self.lock.fence``, call ``self.lock.check()``. If the lease is lost while the body runs,
 ``lock_on_lost="log"`` logs a WARNING; ``"raise"`` makes ``check()`` raise and fails the
@@ -712,9 +717,11 @@ def exclusive_task(
     """Declare an exclusive task: ``app.task`` (or ``shared_task`` without ``app``) plus a lock.
 
     ``key`` is a template over the task's parameters, a callable, or None (the task name:
-    one global lock). Other options are Celery's (``bind``, ``autoretry_for``,
-    ``max_retries``, ``acks_late``, time limits, ``name``...). ``base`` may be any Task
-    subclass: ExclusiveTask is mixed in. A bad key or option raises InvalidArgumentError here.
+    one global lock); a list of templates, or a callable returning several keys, makes the
+    run hold every key or none (see docs/celery.md, "Several keys"). Other options are
+    Celery's (``bind``, ``autoretry_for``, ``max_retries``, ``acks_late``, time limits,
+    ``name``...). ``base`` may be any Task subclass: ExclusiveTask is mixed in. A bad key
+    or option raises InvalidArgumentError here.
 
     Typed: the task is an ``ExclusiveTask[P, R]`` of the function's parameters ``P`` (less
     the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
