@@ -3,6 +3,8 @@ time, and direct calls on the memory store (all or none, self.lock / self.locks)
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,3 +163,32 @@ def test_raise_names_the_refused_key(app: Celery) -> None:
     assert caught.value.key == "r:2"
     assert service.locks() == []
     assert batch([3, 2, 1]) == "ran"
+
+
+def test_wait_takes_the_whole_set_once_the_refused_key_is_released(app: Celery) -> None:
+    """on_locked="wait" with several keys: waits on the refused key holding nothing, then
+    takes every key once that key is released."""
+
+    @exclusive_task(app=app, shared=False, key=["w:{a}", "w:{b}"], on_locked="wait", lock_wait=10, bind=True)
+    def pair(self: Any, a: str, b: str) -> list[str]:
+        return list(self.locks.keys)
+
+    service = get_lock_service(app)
+    lease = service.lock("w:y")
+    seen_free: list[bool] = []
+
+    def release_later() -> None:
+        time.sleep(0.5)
+        seen_free.append(service.peek("w:x") is None)  # the waiter holds nothing meanwhile
+        lease.release()
+
+    releaser = threading.Thread(target=release_later)
+    releaser.start()
+    started = time.monotonic()
+    try:
+        assert pair("y", "x") == ["w:x", "w:y"]
+    finally:
+        releaser.join()
+    assert seen_free == [True]
+    assert 0.4 < time.monotonic() - started < 5
+    assert service.locks() == []
