@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,40 +17,19 @@ import pytest
 from celery_exclusive import InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.task import is_skipped
 from tests.celery import app as tasks
-from tests.celery.conftest import WorkerGroup, cleanup_group, failed, records, start_group, wait_for
+from tests.celery import test_integration as integration
+from tests.celery.conftest import WorkerGroup, records, wait_for
+
+# The integration module's fixtures and helpers: a module-scoped group of workers per store
+# (this module gets its own), their logs printed when a test fails.
+group = integration.group
+_logs_on_failure = integration._logs_on_failure
+uid = integration.uid
+runs = integration.runs
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
 
 RESULT_TIMEOUT = 60
-
-
-@pytest.fixture(scope="module", params=["redis", "postgres"])
-def group(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[WorkerGroup]:
-    """Two prefork workers of two processes on one lock store, for the whole module."""
-    workers = start_group(request.param, celery_logdir)
-    try:
-        yield workers
-    finally:
-        workers.close()
-        cleanup_group(workers)
-
-
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request: pytest.FixtureRequest, group: WorkerGroup) -> Iterator[None]:
-    """Print the workers' logs when a test fails."""
-    yield
-    if failed(request):
-        print(group.dump())
-
-
-def uid() -> str:
-    """A fresh tag / key id, so tests never see each other's keys or records."""
-    return uuid.uuid4().hex[:8]
-
-
-def runs(tag: str) -> list[dict[str, Any]]:
-    """The completed runs recorded under ``tag``."""
-    return [event for event in records(tag) if event["kind"] == "run"]
 
 
 def assert_no_overlap_per_key(recorded: list[dict[str, Any]]) -> set[str]:
@@ -139,8 +115,8 @@ def test_refused_run_retries_until_every_key_is_free(group: WorkerGroup) -> None
     assert value["fences"][f"multi:{b}"] > lease.fence
 
 
-def _retried(group: WorkerGroup, key: str) -> bool:
-    return any(f"lock {key!r} is held" in worker.text() for worker in group.workers)
+def _retried(workers: WorkerGroup, key: str) -> bool:
+    return any(f"lock {key!r} is held" in worker.text() for worker in workers.workers)
 
 
 @pytest.mark.parametrize("task", ["multi_lost_raise", "multi_lost_terminate"])
