@@ -480,9 +480,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             lost = first if _release(first, done) else lost
             self._lock_policy.finished(self, first.key, retrying=retrying)
             return lost
-        lost = lease if _release(lease, done) else None
+        state = lease.state  # _release inlined: the single-key path makes no extra call
+        lost = state is LeaseState.LOST
+        if state is not LeaseState.RELEASED:
+            lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
         self._lock_policy.finished(self, lease.key, retrying=retrying)
-        return lost
+        return lease if lost else None
 
 
 def _release(lease: Lease, done: Completion | None) -> bool:
