@@ -481,11 +481,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             self._lock_policy.finished(self, first.key, retrying=retrying)
             return lost
         state = lease.state  # _release inlined: the single-key path makes no extra call
-        lost = state is LeaseState.LOST
+        gone = state is LeaseState.LOST
         if state is not LeaseState.RELEASED:
-            lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
+            gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
         self._lock_policy.finished(self, lease.key, retrying=retrying)
-        return lease if lost else None
+        return lease if gone else None
 
 
 def _release(lease: Lease, done: Completion | None) -> bool:
