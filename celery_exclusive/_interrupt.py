@@ -56,8 +56,9 @@ class Interrupter:
             raise LeaseLostInterrupt
 
 
-def arm(lease: Lease) -> Interrupter:
-    """An interrupter for the calling thread, fired when ``lease`` is lost."""
+def arm(*leases: Lease) -> Interrupter:
+    """An interrupter for the calling thread, fired when any of ``leases`` is lost."""
     interrupter = Interrupter(threading.get_ident())
-    lease.on_lost(interrupter.fire)
+    for lease in leases:
+        lease.on_lost(interrupter.fire)
     return interrupter

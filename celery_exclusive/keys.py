@@ -8,6 +8,14 @@ A template naming a parameter the task does not have is rejected when the task i
 declared. A callable key receives the same arguments as the task (defaults applied) and
 returns the key. No key spec means one global lock named after the task.
 
+Several keys: a list or tuple of templates (``["tenant:{a}", "resource:{b}"]``, each
+checked when the task is declared), or a callable returning a list or tuple of keys. The
+run then holds every key (:meth:`LockService.lock_many`, all or none). :meth:`KeyBuilder.build`
+gives them as a list in canonical order (sorted, the order ``lock_many`` takes them in), so
+its first key is the same for equal arguments; a list of one key is that key, a plain str.
+An empty list, a key repeated after formatting or more than :data:`MAX_KEYS` keys is
+refused when the key is built, naming the task.
+
 Equal arguments give equal keys: a ``dict``, ``set`` or ``frozenset`` in a template field
 (also nested in lists and tuples) is written with its items sorted (by value where they
 compare, else by their text), so ``{'b': 2, 'a': 1}`` and ``{'a': 1, 'b': 2}`` give one
@@ -26,9 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.many import MAX_KEYS, check_keys
 
 TASK_NAME_FIELD = "task_name"
-KeySpec = str | Callable[..., str] | None
+KeySpec = str | Sequence[str] | Callable[..., str | Sequence[str]] | None
 
 _FIELD_ROOT = re.compile(r"^[^.\[]*")
 
@@ -131,14 +140,39 @@ class KeyBuilder:
     def __init__(self, spec: KeySpec, signature: inspect.Signature) -> None:
         self.spec = spec
         self.signature = signature
+        #: The templates of a list spec (several keys), else None.
+        self.templates: tuple[str, ...] | None = None
         if spec is None or callable(spec):
             return
+        if isinstance(spec, (list, tuple)):
+            self.templates = tuple(spec)
+            if not spec:
+                raise InvalidArgumentError("a lock key list must not be empty")
+            if len(spec) > MAX_KEYS:
+                raise InvalidArgumentError(
+                    f"a lock key list has at most {MAX_KEYS} templates, got {len(spec)}"
+                )
+            for template in spec:
+                self._check_template(template)
+            if len(set(self.templates)) != len(self.templates):
+                raise InvalidArgumentError(f"a lock key list repeats a template: {list(spec)!r}")
+            return
+        self._check_template(spec)
+
+    @property
+    def several(self) -> bool:
+        """Whether the spec is a list of templates (a callable may also give several keys)."""
+        return self.templates is not None and len(self.templates) > 1
+
+    def _check_template(self, spec: object) -> None:
         if not isinstance(spec, str):
             raise InvalidArgumentError(
-                f"lock key must be a format template str or a callable, got {type(spec).__name__}"
+                "lock key must be a format template str or a callable, got "
+                f"{type(spec).__name__} (several keys: a list of templates)"
             )
         if not spec:
             raise InvalidArgumentError("lock key template must not be empty")
+        signature = self.signature
         params = signature.parameters
         takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
         for name in template_fields(spec):
@@ -162,8 +196,8 @@ class KeyBuilder:
             signature = signature.replace(parameters=params[1:])
         return cls(spec, signature)
 
-    def build(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The key for a call with ``args`` and ``kwargs``."""
+    def build(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | list[str]:
+        """The key for a call with ``args`` and ``kwargs``; several keys as a sorted list."""
         if self.spec is None:
             return task_name
         try:
@@ -175,9 +209,12 @@ class KeyBuilder:
         bound.apply_defaults()
         if callable(self.spec):
             key = self.spec(*bound.args, **bound.kwargs)
+            if isinstance(key, (list, tuple)):
+                return _several(task_name, key)
             if not isinstance(key, str) or not key:
                 raise InvalidArgumentError(
-                    f"the lock key callable of {task_name} must return a non-empty str, got {key!r}"
+                    f"the lock key callable of {task_name} must return a non-empty str "
+                    f"(or a list of them), got {key!r}"
                 )
             return key
         values: dict[str, Any] = {TASK_NAME_FIELD: task_name}
@@ -186,8 +223,14 @@ class KeyBuilder:
                 values.update(value)
             else:
                 values[name] = value
+        if self.templates is None:
+            return self._format(task_name, str(self.spec), values)
+        return _several(task_name, [self._format(task_name, template, values) for template in self.templates])
+
+    @staticmethod
+    def _format(task_name: str, template: str, values: dict[str, Any]) -> str:
         try:
-            return _FORMATTER.vformat(self.spec, (), values)
+            return _FORMATTER.vformat(template, (), values)
         except KeyError as exc:
             reason = f"no argument named {exc.args[0]!r} was passed"
         except InvalidArgumentError as exc:
@@ -195,5 +238,16 @@ class KeyBuilder:
         except (AttributeError, IndexError, LookupError, TypeError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         raise InvalidArgumentError(
-            f"cannot build the lock key of {task_name} from template {self.spec!r}: {reason}"
+            f"cannot build the lock key of {task_name} from template {template!r}: {reason}"
         )
+
+
+def _several(task_name: str, keys: Sequence[Any]) -> str | list[str]:
+    """Checked keys of one call in canonical order (sorted); one key as itself."""
+    try:
+        found = check_keys(keys)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"the lock keys of {task_name}: {exc}") from None
+    if not all(found):
+        raise InvalidArgumentError(f"the lock keys of {task_name}: a key is empty: {found!r}")
+    return found[0] if len(found) == 1 else sorted(found)

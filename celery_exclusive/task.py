@@ -31,6 +31,11 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
   then ``lock_wait_fallback`` (``"skip"``, ``"retry"`` or ``"raise"``) decides.
 * a callable ``(task, key, holder) -> result``: its return value is the task's result.
 
+Several keys (``key=["tenant:{a}", "resource:{b}"]``, or a key callable returning several):
+the run holds all of them (``LockService.lock_many``: all or none, canonical order), the
+policy sees the first refused key, the loss of any key is a loss, and the first key in
+canonical order carries the completion record; ``self.locks`` is the :class:`LeaseSet`.
+
 Inside the body, ``self.lock`` (``bind=True``) is the current :class:`Lease`: read
 ``self.lock.fence``, call ``self.lock.check()``. If the lease is lost while the body runs,
 ``lock_on_lost="log"`` logs a WARNING; ``"raise"`` makes ``check()`` raise and fails the
@@ -78,6 +83,7 @@ from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.many import LeaseSet
 from celery_exclusive.policies import (
     COALESCED,
     HANDS_ON_RERUNS,
@@ -123,12 +129,13 @@ __all__ = [
 
 
 class _Running(threading.local):
-    """Per-thread stack of (task, lease) for the runs in progress in this thread."""
+    """Per-thread stack of (task, lease) for the runs in progress in this thread (a
+    LeaseSet for a run holding several keys)."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[object, Lease]] = []
+        self.stack: list[tuple[object, Lease | LeaseSet]] = []
 
-    def remove(self, lease: Lease) -> None:
+    def remove(self, lease: Lease | LeaseSet) -> None:
         """Pop the innermost entry of ``lease``."""
         stack = self.stack
         for index in range(len(stack) - 1, -1, -1):
@@ -243,11 +250,19 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     @property
     def lock(self) -> Lease | None:
-        """The lease held by this task's run in progress in this thread, or None."""
-        for task, lease in reversed(_running.stack):
-            if task is self:
-                return lease
-        return None
+        """The lease held by this task's run in progress in this thread, or None.
+
+        A run holding several keys: the lease of its first key in canonical order (the one
+        carrying the completion record); :attr:`locks` has them all."""
+        lease = _current(self)
+        return lease.leases[0] if isinstance(lease, LeaseSet) else lease
+
+    @property
+    def locks(self) -> LeaseSet | None:
+        """Every lease held by this task's run in progress in this thread (one for a
+        single key), in canonical order, or None: ``self.locks.check()`` checks them all."""
+        lease = _current(self)
+        return LeaseSet([lease]) if isinstance(lease, Lease) else lease
 
     @property
     def lock_settings(self) -> ExclusiveSettings:
@@ -265,8 +280,23 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         return get_lock_service(self.app)
 
     def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
-        """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix)."""
-        return _key_builder_of(self).build(self.name, args, kwargs or {})
+        """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix).
+
+        InvalidArgumentError if the call has several keys (see :meth:`lock_keys_for`)."""
+        key = _key_builder_of(self).build(self.name, args, kwargs or {})
+        if not isinstance(key, str):
+            raise InvalidArgumentError(
+                f"{self.name}: this call has several lock keys {key!r}; lock_key_for names one "
+                "key (use lock_keys_for), and dedupe, which marks one key, does not support "
+                "several keys: set dedupe=False on this task"
+            )
+        return key
+
+    def lock_keys_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> list[str]:
+        """Every lock key of a call (without the service prefix) in canonical order: one for
+        a single-key task, several for a key list or a callable returning several."""
+        key = _key_builder_of(self).build(self.name, args, kwargs or {})
+        return [key] if isinstance(key, str) else key
 
     if not TYPE_CHECKING:  # typed as Celery's own (celery-types), which it forwards to
 
@@ -291,7 +321,9 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         observe.begin()
         settings = self.lock_settings
-        key = self.lock_key_for(args, kwargs)
+        key = _key_builder_of(self).build(self.name, args, kwargs)
+        if not isinstance(key, str):
+            _check_several(self.name, settings.on_locked, settings.cooldown, None)
         service = self.lock_service
         request = self.request
         call = policies.Call(args, kwargs, inline=bool(request.called_directly or request.is_eager))
@@ -301,7 +333,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             try:
                 lease = self._acquire(service, settings, key, once)
             except AlreadyDone as done:
-                redelivery.settle(self, key, done.record, args, kwargs)  # ends a copy of a finished run
+                redelivery.settle(self, done.key, done.record, args, kwargs)  # ends a copy of a finished run
                 once = None  # a retry's own attempt: take the key as usual
                 continue
             except LockedError as locked:
@@ -310,7 +342,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     # learn who it is (it may be this very message's original).
                     asked_again = True
                     continue
-                result = self._held(key, locked.holder, call)
+                result = self._held(locked.key, locked.holder, call)
                 if result is policies.AGAIN:
                     continue
                 return result
@@ -374,11 +406,21 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             holder["cooldown"] = self.lock_settings.cooldown  # `list` shows "cooling" after the run
         return holder
 
+    @overload
     def _acquire(
         self, service: LockService, settings: ExclusiveSettings, key: str, once: str | None = None
-    ) -> Lease:
+    ) -> Lease: ...
+    @overload
+    def _acquire(
+        self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
+    ) -> Lease | LeaseSet: ...
+    def _acquire(
+        self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
+    ) -> Lease | LeaseSet:
         started = time.perf_counter()
         try:
+            if not isinstance(key, str):
+                return _lock_all(service, settings, key, self._holder(), once)
             return service.lock(
                 key,
                 ttl=settings.lease_ttl,
@@ -391,11 +433,13 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
 
-    def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    def _run_holding(self, lease: Lease | LeaseSet, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         dedupe.acquired(self)
-        report = observe.holding(self, lease)
-        lease.on_lost(report.lost)
-        interrupter = _interrupt.arm(lease) if self.lock_settings.on_lost == "terminate" else None
+        leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
+        report = observe.holding(self, leases[0])
+        for each in leases:
+            each.on_lost(report.lost)
+        interrupter = _interrupt.arm(*leases) if self.lock_settings.on_lost == "terminate" else None
         traced = _traced(self)
         _running.stack.append((self, lease))
         try:
@@ -405,30 +449,107 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 if interrupter is not None:
                     interrupter.disarm()
         except _interrupt.LeaseLostInterrupt as exc:
-            self._finish(lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True))
-            raise LockLost(lease.key, lease.fence, _INTERRUPTED) from None
-        except BaseException as exc:
-            report.finished(
-                lease,
-                self._finish(lease, retrying=isinstance(exc, Retry), done=redelivery.completion(self, exc)),
+            lost = self._finish(
+                lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True)
             )
+            which = lost or _first_lost(leases)
+            raise LockLost(which.key, which.fence, _INTERRUPTED) from None
+        except BaseException as exc:
+            lost = self._finish(lease, retrying=isinstance(exc, Retry), done=redelivery.completion(self, exc))
+            report.finished(lost or leases[0], lost is not None)
             raise
         lost = self._finish(lease, retrying=False, done=redelivery.completion(self, None))
-        report.finished(lease, lost)
-        if lost and self.lock_settings.on_lost == "raise":
-            raise LockLost(lease.key, lease.fence, _DISCARDED)
+        if lost is not None:
+            report.finished(lost, True)
+            if self.lock_settings.on_lost == "raise":
+                raise LockLost(lost.key, lost.fence, _DISCARDED)
         return result
 
-    def _finish(self, lease: Lease, *, retrying: bool, done: Completion | None = None) -> bool:
-        """Pop and release ``lease`` (recording ``done``, in the same store call); then the
-        policy's ``finished`` hook (the rerun hand-on). True if it had been lost."""
+    def _finish(
+        self, lease: Lease | LeaseSet, *, retrying: bool, done: Completion | None = None
+    ) -> Lease | None:
+        """Pop and release the run's lease(s) (recording ``done`` on the first key, in the same
+        store call); then the policy's ``finished`` hook (the rerun hand-on). The lease that
+        had been lost (the first in canonical order), or None."""
         _running.remove(lease)
-        state = lease.state
-        lost = state is LeaseState.LOST
+        if isinstance(lease, LeaseSet):
+            lost = None
+            first, *rest = lease.leases
+            for each in reversed(rest):  # the first key last: it carries the record
+                lost = each if _release(each, None) else lost
+            lost = first if _release(first, done) else lost
+            self._lock_policy.finished(self, first.key, retrying=retrying)
+            return lost
+        state = lease.state  # _release inlined: the single-key path makes no extra call
+        gone = state is LeaseState.LOST
         if state is not LeaseState.RELEASED:
-            lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
+            gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
         self._lock_policy.finished(self, lease.key, retrying=retrying)
-        return lost
+        return lease if gone else None
+
+
+def _release(lease: Lease, done: Completion | None) -> bool:
+    """Release ``lease`` (recording ``done``) unless released already; True if it had been lost."""
+    state = lease.state
+    lost = state is LeaseState.LOST
+    if state is not LeaseState.RELEASED:
+        lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
+    return lost
+
+
+def _first_lost(leases: Sequence[Lease]) -> Lease:
+    """The lease whose loss interrupted the run (the first one lost, in canonical order)."""
+    return next((lease for lease in leases if lease.lost.is_set()), leases[0])
+
+
+def _current(task: object) -> Lease | LeaseSet | None:
+    """The lease(s) of ``task``'s run in progress in this thread, or None."""
+    for running, lease in reversed(_running.stack):
+        if running is task:
+            return lease
+    return None
+
+
+def _lock_all(
+    service: LockService,
+    settings: ExclusiveSettings,
+    keys: list[str],
+    holder: dict[str, Any],
+    once: str | None,
+) -> LeaseSet:
+    """Every key of a run, all or none, in canonical order (``keys`` is sorted): the first
+    through ``lock(task_id=once)``, which checks (and at release records) the completion
+    record of the task id on it, the rest through ``lock_many``."""
+    options: dict[str, Any] = {
+        "ttl": settings.lease_ttl,
+        "max_lifetime": settings.max_lifetime,
+        "refresh_interval": settings.refresh_interval,
+        "holder": holder,
+    }
+    first = service.lock(keys[0], task_id=once, **options)
+    try:
+        rest = service.lock_many(keys[1:], **options)
+    except BaseException:
+        first.release()
+        raise
+    return LeaseSet([first, *rest])
+
+
+def _check_several(name: str, on_locked: object, cooldown: object, dedupe: object) -> None:
+    """Refuse the options a task holding several keys cannot have (InvalidArgumentError)."""
+    refused = [
+        what
+        for what, on in (
+            ("on_locked='rerun' (its marker records one key)", on_locked == "rerun"),
+            ("cooldown (lock_many has no hold_at_least)", cooldown is not None),
+            ("dedupe (its queued marker names one key)", bool(dedupe)),
+        )
+        if on
+    ]
+    if refused:
+        raise InvalidArgumentError(
+            f"{name} has several lock keys, which do not support {' or '.join(refused)}"
+        )
 
 
 #: LockLost's messages: lock_on_lost="terminate" interrupted the body, "raise" dropped its result.
@@ -451,8 +572,13 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
     """Release the run's lease before its retry is sent, and restart the lock-retry count."""
-    lease = task.lock
-    if lease is not None:
+    lease = _current(task)
+    if isinstance(lease, LeaseSet):
+        first, *rest = lease.leases
+        for each in reversed(rest):
+            each.release()
+        first.release(redelivery.retried(task))
+    elif lease is not None:
         lease.release(redelivery.retried(task))
     headers = task.request.headers
     if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
@@ -465,7 +591,10 @@ def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:
     if own is not None and not isinstance(own, property):  # app.task(throws=...) or a class attribute
         cls._own_throws = tuple(own)
         delattr(cls, "throws")
-    cls._lock_keys = _key_builder_for(cls)
+    cls._lock_keys = builder = _key_builder_for(cls)
+    if builder.several:
+        raw = {attr: _raw_attribute(cls, attr) for attr in ("lock_on_locked", "lock_cooldown", "lock_dedupe")}
+        _check_several(str(vars(cls).get("name") or cls.__qualname__), *raw.values())
     # Methods a subclass defines are its own business; data attributes are options.
     options = [n for n, v in vars(cls).items() if not isinstance(v, _CLASS_MEMBERS)]
     check_lock_attributes(options, _LOCK_ATTRIBUTES)
@@ -591,9 +720,11 @@ def exclusive_task(
     """Declare an exclusive task: ``app.task`` (or ``shared_task`` without ``app``) plus a lock.
 
     ``key`` is a template over the task's parameters, a callable, or None (the task name:
-    one global lock). Other options are Celery's (``bind``, ``autoretry_for``,
-    ``max_retries``, ``acks_late``, time limits, ``name``...). ``base`` may be any Task
-    subclass: ExclusiveTask is mixed in. A bad key or option raises InvalidArgumentError here.
+    one global lock); a list of templates, or a callable returning several keys, makes the
+    run hold every key or none (see docs/celery.md, "Several keys"). Other options are
+    Celery's (``bind``, ``autoretry_for``, ``max_retries``, ``acks_late``, time limits,
+    ``name``...). ``base`` may be any Task subclass: ExclusiveTask is mixed in. A bad key
+    or option raises InvalidArgumentError here.
 
     Typed: the task is an ``ExclusiveTask[P, R]`` of the function's parameters ``P`` (less
     the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
@@ -611,7 +742,12 @@ def exclusive_task(
     options["base"] = exclusive_base(base)
 
     def decorate(function: Callable[..., Any]) -> Any:
-        KeyBuilder.for_function(options.get("lock_key"), function, bound=bool(options.get("bind")))
+        builder = KeyBuilder.for_function(options.get("lock_key"), function, bound=bool(options.get("bind")))
+        if builder.several:
+            name = options.get("name") or f"{function.__module__}.{function.__qualname__}"
+            _check_several(
+                name, *(options.get(a) for a in ("lock_on_locked", "lock_cooldown", "lock_dedupe"))
+            )
         if app is not None:
             install_revoke(app)  # before the app is finalized (its control may be built first)
             return app.task(**options)(function)

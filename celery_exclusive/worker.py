@@ -159,8 +159,8 @@ def close_lock_services(*, release: bool = True) -> None:
 def exclusive_task_names(app: Any) -> list[str]:
     """Names of the exclusive tasks registered on ``app`` (finalizing it), sorted.
 
-    A task is exclusive when it has ``lock_key_for`` (as :func:`release_killed` also
-    decides): this module is imported by ``celery_exclusive.task`` and does not import it.
+    A task is exclusive when it has ``lock_key_for`` (:func:`release_killed` uses its
+    sibling ``lock_keys_for``): this module is imported by ``celery_exclusive.task`` and does not import it.
     """
     return sorted(name for name, task in app.tasks.items() if callable(getattr(task, "lock_key_for", None)))
 
@@ -311,23 +311,28 @@ def release_killed(
     holder metadata names ``task_id``, this host and a process other than this one is
     released, and only after that process has exited; anything else is left alone.
     """
-    key_for = getattr(task, "lock_key_for", None)
-    if key_for is None or not task_id:
+    keys_for = getattr(task, "lock_keys_for", None)
+    if keys_for is None or not task_id:
         return None
     try:
-        key = key_for(tuple(args or ()), dict(kwargs or {}))
+        keys = keys_for(tuple(args or ()), dict(kwargs or {}))
         service = get_lock_service(task.app)
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
         return None
     thread = threading.Thread(
-        target=_release_when_gone,
-        args=(service, key, task_id, f"{task.name}[{task_id}] {why}"),
+        target=_release_all_when_gone,
+        args=(service, keys, task_id, f"{task.name}[{task_id}] {why}"),
         name="celery-exclusive-kill-release",
         daemon=True,
     )
     thread.start()
     return thread
+
+
+def _release_all_when_gone(service: LockService, keys: list[str], task_id: str, what: str) -> None:
+    for key in keys:  # the run's keys (several for a multi-key task); once its process is gone
+        _release_when_gone(service, key, task_id, what)
 
 
 def _release_when_gone(service: LockService, key: str, task_id: str, what: str) -> None:

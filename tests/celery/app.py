@@ -183,6 +183,57 @@ def beat_job(self: Any, tag: str, duration: float) -> dict[str, Any]:
     return _body(self, tag, duration)
 
 
+def _multi_body(task: Any, tag: str, duration: float) -> dict[str, Any]:
+    """Record a run holding several keys: each key's own fence."""
+    leases = task.locks
+    start = time.time()
+    record("start", tag, at=start, task_id=task.request.id, fences=leases.fences)
+    deadline = start + duration
+    while time.time() < deadline:  # short sleeps: lock_on_lost="terminate" interrupts between them
+        time.sleep(0.05)
+    record("run", tag, start=start, end=time.time(), task_id=task.request.id, fences=leases.fences)
+    return {"ran": True, "keys": leases.keys, "fences": leases.fences}
+
+
+_MULTI_RETRY = {"on_locked": "retry", "lock_retry_backoff": 0.05, "lock_retry_backoff_max": 0.3}
+
+
+@exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], bind=True)
+def multi_skip(self: Any, a: str, b: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Holds two keys (a list of templates); skips when either is held."""
+    return _multi_body(self, tag, duration)
+
+
+@exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], lock_max_retries=500, bind=True, **_MULTI_RETRY)
+def multi_retry(self: Any, a: str, b: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Holds two keys; waits for them by lock retries."""
+    return _multi_body(self, tag, duration)
+
+
+@exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], on_locked="raise", bind=True)
+def multi_raise(self: Any, a: str, b: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Holds two keys; fails with LockedError naming the refused one."""
+    return _multi_body(self, tag, duration)
+
+
+@exclusive_task(app=app, key=lambda ids, tag, duration=0.0: [f"multi:{i}" for i in ids], bind=True)
+def multi_callable(self: Any, ids: list[str], tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Its key callable returns one key per id."""
+    return _multi_body(self, tag, duration)
+
+
+@exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], ttl=2, on_lost="raise", bind=True)
+def multi_lost_raise(self: Any, a: str, b: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Two keys on a 2 s lease; losing either fails the run with LockLost."""
+    return _multi_body(self, tag, duration)
+
+
+@exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], ttl=2, on_lost="terminate", bind=True)
+def multi_lost_terminate(self: Any, a: str, b: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Two keys on a 2 s lease; losing either interrupts the body."""
+    return _multi_body(self, tag, duration)
+
+
 @app.task
 def leak_lease(key: str, tag: str) -> int:
     """Acquires a lease through the app's service and returns still holding it (kept alive)."""

@@ -15,7 +15,7 @@ from typing import Any
 from celery import Celery
 from typing_extensions import assert_type
 
-from celery_exclusive import ExclusiveTask, Lease, exclusive_task, is_skipped
+from celery_exclusive import ExclusiveTask, Lease, LeaseSet, exclusive_task, is_skipped
 
 #: True in the mypy run with celery-types installed, False in the run without.
 CELERY_TYPES = True
@@ -37,6 +37,20 @@ def unbound(work_id: int) -> list[int]:
 def bound(self: ExclusiveTask[Any, Any], work_id: int, *, force: bool = False) -> str:
     assert_type(self.lock, Lease | None)
     return str(work_id)
+
+
+@exclusive_task(key=["tenant:{tenant}", "resource:{resource}"], bind=True)
+def several(self: ExclusiveTask[Any, Any], tenant: str, resource: int) -> dict[str, int]:
+    assert_type(self.locks, LeaseSet | None)
+    return {} if self.locks is None else self.locks.fences
+
+
+@exclusive_task(key=lambda ids: [f"item:{i}" for i in ids])
+def from_ids(ids: list[int]) -> None:
+    pass
+
+
+assert_type(several.lock_keys_for(("acme", 1)), list[str])
 
 
 @exclusive_task()
