@@ -18,12 +18,12 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from celery_exclusive import many, signals, waiting
+from celery_exclusive import many, semaphore, signals, waiting
 from celery_exclusive._store import StoreCalls, is_store_error  # noqa: F401 (is_store_error's old home)
 from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
@@ -32,6 +32,7 @@ from celery_exclusive.providers.base import (
     COMPLETION_OUTCOMES,
     MAX_TASK_ID_LENGTH,
     SWEEP_LIMIT,
+    AcquiresAny,
     Completion,
     CompletionInfo,
     CompletionStore,
@@ -262,20 +263,26 @@ class LockService:
         holder: Mapping[str, Any] | None = None,
         wait: float | None = None,
         hold_at_least: float | timedelta | None = None,
+        limit: int = 1,
     ) -> Lease | None:
-        """Acquire ``key`` and keep it alive; None if someone else holds it.
+        """Acquire ``key`` and keep it alive; None if someone else holds it (with ``limit``,
+        if ``limit`` others do).
 
         With ``wait`` (seconds), retry until it is free or the time is up (see
-        :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``: see :meth:`lock`."""
+        :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``, ``limit``: see
+        :meth:`lock`."""
+        semaphore.check_limit(limit)
         cooldown = (
             None if hold_at_least is None else self._leasing.check_cooldown(hold_at_least, max_lifetime)
         )
         if wait is None:
-            taken = self._leasing.take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
+            taken = self._leasing.take(
+                key, ttl, refresh_interval, max_lifetime, holder, name_holder=False, limit=limit
+            )
         else:
             taken = waiting.take_waiting(
                 lambda _final: self._leasing.take(
-                    key, ttl, refresh_interval, max_lifetime, holder, name_holder=False
+                    key, ttl, refresh_interval, max_lifetime, holder, name_holder=False, limit=limit
                 ),
                 self.provider,
                 self.prefix + key,
@@ -297,6 +304,7 @@ class LockService:
         task_id: str | None = None,
         wait: float | None = None,
         hold_at_least: float | timedelta | None = None,
+        limit: int = 1,
     ) -> Lease:
         """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
 
@@ -316,7 +324,15 @@ class LockService:
         ``lease.release(completion)``) makes it raise :class:`AlreadyDone` instead, checked
         in the same store call. Raises :class:`BackendError` when the store is unreachable
         (never LockedError).
+
+        With ``limit`` (1 to :data:`~celery_exclusive.semaphore.MAX_LIMIT`), a leased
+        semaphore: up to ``limit`` holders at once, each lease on its own slot (own token,
+        fence, heartbeat, release); LockedError names a holder when all slots are taken. See
+        :mod:`celery_exclusive.semaphore` (slot keys, changing the limit; ``task_id`` is
+        ignored for ``limit > 1``).
         """
+        if semaphore.check_limit(limit) > 1:
+            task_id = None
         if task_id is not None:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self.keeps_records:
@@ -325,11 +341,20 @@ class LockService:
             None if hold_at_least is None else self._leasing.check_cooldown(hold_at_least, max_lifetime)
         )
         if wait is None:
-            taken = self._leasing.take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
+            taken = self._leasing.take(
+                key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id, limit=limit
+            )
         else:
             taken = waiting.take_waiting(
                 lambda final: self._leasing.take(
-                    key, ttl, refresh_interval, max_lifetime, holder, name_holder=final, task_id=task_id
+                    key,
+                    ttl,
+                    refresh_interval,
+                    max_lifetime,
+                    holder,
+                    name_holder=final,
+                    task_id=task_id,
+                    limit=limit,
                 ),
                 self.provider,
                 self.prefix + key,
@@ -616,19 +641,26 @@ class _Leasing:
         *,
         name_holder: bool = True,
         task_id: str | None = None,
+        limit: int = 1,
     ) -> Lease | Held:
         """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
         raises as LockedError, without the cost of an exception on the contended path.
         Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
         as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
         service = self._service
-        service._check_key(key)
+        service._check_key(key if limit == 1 else semaphore.slot_key(key, limit))
         ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
         encoded = _this.holder if holder is None else encode_holder({**_this.meta, **_check_holder(holder)})
         store_key = service.prefix + key
         token = new_token()
         sent = service.clock()
-        answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)
+        if limit == 1:
+            answer = self._acquire(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)
+        else:
+            slot, answer = self._acquire_slot(
+                key, limit, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded
+            )
+            store_key = service.prefix + semaphore.slot_key(key, slot)
         if isinstance(answer, Done):
             raise AlreadyDone(key, service._records.unprefixed(answer.record))
         if not isinstance(answer, Grant):
@@ -847,31 +879,89 @@ class _Leasing:
     def _acquire(
         self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *, task_id: str | None
     ) -> Grant | Held | Done:
-        """Acquire, retrying once with the same token: the store recognises its own token, so a
-        retry after a lost reply returns the lease the first attempt took instead of orphaning it.
+        """Acquire, retrying once with the same token (see :meth:`_retried`)."""
+        service = self._service
+        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
+        args = (store_key, token, ttl, max_lifetime, holder)
+        return self._retried(
+            lambda timeout: service._call(
+                "acquire", service.provider.acquire, *args, timeout=timeout, **once
+            ),
+            (store_key,),
+            token,
+            min(ttl, max_lifetime),
+        )
+
+    def _acquire_slot(
+        self, key: str, limit: int, token: str, *, ttl: float, max_lifetime: float, holder: str
+    ) -> tuple[int, Grant | Held]:
+        """The first free slot (1-based) of semaphore ``key`` and its Grant, or ``(1, Held)``:
+        one store call where the provider has ``acquire_any``, else one acquire per slot in order
+        (a retried attempt then releases the token's other slots, which its lost reply may hold)."""
+        service = self._service
+        provider = service.provider
+        keys = [service.prefix + slot for slot in semaphore.slot_keys(key, limit)]
+        life = min(ttl, max_lifetime)
+        if isinstance(provider, AcquiresAny):
+            answer = self._retried(
+                lambda timeout: service._call(
+                    "acquire", provider.acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout
+                ),
+                keys,
+                token,
+                life,
+            )
+            return (1, answer) if isinstance(answer, Held) else (answer[0] + 1, answer[1])
+        attempts: list[float] = []
+
+        def in_order(timeout: float) -> tuple[int, Grant | Held | Done]:
+            attempts.append(service.clock())
+            end = time.monotonic() + timeout
+            first: Grant | Held | Done | None = None
+            for i, store_key in enumerate(keys):
+                args = (store_key, token, ttl, max_lifetime, holder)
+                got = service._call(
+                    "acquire", provider.acquire, *args, timeout=max(end - time.monotonic(), 0.01)
+                )
+                if isinstance(got, Grant):
+                    if len(attempts) > 1:
+                        for other in keys[:i] + keys[i + 1 :]:
+                            service.heartbeat.retry_release(other, token, until=attempts[0] + life)
+                    return i, got
+                first = got if first is None else first
+            assert first is not None  # limit >= 2 slots were tried
+            return 0, first
+
+        index, found = self._retried(in_order, keys, token, life)
+        if isinstance(found, Done):  # pragma: no cover - no task_id is sent for a semaphore
+            raise AssertionError("a completion record answered a semaphore acquire")
+        return (index + 1, found) if isinstance(found, Grant) else (1, found)
+
+    def _retried(self, call: Callable[[float], T], store_keys: Sequence[str], token: str, life: float) -> T:
+        """``call(timeout)``, retried once with the same token: the store recognises its own
+        token, so a retry after a lost reply returns the lease the first attempt took instead
+        of orphaning it.
 
         Both attempts together take at most ``call_timeout`` (the retry gets what is left, and
         none if less than 0.1 s is). An exception that is not the store's (a signal handler's,
         such as Celery's SoftTimeLimitExceeded) propagates unchanged; the token is then
-        released in the background, as the store may have recorded the lease."""
+        released from ``store_keys`` in the background, as the store may have recorded a lease."""
         service = self._service
         budget_end = time.monotonic() + service.call_timeout
-        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
-        args = (store_key, token, ttl, max_lifetime, holder)
         for attempt in (1, 2):
             sent = service.clock()
             try:
-                return service._call(
-                    "acquire", service.provider.acquire, *args, timeout=budget_end - time.monotonic(), **once
-                )
+                return call(budget_end - time.monotonic())
             except BackendError:
                 if attempt == 2 or budget_end - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
                     # The store may have recorded the lease before failing: release it once it answers.
-                    service.heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
+                    for store_key in store_keys:
+                        service.heartbeat.retry_release(store_key, token, until=sent + life)
                     raise
                 time.sleep(ACQUIRE_RETRY_DELAY)
             except BaseException:
-                service.heartbeat.retry_release(store_key, token, until=sent + min(ttl, max_lifetime))
+                for store_key in store_keys:
+                    service.heartbeat.retry_release(store_key, token, until=sent + life)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 

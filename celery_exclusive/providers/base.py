@@ -294,6 +294,33 @@ class WakesWaiters(Protocol):
         ...
 
 
+@runtime_checkable
+class AcquiresAny(Protocol):
+    """Optional: a store that takes the first free key of several in one atomic operation.
+
+    Used for semaphores (``LockService.lock(key, limit=N)``, :mod:`celery_exclusive.semaphore`):
+    ``keys`` are the slot keys of one semaphore, already prefixed. Stores without it are
+    tried slot by slot with :meth:`LockProvider.acquire` (correct, one round trip per slot).
+    """
+
+    def acquire_any(
+        self,
+        keys: Sequence[str],
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[int, Grant] | Held:
+        """Take the first of ``keys`` that is free (or expired), as :meth:`LockProvider.acquire`
+        would take it: ``(its index, the Grant)``, or Held naming the holder of ``keys[0]``
+        (None if unknown) when every key is live. If ``token`` already holds one of them (a
+        retried call whose reply was lost), that one is answered unchanged. Writes nothing
+        when every key is held."""
+        ...
+
+
 def accepts_timeout(method: Callable[..., object]) -> bool:
     """True if the provider ``method`` takes the ``timeout`` keyword (or ``**kwargs``)."""
     try:

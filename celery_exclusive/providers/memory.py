@@ -152,6 +152,34 @@ class MemoryLockProvider:
             self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
             return Grant(fence, granted)
 
+    def acquire_any(
+        self,
+        keys: Sequence[str],
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[int, Grant] | Held:
+        """The first free of ``keys`` (a semaphore's slots), under one hold of the mutex."""
+        with self._mutex:
+            now = self._clock()
+            rows = [self._live(key, now) for key in keys]
+            for i, row in enumerate(rows):
+                if row is not None and row.token == token:
+                    return i, Grant(row.fence, row.expires_at - now)
+            for i, row in enumerate(rows):
+                if row is None:
+                    key = keys[i]
+                    fence = self._fences.get(key, 0) + 1
+                    self._fences[key] = fence
+                    granted = min(ttl, max_lifetime)
+                    self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
+                    return i, Grant(fence, granted)
+            first = rows[0]
+            return Held(None if first is None else self._info(keys[0], first, now))
+
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
     ) -> list[float | None]:

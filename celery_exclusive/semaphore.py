@@ -1,0 +1,59 @@
+"""Leased semaphores: ``LockService.lock(key, limit=N)``, at most N holders of ``key`` at once.
+
+* Slots: slot 1 of ``key`` is ``key`` itself, so ``limit=1`` is exactly the single lock (same
+  rows and keys, no migration); slot ``i > 1`` is the key ``{key}#i`` (:func:`slot_key`).
+  Each slot is an ordinary lease: its own token, fence, heartbeat, state machine and
+  release, unchanged. Only acquiring differs: it takes the first free slot.
+* One round trip where the store allows it (:class:`~celery_exclusive.providers.base.AcquiresAny`):
+  memory (one mutex) and Redis (one Lua script over the slot keys; on Cluster the slots
+  ``2..N`` share a hash slot, as ``{key}#i`` hashes the text between the first ``{`` and the
+  next ``}``, which is the same for every ``i``, so a cluster takes at most two calls: slot 1,
+  then the others). PostgreSQL, SQLite and MariaDB try the slots in order, one acquire each;
+  an attempt on a held slot is the single lock's contended acquire, so a refused semaphore
+  attempt stays write-free on PostgreSQL (N read-only round trips).
+* A dead holder's slot is reclaimed after its ttl, as any lease's is: the slot's lease expires.
+* Changing ``limit`` while the key is held: new acquires use only slots ``1..limit``; leases
+  on slots above it keep running until released or expired (nothing revokes them). Lowering
+  N therefore takes effect as the higher slots' holders finish; raising it is immediate.
+* Listing: ``locks()`` / ``peek`` / CLI ``list`` show each slot as its own lease, slot ``i``
+  under ``{key}#i`` (sorted after ``key``); :func:`slot_of` reads a listed key back.
+* A user key of the form ``{K}#i`` is slot ``i`` of ``K``: do not name plain locks that way.
+* Completion records (``task_id``) are not checked or written for ``limit > 1``: a record
+  lives on one store key, and a semaphore's runs are spread over several.
+"""
+
+from __future__ import annotations
+
+import re
+
+from celery_exclusive.errors import InvalidArgumentError
+
+#: Largest ``limit`` accepted (slots a refused attempt may have to look at).
+MAX_LIMIT = 64
+
+_SLOT = re.compile(r"\{(.*)\}#([2-9]|[1-5][0-9]|6[0-4])", re.DOTALL)
+
+
+def check_limit(limit: object) -> int:
+    """``limit`` as an int ``1 <= limit <= MAX_LIMIT``; InvalidArgumentError otherwise."""
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        raise InvalidArgumentError(f"limit must be an int, got {type(limit).__name__}")
+    if not 1 <= limit <= MAX_LIMIT:
+        raise InvalidArgumentError(f"limit must be between 1 and {MAX_LIMIT}, got {limit!r}")
+    return limit
+
+
+def slot_key(key: str, slot: int) -> str:
+    """The key of ``slot`` (1-based) of the semaphore ``key``: ``key`` itself for slot 1."""
+    return key if slot == 1 else f"{{{key}}}#{slot}"
+
+
+def slot_keys(key: str, limit: int) -> list[str]:
+    """The keys of slots ``1..limit`` of ``key``."""
+    return [slot_key(key, slot) for slot in range(1, limit + 1)]
+
+
+def slot_of(listed: str) -> tuple[str, int]:
+    """``(semaphore key, slot)`` of a listed key: ``("K", 3)`` for ``{K}#3``, ``(key, 1)`` else."""
+    found = _SLOT.fullmatch(listed)
+    return (found.group(1), int(found.group(2))) if found else (listed, 1)
