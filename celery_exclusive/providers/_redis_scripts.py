@@ -42,9 +42,10 @@ RELEASE = _compose("release")
 DONE = _compose("done")
 FORGET = _compose("forget")
 PEEK = _compose("peek")
+ACQUIRE_ANY = _compose("acquire_any")
 SHA = {
     src: hashlib.sha1(src.encode(), usedforsecurity=False).hexdigest()
-    for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET)
+    for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET, ACQUIRE_ANY)
 }
 CHUNK = 1000  # keys per script call: bounds how long one script blocks Redis
 

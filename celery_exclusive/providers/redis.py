@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,7 @@ from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArg
 from celery_exclusive.providers._redis_diagnose import server_findings
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
+    ACQUIRE_ANY,
     DONE,
     FENCES,
     FORGET,
@@ -302,6 +304,44 @@ class RedisLockProvider:
         if reply[0] == 2:
             return Done(self._record(key, "done:" + str(task_id), reply[1], reply[2]))
         return Held(self._info(key, reply[1:7], reply[7]))
+
+    def acquire_any(
+        self,
+        keys: Sequence[str],
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[int, Grant] | Held:
+        """A semaphore's first free slot: one ``acquire_any.lua`` call over every slot key (on a
+        cluster, one per hash slot in slot order: a semaphore's slots 2..N share one)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first: Held | None = None
+        for group in self._scripts.groups(keys, self._cluster):
+            picked = [keys[i] for i in group]
+            args: tuple[Any, ...] = (
+                len(picked),
+                *picked,
+                token,
+                whole_ms(ttl),
+                whole_ms(max_lifetime),
+                holder,
+            )
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+            if self._wait_replicas:
+                (reply,), acks = self._scripts.run_acked(ACQUIRE_ANY, [args], left)
+                if reply[0] == 1 and acks < self._wait_replicas:
+                    raise self._unacknowledged("grant", acks)
+            else:
+                reply = self._scripts.run(ACQUIRE_ANY, *args, timeout=left)
+            if reply[0] == 1:
+                return group[reply[1] - 1], Grant(reply[2], reply[3] / 1e6)
+            if first is None:
+                first = Held(self._info(picked[0], reply[1:7], reply[7]))
+        assert first is not None  # keys is never empty
+        return first
 
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
