@@ -1,0 +1,222 @@
+"""Leased semaphores, ``lock(key, limit=N)``, on every store (the ``store`` fixture: memory,
+SQLite, PostgreSQL, MariaDB, Redis), issue #13 item 2."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from celery_exclusive import InvalidArgumentError, LockedError, ReleaseOutcome
+from celery_exclusive.providers.base import AcquiresAny, Grant
+from celery_exclusive.semaphore import MAX_LIMIT, slot_key, slot_keys, slot_of
+from celery_exclusive.testing.contract import Store, wait_until
+from tests.contract import _semaphore_workers
+
+LONG = os.environ.get("CE_LONG") == "1"
+CI = os.environ.get("CI") == "true"
+
+
+def test_n_holders_are_granted_and_the_next_is_refused(store: Store) -> None:
+    """Three callers hold a limit=3 key at once, each on its own slot with its own token and
+    fence; a fourth is refused (try_lock None, lock LockedError naming a holder)."""
+    services = [store.service() for _ in range(4)]
+    leases = [service.lock("sem", limit=3, ttl=30) for service in services[:3]]
+    assert sorted(lease.store_key for lease in leases) == sorted(
+        services[0].prefix + k for k in slot_keys("sem", 3)
+    )
+    assert len({lease.token for lease in leases}) == 3
+    assert all(lease.key == "sem" for lease in leases)
+    assert services[3].try_lock("sem", limit=3) is None
+    with pytest.raises(LockedError) as raised:
+        services[3].lock("sem", limit=3)
+    assert raised.value.holder is not None
+    assert raised.value.holder.token in {lease.token for lease in leases}
+    for lease in leases:
+        assert lease.release() is ReleaseOutcome.RELEASED
+
+
+def test_each_slot_has_its_own_fence(store: Store) -> None:
+    """A slot's fence grows across its own acquisitions, whatever the other slots do."""
+    service = store.service()
+    first = [service.lock("fenced", limit=2, ttl=30) for _ in range(2)]
+    by_slot = {lease.store_key: lease.fence for lease in first}
+    for lease in first:
+        lease.release()
+    again = [service.lock("fenced", limit=2, ttl=30) for _ in range(2)]
+    for lease in again:
+        if store.fencing:
+            assert lease.fence > by_slot[lease.store_key]
+        lease.release()
+
+
+def test_release_frees_exactly_one_slot(store: Store) -> None:
+    """Releasing one of three holders lets one more in, not two."""
+    holder, other = store.service(), store.service()
+    leases = [holder.lock("one", limit=3, ttl=30) for _ in range(3)]
+    assert leases[1].release() is ReleaseOutcome.RELEASED
+    newcomer = other.lock("one", limit=3, ttl=30)
+    assert newcomer.store_key == leases[1].store_key
+    assert other.try_lock("one", limit=3) is None
+    for lease in (leases[0], leases[2], newcomer):
+        lease.release()
+
+
+def test_limit_one_is_the_single_lock(store: Store) -> None:
+    """limit=1 takes the key itself: it contends with a plain lock() both ways."""
+    service = store.service()
+    lease = service.lock("plain", limit=1)
+    assert lease.store_key == service.prefix + "plain"
+    assert service.try_lock("plain") is None
+    lease.release()
+    plain = service.lock("plain")
+    assert service.try_lock("plain", limit=1) is None
+    assert service.try_lock("plain", limit=2) is not None  # slot 2 is free
+    plain.release()
+
+
+def test_a_dead_holders_slot_is_reclaimed_after_its_ttl_and_not_before(store: Store) -> None:
+    """A slot whose holder stopped refreshing stays taken for its ttl, then frees itself."""
+    service = store.service()
+    dead = service.provider.acquire(service.prefix + slot_key("dead", 2), "dead-token", 1.5, 60.0, "{}")
+    assert isinstance(dead, Grant)
+    alive = service.lock("dead", limit=2, ttl=30)
+    assert alive.store_key == service.prefix + "dead"
+    time.sleep(0.5)
+    assert service.try_lock("dead", limit=2) is None
+    assert wait_until(lambda: service.peek(slot_key("dead", 2)) is None, timeout=4.0)
+    late = service.lock("dead", limit=2, ttl=30)
+    assert late.store_key == service.prefix + slot_key("dead", 2)
+    assert late.fence > dead.fence or not store.fencing
+    late.release()
+    alive.release()
+
+
+def test_lowering_the_limit_keeps_higher_slots_until_released(store: Store) -> None:
+    """Slots above a new, lower limit keep their holders; new acquires use slots <= limit."""
+    service = store.service()
+    leases = [service.lock("shrink", limit=3, ttl=30) for _ in range(3)]
+    assert service.try_lock("shrink", limit=2) is None
+    top = next(lease for lease in leases if lease.store_key.endswith(slot_key("shrink", 3)))
+    assert top.held
+    top.release()
+    assert service.try_lock("shrink", limit=2) is None  # slot 3 is not used any more
+    raised = service.lock("shrink", limit=3)  # a raised limit is immediate
+    raised.release()
+    for lease in leases:
+        lease.release()
+
+
+def test_locks_list_each_slot(store: Store) -> None:
+    """locks() lists every held slot; slot_of reads a listed key back to (key, slot)."""
+    service = store.service()
+    leases = [service.lock("listed", limit=3, ttl=30) for _ in range(2)]
+    found = [info for info in service.locks("") if slot_of(info.key)[0] == "listed"]
+    assert sorted(slot_of(info.key)[1] for info in found) == [1, 2]
+    assert service.peek(slot_key("listed", 2)) is not None
+    for lease in leases:
+        lease.release()
+    assert [info for info in service.locks("") if slot_of(info.key)[0] == "listed"] == []
+
+
+@pytest.mark.parametrize("limit", [0, -1, MAX_LIMIT + 1, True, 2.0, "3", None])
+def test_a_bad_limit_is_refused_before_the_store_is_touched(store: Store, limit: object) -> None:
+    """A service on an unreachable store answers InvalidArgumentError, not BackendError."""
+    service = store.outage() if store.outage is not None else store.service()
+    for call in (service.lock, service.try_lock):
+        with pytest.raises(InvalidArgumentError, match="limit"):
+            call("bad", limit=limit)  # type: ignore[operator]
+
+
+def test_one_call_where_the_store_offers_it(store: Store) -> None:
+    """memory and Redis take a slot in one store call (AcquiresAny); the SQL stores try slots in order."""
+    provider = store.service().provider
+    assert isinstance(provider, AcquiresAny) == (store.name in {"memory", "redis"})
+
+
+def test_semaphore_oracle_never_more_than_limit_holders(store: Store) -> None:
+    """Processes hammering one limit=3 key: a counter outside the store (shared memory) never
+    sees more than 3 holders at once, and sees 3. 16 x 200 with CE_LONG=1."""
+    if not store.cross_process:
+        pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
+    procs_n, iterations = (16, 200) if LONG else ((6, 25) if CI else (16, 40))
+    ctx = multiprocessing.get_context("spawn")
+    counters = ctx.Array("i", 2)
+    start, results = ctx.Barrier(procs_n), ctx.Queue()
+    prefix = store.service().prefix
+    procs = [
+        ctx.Process(
+            target=_semaphore_workers.count_under_semaphore,
+            args=(store.target(), prefix, "oracle"),
+            kwargs={
+                "limit": 3,
+                "iterations": iterations,
+                "counters": counters,
+                "start": start,
+                "results": results,
+            },
+        )
+        for _ in range(procs_n)
+    ]
+    for proc in procs:
+        proc.start()
+    reports = [results.get(timeout=600) for _ in range(procs_n)]
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    assert counters[1] == 3, f"most holders at once: {counters[1]}"
+    assert sum(r[0] for r in reports) > 0
+    assert sum(r[1] for r in reports) <= procs_n * iterations // 10  # waits rarely run out
+    if store.fencing:  # each slot's fences, merged over processes, are all distinct
+        merged: dict[str, list[int]] = {}
+        for _, _, fences in reports:
+            for key, seen in fences.items():
+                merged.setdefault(key, []).extend(seen)
+        assert set(merged) <= {prefix + k for k in slot_keys("oracle", 3)}
+        for seen in merged.values():
+            assert len(set(seen)) == len(seen)
+
+
+def test_sigkilled_holders_slots_free_after_the_ttl_only(store: Store) -> None:
+    """Two holders SIGKILLed: their slots stay taken until their ttl (2 s), then free."""
+    if not store.cross_process:
+        pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    prefix = store.service().prefix
+    procs = [
+        ctx.Process(
+            target=_semaphore_workers.hold_slot_until_killed,
+            args=(store.target(), prefix, "killed"),
+            kwargs={"limit": 3, "ttl": 2.0, "ready": ready},
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        taken = {ready.get(timeout=60) for _ in procs}
+        assert len(taken) == 2
+        service = store.service()
+        mine = service.lock("killed", limit=3, ttl=30)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        killed_at = time.monotonic()
+        for proc in procs:
+            proc.join(30)
+        while time.monotonic() - killed_at < 1.0:  # well inside the ttl: still taken
+            assert service.try_lock("killed", limit=3) is None
+            time.sleep(0.1)
+        assert wait_until(lambda: all(service.peek(k[len(prefix) :]) is None for k in taken), timeout=5.0)
+        late = [service.lock("killed", limit=3, ttl=30) for _ in range(2)]
+        assert {lease.store_key for lease in late} == taken
+        for lease in (*late, mine):
+            lease.release()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
