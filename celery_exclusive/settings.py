@@ -47,6 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
+from celery_exclusive.semaphore import check_limit
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
 from celery_exclusive.urls import mask_url
@@ -89,7 +90,7 @@ class Option:
     field: str
     conf: str
     kind: str  # "duration", "on_locked", "on_lost", "retries", "retention", "fallback",
-    # "dedupe", "on_duplicate", "rerun_args" or "text"
+    # "dedupe", "on_duplicate", "rerun_args", "limit" or "text"
     per_task: bool = True
 
     @property
@@ -132,6 +133,7 @@ OPTIONS = (
     Option("dedupe_ttl", "dedupe_ttl", "duration"),
     Option("cooldown", "cooldown", "duration"),
     Option("rerun_args", "rerun_args", "rerun_args"),
+    Option("limit", "limit", "limit"),
 )
 _BY_FIELD = {option.field: option for option in OPTIONS}
 
@@ -177,6 +179,7 @@ class ExclusiveSettings:
     dedupe_ttl: float | None = None
     cooldown: float | None = None
     rerun_args: str = "first"
+    limit: int = 1
 
     def __post_init__(self) -> None:
         if self.url is not None and not isinstance(self.url, str):
@@ -194,6 +197,7 @@ class ExclusiveSettings:
         object.__setattr__(self, "dedupe", check_dedupe(self.dedupe))
         check_on_duplicate(self.on_duplicate)
         check_rerun_args(self.rerun_args)
+        check_limit(self.limit)
         # Rejects ttl > max_lifetime and refresh_interval >= ttl now, not at the first lock.
         lease_durations(
             self.lease_ttl, self.refresh_interval, self.max_lifetime, ttl_explicit=self.ttl is not None
@@ -361,6 +365,7 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "dedupe": lambda _name, value: check_dedupe(value),
     "on_duplicate": lambda _name, value: check_on_duplicate(value),
     "rerun_args": lambda _name, value: check_rerun_args(value),
+    "limit": lambda _name, value: check_limit(value),
 }
 
 
@@ -382,7 +387,7 @@ def _parse_env(name: str, env_name: str, raw: str) -> Any:
             return float(raw)
         if name in _DURATIONS:
             return timedelta(seconds=float(raw))
-        if name == "lock_max_retries":
+        if name in ("lock_max_retries", "limit"):
             return int(raw)
     except (ValueError, OverflowError):
         raise ConfigurationError(f"{env_name}={raw!r} is not a number") from None

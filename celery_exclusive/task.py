@@ -200,7 +200,9 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     ``lock_done_retention`` (see :mod:`celery_exclusive.redelivery`), ``lock_wait``,
     ``lock_wait_fallback`` (``on_locked="wait"``), ``lock_dedupe``,
     ``lock_on_duplicate``, ``lock_dedupe_ttl`` (see :mod:`celery_exclusive.dedupe`),
-    ``lock_cooldown`` (the key stays held that long after a run started), ``lock_rerun_args``.
+    ``lock_cooldown`` (the key stays held that long after a run started), ``lock_rerun_args``,
+    ``lock_limit`` (at most that many runs hold the key at once: a leased semaphore, see
+    :mod:`celery_exclusive.semaphore`).
     """
 
     lock_key: KeySpec = None
@@ -220,6 +222,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     lock_dedupe_ttl: float | timedelta | None = None
     lock_cooldown: float | timedelta | None = None
     lock_rerun_args: str | None = None
+    lock_limit: int | None = None
 
     _lock_keys: ClassVar[KeyBuilder | None] = None
     _own_throws: tuple[type[Exception], ...] = ()
@@ -429,6 +432,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 holder=self._holder(),
                 task_id=once,
                 hold_at_least=settings.cooldown,
+                limit=settings.limit,
             )
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
@@ -670,6 +674,7 @@ def exclusive_task(
     lock_retry_backoff_max: float | timedelta | None = None,
     lock_wait: float | timedelta | None = None,
     lock_wait_fallback: str | None = None,
+    limit: int | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,
@@ -689,6 +694,7 @@ def exclusive_task(
     lock_retry_backoff_max: float | timedelta | None = None,
     lock_wait: float | timedelta | None = None,
     lock_wait_fallback: str | None = None,
+    limit: int | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,
@@ -713,6 +719,7 @@ def exclusive_task(
     dedupe_ttl: float | timedelta | None = None,
     cooldown: float | timedelta | None = None,
     rerun_args: str | None = None,
+    limit: int | None = None,
     app: Any = None,
     base: type | str | None = None,
     **options: Any,

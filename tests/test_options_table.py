@@ -69,6 +69,7 @@ DOCUMENTED = {
     "dedupe_ttl": ("exclusive_dedupe_ttl", "CELERY_EXCLUSIVE_DEDUPE_TTL", "lock_dedupe_ttl", "dedupe_ttl"),
     "cooldown": ("exclusive_cooldown", "CELERY_EXCLUSIVE_COOLDOWN", "lock_cooldown", "cooldown"),
     "rerun_args": ("exclusive_rerun_args", "CELERY_EXCLUSIVE_RERUN_ARGS", "lock_rerun_args", "rerun_args"),
+    "limit": ("exclusive_limit", "CELERY_EXCLUSIVE_LIMIT", "lock_limit", "limit"),
 }
 
 
