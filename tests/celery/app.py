@@ -103,6 +103,22 @@ def work_retry(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[
     return _body(self, tag, duration)
 
 
+@exclusive_task(
+    app=app,
+    key="limit2:{key_id}",
+    limit=2,
+    on_locked="retry",
+    lock_retry_backoff=0.05,
+    lock_retry_backoff_max=0.2,
+    lock_max_retries=500,
+    max_retries=0,
+    bind=True,
+)
+def work_limit2(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """A leased semaphore of 2: at most two runs hold its key at once; the others lock-retry."""
+    return _body(self, tag, duration)
+
+
 @exclusive_task(app=app, key="raise:{key_id}", on_locked="raise", bind=True)
 def work_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Fails with LockedError when its key is held."""

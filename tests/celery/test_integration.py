@@ -318,3 +318,20 @@ def test_beat_job_longer_than_its_interval_never_overlaps(
     assert len(recorded) >= 2
     assert len(recorded) < sent, "sends that found the job running must have been skipped"
     assert_no_overlap(recorded)
+
+
+def test_a_limit_two_task_runs_at_most_two_at_once(group: WorkerGroup) -> None:
+    """Twelve limit=2 tasks on one key across 2x2 processes: every one runs, never more than two
+    at once, and two at once at some point."""
+    tag = uid()
+    results = [group.send(tasks.work_limit2, tag, tag, 0.3) for _ in range(12)]
+    values = [result.get(timeout=RESULT_TIMEOUT) for result in results]
+    assert all(value["ran"] for value in values)
+    recorded = runs(tag)
+    assert len(recorded) == 12
+    edges = sorted([(run["start"], 1) for run in recorded] + [(run["end"], -1) for run in recorded])
+    running = most = 0
+    for _, step in edges:  # an end at the same instant as a start sorts first (-1 < 1)
+        running += step
+        most = max(most, running)
+    assert most == 2, f"most runs at once: {most}"
