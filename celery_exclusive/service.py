@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from celery_exclusive import many, semaphore, signals, waiting
 from celery_exclusive._store import StoreCalls, is_store_error  # noqa: F401 (is_store_error's old home)
@@ -630,6 +630,9 @@ class _Leasing:
 
     def __init__(self, service: LockService) -> None:
         self._service = service
+        #: Whether the store takes a semaphore's first free slot in one call (checked once:
+        #: a runtime Protocol check costs microseconds).
+        self._any = isinstance(service.provider, AcquiresAny)
 
     def take(
         self,
@@ -902,10 +905,11 @@ class _Leasing:
         provider = service.provider
         keys = [service.prefix + slot for slot in semaphore.slot_keys(key, limit)]
         life = min(ttl, max_lifetime)
-        if isinstance(provider, AcquiresAny):
+        if self._any:
+            any_store = cast("AcquiresAny", provider)  # self._any says so
             answer = self._retried(
                 lambda timeout: service._call(
-                    "acquire", provider.acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout
+                    "acquire", any_store.acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout
                 ),
                 keys,
                 token,
