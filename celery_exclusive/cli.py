@@ -34,6 +34,7 @@ from celery_exclusive.errors import (
 )
 from celery_exclusive.providers import KNOWN_SCHEMES
 from celery_exclusive.providers.base import SWEEP_LIMIT, CompletionInfo, LockInfo
+from celery_exclusive.semaphore import slot_of
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
 from celery_exclusive.urls import ENV_VAR, mask_url, resolve_url, url_secrets
 
@@ -321,7 +322,7 @@ def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
     headers = ["KEY", "STATE", "HOST", "PID", "TASK ID", "TASK NAME", "AGE", "EXPIRES IN", "FENCE"]
     rows = [
         [
-            printable(info.key),
+            printable(info.key) + _slot_note(info.key),
             state,
             _cell(info.holder.get("host")),
             _cell(info.holder.get("pid")),
@@ -335,6 +336,12 @@ def list_command(filter_prefix: str, done: bool, as_json: bool) -> int:
     ]
     click.echo(_table(rows, headers))
     return EXIT_OK
+
+
+def _slot_note(key: str) -> str:
+    """`` (slot i of K)`` for a semaphore's slot key ``{K}#i``, else nothing."""
+    of, slot = slot_of(key)
+    return f" (slot {slot} of {printable(of)})" if slot > 1 else ""
 
 
 @click.command(name="show")

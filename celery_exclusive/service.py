@@ -511,8 +511,12 @@ class LockService:
         return None if info is None else _unprefixed(info, self.prefix)
 
     def locks(self, prefix: str = "") -> list[LockInfo]:
-        """Every live lease whose key (without the service prefix) starts with ``prefix``."""
+        """Every live lease whose key (without the service prefix) starts with ``prefix``, and
+        the higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys."""
         found = self._call("scan", self.provider.scan, self.prefix + _check_filter(prefix))
+        if prefix and not prefix.startswith("{"):  # "" already covers every slot key
+            slots = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
+            found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
         return [_unprefixed(info, self.prefix) for info in found]
 
     # -- completion records -----------------------------------------------------------

@@ -220,3 +220,13 @@ def test_sigkilled_holders_slots_free_after_the_ttl_only(store: Store) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
+
+
+def test_locks_with_a_filter_include_the_higher_slots(store: Store) -> None:
+    """locks("listed") finds {listed}#2 too, ordered with its key; unrelated keys stay out."""
+    service = store.service()
+    leases = [service.lock("filtered", limit=3, ttl=30) for _ in range(3)]
+    other = service.lock("other", limit=2, ttl=30)
+    assert [info.key for info in service.locks("filtered")] == slot_keys("filtered", 3)
+    for lease in (*leases, other):
+        lease.release()
