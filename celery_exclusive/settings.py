@@ -34,6 +34,9 @@ Each field: its ``app.conf`` name, its environment variable, its per-task option
 * ``rerun_args``: ``exclusive_rerun_args``, ``CELERY_EXCLUSIVE_RERUN_ARGS``, ``lock_rerun_args``:
   which coalesced request's arguments an ``on_locked="rerun"`` follow-up runs with,
   ``"first"`` (default) or ``"latest"``
+* ``limit``: ``exclusive_limit``, ``CELERY_EXCLUSIVE_LIMIT``, ``lock_limit``: at most that many
+  runs hold the key at once (1, the default: an exclusive lock; up to 64: a leased semaphore,
+  see :mod:`celery_exclusive.semaphore`)
 
 Durations are seconds (int/float) or ``timedelta``; in the environment, seconds.
 """

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import pytest
+
+from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.settings import OPTIONS, TASK_OPTIONS, ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task
 
@@ -88,3 +91,18 @@ def test_every_row_is_a_task_attribute_and_a_decorator_keyword() -> None:
             continue
         assert getattr(ExclusiveTask, option.attribute) is None, option.attribute
         assert option.keyword in keywords, option.keyword
+
+
+@pytest.mark.parametrize("bad", [0, 65, True, 1.5, "2"])
+def test_a_bad_limit_is_refused_when_the_task_is_declared(bad: object) -> None:
+    """``exclusive_task(limit=...)`` checks the limit at declaration, as every option."""
+    from celery_exclusive.settings import check_task_options
+
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        check_task_options(limit=bad)
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        ExclusiveSettings(limit=bad)  # type: ignore[arg-type]
+
+
+def test_the_limit_reads_from_the_environment() -> None:
+    assert ExclusiveSettings.from_conf({}, {"CELERY_EXCLUSIVE_LIMIT": "3"}).limit == 3
