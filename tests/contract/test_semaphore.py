@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -230,3 +231,20 @@ def test_locks_with_a_filter_include_the_higher_slots(store: Store) -> None:
     assert [info.key for info in service.locks("filtered")] == slot_keys("filtered", 3)
     for lease in (*leases, other):
         lease.release()
+
+
+def test_a_waiter_on_a_full_semaphore_gets_the_slot_a_holder_releases(store: Store) -> None:
+    """lock(limit=2, wait=) on a full key acquires once one holder releases (polled or woken),
+    and gives up at its timeout when nobody does."""
+    holder, waiter = store.service(), store.service()
+    leases = [holder.lock("full", limit=2, ttl=30) for _ in range(2)]
+    started = time.monotonic()
+    assert waiter.try_lock("full", limit=2, wait=0.3) is None
+    assert 0.25 <= time.monotonic() - started < 0.3 + 1.0
+    releaser = threading.Timer(0.2, leases[1].release)
+    releaser.start()
+    got = waiter.lock("full", limit=2, wait=10)
+    releaser.join()
+    assert got.store_key == leases[1].store_key
+    got.release()
+    leases[0].release()
