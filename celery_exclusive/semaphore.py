@@ -17,6 +17,9 @@
   N therefore takes effect as the higher slots' holders finish; raising it is immediate.
 * Listing: ``locks()`` / ``peek`` / CLI ``list`` show each slot as its own lease, slot ``i``
   under ``{key}#i`` (sorted after ``key``); :func:`slot_of` reads a listed key back.
+* Waiting (``wait=``) on a full semaphore subscribes to slot 1's release signal only: a
+  release of a higher slot is seen by the waiter's polling (within
+  :data:`~celery_exclusive.waiting.POLL_MAX`).
 * A user key of the form ``{K}#i`` is slot ``i`` of ``K``: do not name plain locks that way.
 * Completion records (``task_id``) are not checked or written for ``limit > 1``: a record
   lives on one store key, and a semaphore's runs are spread over several.
