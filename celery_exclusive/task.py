@@ -523,7 +523,10 @@ def _lock_all(
 ) -> LeaseSet:
     """Every key of a run, all or none, in canonical order (``keys`` is sorted): the first
     through ``lock(task_id=once)``, which checks (and at release records) the completion
-    record of the task id on it, the rest through ``lock_many``."""
+    record of the task id on it, the rest through ``lock_many``. A semaphore (``limit > 1``)
+    of several keys is refused (checked at the first run, before the store is touched)."""
+    if settings.limit > 1:
+        raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
     options: dict[str, Any] = {
         "ttl": settings.lease_ttl,
         "max_lifetime": settings.max_lifetime,
