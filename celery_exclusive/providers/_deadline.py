@@ -147,3 +147,11 @@ def connect_timeout(configured: object) -> int | None:
     except ValueError:
         current = 0
     return int(left if current <= 0 else min(left, current))
+
+
+def bounded_connect(_dialect: object, _record: object, _cargs: object, cparams: dict[str, object]) -> None:
+    """SQLAlchemy ``do_connect`` listener: a connection opened inside :func:`connect_budget`
+    gives up connecting by then (``connect_timeout``, libpq's and PyMySQL's keyword)."""
+    timeout = connect_timeout(cparams.get("connect_timeout"))
+    if timeout is not None:
+        cparams["connect_timeout"] = timeout

@@ -450,29 +450,33 @@ class SqlStore(metaclass=abc.ABCMeta):
 
     # -- the reads both stores answer the same way -------------------------------------
 
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+    def completion(self, key: str, task_id: str, *, timeout: float | None = None) -> CompletionInfo | None:
         if not self._records_on():
             return None
-        rows = self._read("read a record", "done_get", {"key": key, "task_id": task_id})
+        rows = self._read("read a record", "done_get", {"key": key, "task_id": task_id}, timeout)
         return record_of(rows[0]) if rows else None
 
-    def completions(self, prefix: str) -> list[CompletionInfo]:
+    def completions(self, prefix: str, *, timeout: float | None = None) -> list[CompletionInfo]:
         if not self._records_on():
             return []
-        rows = self._read("list records", "done_list", {"prefix": prefix, "pattern": like_pattern(prefix)})
+        params = {"prefix": prefix, "pattern": like_pattern(prefix)}
+        rows = self._read("list records", "done_list", params, timeout)
         return sorted((record_of(row) for row in rows), key=lambda r: (r.key, r.task_id))
 
-    def peek(self, key: str) -> LockInfo | None:
-        rows = self._read("peek", "peek", {"key": key})
+    def peek(self, key: str, *, timeout: float | None = None) -> LockInfo | None:
+        rows = self._read("peek", "peek", {"key": key}, timeout)
         return info_of(rows[0]) if rows else None
 
-    def scan(self, prefix: str) -> list[LockInfo]:
-        rows = self._read("scan", "scan", {"prefix": prefix, "pattern": like_pattern(prefix)})
+    def scan(self, prefix: str, *, timeout: float | None = None) -> list[LockInfo]:
+        rows = self._read("scan", "scan", {"prefix": prefix, "pattern": like_pattern(prefix)}, timeout)
         return sorted((info_of(row) for row in rows), key=lambda info: info.key)
 
     @abc.abstractmethod
-    def _read(self, op: str, statement: str, params: dict[str, Any]) -> Sequence[Sequence[Any]]:
-        """The rows of one read-only statement (``op`` names it in errors)."""
+    def _read(
+        self, op: str, statement: str, params: dict[str, Any], timeout: float | None
+    ) -> Sequence[Sequence[Any]]:
+        """The rows of one read-only statement (``op`` names it in errors), within ``timeout``
+        seconds as the store enforces deadlines (None: the driver's own timeouts)."""
 
     @abc.abstractmethod
     def diagnose(self) -> list[Diagnosis]:

@@ -228,17 +228,17 @@ class MemoryLockProvider:
                 watch[1] += 1
                 self._released.notify_all()
 
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+    def completion(self, key: str, task_id: str, *, timeout: float | None = None) -> CompletionInfo | None:
         with self._mutex:
             return self._record(key, task_id, self._clock())
 
-    def completions(self, prefix: str) -> list[CompletionInfo]:
+    def completions(self, prefix: str, *, timeout: float | None = None) -> list[CompletionInfo]:
         with self._mutex:
             now = self._clock()
             found = [self._record(k, t, now) for k, t in sorted(self._done) if k.startswith(prefix)]
             return [record for record in found if record is not None]
 
-    def forget(self, key: str, task_id: str) -> bool:
+    def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
         with self._mutex:
             live = self._record(key, task_id, self._clock()) is not None
             self._done.pop((key, task_id), None)
@@ -257,13 +257,13 @@ class MemoryLockProvider:
                 del self._done[pair]
             return len(dead) + len(old)
 
-    def peek(self, key: str) -> LockInfo | None:
+    def peek(self, key: str, *, timeout: float | None = None) -> LockInfo | None:
         with self._mutex:
             now = self._clock()
             row = self._live(key, now)
             return None if row is None else self._info(key, row, now)
 
-    def scan(self, prefix: str) -> list[LockInfo]:
+    def scan(self, prefix: str, *, timeout: float | None = None) -> list[LockInfo]:
         with self._mutex:
             now = self._clock()
             keys = sorted(k for k in self._rows if k.startswith(prefix))

@@ -298,11 +298,7 @@ forgotten AS (
     }
 
 
-def _bounded_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
-    """A connection opened for a call with a deadline gives up connecting by then."""
-    timeout = _deadline.connect_timeout(cparams.get("connect_timeout"))
-    if timeout is not None:
-        cparams["connect_timeout"] = timeout
+_bounded_connect = _deadline.bounded_connect  # its old name here
 
 
 class _KeptConnections:
@@ -708,10 +704,11 @@ class PostgresLockProvider(SqlStore):
         fairy.detach()
         return connection
 
-    def forget(self, key: str, task_id: str) -> bool:
+    def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
         if not self._records_on():
             return False
-        return any(bool(alive) for (alive,) in self._run_pg("done_forget", {"key": key, "task_id": task_id}))
+        rows = self._call("done_forget", {"key": key, "task_id": task_id}, timeout)
+        return any(bool(alive) for (alive,) in rows)
 
     def sweep(self, prefix: str, limit: int = SWEEP_LIMIT, *, timeout: float | None = None) -> int:
         """Delete up to ``limit`` dead leases and ``limit`` expired records under ``prefix``
@@ -822,8 +819,8 @@ class PostgresLockProvider(SqlStore):
             return self._run_pg(op, params)
         return self._run_pg(op, params, timeout=timeout)
 
-    def _read(self, op: str, statement: str, params: dict[str, Any]) -> Rows:
-        return self._run_pg(statement, params)
+    def _read(self, op: str, statement: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        return self._call(statement, params, timeout)
 
     def _run_pg(self, op: str, params: dict[str, Any], timeout: float | None = None) -> Rows:
         """Run one statement through the executor; its rows (driver errors translated)."""

@@ -108,7 +108,7 @@ from celery_exclusive.providers._redis_urls import (
     whole_ms,
 )
 from celery_exclusive.providers._redis_wake import ReleaseSignals, Subscription
-from celery_exclusive.providers._redis_wire import Wire, as_text
+from celery_exclusive.providers._redis_wire import Wire, as_text, left
 from celery_exclusive.providers.base import (
     Completion,
     CompletionInfo,
@@ -147,6 +147,11 @@ def _refresh_args(chunk: Sequence[RefreshRequest]) -> tuple[Any, ...]:
     """The refresh script's numkeys, keys and arguments for ``chunk`` (one script call)."""
     keys, tokens = [r.key for r in chunk], [r.token for r in chunk]
     return (len(chunk), *keys, *tokens, *[whole_ms(r.ttl) for r in chunk])
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline), at least 1 ms."""
+    return None if deadline is None else left(deadline)
 
 
 def _seconds_left(us: int) -> float | None:
@@ -393,24 +398,26 @@ class RedisLockProvider:
             name = "primary"
         return name, lambda: pool.connection_class(**pool.connection_kwargs)
 
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
-        now, *found = self._scripts.run(DONE, 1, key, task_id)
+    def completion(self, key: str, task_id: str, *, timeout: float | None = None) -> CompletionInfo | None:
+        now, *found = self._scripts.run(DONE, 1, key, task_id, timeout=timeout)
         records = [self._record(key, field, value, now) for _, field, value in found]
         return next((r for r in records if r.expires_in > 0), None)
 
-    def completions(self, prefix: str) -> list[CompletionInfo]:
-        keys, groups = self._hashes(prefix)
+    def completions(self, prefix: str, *, timeout: float | None = None) -> list[CompletionInfo]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keys, groups = self._hashes(prefix, deadline)
         calls = [(len(group), *[keys[i] for i in group], "") for group in groups]
         records: list[CompletionInfo] = []
-        for group, (now, *found) in zip(groups, self._scripts.run_many(DONE, calls), strict=True):
+        replies = self._scripts.run_many(DONE, calls, _left(deadline))
+        for group, (now, *found) in zip(groups, replies, strict=True):
             for index, field, value in found:
                 record = self._record(keys[group[int(index) - 1]], field, value, now)
                 if record.expires_in > 0:
                     records.append(record)
         return sorted(records, key=lambda r: (r.key, r.task_id))
 
-    def forget(self, key: str, task_id: str) -> bool:
-        return bool(self._scripts.run(FORGET, 1, key, task_id))
+    def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
+        return bool(self._scripts.run(FORGET, 1, key, task_id, timeout=timeout))
 
     def _record(self, key: str, field: Any, value: Any, now: Any) -> CompletionInfo:
         try:
@@ -424,8 +431,8 @@ class RedisLockProvider:
         except (TypeError, ValueError) as exc:
             raise self._fail(ValueError(f"malformed lock hash {key!r}: {exc}")) from exc
 
-    def peek(self, key: str) -> LockInfo | None:
-        reply = self._scripts.run(PEEK, 1, key)
+    def peek(self, key: str, *, timeout: float | None = None) -> LockInfo | None:
+        reply = self._scripts.run(PEEK, 1, key, timeout=timeout)
         return None if reply[1] == 0 else self._info(key, reply[1], reply[0])
 
     def diagnose(self) -> list[Diagnosis]:
@@ -455,21 +462,41 @@ class RedisLockProvider:
         found.append(Diagnosis("scripts", "ok", "Lua scripts run"))
         return found
 
-    def _hashes(self, prefix: str) -> tuple[list[str], list[range | list[int]]]:
-        """The hash keys starting with ``prefix``, sorted, and their groups for script calls."""
+    def _hashes(self, prefix: str, deadline: float | None) -> tuple[list[str], list[range | list[int]]]:
+        """The hash keys starting with ``prefix``, sorted, and their groups for script calls;
+        with a ``deadline`` (monotonic) on the fast path's connection, each SCAN round trip
+        within what is left of it."""
         pattern = prefix.translate(_GLOB) + "*"
         with self._translated:
-            client = self._client
-            where = {"target_nodes": client.PRIMARIES} if self._cluster else {}
-            names = {as_text(k) for k in client.scan_iter(match=pattern, count=1000, _type="hash", **where)}
+            if deadline is not None and self._wire is not None:
+                names = self._scan_wire(self._wire, pattern, deadline)
+            else:
+                client = self._client
+                where = {"target_nodes": client.PRIMARIES} if self._cluster else {}
+                found = client.scan_iter(match=pattern, count=1000, _type="hash", **where)
+                names = {as_text(k) for k in found}
         keys = sorted(k for k in names if k.startswith(prefix))
         return keys, self._scripts.groups(keys, self._cluster)
 
-    def scan(self, prefix: str) -> list[LockInfo]:
-        keys, groups = self._hashes(prefix)
+    @staticmethod
+    def _scan_wire(wire: Wire, pattern: str, deadline: float) -> set[str]:
+        """``SCAN ... TYPE hash`` to the end on the fast path, each call within ``deadline``."""
+        names: set[str] = set()
+        cursor: Any = 0
+        while True:
+            command = ("SCAN", cursor, "MATCH", pattern, "COUNT", 1000, "TYPE", "hash")
+            cursor, batch = wire.send(*command, timeout=left(deadline))
+            names.update(as_text(k) for k in batch)
+            if int(cursor) == 0:
+                return names
+
+    def scan(self, prefix: str, *, timeout: float | None = None) -> list[LockInfo]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keys, groups = self._hashes(prefix, deadline)
         calls = [(len(group), *[keys[i] for i in group]) for group in groups]
         infos: list[LockInfo] = []
-        for group, (now, *rows) in zip(groups, self._scripts.run_many(PEEK, calls), strict=True):
+        replies = self._scripts.run_many(PEEK, calls, _left(deadline))
+        for group, (now, *rows) in zip(groups, replies, strict=True):
             infos.extend(
                 self._info(keys[i], row, now) for i, row in zip(group, rows, strict=True) if row != 0
             )

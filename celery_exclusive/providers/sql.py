@@ -16,6 +16,7 @@ or engine it builds :class:`~celery_exclusive.providers.postgres.PostgresLockPro
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import threading
@@ -25,10 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import sqlalchemy as sa
+from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Dialect, Engine
 
-from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.errors import BackendError, InvalidArgumentError
+from celery_exclusive.providers import _deadline
 from celery_exclusive.providers._libpq import PLACEHOLDER
 from celery_exclusive.providers._sql_common import (
     INHERITED,
@@ -378,6 +381,8 @@ class SqlLockProvider(SqlStore):
         self._sql.update(_generic_sweep_statements(self._engine.dialect, self.table.name))
         self._tx = _Transactions(self._engine, self._sql)
         self._batches: dict[tuple[str, ...], str] = {}
+        if self._owns_engine and self._engine.dialect.name != "sqlite":
+            event.listen(self._engine, "do_connect", _deadline.bounded_connect)
         self._clock = self._tx.clock
 
     # -- the LockProvider operations -------------------------------------------------
@@ -397,7 +402,9 @@ class SqlLockProvider(SqlStore):
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
         if task_id is not None and not self._records_on():
             task_id = None
-        return self._transact("acquire", lambda conn: self._acquire_in(conn, params, granted, task_id))
+        return self._transact(
+            "acquire", lambda conn: self._acquire_in(conn, params, granted, task_id), timeout
+        )
 
     def _acquire_in(
         self, conn: Connection, params: dict[str, Any], granted: float, task_id: str | None
@@ -441,7 +448,7 @@ class SqlLockProvider(SqlStore):
         if not wanted:
             return []
         answers: dict[tuple[str, str], float] = {}
-        self._transact("refresh", lambda conn: self._refresh_in(conn, wanted, answers))
+        self._transact("refresh", lambda conn: self._refresh_in(conn, wanted, answers), timeout)
         return [answers.get((r.key, r.token)) for r in requests]
 
     def _refresh_in(
@@ -494,7 +501,7 @@ class SqlLockProvider(SqlStore):
             conn.commit()
             return owned
 
-        return self._transact("release", attempt)
+        return self._transact("release", attempt, timeout)
 
     def _batched(self, conn: Connection) -> bool:
         """Whether ``conn`` (pymysql with multi-statements, as engines built from a URL are)
@@ -529,7 +536,7 @@ class SqlLockProvider(SqlStore):
             cursor.close()
         return bool(owned)
 
-    def forget(self, key: str, task_id: str) -> bool:
+    def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
         if not self._records_on():
             return False
         params: dict[str, Any] = {"key": key, "task_id": task_id}
@@ -541,7 +548,7 @@ class SqlLockProvider(SqlStore):
             conn.commit()
             return found
 
-        return self._transact("forget a record", attempt)
+        return self._transact("forget a record", attempt, timeout)
 
     def sweep(self, prefix: str, limit: int = SWEEP_LIMIT, *, timeout: float | None = None) -> int:
         """Delete up to ``limit`` dead leases and ``limit`` expired records under ``prefix``
@@ -611,16 +618,21 @@ class SqlLockProvider(SqlStore):
     def _session(self) -> contextlib.AbstractContextManager[Any]:
         return self._tx.session()
 
-    def _read(self, op: str, statement: str, params: dict[str, Any]) -> list[Any]:
+    def _read(self, op: str, statement: str, params: dict[str, Any], timeout: float | None) -> list[Any]:
         """The rows of one read-only statement."""
+        sql = self._sql[statement]
         return self._transact(
-            op, lambda conn: list(conn.execute(self._sql[statement], {**params, **self._tx.now(conn)}))
+            op, lambda conn: list(conn.execute(sql, {**params, **self._tx.now(conn)})), timeout
         )
 
-    def _transact(self, op: str, work: Callable[[Connection], _T]) -> _T:
-        """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying deadlocks."""
+    def _transact(self, op: str, work: Callable[[Connection], _T], timeout: float | None = None) -> _T:
+        """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying
+        deadlocks, within ``timeout`` seconds (see :meth:`_Transactions.run`)."""
         self._ensure_schema()
-        return self._tx.run(self._translated(op), work)
+        if timeout is None:
+            return self._tx.run(self._translated(op), work)
+        failed = f"SQL lock store {self._masked} failed to {op}"
+        return self._tx.run(self._translated(op), work, timeout, failed)
 
     def _after_fork(self) -> None:
         super()._after_fork()
@@ -664,9 +676,23 @@ class _Transactions:
         return {"now": self.clock.julian()}
 
     def run(
-        self, translated: contextlib.AbstractContextManager[None], work: Callable[[Connection], _T]
+        self,
+        translated: contextlib.AbstractContextManager[None],
+        work: Callable[[Connection], _T],
+        timeout: float | None = None,
+        failed: str = "SQL lock store failed",
     ) -> _T:
-        """``work(conn)`` in a transaction, driver errors translated by ``translated``."""
+        """``work(conn)`` in a transaction, driver errors translated by ``translated``.
+
+        With ``timeout`` (seconds) the call ends by about then. SQLite: its busy timeout
+        (waiting for another connection's write lock, the one way a SQLite call blocks) is
+        lowered to what is left; disk I/O is not bounded. MariaDB/MySQL: connecting is
+        bounded by ``connect_timeout`` (whole seconds, at least 2; engines this store built)
+        and the statements by :mod:`._deadline`'s watchdog, which shuts the socket down at
+        the deadline: the connection is dropped and the call raises BackendError. Deadlock
+        retries stop at the deadline.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
         clock = self.clock
         if clock is not None and clock.anchor is None and clock.boot is not None:
             with translated, self.session(), self._engine.connect() as conn:
@@ -676,12 +702,45 @@ class _Transactions:
             attempt += 1
             with translated:
                 try:
-                    with self.session(), self._engine.connect() as conn:
-                        return work(conn)
+                    if end is None:
+                        with self.session(), self._engine.connect() as conn:
+                            if clock is not None:
+                                _busy_timeout(conn, None)
+                            return work(conn)
+                    return self._within(work, end, failed)
                 except sa_exc.DBAPIError as exc:
                     if attempt >= _ATTEMPTS or _code(exc) not in _RETRYABLE:
                         raise
+                    if end is not None and time.monotonic() >= end:
+                        raise
             time.sleep(random.uniform(0.005, 0.02) * attempt)
+
+    def _within(self, work: Callable[[Connection], _T], end: float, failed: str) -> _T:
+        """``work(conn)`` by monotonic ``end`` (see :meth:`run`)."""
+        with self.session():
+            with _deadline.connect_budget(max(end - time.monotonic(), 0.001)):
+                conn = self._engine.connect()
+            with conn:
+                left = max(end - time.monotonic(), 0.001)
+                if self.clock is not None:  # SQLite
+                    _busy_timeout(conn, left)
+                    return work(conn)
+                sock = getattr(conn.connection.driver_connection, "_sock", None)  # PyMySQL's
+                if sock is None:  # another driver: its own timeouts apply
+                    return work(conn)
+                with _deadline.watch(sock.fileno(), left) as watch:
+                    try:
+                        answer = work(conn)
+                    except sa_exc.DBAPIError as exc:
+                        if watch is not None and watch.fired:
+                            conn.invalidate(exc)
+                            raise BackendError(
+                                f"{failed}: no answer within its {left:.3g} s deadline (connection dropped)"
+                            ) from exc
+                        raise
+                if watch is not None and watch.fired:  # answered as its deadline shut the socket
+                    conn.invalidate()
+                return answer
 
     def after_fork(self) -> None:
         if self._memory:
@@ -691,6 +750,24 @@ class _Transactions:
             # locks on the file, those of its new connections included: keep the old pool.
             INHERITED.append(self._engine.pool)
         self._engine.dispose(close=False)
+
+
+def _busy_timeout(conn: Connection, timeout: float | None) -> None:
+    """SQLite's busy timeout on ``conn`` for one call: at most ``timeout`` seconds (rounded
+    up to 0.1 s, so a steady deadline sets it once per connection), or the connection's own
+    (``timeout`` None: put back if an earlier call lowered it)."""
+    info = conn.info  # the pooled connection's, kept across checkouts
+    base = info.get("ce_busy_base")
+    if base is None:
+        if timeout is None:
+            return
+        dbapi: Any = conn.connection.driver_connection
+        base = info["ce_busy_base"] = int(dbapi.execute("PRAGMA busy_timeout").fetchone()[0])
+        info["ce_busy"] = base
+    wanted = base if timeout is None else min(base, math.ceil(timeout * 10) * 100)
+    if info["ce_busy"] != wanted:
+        cast(Any, conn.connection.driver_connection).execute(f"PRAGMA busy_timeout = {wanted}")
+        info["ce_busy"] = wanted
 
 
 def _clock_finding(
