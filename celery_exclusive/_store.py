@@ -68,6 +68,11 @@ class StoreCalls:
         self._lock = threading.Lock()
         self._stuck = 0  # calls given up whose threads have not ended yet
 
+    @property
+    def stuck(self) -> int:
+        """Calls given up at their deadline whose threads are still running."""
+        return self._stuck
+
     def call(
         self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> T:

@@ -3,18 +3,27 @@
 ``peek``, ``locks``, ``completion``, ``completions``, ``forget`` and ``force_release`` get
 the same per-call deadline as ``lock``: a store behind a stalled relay (it accepts bytes
 and answers nothing, like a network that went silent) makes each raise BackendError
-within ``call_timeout``, never hang on the driver's own timeouts (tens of seconds).
+within ``call_timeout``, never hang on the driver's own timeouts (tens of seconds). The
+provider enforces it (every built-in store takes ``timeout=``): the call itself ends, no
+thread is left waiting for the store. PostgreSQL, Redis and MariaDB (the shared server)
+behind the stalling relay; SQLite with another connection holding the database's write
+lock (the one way a SQLite call blocks).
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from celery_exclusive import BackendError, LockService
+from tests.conftest import MYSQL_URL, drop_lock_table, require_server, with_option
 from tests.faults.conftest import Backend, Faults
+from tests.faults.servers import TcpProxy
 
 CALL_TIMEOUT = 1.0
 #: Thread start, the proxy's stall hand-shake and a loaded 2-core machine.
@@ -47,6 +56,7 @@ def test_inspection_calls_end_by_call_timeout_on_a_silent_store(
             call(service)
         took = time.monotonic() - started
         assert took <= CALL_TIMEOUT + SLACK, f"{name}() took {took:.3f} s on a silent store"
+        assert service._calls.stuck == 0, f"{name}() was abandoned in a thread, not ended by the store"
     finally:
         proxy.resume()
     proxy.cut()  # the abandoned connection is not to be reused
@@ -55,6 +65,85 @@ def test_inspection_calls_end_by_call_timeout_on_a_silent_store(
         try:
             call(service)
             break
+        except BackendError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+#: The SQL stores' acquire and release take the same deadline.
+SQL_CALLS: dict[str, Callable[[LockService], object]] = {
+    **CALLS,
+    "try_lock": lambda s: s.try_lock("k2", ttl=30),
+}
+
+
+@pytest.fixture
+def mariadb_table() -> Iterator[str]:
+    """A fresh lock table name on the shared MariaDB (dropped after)."""
+    require_server(MYSQL_URL)
+    table = f"ce_fault_{uuid.uuid4().hex[:10]}"
+    yield table
+    drop_lock_table(MYSQL_URL, table)
+
+
+@pytest.mark.parametrize("name", list(SQL_CALLS))
+def test_mariadb_calls_end_by_call_timeout_on_a_silent_store(
+    faults: Faults, mariadb_table: str, name: str
+) -> None:
+    """The same on MariaDB behind the relay: the socket watchdog ends each call's statements."""
+    proxy = faults.proxy(3306)
+    url = with_option(MYSQL_URL.replace(":3306/", f":{proxy.port}/"), "table", mariadb_table)
+    service = faults.service(url, call_timeout=CALL_TIMEOUT)
+    call = SQL_CALLS[name]
+    call(service)
+    _stalled_call_fails_in_time(service, name, call, proxy)
+    proxy.cut()
+    _works_again(service, call)
+
+
+@pytest.mark.parametrize("name", list(SQL_CALLS))
+def test_sqlite_calls_end_by_call_timeout_while_the_database_is_locked(
+    faults: Faults, tmp_path: Path, name: str
+) -> None:
+    """SQLite: with the write lock held elsewhere each call fails by call_timeout (its busy
+    timeout lowered to the deadline), not SQLite's 30 s busy timeout."""
+    path = tmp_path / "locks.db"
+    service = faults.service(f"sqlite:///{path}", call_timeout=CALL_TIMEOUT)
+    call = SQL_CALLS[name]
+    call(service)
+    rival = sqlite3.connect(path, isolation_level=None)
+    try:
+        rival.execute("BEGIN IMMEDIATE")
+        _stalled_call_fails_in_time(service, name, call, None)
+    finally:
+        rival.close()  # ends its transaction: the lock is free again
+    _works_again(service, call)
+
+
+def _stalled_call_fails_in_time(
+    service: LockService, name: str, call: Callable[[LockService], object], proxy: TcpProxy | None
+) -> None:
+    if proxy is not None:
+        proxy.stall()
+    try:
+        started = time.monotonic()
+        with pytest.raises(BackendError):
+            call(service)
+        took = time.monotonic() - started
+        assert took <= CALL_TIMEOUT + SLACK, f"{name}() took {took:.3f} s on a stalled store"
+        assert service._calls.stuck == 0, f"{name}() was abandoned in a thread, not ended by the store"
+    finally:
+        if proxy is not None:
+            proxy.resume()
+
+
+def _works_again(service: LockService, call: Callable[[LockService], object]) -> None:
+    deadline = time.monotonic() + 15
+    while True:  # a connection broken by the stall may fail one more call
+        try:
+            call(service)
+            return
         except BackendError:
             if time.monotonic() > deadline:
                 raise
