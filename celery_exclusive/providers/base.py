@@ -8,11 +8,18 @@ Every method either returns its documented answer or raises
 :class:`~celery_exclusive.errors.BackendError` when the store cannot be reached or
 fails: "not acquired" and "not owned" are answers, an outage is not.
 
-Deadlines. ``acquire``, ``refresh`` and ``release`` take an optional keyword ``timeout``
-(seconds, None for the provider's own network timeouts): a call that has no answer after
-about that long (connecting included) raises BackendError and abandons its connection,
-which is never reused. Providers written before this keyword existed still work: the
-service checks with :func:`accepts_timeout` and the heartbeat stops waiting for them anyway.
+Deadlines. Every method the service calls per operation (``acquire``, ``refresh``,
+``release``, ``peek``, ``scan`` and the :class:`CompletionStore` methods) takes an optional
+keyword ``timeout`` (seconds, None for the provider's own network timeouts): a call that has
+no answer after about that long (connecting included) raises BackendError and abandons its
+connection, which is never reused. A store that cannot block (in memory) accepts and
+ignores it. A provider enforces it however its store allows (the built-in ones: Redis on
+the socket of a client it built; PostgreSQL through psycopg by shutting the socket down;
+MariaDB/MySQL through PyMySQL the same way; SQLite by lowering its busy timeout); where it
+cannot (a client or driver it did not choose), the driver's own timeouts apply. Providers
+written before this keyword existed, or whose methods lack it, still work: the service
+checks each method with :func:`accepts_timeout` and runs the ones without it in a worker
+thread that it stops waiting for at the deadline (the heartbeat does the same for refresh).
 """
 
 from __future__ import annotations
@@ -173,12 +180,13 @@ class LockProvider(Protocol):
         """
         ...
 
-    def peek(self, key: str) -> LockInfo | None:
+    def peek(self, key: str, *, timeout: float | None = None) -> LockInfo | None:
         """The live lease on ``key``, or None if the key is free (expired counts as free)."""
         ...
 
-    def scan(self, prefix: str) -> list[LockInfo]:
-        """Every live lease whose key starts with ``prefix``, ordered by key."""
+    def scan(self, prefix: str, *, timeout: float | None = None) -> list[LockInfo]:
+        """Every live lease whose key starts with ``prefix``, ordered by key; ``timeout``
+        bounds the whole call, however many round trips it takes."""
         ...
 
     def close(self) -> None:
@@ -199,15 +207,16 @@ class CompletionStore(LockProvider, Protocol):
     writes records (redelivered copies of finished tasks run again, as before records).
     """
 
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+    def completion(self, key: str, task_id: str, *, timeout: float | None = None) -> CompletionInfo | None:
         """The live completion record of ``task_id`` on ``key``, or None."""
         ...
 
-    def completions(self, prefix: str) -> list[CompletionInfo]:
-        """Every live completion record on a key starting with ``prefix``, by key and task id."""
+    def completions(self, prefix: str, *, timeout: float | None = None) -> list[CompletionInfo]:
+        """Every live completion record on a key starting with ``prefix``, by key and task id
+        (``timeout`` bounds the whole call, as for ``scan``)."""
         ...
 
-    def forget(self, key: str, task_id: str) -> bool:
+    def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
         """Delete the completion record of ``task_id`` on ``key``; True if a live one existed."""
         ...
 

@@ -44,7 +44,14 @@ from celery_exclusive import (
     LockService,
     ReleaseOutcome,
 )
-from celery_exclusive.providers.base import Grant, Held, RefreshRequest
+from celery_exclusive.providers.base import (
+    Completion,
+    CompletionStore,
+    Grant,
+    Held,
+    RefreshRequest,
+    accepts_timeout,
+)
 from celery_exclusive.testing import _workers
 
 #: Put this string in the credentials of ``ContractStore.outage``'s unreachable store: the
@@ -442,6 +449,48 @@ def test_outage_is_an_error_not_contention(store: Store) -> None:
         assert OUTAGE_SECRET not in repr(service)
     finally:
         service.close()
+
+
+def test_every_call_takes_a_deadline_and_answers_the_same(store: Store) -> None:
+    """Each provider method the service calls per operation takes ``timeout=`` and, well
+    within it, answers exactly as documented (a provider whose methods lack the keyword
+    still works, in a worker thread of the service: this test then skips, naming them)."""
+    service = store.service()
+    provider = service.provider
+    records = provider if isinstance(provider, CompletionStore) else None
+    methods: list[Callable[..., object]] = [
+        provider.acquire,
+        provider.refresh,
+        provider.release,
+        provider.peek,
+        provider.scan,
+    ]
+    if records is not None:
+        methods += [records.completion, records.completions, records.forget]
+    lacking = [getattr(m, "__name__", repr(m)) for m in methods if not accepts_timeout(m)]
+    if lacking:
+        pytest.skip(f"store {store.name!r}: {', '.join(lacking)} take no timeout= (run in a worker thread)")
+    key, t = service.prefix + "deadline", 30.0
+    grant = provider.acquire(key, "tok", 20.0, 60.0, "{}", timeout=t)
+    assert isinstance(grant, Grant)
+    info = provider.peek(key, timeout=t)
+    assert info is not None
+    assert (info.token, info.fence) == ("tok", grant.fence)
+    assert [i.key for i in provider.scan(key, timeout=t)] == [key]
+    left = provider.refresh([RefreshRequest(key, "tok", 20.0)], timeout=t)[0]
+    assert left is not None
+    assert 0 < left <= 20.0
+    if records is None:
+        assert provider.release(key, "tok", timeout=t) is True
+    else:
+        assert records.release(key, "tok", Completion("task-1", "success", 0, 60.0), timeout=t) is True
+        record = records.completion(key, "task-1", timeout=t)
+        assert record is not None
+        assert (record.task_id, record.outcome) == ("task-1", "success")
+        assert [(r.key, r.task_id) for r in records.completions(key, timeout=t)] == [(key, "task-1")]
+        assert records.forget(key, "task-1", timeout=t) is True
+        assert records.completion(key, "task-1", timeout=t) is None
+    assert provider.peek(key, timeout=t) is None
 
 
 def test_a_skewed_worker_clock_changes_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
