@@ -2,13 +2,15 @@
 
 Part of the lock core (it serves :mod:`celery_exclusive.service`). A provider method that
 takes the ``timeout`` keyword (see :func:`~celery_exclusive.providers.base.accepts_timeout`)
-enforces the deadline itself, on its socket. One that does not (``peek``, ``scan`` and the
-completion-record methods of the built-in stores; any method of a provider written before the
-keyword existed) runs in a thread of its own that the caller stops waiting for at the
-deadline: the caller gets BackendError in time, and the stuck call ends when the driver
-gives up (its connection is the driver's to discard). At most :data:`MAX_STUCK` such calls
-may be left running at once; past that, calls without a timeout fail at once instead of
-piling up threads on a store that stopped answering.
+enforces the deadline itself (every method of the built-in stores does, see the provider
+contract's "Deadlines"). One that does not (any method of a provider written before the
+keyword existed) runs in a worker thread that the caller stops waiting for at the deadline:
+the caller gets BackendError in time, and the stuck call ends when the driver gives up (its
+connection is the driver's to discard). Worker threads are reused (handing a call to an
+idle one costs a fraction of starting a thread) and exit after :data:`IDLE_EXIT` seconds
+without work. At most :data:`MAX_STUCK` calls may be left running past their deadlines at
+once; past that, calls without a timeout fail at once instead of piling up threads on a
+store that stopped answering.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ _DRIVER_PACKAGES = frozenset(
 )
 #: Calls past their deadline whose threads may still be running, at most.
 MAX_STUCK = 16
+#: Seconds an idle worker thread waits for another call before it exits.
+IDLE_EXIT = 10.0
 
 
 def is_store_error(exc: BaseException) -> bool:
@@ -60,6 +64,36 @@ class _Outcome:
         return self.value
 
 
+class _Worker:
+    """A thread that runs the calls it is given, one at a time, until idle for IDLE_EXIT."""
+
+    __slots__ = ("_calls", "_job", "_ready")
+
+    def __init__(self, calls: StoreCalls) -> None:
+        self._calls = calls
+        self._job: tuple[_Outcome, Callable[..., object], Any, Any] | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._loop, name="celery-exclusive-call", daemon=True).start()
+
+    def give(self, outcome: _Outcome, method: Callable[..., object], args: Any, kwargs: Any) -> None:
+        self._job = (outcome, method, args, kwargs)
+        self._ready.set()
+
+    def _loop(self) -> None:
+        calls = self._calls
+        while True:
+            if not self._ready.wait(IDLE_EXIT):
+                with calls._lock:
+                    if self in calls._idle:  # not claimed meanwhile: nobody will give it a call
+                        calls._idle.remove(self)
+                        return
+                continue  # claimed just now: its call is on the way
+            self._ready.clear()
+            job, self._job = self._job, None  # nothing of an old call kept alive while idle
+            assert job is not None
+            calls._run(self, *job)
+
+
 class StoreCalls:
     """Calls one provider's methods within deadlines (thread-safe)."""
 
@@ -67,6 +101,7 @@ class StoreCalls:
         self._takes_timeout: dict[str, bool] = {}  # method name -> accepts_timeout(method)
         self._lock = threading.Lock()
         self._stuck = 0  # calls given up whose threads have not ended yet
+        self._idle: list[_Worker] = []  # workers waiting for a call (the last one is reused first)
 
     @property
     def stuck(self) -> int:
@@ -101,18 +136,16 @@ class StoreCalls:
         return takes
 
     def _in_thread(self, what: str, timeout: float, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run the call in a thread of its own and wait for it at most ``timeout`` seconds."""
+        """Run the call in a worker thread and wait for it at most ``timeout`` seconds."""
         with self._lock:
             if self._stuck >= MAX_STUCK:
                 raise BackendError(
                     f"lock store failed during {what}: {self._stuck} earlier calls are still "
                     "waiting for it past their deadlines"
                 )
+            worker = self._idle.pop() if self._idle else None
         outcome = _Outcome()
-        thread = threading.Thread(
-            target=self._run, args=(outcome, method, args, kwargs), name="celery-exclusive-call", daemon=True
-        )
-        thread.start()
+        (worker or _Worker(self)).give(outcome, method, args, kwargs)
         if not outcome.done.wait(timeout):
             with self._lock:
                 if not outcome.finished:
@@ -122,7 +155,9 @@ class StoreCalls:
                 raise BackendError(f"lock store gave no answer during {what} within {timeout:.3g} s")
         return outcome.result()  # type: ignore[no-any-return]
 
-    def _run(self, outcome: _Outcome, method: Callable[..., object], args: Any, kwargs: Any) -> None:
+    def _run(
+        self, worker: _Worker, outcome: _Outcome, method: Callable[..., object], args: Any, kwargs: Any
+    ) -> None:
         try:
             outcome.value = method(*args, **kwargs)
         except BaseException as exc:  # handed to the caller, which re-raises it
@@ -132,4 +167,5 @@ class StoreCalls:
                 outcome.finished = True
                 if outcome.abandoned:
                     self._stuck -= 1
+                self._idle.append(worker)  # before the caller wakes, so its next call reuses it
             outcome.done.set()

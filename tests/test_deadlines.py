@@ -262,3 +262,44 @@ def test_the_service_enforces_the_deadline_of_calls_without_a_timeout_keyword() 
         provider.unblock.set()
         service.heartbeat._pending_release.clear()
         service.close()
+
+
+class _Recording(_SilentOldStyle):
+    """Remembers which thread ran each peek."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[threading.Thread] = []  # kept, so no two can share an id
+
+    def peek(self, key: str) -> Any:
+        self.threads.append(threading.current_thread())
+        return super().peek(key)
+
+
+def test_calls_without_a_timeout_keyword_reuse_a_worker_thread() -> None:
+    """Calls on a provider without ``timeout=`` run on a reused worker thread, not one new
+    thread each; a worker stuck past its deadline gets no new call until its own ends."""
+    provider = _Recording()
+    service = LockService(provider, call_timeout=0.3)
+    try:
+        for _ in range(50):
+            assert service.peek("k") is None
+        assert len({id(t) for t in provider.threads}) == 1
+        worker = provider.threads[-1]
+        provider.silent.set()
+        with pytest.raises(BackendError, match="no answer"):
+            service.peek("k")
+        provider.silent.clear()
+        assert service.peek("k") is None  # on another thread: the first is still stuck
+        assert provider.threads[-1] is not worker
+        provider.unblock.set()
+        until = time.monotonic() + 5
+        while service._calls.stuck and time.monotonic() < until:
+            time.sleep(0.01)
+        assert service._calls.stuck == 0
+        for _ in range(20):
+            service.peek("k")
+        assert len({id(t) for t in provider.threads[-20:]}) == 1
+    finally:
+        provider.unblock.set()
+        service.close()
