@@ -49,26 +49,9 @@ def test_inspection_calls_end_by_call_timeout_on_a_silent_store(
     service = faults.service(backend.url(proxy.port), call_timeout=CALL_TIMEOUT)
     call = CALLS[name]
     call(service)  # connected and warm: the next call goes out on a connection that goes silent
-    proxy.stall()
-    try:
-        started = time.monotonic()
-        with pytest.raises(BackendError):
-            call(service)
-        took = time.monotonic() - started
-        assert took <= CALL_TIMEOUT + SLACK, f"{name}() took {took:.3f} s on a silent store"
-        assert service._calls.stuck == 0, f"{name}() was abandoned in a thread, not ended by the store"
-    finally:
-        proxy.resume()
+    _stalled_call_fails_in_time(service, name, call, proxy)
     proxy.cut()  # the abandoned connection is not to be reused
-    deadline = time.monotonic() + 15
-    while True:  # a connection broken by the cut may fail one more call
-        try:
-            call(service)
-            break
-        except BackendError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    _works_again(service, call)
 
 
 #: The SQL stores' acquire and release take the same deadline.
