@@ -9,8 +9,8 @@ Every method either returns its documented answer or raises
 fails: "not acquired" and "not owned" are answers, an outage is not.
 
 Deadlines. Every method the service calls per operation (``acquire``, ``refresh``,
-``release``, ``peek``, ``scan`` and the :class:`CompletionStore` methods) takes an optional
-keyword ``timeout`` (seconds, None for the provider's own network timeouts): a call that has
+``release``, ``peek``, ``scan``, the :class:`CompletionStore` methods and ``sweep``) takes
+an optional keyword ``timeout`` (seconds, None for the provider's own network timeouts): a call that has
 no answer after about that long (connecting included) raises BackendError and abandons its
 connection, which is never reused. A store that cannot block (in memory) accepts and
 ignores it. A provider enforces it however its store allows (the built-in ones: Redis on

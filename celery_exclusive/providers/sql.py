@@ -574,7 +574,7 @@ class SqlLockProvider(SqlStore):
             conn.commit()
             return removed
 
-        return self._transact("sweep", attempt)
+        return self._transact("sweep", attempt, timeout)
 
     @property
     def supports_guard(self) -> bool:
