@@ -34,7 +34,7 @@ from celery_exclusive.task import ExclusiveTask, exclusive_task
 def test_bad_options_are_rejected_at_definition(options: dict[str, Any], fragment: str) -> None:
     app = Celery("bad-dedupe", set_as_current=False)
     with pytest.raises(InvalidArgumentError, match=fragment):
-        exclusive_task(app=app, key="k", **options)(lambda: None)
+        exclusive_task(app=app, key="k", shared=False, **options)(lambda: None)
 
 
 def test_bad_class_attributes_are_rejected_at_definition() -> None:
@@ -127,7 +127,7 @@ def test_an_app_with_an_exclusive_task_revokes_through_revoking_control_and_stil
     from celery_exclusive.dedupe import RevokingControl
 
     app = Celery("revoking-control", set_as_current=False)
-    exclusive_task(app=app, key="k")(lambda: None)
+    exclusive_task(app=app, key="k", shared=False)(lambda: None)
     assert isinstance(app.control, RevokingControl)
     again = pickle.loads(pickle.dumps(app))  # noqa: S301  # our own bytes, just made
     assert again.control_cls == "celery_exclusive.dedupe:RevokingControl"

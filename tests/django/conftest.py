@@ -21,7 +21,7 @@ from tests.conftest import MYSQL_URL, POSTGRES_URL, require_server
 ALIASES = ["default", "maria", "lite"]
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Django set up on tests/django/settings.py, every alias migrated; all of it dropped after."""
     require_server(POSTGRES_URL)
