@@ -26,6 +26,7 @@ from benchmarks.harness import (
     psycopg_dsn,
     with_table,
 )
+from celery_exclusive.providers import _pg_listen
 
 TTL = 900.0
 LIFE = 86400.0
@@ -113,12 +114,16 @@ def cmd_contend(child: _Child, approach: str, key: str, pause: float = 0.0) -> P
         attempt = package
     elif approach in ("upsert", "statement"):
         conn = child.pg()
+        channel = ""  # the upsert peer's release has no channel parameter
         if approach == "upsert":
             sql, release = upsert_sql(), upsert_release_sql()
         else:
-            statements = child.service("postgres").provider._psycopg_sql
+            provider = child.service("postgres").provider
+            statements = provider._psycopg_sql
             sql, release = statements["acquire"], statements["release"]
             key = "proc:" + key  # the package's rows, under the service's prefix
+            # The release notifies the key's channel for waiters (providers/_pg_listen.py).
+            channel = _pg_listen.channel(provider.table.name, key)
         # The upsert returns a row only when it won; the provider's statement says so in column 0.
         granted = 0 if approach == "statement" else None
 
@@ -127,7 +132,7 @@ def cmd_contend(child: _Child, approach: str, key: str, pause: float = 0.0) -> P
             row = conn.execute(sql, params).fetchone()
             if row is None or (granted is not None and not row[granted]):
                 return False
-            conn.execute(release, params).fetchall()
+            conn.execute(release, {**params, "channel": channel}).fetchall()
             return True
 
         attempt = raw

@@ -171,7 +171,9 @@ def test_eager_and_direct_calls_are_unchanged() -> None:
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "1h", True, timedelta(0), None.__class__])
 def test_bad_retention_is_rejected_when_the_task_is_defined(bad: object) -> None:
     with pytest.raises(InvalidArgumentError, match="done_retention"):
-        exclusive_task(app=app, name=f"bad-{uuid.uuid4().hex}", done_retention=bad, shared=False)(lambda: None)
+        exclusive_task(app=app, name=f"bad-{uuid.uuid4().hex}", done_retention=bad, shared=False)(
+            lambda: None
+        )
 
 
 def test_bad_retention_as_a_class_attribute_or_setting_is_rejected() -> None:
