@@ -375,20 +375,23 @@ def test_a_shorter_max_lifetime_does_not_steal_a_live_lease(store: Store) -> Non
 
 
 def test_heartbeat_keeps_a_lock_far_past_its_ttl(store: Store) -> None:
-    """With ttl 1 s, the heartbeat holds the key for 3.5 s while a competitor keeps failing."""
+    """With ttl 2 s, the heartbeat holds the key for 6.5 s while a competitor keeps failing.
+
+    (A 1 s ttl leaves each durable refresh about 0.3 s: a disk shared with a busy neighbour
+    stalls a commit that long now and then, and the lease is then rightly LOST.)"""
     holder, competitor = store.service(), store.service()
-    lease = holder.lock("long", ttl=1.0)
+    lease = holder.lock("long", ttl=2.0)
     started = time.monotonic()
-    deadline = started + 3.5
+    deadline = started + 6.5
     attempts: list[float] = []
     while time.monotonic() < deadline:
-        assert competitor.try_lock("long", ttl=1.0) is None
+        assert competitor.try_lock("long", ttl=2.0) is None
         attempts.append(time.monotonic() - started)
         time.sleep(0.1)
     # Refused in every second of the window (however slow each try is on a loaded store),
     # the last time more than 3 ttls after the grant.
-    assert {int(at) for at in attempts} >= {0, 1, 2}, attempts
-    assert attempts[-1] > 3.0, attempts
+    assert {int(at) for at in attempts} >= set(range(6)), attempts
+    assert attempts[-1] > 6.0, attempts
     assert lease.state is LeaseState.HELD
     lease.check()
     assert lease.release() is ReleaseOutcome.RELEASED
