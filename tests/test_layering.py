@@ -13,7 +13,9 @@ Layers, bottom up:
   ``_validation``, ``_urls``, ``*_urls``) import only ``errors``;
 * providers (``providers/*``): only leaf modules, ``providers.base`` and ``providers._*``;
   the registry ``providers/__init__.py`` is the one place that may name every provider;
-* lock core (``lease``, ``heartbeat``, ``service``, ``waiting``, ``many``, ``semaphore``, ``_store``): leaf,
+* lock core (``lease``, ``heartbeat``, ``service`` and its collaborators ``_core``, ``_process``,
+  ``_acquiring``, ``_releasing``, ``_leasing``, ``_records``, ``waiting``, ``many``,
+  ``semaphore``, ``_store``): leaf,
   ``providers.base``, the registry, ``signals`` and each other; no concrete provider
   (``providers.<backend>``) and nothing of the Celery layer;
 * everything else (the Celery layer: task, worker, settings, keys, observe, policies,
@@ -113,7 +115,21 @@ def import_graph() -> dict[str, dict[str, int]]:
 
 
 LEAF = {"errors", "validation", "_validation", "urls", "_urls"}
-CORE = {"lease", "heartbeat", "service", "waiting", "many", "semaphore", "_store"}
+CORE = {
+    "lease",
+    "heartbeat",
+    "service",
+    "_core",
+    "_process",
+    "_acquiring",
+    "_releasing",
+    "_leasing",
+    "_records",
+    "waiting",
+    "many",
+    "semaphore",
+    "_store",
+}
 REGISTRY = "providers"
 
 

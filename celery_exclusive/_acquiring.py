@@ -1,0 +1,228 @@
+"""How the lock service takes leases: durations, holder metadata, the acquire with its one
+same-token retry, a semaphore's first free slot, who holds a contended key, markers.
+
+Part of the lock core (it serves :mod:`celery_exclusive.service`, which it does not import:
+the service is passed in).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from celery_exclusive import semaphore, signals
+from celery_exclusive._core import Service
+from celery_exclusive._process import check_holder, new_token, this, unprefixed
+from celery_exclusive._records import Records
+from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError
+from celery_exclusive.lease import Lease
+from celery_exclusive.providers.base import AcquiresAny, Done, Grant, Held, LockInfo, encode_holder
+from celery_exclusive.validation import MAX_LIFETIME_CAP, lease_durations, seconds
+
+T = TypeVar("T")
+
+#: Pause before the one same-token retry of an acquire that failed in flight, in seconds.
+ACQUIRE_RETRY_DELAY = 0.05
+
+
+class Acquiring:
+    """Takes a service's leases (see :meth:`take`) and markers."""
+
+    def __init__(self, service: Service, records: Records) -> None:
+        self._service = service
+        self._records = records
+        #: Whether the store takes a semaphore's first free slot in one call (checked once:
+        #: a runtime Protocol check costs microseconds).
+        self._any = isinstance(service.provider, AcquiresAny)
+
+    def take(
+        self,
+        key: str,
+        ttl: float | timedelta | None,
+        refresh_interval: float | timedelta | None,
+        max_lifetime: float | timedelta | None,
+        holder: Mapping[str, Any] | None,
+        *,
+        name_holder: bool = True,
+        task_id: str | None = None,
+        limit: int = 1,
+    ) -> Lease | Held:
+        """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
+        raises as LockedError, without the cost of an exception on the contended path.
+        Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
+        as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
+        service = self._service
+        service._check_key(key if limit == 1 else semaphore.slot_key(key, limit))
+        ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
+        encoded = this.holder if holder is None else encode_holder({**this.meta, **check_holder(holder)})
+        store_key = service.prefix + key
+        token = new_token()
+        sent = service.clock()
+        if limit == 1:
+            answer = self.acquire_one(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)
+        else:
+            slot, answer = self.acquire_slot(
+                key, limit, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded
+            )
+            store_key = service.prefix + semaphore.slot_key(key, slot)
+        if isinstance(answer, Done):
+            raise AlreadyDone(key, self._records.unprefixed(answer.record))
+        if not isinstance(answer, Grant):
+            if not name_holder and not signals.lock_contended.receivers:
+                return answer  # a failed try_lock, the hot path under contention
+            return self._contended(key, store_key, answer)
+        lease = Lease(
+            service,
+            key=key,
+            store_key=store_key,
+            token=token,
+            fence=answer.fence,
+            ttl=ttl_s,
+            refresh_interval=interval_s,
+            max_lifetime=lifetime_s,
+            sent_at=sent,
+            granted=answer.ttl,
+            mutex=service.heartbeat.mutex,
+        )
+        service.heartbeat.add(lease)
+        signals.send(signals.lock_acquired, service, key=key, lease=lease)
+        return lease
+
+    def _contended(self, key: str, store_key: str, answer: Held) -> Held:
+        """Held naming the holder of ``key`` (unprefixed), after the lock_contended signal."""
+        found = answer.holder if answer.holder is not None else self._winner(store_key)
+        holder_info = None if found is None else unprefixed(found, self._service.prefix)
+        signals.send(signals.lock_contended, self._service, key=key, holder=holder_info)
+        return Held(holder_info)
+
+    def mark(self, key: str, ttl: float | timedelta | None, holder: Mapping[str, Any] | None) -> str | None:
+        """See :meth:`LockService.mark`."""
+        service = self._service
+        service._check_key(key)
+        lifetime = service.max_lifetime if ttl is None else seconds("ttl", ttl)
+        if lifetime > MAX_LIFETIME_CAP:
+            raise InvalidArgumentError(f"ttl is {lifetime:g} s; the hard cap is 24 h")
+        encoded = encode_holder({**this.meta, **check_holder(holder)})
+        token = new_token()
+        args = (service.prefix + key, token, lifetime, lifetime, encoded)
+        answer = service._call("mark", service.provider.acquire, *args)
+        return token if isinstance(answer, Grant) else None
+
+    def durations(
+        self, ttl: object, refresh_interval: object, max_lifetime: object
+    ) -> tuple[float, float, float]:
+        service = self._service
+        if ttl is None and refresh_interval is None and max_lifetime is None:
+            return service.ttl, service.refresh_interval, service.max_lifetime
+        lifetime = service.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
+        interval = None if refresh_interval is None else seconds("refresh_interval", refresh_interval)
+        if ttl is None:
+            # Keep the service's explicit interval unless a shorter max_lifetime caps the ttl under it.
+            if (
+                interval is None
+                and service._refresh_explicit
+                and service.refresh_interval < min(service.ttl, lifetime)
+            ):
+                interval = service.refresh_interval
+            return lease_durations(service.ttl, interval, lifetime, ttl_explicit=False)
+        return lease_durations(seconds("ttl", ttl), interval, lifetime, ttl_explicit=True)
+
+    def acquire_one(
+        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *, task_id: str | None
+    ) -> Grant | Held | Done:
+        """Acquire, retrying once with the same token (see :meth:`_retried`)."""
+        service = self._service
+        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
+        args = (store_key, token, ttl, max_lifetime, holder)
+        return self._retried(
+            lambda timeout: service._call(
+                "acquire", service.provider.acquire, *args, timeout=timeout, **once
+            ),
+            (store_key,),
+            token,
+            min(ttl, max_lifetime),
+        )
+
+    def acquire_slot(
+        self, key: str, limit: int, token: str, *, ttl: float, max_lifetime: float, holder: str
+    ) -> tuple[int, Grant | Held]:
+        """The first free slot (1-based) of semaphore ``key`` and its Grant, or ``(1, Held)``:
+        one store call where the provider has ``acquire_any``, else one acquire per slot in order
+        (a retried attempt then releases the token's other slots, which its lost reply may hold)."""
+        service = self._service
+        provider = service.provider
+        keys = [service.prefix + slot for slot in semaphore.slot_keys(key, limit)]
+        life = min(ttl, max_lifetime)
+        if self._any:
+            any_store = cast("AcquiresAny", provider)  # self._any says so
+            answer = self._retried(
+                lambda timeout: service._call(
+                    "acquire", any_store.acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout
+                ),
+                keys,
+                token,
+                life,
+            )
+            return (1, answer) if isinstance(answer, Held) else (answer[0] + 1, answer[1])
+        attempts: list[float] = []
+
+        def in_order(timeout: float) -> tuple[int, Grant | Held | Done]:
+            attempts.append(service.clock())
+            end = time.monotonic() + timeout
+            first: Grant | Held | Done | None = None
+            for i, store_key in enumerate(keys):
+                args = (store_key, token, ttl, max_lifetime, holder)
+                got = service._call(
+                    "acquire", provider.acquire, *args, timeout=max(end - time.monotonic(), 0.01)
+                )
+                if isinstance(got, Grant):
+                    if len(attempts) > 1:
+                        for other in keys[:i] + keys[i + 1 :]:
+                            service.heartbeat.retry_release(other, token, until=attempts[0] + life)
+                    return i, got
+                first = got if first is None else first
+            assert first is not None  # limit >= 2 slots were tried
+            return 0, first
+
+        index, found = self._retried(in_order, keys, token, life)
+        if isinstance(found, Done):  # pragma: no cover - no task_id is sent for a semaphore
+            raise AssertionError("a completion record answered a semaphore acquire")
+        return (index + 1, found) if isinstance(found, Grant) else (1, found)
+
+    def _retried(self, call: Callable[[float], T], store_keys: Sequence[str], token: str, life: float) -> T:
+        """``call(timeout)``, retried once with the same token: the store recognises its own
+        token, so a retry after a lost reply returns the lease the first attempt took instead
+        of orphaning it.
+
+        Both attempts together take at most ``call_timeout`` (the retry gets what is left, and
+        none if less than 0.1 s is). An exception that is not the store's (a signal handler's,
+        such as Celery's SoftTimeLimitExceeded) propagates unchanged; the token is then
+        released from ``store_keys`` in the background, as the store may have recorded a lease."""
+        service = self._service
+        budget_end = time.monotonic() + service.call_timeout
+        for attempt in (1, 2):
+            sent = service.clock()
+            try:
+                return call(budget_end - time.monotonic())
+            except BackendError:
+                if attempt == 2 or budget_end - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
+                    # The store may have recorded the lease before failing: release it once it answers.
+                    for store_key in store_keys:
+                        service.heartbeat.retry_release(store_key, token, until=sent + life)
+                    raise
+                time.sleep(ACQUIRE_RETRY_DELAY)
+            except BaseException:
+                for store_key in store_keys:
+                    service.heartbeat.retry_release(store_key, token, until=sent + life)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _winner(self, store_key: str) -> LockInfo | None:
+        """Who holds a key whose acquire lost a race and could not say (PostgreSQL: the
+        racing insert committed after the statement's snapshot); None if already gone."""
+        try:
+            return self._service._call("peek", self._service.provider.peek, store_key)
+        except BackendError:  # the key was held: that stands even if this extra look fails
+            return None

@@ -1,0 +1,44 @@
+"""What the lock service's collaborators (:mod:`~celery_exclusive._acquiring`,
+:mod:`~celery_exclusive._releasing`, :mod:`~celery_exclusive._leasing`,
+:mod:`~celery_exclusive._records`) see of it: its settings, its store and its calls.
+
+Part of the lock core. :class:`~celery_exclusive.service.LockService` satisfies it; the
+collaborators depend on this Protocol rather than import the service (no import cycle).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from celery_exclusive.heartbeat import Heartbeat
+from celery_exclusive.lease import LeaseOwner
+from celery_exclusive.providers.base import LockProvider
+
+T = TypeVar("T")
+
+
+class Service(LeaseOwner, Protocol):
+    """The lock service, as its collaborators use it (and as its leases do: a LeaseOwner)."""
+
+    prefix: str
+    provider: LockProvider
+    call_timeout: float
+    ttl: float
+    refresh_interval: float
+    max_lifetime: float
+    keeps_records: bool
+    sweep_interval: float | None
+    _refresh_explicit: bool
+    _batch_size: int
+    _thread_factory: Callable[..., threading.Thread]
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...
+
+    def _check_key(self, key: str) -> None: ...
+
+    def _call(
+        self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> T: ...

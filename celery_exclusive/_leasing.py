@@ -1,0 +1,190 @@
+"""How the lock service composes an acquire's options: ``wait=`` (:mod:`celery_exclusive.waiting`),
+``limit=`` (:mod:`celery_exclusive.semaphore`), ``hold_at_least=`` (the cooldown, kept by
+:mod:`celery_exclusive._releasing`), several keys (:mod:`celery_exclusive.many`); and the
+service's upkeep: its heartbeat with the refresh signals, and sweeping dead rows.
+
+Part of the lock core (it serves :mod:`celery_exclusive.service`, which it does not import:
+the service is passed in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from celery_exclusive import many, semaphore, signals, waiting
+from celery_exclusive._acquiring import Acquiring
+from celery_exclusive._core import Service
+from celery_exclusive._process import check_filter, check_holder
+from celery_exclusive._releasing import Releasing
+from celery_exclusive.errors import InvalidArgumentError, LockedError
+from celery_exclusive.heartbeat import Heartbeat
+from celery_exclusive.lease import Lease
+from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, SWEEP_LIMIT, Held, Sweeps, accepts_timeout
+from celery_exclusive.validation import check_task_id
+
+#: Seconds between the heartbeat's sweeps of dead rows (``LockService(sweep_interval=)``).
+DEFAULT_SWEEP_INTERVAL = 60.0
+
+Durations = tuple["float | timedelta | None", "float | timedelta | None", "float | timedelta | None"]
+
+
+class Leasing:
+    """The service's acquire options and upkeep (see the module docstring)."""
+
+    def __init__(self, service: Service, acquiring: Acquiring, releasing: Releasing) -> None:
+        self._service = service
+        self._acquiring = acquiring
+        self._releasing = releasing
+
+    def _cooldown(self, hold_at_least: float | timedelta | None, max_lifetime: object) -> float | None:
+        if hold_at_least is None:
+            return None
+        return self._releasing.check_cooldown(hold_at_least, max_lifetime)
+
+    def _taken(
+        self,
+        key: str,
+        durations: Durations,
+        *,
+        holder: Mapping[str, Any] | None,
+        wait: float | None,
+        limit: int,
+        task_id: str | None,
+        name_holder: bool,
+    ) -> Lease | Held:
+        """The lease on ``key`` or Held, with ``wait`` retrying until the time is up."""
+        take = self._acquiring.take
+        if wait is None:
+            taken: Lease | Held = take(
+                key, *durations, holder, name_holder=name_holder, task_id=task_id, limit=limit
+            )
+            return taken
+        return waiting.take_waiting(
+            lambda final: take(
+                key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit
+            ),
+            self._service.provider,
+            self._service.prefix + key,
+            waiting.check_wait(wait),
+        )
+
+    def try_lock(
+        self,
+        key: str,
+        durations: Durations,
+        *,
+        holder: Mapping[str, Any] | None,
+        wait: float | None,
+        hold_at_least: float | timedelta | None,
+        limit: int,
+    ) -> Lease | None:
+        """See :meth:`LockService.try_lock <celery_exclusive.service.LockService.try_lock>`."""
+        semaphore.check_limit(limit)
+        cooldown = self._cooldown(hold_at_least, durations[2])
+        taken = self._taken(
+            key, durations, holder=holder, wait=wait, limit=limit, task_id=None, name_holder=False
+        )
+        if isinstance(taken, Lease):
+            self._releasing.cool(taken, cooldown)
+            return taken
+        return None
+
+    def lock(
+        self,
+        key: str,
+        durations: Durations,
+        *,
+        holder: Mapping[str, Any] | None,
+        task_id: str | None,
+        wait: float | None,
+        hold_at_least: float | timedelta | None,
+        limit: int,
+    ) -> Lease:
+        """See :meth:`LockService.lock <celery_exclusive.service.LockService.lock>`."""
+        if semaphore.check_limit(limit) > 1:
+            task_id = None
+        if task_id is not None:
+            check_task_id(task_id, MAX_TASK_ID_LENGTH)
+            if not self._service.keeps_records:
+                task_id = None
+        cooldown = self._cooldown(hold_at_least, durations[2])
+        taken = self._taken(
+            key, durations, holder=holder, wait=wait, limit=limit, task_id=task_id, name_holder=True
+        )
+        if isinstance(taken, Held):
+            raise LockedError(key, taken.holder)
+        self._releasing.cool(taken, cooldown)
+        return taken
+
+    def take_many(
+        self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
+    ) -> many.LeaseSet | tuple[str, Held]:
+        """All of ``keys`` as a LeaseSet, or the first refused key and its Held."""
+        service = self._service
+        checked = many.check_keys(keys)
+        for key in checked:
+            service._check_key(key)
+        self._acquiring.durations(*durations)
+        check_holder(holder)
+        return many.take_all(
+            checked,
+            lambda key, final: self._acquiring.take(key, *durations, holder, name_holder=final),
+            lambda key: service.prefix + key,
+            service.provider,
+            None if wait is None else waiting.check_wait(wait),
+        )
+
+    # -- upkeep -------------------------------------------------------------------------
+
+    def sweep(self, prefix: str, limit: int) -> int:
+        """See :meth:`LockService.sweep <celery_exclusive.service.LockService.sweep>`."""
+        service = self._service
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
+        full = service.prefix + check_filter(prefix)
+        if not full:
+            raise InvalidArgumentError(
+                "sweep needs a non-empty key prefix: the lock table may hold other applications' rows"
+            )
+        provider = service.provider
+        if not isinstance(provider, Sweeps):
+            return 0
+        if accepts_timeout(provider.sweep):
+            return int(service._call("sweep", provider.sweep, full, limit, timeout=service.call_timeout))
+        return int(service._call("sweep", provider.sweep, full, limit))
+
+    def _heartbeat_sweep(self) -> Callable[[float], int] | None:
+        """What the heartbeat calls to sweep (None: off, no prefix, or nothing to sweep)."""
+        service = self._service
+        provider = service.provider
+        if service.sweep_interval is None or not service.prefix or not isinstance(provider, Sweeps):
+            return None
+        prefix: str = service.prefix
+        if accepts_timeout(provider.sweep):
+            return lambda timeout: provider.sweep(prefix, SWEEP_LIMIT, timeout=timeout)
+        return lambda _timeout: provider.sweep(prefix, SWEEP_LIMIT)
+
+    def new_heartbeat(self) -> Heartbeat:
+        """A heartbeat for the service's leases (one per process: a forked child gets its own)."""
+        service = self._service
+        return Heartbeat(
+            service.provider,
+            clock=service.clock,
+            lose=service._lose,
+            refreshed=self._refreshed,
+            failed=self._refresh_failed,
+            batch_size=service._batch_size,
+            thread_factory=service._thread_factory,
+            sweep=self._heartbeat_sweep(),
+            sweep_interval=service.sweep_interval or DEFAULT_SWEEP_INTERVAL,
+            sweep_limit=SWEEP_LIMIT,
+        )
+
+    def _refreshed(self, leases: list[Lease], duration: float) -> None:
+        if leases:
+            signals.send(signals.lock_refreshed, self._service, leases=leases, duration=duration)
+
+    def _refresh_failed(self, leases: list[Lease], error: Exception) -> None:
+        signals.send(signals.refresh_failed, self._service, leases=leases, error=error)

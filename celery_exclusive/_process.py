@@ -1,0 +1,76 @@
+"""Who this process is (holder metadata, owner tokens) and the key-prefix helpers of the lock service.
+
+Part of the lock core: :mod:`celery_exclusive.service` and its collaborators share these.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.providers.base import LockInfo, encode_holder
+
+HOST = socket.gethostname()[:64]
+
+
+class _ThisProcess:
+    """Who this process is, as holder metadata and a token prefix; rebuilt in a forked child
+    (so the hot path neither asks the kernel for its pid nor encodes the same JSON again)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        pid = os.getpid()
+        self.meta: dict[str, Any] = {"host": HOST, "pid": pid}
+        self.holder = encode_holder(self.meta)
+        self.token_prefix = f"{HOST}:{pid}:"
+
+
+this = _ThisProcess()
+
+
+def new_token() -> str:
+    """A fresh owner token: host, pid, wall time (for people) and 64 random bits."""
+    return f"{this.token_prefix}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
+
+
+def check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if holder is None:
+        return {}
+    if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
+        raise InvalidArgumentError("holder must be a mapping with str keys")
+    return holder
+
+
+def check_filter(prefix: object, *, text: bool = True) -> str:
+    """A key filter: a str without NUL (and, with ``text``, valid Unicode)."""
+    if not isinstance(prefix, str) or "\x00" in prefix:
+        raise InvalidArgumentError("prefix must be a str without NUL characters")
+    if text:
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("prefix must be valid Unicode text (no lone surrogates)") from None
+    return prefix
+
+
+def unprefix(key: str, prefix: str) -> str:
+    return key[len(prefix) :] if key.startswith(prefix) else key
+
+
+def unprefixed(info: LockInfo, prefix: str) -> LockInfo:
+    return LockInfo(
+        unprefix(info.key, prefix),
+        info.token,
+        info.fence,
+        info.age,
+        info.expires_in,
+        info.hard_expires_in,
+        info.holder,
+    )

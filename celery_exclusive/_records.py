@@ -1,0 +1,83 @@
+"""The lock service's completion records (see :meth:`LockService.completion
+<celery_exclusive.service.LockService.completion>`): checks, the prefix, stores without records.
+
+Part of the lock core.
+"""
+
+from __future__ import annotations
+
+from celery_exclusive._core import Service
+from celery_exclusive._process import check_filter, unprefix
+from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.providers.base import (
+    COMPLETION_OUTCOMES,
+    MAX_TASK_ID_LENGTH,
+    Completion,
+    CompletionInfo,
+    CompletionStore,
+)
+from celery_exclusive.validation import check_key, check_task_id, seconds
+
+
+class Records:
+    """The service's completion records (see :meth:`LockService.completion`): key checks,
+    the prefix, and None/[]/False from a store that keeps none."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+        self._store = service.provider if isinstance(service.provider, CompletionStore) else None
+
+    def for_release(self, completion: Completion | None) -> Completion | None:
+        """``completion`` checked, or None when there is none or the store keeps no records."""
+        if completion is None:
+            return None
+        check_completion(completion)
+        return completion if self._store is not None else None
+
+    def _store_key(self, key: str, task_id: str) -> str:
+        service = self._service
+        check_key(key, prefix=service.prefix, max_length=service.provider.max_key_length)
+        check_task_id(task_id, MAX_TASK_ID_LENGTH)
+        return service.prefix + key
+
+    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
+        store_key = self._store_key(key, task_id)
+        if self._store is None:
+            return None
+        found = self._service._call("read a record", self._store.completion, store_key, task_id)
+        return None if found is None else self.unprefixed(found)
+
+    def completions(self, prefix: str) -> list[CompletionInfo]:
+        check_filter(prefix, text=False)
+        if self._store is None:
+            return []
+        found = self._service._call("list records", self._store.completions, self._service.prefix + prefix)
+        return [self.unprefixed(record) for record in found]
+
+    def forget(self, key: str, task_id: str) -> bool:
+        store_key = self._store_key(key, task_id)
+        if self._store is None:
+            return False
+        return bool(self._service._call("forget a record", self._store.forget, store_key, task_id))
+
+    def unprefixed(self, record: CompletionInfo) -> CompletionInfo:
+        return CompletionInfo(
+            unprefix(record.key, self._service.prefix),
+            record.task_id,
+            record.outcome,
+            record.attempt,
+            record.age,
+            record.expires_in,
+        )
+
+
+def check_completion(completion: object) -> None:
+    if not isinstance(completion, Completion):
+        raise InvalidArgumentError(f"completion must be a Completion, got {type(completion).__name__}")
+    check_task_id(completion.task_id, MAX_TASK_ID_LENGTH)
+    if completion.outcome not in COMPLETION_OUTCOMES:
+        raise InvalidArgumentError(f"completion outcome must be one of {COMPLETION_OUTCOMES}")
+    attempt = completion.attempt
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise InvalidArgumentError(f"completion attempt must be an int >= 0, got {attempt!r}")
+    seconds("completion retain", completion.retain)

@@ -1,0 +1,164 @@
+"""How the lock service ends leases: release (with its ``hold_at_least`` cooldown and the
+background retry of a release the store did not answer) and loss.
+
+Part of the lock core (it serves :mod:`celery_exclusive.service`, which it does not import:
+the service is passed in).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from celery_exclusive import signals
+from celery_exclusive._core import Service
+from celery_exclusive.errors import BackendError, InvalidArgumentError
+from celery_exclusive.lease import Lease, ReleaseOutcome
+from celery_exclusive.providers.base import Completion, RefreshRequest
+from celery_exclusive.validation import seconds
+
+logger = logging.getLogger("celery_exclusive")
+
+#: Longest a release waits for the store before it reports UNKNOWN (the heartbeat then
+#: keeps retrying it in the background), in seconds.
+RELEASE_TIMEOUT = 2.0
+
+
+class Releasing:
+    """Releases and loses a service's leases; keeps the cooldowns of ``hold_at_least`` leases."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+        #: Leases taken with ``hold_at_least``: (seconds, when the grant arrived on the clock).
+        #: Popped at release (or loss), so a lease never outlives its use here.
+        self._cooldowns: dict[Lease, tuple[float, float]] = {}
+
+    def check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
+        cooldown = seconds("hold_at_least", hold_at_least)
+        lifetime = (
+            self._service.max_lifetime if max_lifetime is None else seconds("max_lifetime", max_lifetime)
+        )
+        if cooldown > lifetime:
+            raise InvalidArgumentError(
+                f"hold_at_least ({cooldown:g} s) must not exceed max_lifetime ({lifetime:g} s)"
+            )
+        return cooldown
+
+    def cool(self, lease: Lease, cooldown: float | None) -> None:
+        if cooldown is not None:
+            self._cooldowns[lease] = (cooldown, self._service.clock())
+
+    def _release_cooling(self, lease: Lease, left: float, completion: Completion | None) -> ReleaseOutcome:
+        """End a ``hold_at_least`` lease ``left`` seconds from now instead of deleting it.
+
+        A refresh sets the expiry to ``min(store now + ttl, hard deadline)`` on every store, so
+        it shortens a lease as well as it extends one. The completion record is written by a
+        release under a token that owns nothing (a store writes the record whether or not the
+        token owns the key, and deletes only what it owns).
+        """
+        service = self._service
+        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
+        try:
+            answers = service._call(
+                "release",
+                service.provider.refresh,
+                [RefreshRequest(lease.store_key, lease.token, left)],
+                timeout=timeout,
+            )
+            if completion is not None:
+                service._call(
+                    "record",
+                    service.provider.release,
+                    lease.store_key,
+                    "cooldown:" + lease.token,
+                    completion,
+                    timeout=timeout,
+                )
+        except BackendError as exc:
+            # The lease then ends at its own expiry (no heartbeat keeps it): later than asked.
+            logger.warning(
+                "could not shorten lock %r (fence %d) to its cooldown: %s", lease.key, lease.fence, exc
+            )
+            outcome = ReleaseOutcome.UNKNOWN
+        else:
+            outcome = (
+                ReleaseOutcome.RELEASED if answers and answers[0] is not None else ReleaseOutcome.NOT_OWNED
+            )
+        signals.send(
+            signals.lock_released,
+            service,
+            key=lease.key,
+            lease=lease,
+            outcome=outcome,
+            held_for=service.clock() - lease.acquired_at,
+        )
+        return outcome
+
+    def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:
+        """See :meth:`LockService.release` (``completion`` already checked)."""
+        service = self._service
+        with service.heartbeat.mutex:
+            was_lost = lease._mark_released()
+            if was_lost is None:
+                return ReleaseOutcome.NOT_OWNED
+            service.heartbeat.discard(lease)
+        cooling = self._cooldowns.pop(lease, None)
+        if cooling is not None and not was_lost:
+            left = cooling[0] - (service.clock() - cooling[1])
+            if left > 0.001:
+                return self._release_cooling(lease, left, completion)
+        record = () if completion is None else (completion,)  # a third-party provider may not take it
+        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
+        try:
+            owned = bool(
+                service._call(
+                    "release",
+                    service.provider.release,
+                    lease.store_key,
+                    lease.token,
+                    *record,
+                    timeout=timeout,
+                )
+            )
+        except BackendError as exc:
+            logger.warning(
+                "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
+            )
+            service.heartbeat.retry_release(
+                lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
+            )
+            outcome = ReleaseOutcome.UNKNOWN
+        else:
+            outcome = ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
+            if not owned and not was_lost:
+                logger.warning(
+                    "lock %r (fence %d) was no longer held at release: it expired or was taken "
+                    "over, so the protected work may have overlapped another holder's",
+                    lease.key,
+                    lease.fence,
+                )
+        held_for = service.clock() - lease.acquired_at
+        signals.send(
+            signals.lock_released, service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
+        )
+        return outcome
+
+    def lose(self, lease: Lease, reason: str) -> None:
+        """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""
+        service = self._service
+        with service.heartbeat.mutex:
+            lost = lease._mark_lost()
+            if lost is None:
+                return
+            service.heartbeat.discard(lease)
+            self._cooldowns.pop(lease, None)
+        callbacks, event = lost
+        if event is not None:  # None unless someone asked for it; ``lost`` then sets it itself
+            event.set()
+        logger.warning("lock %r (fence %d) LOST: %s", lease.key, lease.fence, reason)
+        signals.send(signals.lock_lost, service, key=lease.key, lease=lease, reason=reason)
+        for callback in callbacks:
+            try:
+                callback(lease, reason)
+            except Exception:
+                logger.exception("on_lost callback for lock %r failed", lease.key)
