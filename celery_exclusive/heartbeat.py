@@ -422,22 +422,9 @@ class Heartbeat:
         """Lose what is past its deadline, give up overdue calls, start calls for what is due."""
         now = self._clock()
         self._abandon_overdue(now)
-        with self.mutex:
-            active = list(self._leases.values())
-            busy = set(self._inflight.busy)
-        due: list[Lease] = []
-        strictly_due = False
-        for lease in active:
-            what = lease._due(now)
-            if what == "lost":
-                self._lose(lease, "the lease was not confirmed before its local deadline")
-            elif what != "later" and id(lease) not in busy:
-                due.append(lease)
-                strictly_due = strictly_due or what == "now"
+        due = self._due(now)
         started = (
-            self._inflight.start_refreshes(due, now, self._batch_size, self._refresh_call)
-            if strictly_due
-            else []
+            self._inflight.start_refreshes(due, now, self._batch_size, self._refresh_call) if due else []
         )
         pending = self._inflight.releases_due()
         if pending:
@@ -457,6 +444,23 @@ class Heartbeat:
             else:
                 self._sweep.running = False
         return started
+
+    def _due(self, now: float) -> list[Lease]:
+        """The leases to refresh now (none unless one is strictly due: the others ride along);
+        the ones past their local deadline are lost on the way."""
+        with self.mutex:
+            active = list(self._leases.values())
+            busy = set(self._inflight.busy)
+        due: list[Lease] = []
+        strictly_due = False
+        for lease in active:
+            what = lease._due(now)
+            if what == "lost":
+                self._lose(lease, "the lease was not confirmed before its local deadline")
+            elif what != "later" and id(lease) not in busy:
+                due.append(lease)
+                strictly_due = strictly_due or what == "now"
+        return due if strictly_due else []
 
     def _abandon_overdue(self, now: float) -> None:
         """Give up waiting for every call past its deadline: its leases may be refreshed again."""
