@@ -149,7 +149,7 @@ class LockService:
             seconds("max_lifetime", max_lifetime),
             ttl_explicit=True,
         )
-        self._refresh_explicit = refresh_interval is not None  # read by _Leasing
+        self._refresh_explicit = refresh_interval is not None  # read by _acquiring
         self._batch_size = _check_batch_size(heartbeat_batch_size)
         for name, value in (("clock", clock), ("thread_factory", thread_factory)):
             if not callable(value):
