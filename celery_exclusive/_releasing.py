@@ -107,6 +107,17 @@ class Releasing:
             left = cooling[0] - (service.clock() - cooling[1])
             if left > 0.001:
                 return self._release_cooling(lease, left, completion)
+        outcome = self._delete(lease, completion, warn_not_owned=not was_lost)
+        held_for = service.clock() - lease.acquired_at
+        signals.send(
+            signals.lock_released, service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
+        )
+        return outcome
+
+    def _delete(self, lease: Lease, completion: Completion | None, *, warn_not_owned: bool) -> ReleaseOutcome:
+        """Delete ``lease`` from the store (recording ``completion``); UNKNOWN when the store
+        did not answer, the heartbeat then retrying the release in the background."""
+        service = self._service
         record = () if completion is None else (completion,)  # a third-party provider may not take it
         timeout = min(service.call_timeout, RELEASE_TIMEOUT)
         try:
@@ -127,21 +138,15 @@ class Releasing:
             service.heartbeat.retry_release(
                 lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
             )
-            outcome = ReleaseOutcome.UNKNOWN
-        else:
-            outcome = ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
-            if not owned and not was_lost:
-                logger.warning(
-                    "lock %r (fence %d) was no longer held at release: it expired or was taken "
-                    "over, so the protected work may have overlapped another holder's",
-                    lease.key,
-                    lease.fence,
-                )
-        held_for = service.clock() - lease.acquired_at
-        signals.send(
-            signals.lock_released, service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
-        )
-        return outcome
+            return ReleaseOutcome.UNKNOWN
+        if not owned and warn_not_owned:
+            logger.warning(
+                "lock %r (fence %d) was no longer held at release: it expired or was taken "
+                "over, so the protected work may have overlapped another holder's",
+                lease.key,
+                lease.fence,
+            )
+        return ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
 
     def lose(self, lease: Lease, reason: str) -> None:
         """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""
