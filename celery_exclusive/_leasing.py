@@ -38,29 +38,19 @@ class Leasing:
         self._acquiring = acquiring
         self._releasing = releasing
 
-    def _cooldown(self, hold_at_least: float | timedelta | None, max_lifetime: object) -> float | None:
-        if hold_at_least is None:
-            return None
-        return self._releasing.check_cooldown(hold_at_least, max_lifetime)
-
-    def _taken(
+    def _waited(
         self,
         key: str,
         durations: Durations,
         *,
         holder: Mapping[str, Any] | None,
-        wait: float | None,
+        wait: float,
         limit: int,
         task_id: str | None,
         name_holder: bool,
     ) -> Lease | Held:
-        """The lease on ``key`` or Held, with ``wait`` retrying until the time is up."""
+        """The lease on ``key`` or Held, retrying until ``wait`` seconds have passed."""
         take = self._acquiring.take
-        if wait is None:
-            taken: Lease | Held = take(
-                key, *durations, holder, name_holder=name_holder, task_id=task_id, limit=limit
-            )
-            return taken
         return waiting.take_waiting(
             lambda final: take(
                 key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit
@@ -82,12 +72,18 @@ class Leasing:
     ) -> Lease | None:
         """See :meth:`LockService.try_lock <celery_exclusive.service.LockService.try_lock>`."""
         semaphore.check_limit(limit)
-        cooldown = self._cooldown(hold_at_least, durations[2])
-        taken = self._taken(
-            key, durations, holder=holder, wait=wait, limit=limit, task_id=None, name_holder=False
+        cooldown = (
+            None if hold_at_least is None else self._releasing.check_cooldown(hold_at_least, durations[2])
         )
+        if wait is None:  # the hot path: no extra call
+            taken = self._acquiring.take(key, *durations, holder, name_holder=False, limit=limit)
+        else:
+            taken = self._waited(
+                key, durations, holder=holder, wait=wait, limit=limit, task_id=None, name_holder=False
+            )
         if isinstance(taken, Lease):
-            self._releasing.cool(taken, cooldown)
+            if cooldown is not None:
+                self._releasing.cool(taken, cooldown)
             return taken
         return None
 
@@ -109,13 +105,19 @@ class Leasing:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self._service.keeps_records:
                 task_id = None
-        cooldown = self._cooldown(hold_at_least, durations[2])
-        taken = self._taken(
-            key, durations, holder=holder, wait=wait, limit=limit, task_id=task_id, name_holder=True
+        cooldown = (
+            None if hold_at_least is None else self._releasing.check_cooldown(hold_at_least, durations[2])
         )
+        if wait is None:  # the hot path: no extra call
+            taken = self._acquiring.take(key, *durations, holder, task_id=task_id, limit=limit)
+        else:
+            taken = self._waited(
+                key, durations, holder=holder, wait=wait, limit=limit, task_id=task_id, name_holder=True
+            )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
-        self._releasing.cool(taken, cooldown)
+        if cooldown is not None:
+            self._releasing.cool(taken, cooldown)
         return taken
 
     def take_many(
