@@ -38,27 +38,38 @@ class Leasing:
         self._acquiring = acquiring
         self._releasing = releasing
 
-    def _waited(
+    def _take(
         self,
         key: str,
         durations: Durations,
-        *,
         holder: Mapping[str, Any] | None,
-        wait: float,
+        wait: float | None,
+        hold_at_least: float | timedelta | None,
+        *,
         limit: int,
         task_id: str | None,
         name_holder: bool,
     ) -> Lease | Held:
-        """The lease on ``key`` or Held, retrying until ``wait`` seconds have passed."""
-        take = self._acquiring.take
-        return waiting.take_waiting(
-            lambda final: take(
-                key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit
-            ),
-            self._service.provider,
-            self._service.prefix + key,
-            waiting.check_wait(wait),
+        """The lease on ``key`` (its cooldown kept) or Held; with ``wait``, retrying until
+        that many seconds have passed."""
+        cooldown = (
+            None if hold_at_least is None else self._releasing.check_cooldown(hold_at_least, durations[2])
         )
+        take = self._acquiring.take
+        if wait is None:  # the hot path: no extra call
+            taken = take(key, *durations, holder, name_holder=name_holder, task_id=task_id, limit=limit)
+        else:
+            taken = waiting.take_waiting(
+                lambda final: take(
+                    key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit
+                ),
+                self._service.provider,
+                self._service.prefix + key,
+                waiting.check_wait(wait),
+            )
+        if cooldown is not None and isinstance(taken, Lease):
+            self._releasing.cool(taken, cooldown)
+        return taken
 
     def try_lock(
         self,
@@ -72,20 +83,10 @@ class Leasing:
     ) -> Lease | None:
         """See :meth:`LockService.try_lock <celery_exclusive.service.LockService.try_lock>`."""
         semaphore.check_limit(limit)
-        cooldown = (
-            None if hold_at_least is None else self._releasing.check_cooldown(hold_at_least, durations[2])
+        taken = self._take(
+            key, durations, holder, wait, hold_at_least, limit=limit, task_id=None, name_holder=False
         )
-        if wait is None:  # the hot path: no extra call
-            taken = self._acquiring.take(key, *durations, holder, name_holder=False, limit=limit)
-        else:
-            taken = self._waited(
-                key, durations, holder=holder, wait=wait, limit=limit, task_id=None, name_holder=False
-            )
-        if isinstance(taken, Lease):
-            if cooldown is not None:
-                self._releasing.cool(taken, cooldown)
-            return taken
-        return None
+        return taken if isinstance(taken, Lease) else None
 
     def lock(
         self,
@@ -105,19 +106,11 @@ class Leasing:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self._service.keeps_records:
                 task_id = None
-        cooldown = (
-            None if hold_at_least is None else self._releasing.check_cooldown(hold_at_least, durations[2])
+        taken = self._take(
+            key, durations, holder, wait, hold_at_least, limit=limit, task_id=task_id, name_holder=True
         )
-        if wait is None:  # the hot path: no extra call
-            taken = self._acquiring.take(key, *durations, holder, task_id=task_id, limit=limit)
-        else:
-            taken = self._waited(
-                key, durations, holder=holder, wait=wait, limit=limit, task_id=task_id, name_holder=True
-            )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
-        if cooldown is not None:
-            self._releasing.cool(taken, cooldown)
         return taken
 
     def take_many(
