@@ -17,8 +17,10 @@ import abc
 import contextlib
 import logging
 import os
+import random
 import re
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Sequence
@@ -216,6 +218,23 @@ def check_name(name: str) -> None:
             f"invalid lock table name {name!r}: use letters, digits and _, "
             f"not starting with a digit, at most {_MAX_NAME} characters"
         )
+
+
+_SCHEMA_ATTEMPTS = 6
+# MySQL/MariaDB: deadlock, lock wait timeout, "record has changed", "definition is being
+# modified by concurrent DDL statement"; nothing was committed.
+_SCHEMA_CONTENTION_CODES = frozenset({1213, 1205, 1020, 1684})
+
+
+def schema_contention(exc: sa_exc.SQLAlchemyError) -> bool:
+    """Whether setting up the schema failed only because other processes did it at the same
+    time (first use by a whole fleet at once), so doing it again succeeds or finds it done."""
+    if isinstance(exc, sa_exc.IntegrityError) or "already exists" in str(exc):
+        return True
+    if not isinstance(exc, sa_exc.DBAPIError) or exc.orig is None:
+        return False
+    code = getattr(exc.orig, "args", (None,))[0]
+    return code in _SCHEMA_CONTENTION_CODES or "database is locked" in str(exc.orig)
 
 
 def create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
@@ -524,17 +543,16 @@ class SqlStore(metaclass=abc.ABCMeta):
         if self._ready:
             return
         with self._schema_lock:
-            for attempt in range(2):
+            for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
                 if self._ready:
                     return
                 try:
                     self._create_schema()
                     self._ready = True
                 except sa_exc.SQLAlchemyError as exc:
-                    # Another process may have created it between our check and our CREATE.
-                    lost_race = isinstance(exc, sa_exc.IntegrityError) or "already exists" in str(exc)
-                    if attempt or not lost_race:
+                    if attempt == _SCHEMA_ATTEMPTS or not schema_contention(exc):
                         raise self._error("set up the lock table", exc) from exc
+                    time.sleep(random.uniform(0.01, 0.05) * attempt)
 
     def _create_schema(self) -> None:
         with self._session(), self._engine.connect() as conn, conn.begin():
