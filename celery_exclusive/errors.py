@@ -21,10 +21,9 @@ and chained with ``raise ... from exc``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from celery_exclusive.providers.base import CompletionInfo, LockInfo
+from celery_exclusive._info import CompletionInfo, LockInfo
 
 
 class ExclusiveError(Exception):
@@ -69,8 +68,6 @@ class LockedError(ExclusiveError):
         self, key: str, holder: LockInfo | Mapping[str, Any] | None = None, message: str | None = None
     ) -> None:
         if isinstance(holder, Mapping):
-            from celery_exclusive.providers.base import LockInfo
-
             holder = LockInfo(**{"token": "", **holder})
         self.key = key
         self.holder = holder

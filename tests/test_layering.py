@@ -9,8 +9,10 @@ depend on the package's re-exports.
 
 Layers, bottom up:
 
-* leaf: ``errors`` imports nothing internal; ``validation``, ``urls`` (and any
-  ``_validation``, ``_urls``, ``*_urls``) import only ``errors``;
+* leaf: ``_info`` (the store's record types, ``LockInfo`` and ``CompletionInfo``) imports
+  nothing internal; ``errors`` only ``_info`` (the records its exceptions carry);
+  ``validation``, ``urls`` (and any ``_validation``, ``_urls``, ``*_urls``) import only
+  ``errors`` and ``_info``;
 * providers (``providers/*``): only leaf modules, ``providers.base`` and ``providers._*``;
   the registry ``providers/__init__.py`` is the one place that may name every provider;
 * lock core (``lease``, ``heartbeat``, ``service`` and its collaborators ``_core``, ``_process``,
@@ -47,9 +49,6 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 #: Import edges (importer, imported) that break a rule or close a cycle today, each with
 #: the follow-up that removes it. Keep it shrinking: a stale entry fails the test.
 ALLOWED: dict[tuple[str, str], str] = {
-    # LockedError rebuilds the holder LockInfo from the dict a result backend gives back.
-    # Follow-up: the holder record type in a leaf module both import (issue #11 item 1/3).
-    ("errors", "providers.base"): "LockedError(holder=dict) builds a LockInfo",
     # urls keeps its public names provider_from_url, scheme_family and KNOWN_SCHEMES as thin
     # re-exports of the provider registry (imported on use, so urls loads no provider).
     # Follow-up: deprecate them in favour of celery_exclusive.providers' (a public-name change).
@@ -114,7 +113,7 @@ def import_graph() -> dict[str, dict[str, int]]:
     return graph
 
 
-LEAF = {"errors", "validation", "_validation", "urls", "_urls"}
+LEAF = {"_info", "errors", "validation", "_validation", "urls", "_urls"}
 CORE = {
     "lease",
     "heartbeat",
@@ -150,8 +149,9 @@ def upper_may_import(importer: str, imported: str) -> bool:
 #: (which importers, what each may import, the rule), first match decides; the Celery layer
 #: and the other upper modules are the catch-all last row.
 RULES: list[tuple[Callable[[str], bool], Callable[[str, str], bool], str]] = [
-    (lambda m: m == "errors", lambda m, t: False, "errors imports nothing internal"),
-    (is_leaf, lambda m, t: t == "errors", "leaf modules import only errors"),
+    (lambda m: m == "_info", lambda m, t: False, "_info (the store's record types) imports nothing internal"),
+    (lambda m: m == "errors", lambda m, t: t == "_info", "errors imports only _info (its records)"),
+    (is_leaf, lambda m, t: t in {"errors", "_info"}, "leaf modules import only errors and _info"),
     (
         is_provider,
         lambda m, t: is_leaf(t) or t == "providers.base" or t.startswith("providers._"),
@@ -274,6 +274,8 @@ def test_the_allow_list_has_no_stale_entry() -> None:
 def test_the_rules_catch_what_they_forbid() -> None:
     """The rule check itself: each forbidden kind of edge is reported, the allowed kinds are not."""
     assert rule_broken("errors", "validation")
+    assert rule_broken("errors", "providers.base")
+    assert rule_broken("_info", "errors")
     assert rule_broken("validation", "providers.base")
     assert rule_broken("providers.redis", "service")
     assert rule_broken("providers.sql", "providers.redis")
@@ -286,6 +288,8 @@ def test_the_rules_catch_what_they_forbid() -> None:
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == [["a", "b", "c"]]
     for importer, imported in [
         ("urls", "errors"),
+        ("errors", "_info"),
+        ("providers.base", "_info"),
         ("providers.sql", "providers._sql_common"),
         ("providers.postgres", "urls"),
         ("service", "providers"),

@@ -27,8 +27,13 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+# The record types live in a leaf module that errors imports too; this is their public home
+# (re-exported as the same objects: ``X as X`` marks the re-export for mypy).
+from celery_exclusive._info import CompletionInfo as CompletionInfo  # noqa: PLC0414
+from celery_exclusive._info import LockInfo as LockInfo  # noqa: PLC0414
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,25 +42,6 @@ class Grant:
 
     fence: int
     ttl: float
-
-
-@dataclass(frozen=True, slots=True)
-class LockInfo:
-    """A live lease as the store sees it (times measured on the store's clock)."""
-
-    key: str
-    token: str
-    fence: int
-    age: float
-    expires_in: float
-    hard_expires_in: float
-    holder: dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        """One line naming the holder: host, pid, task and fence where known."""
-        parts = [f"{k}={self.holder[k]}" for k in ("host", "pid", "task_name", "task_id") if k in self.holder]
-        parts.append(f"fence={self.fence}")
-        return " ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +67,6 @@ class Completion:
     outcome: str
     attempt: int
     retain: float
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionInfo:
-    """A live completion record as the store sees it (times on the store's clock)."""
-
-    key: str
-    task_id: str
-    outcome: str
-    attempt: int
-    age: float
-    expires_in: float
 
 
 @dataclass(frozen=True, slots=True)
