@@ -2,61 +2,32 @@
 
 :func:`doctor` connects, times the round trip, lists the live leases and runs the
 provider's own ``diagnose()``; it returns a :class:`Report`, which the CLI's ``doctor``
-command only formats. Every store call it makes runs under :func:`within`: a store that
-accepts connections and never answers (a hung server, a silent network) is a failed check
-after the deadline (the service's ``call_timeout``, 10 s by default), not a command that
-hangs for the driver's own timeouts. The worker's warm-up at process start uses
-:func:`within` as well (see :mod:`celery_exclusive.worker`).
+command only formats. Every store call it makes (the service's ``peek`` and ``locks``, the
+provider's ``diagnose()``) runs under a deadline of :class:`~celery_exclusive._store.StoreCalls`
+(the service's ``call_timeout``, 10 s by default): a store that accepts connections and
+never answers (a hung server, a silent network) is a failed check after the deadline, not a
+command that hangs for the driver's own timeouts. The service's own deadline is not enough
+for that: a SQL store's first call sets up its schema, connecting with the driver's timeout.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
+from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import BackendError
 from celery_exclusive.providers.base import Diagnosis
 from celery_exclusive.service import LockService
 from celery_exclusive.urls import mask_url, scheme_family, url_secrets
 
-T = TypeVar("T")
-
 #: Peeks timed by :func:`doctor`; the median is reported as the round trip.
 DOCTOR_SAMPLES = 10
 #: Median round trip above which :func:`doctor` warns (every acquire, refresh and release pays it).
 SLOW_ROUND_TRIP = 0.1
-
-
-def within(timeout: float, what: str, call: Callable[[], T]) -> T:
-    """``call()``, waited for at most ``timeout`` seconds: its result or its exception.
-
-    The call runs in a daemon thread; past the deadline this raises :class:`BackendError`
-    and leaves the call to end on its own (its outcome is then dropped): the caller stops
-    waiting for a store that does not answer, whatever the driver's own timeouts are.
-    """
-    outcome: list[tuple[bool, Any]] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # handed to the waiting thread
-            outcome.append((False, exc))
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"celery-exclusive-{what}", daemon=True).start()
-    if not done.wait(timeout):
-        raise BackendError(f"lock store did not answer the {what} within {timeout:g} s")
-    answered, value = outcome[0]
-    if answered:
-        return value  # type: ignore[no-any-return]
-    raise value
 
 
 @dataclass
@@ -90,7 +61,7 @@ def doctor(service: LockService, *, url: str | None = None, call_timeout: float 
     report = Report(None if url is None else mask_url(url), service.prefix)
     if url is not None:
         report.checks.extend(_url_checks(url, service.prefix))
-    report.round_trip = _store_checks(service, timeout, report.checks)
+    report.round_trip = _store_checks(service, _Bounded(timeout), report.checks)
     secrets = url_secrets(url or "")
     report.checks = [Diagnosis(d.check, d.status, mask_url(d.detail, secrets)) for d in report.checks]
     return report
@@ -111,29 +82,45 @@ def _url_checks(url: str, prefix: str) -> list[Diagnosis]:
     return checks
 
 
-def _timed_peek(service: LockService, key: str, timeout: float) -> float:
-    """Seconds one peek took (timed inside the call, so the deadline's thread costs nothing)."""
+class _Bounded:
+    """Calls that take no ``timeout`` themselves, each run by :class:`StoreCalls` in a worker
+    thread that the caller stops waiting for after ``timeout`` seconds (BackendError)."""
 
-    def peek() -> float:
-        start = time.perf_counter()
-        service.peek(key)
-        return time.perf_counter() - start
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._calls = StoreCalls()
 
-    return within(timeout, "peek", peek)
+    def peek(self, service: LockService, key: str) -> float:
+        """Seconds one peek took (timed inside the call, so the deadline's thread costs nothing)."""
+
+        def peek() -> float:
+            start = time.perf_counter()
+            service.peek(key)
+            return time.perf_counter() - start
+
+        return self._calls.call("peek", peek, timeout=self.timeout)
+
+    def locks(self, service: LockService) -> int:
+        """How many live leases the service lists."""
+        return len(self._calls.call("scan", service.locks, timeout=self.timeout))
+
+    def diagnose(self, diagnose: Callable[[], Iterable[object]]) -> list[object]:
+        """The provider's findings (listed in the call's thread, for a diagnose() that yields)."""
+        return self._calls.call("diagnose", lambda: list(diagnose()), timeout=self.timeout)
 
 
-def _store_checks(service: LockService, timeout: float, checks: list[Diagnosis]) -> float | None:
+def _store_checks(service: LockService, bounded: _Bounded, checks: list[Diagnosis]) -> float | None:
     """Append the connection, round-trip and provider checks; return the median round trip."""
     probe = f"doctor-probe:{uuid.uuid4().hex}"
     try:
-        first = _timed_peek(service, probe, timeout)
+        first = bounded.peek(service, probe)
     except BackendError as exc:
         checks.append(Diagnosis("connect", "fail", str(exc)))
         return None
     checks.append(Diagnosis("connect", "ok", f"first request answered in {_ms(first)}"))
     try:
-        samples = [_timed_peek(service, probe, timeout) for _ in range(DOCTOR_SAMPLES)]
-        live = len(within(timeout, "scan", service.locks))
+        samples = [bounded.peek(service, probe) for _ in range(DOCTOR_SAMPLES)]
+        live = bounded.locks(service)
     except BackendError as exc:
         checks.append(Diagnosis("round trip", "fail", str(exc)))
         return None
@@ -148,7 +135,7 @@ def _store_checks(service: LockService, timeout: float, checks: list[Diagnosis])
     else:
         checks.append(Diagnosis("round trip", "ok", detail))
     checks.append(Diagnosis("listing", "ok", f"{live} live lease(s) under {service.prefix!r}"))
-    checks.extend(provider_findings(service, timeout))
+    checks.extend(_findings(service, bounded))
     return median
 
 
@@ -159,6 +146,10 @@ def _ms(value: float) -> str:
 def provider_findings(service: LockService, timeout: float | None = None) -> list[Diagnosis]:
     """The provider's own ``diagnose()`` findings (within ``timeout``, default the service's
     ``call_timeout``), each status normalised to ok/warn/fail."""
+    return _findings(service, _Bounded(service.call_timeout if timeout is None else timeout))
+
+
+def _findings(service: LockService, bounded: _Bounded) -> list[Diagnosis]:
     provider = service.provider
     diagnose = getattr(provider, "diagnose", None)
     if not callable(diagnose):
@@ -170,9 +161,7 @@ def provider_findings(service: LockService, timeout: float | None = None) -> lis
             )
         ]
     try:
-        findings = within(
-            service.call_timeout if timeout is None else timeout, "diagnose", lambda: list(diagnose())
-        )
+        findings = bounded.diagnose(diagnose)
     except Exception as exc:  # a broken check is a finding, not a crash
         return [Diagnosis("diagnose", "fail", f"{type(exc).__name__}: {exc}")]
     return [_normalised(finding) for finding in findings]

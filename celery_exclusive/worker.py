@@ -41,7 +41,7 @@ from celery.app import app_or_default
 from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
 from celery_exclusive import observe
-from celery_exclusive.diagnostics import within
+from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import ConfigurationError
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.service import LockService
@@ -246,7 +246,11 @@ def warm_up(app: Any = None) -> None:
                 return
             state.warmed.add(app)
         service = get_lock_service(app)
-        within(min(service.call_timeout, WARM_UP_TIMEOUT), "warm-up", lambda: service.peek(WARM_UP_KEY))
+        # service.peek takes no timeout: StoreCalls runs it in a thread it stops waiting for,
+        # so a connect still under way at the deadline ends in the background.
+        StoreCalls().call(
+            "warm-up", service.peek, WARM_UP_KEY, timeout=min(service.call_timeout, WARM_UP_TIMEOUT)
+        )
     except ConfigurationError as exc:
         logger.debug("celery-exclusive: no lock store to open at process start: %s", exc)
     except Exception as exc:
