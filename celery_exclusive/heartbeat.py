@@ -7,6 +7,10 @@ outcome was unknown. The thread never dies of an exception: it logs and goes on.
 clock and thread factory are injectable, and :meth:`Heartbeat.beat` runs one pass, so
 tests can drive it without sleeping.
 
+This module owns the thread and its schedule (which leases are due, when to wake, when to
+sweep); :mod:`celery_exclusive._refreshing` sends the refreshes and applies their answers;
+:mod:`celery_exclusive._inflight` holds the calls in flight and their deadlines.
+
 Deadlines. Every store call runs in a thread of its own. The heartbeat thread never waits
 for a call: it dispatches it and goes on watching every lease's local deadline, so a call
 stuck in TCP retransmission (a partition that healed after the request vanished) cannot
@@ -25,15 +29,26 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import random
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery_exclusive.errors import BackendError
+# The deadlines and limits of the heartbeat's calls: defined with the calls, public here.
+from celery_exclusive._inflight import (
+    CALL_TIMEOUT_CAP,  # noqa: F401
+    MAX_CALLS,
+    MIN_CALL_TIMEOUT,  # noqa: F401
+    RELEASE_RETRY_TIMEOUT,
+    SWEEP_TIMEOUT,
+    Call,
+    InFlight,
+    call_timeout,  # noqa: F401
+    refresh_timeout,  # noqa: F401
+)
+from celery_exclusive._refreshing import Refreshing
 from celery_exclusive.lease import Lease
-from celery_exclusive.providers.base import LockProvider, accepts_timeout
+from celery_exclusive.providers.base import LockProvider
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -46,200 +61,6 @@ logger = logging.getLogger("celery_exclusive")
 MAX_SLEEP = 1.0
 #: The thread exits after this many seconds with no lease; the next lease starts a new one.
 IDLE_EXIT = 1.0
-#: Longest any heartbeat store call may take, in seconds, whatever the leases' durations.
-CALL_TIMEOUT_CAP = 10.0
-#: Shortest deadline a heartbeat call gets, in seconds (a LAN round trip is far shorter).
-MIN_CALL_TIMEOUT = 0.05
-#: Deadline of each retried release, in seconds.
-RELEASE_RETRY_TIMEOUT = 2.0
-#: Store calls in flight at once (abandoned ones included); more leases wait for a slot.
-MAX_CALLS = 16
-#: Deadline of a sweep call (``sweep=``), in seconds; it holds one call slot meanwhile.
-SWEEP_TIMEOUT = 5.0
-_refresh_interval = operator.attrgetter("refresh_interval")
-_FINAL = "lock %r reached its max lifetime (%g s); it will be allowed to expire"
-#: (store key, token) of a release to retry, and the time after which the store surely expired it.
-_Release = tuple[tuple[str, str], float]
-
-
-def _deadline(lease: Lease) -> float:
-    return lease._deadline_at()
-
-
-def call_timeout(leases: Sequence[Lease], now: float) -> float:
-    """Seconds from ``now`` a refresh of ``leases`` may take on the socket: until the earliest
-    local deadline (after it the leases are LOST anyway), within
-    [:data:`MIN_CALL_TIMEOUT`, :data:`CALL_TIMEOUT_CAP`]."""
-    left = min(map(_deadline, leases)) - now
-    return float(max(MIN_CALL_TIMEOUT, min(left, CALL_TIMEOUT_CAP)))
-
-
-def refresh_timeout(leases: Sequence[Lease], now: float) -> float:
-    """Seconds from ``now`` the heartbeat waits for a refresh of ``leases`` before it sends
-    another on a fresh connection.
-
-    At most the shortest refresh interval (so a stuck call is given up before the next
-    refresh falls due) and half the time left to the earliest local deadline (so one retry
-    on a fresh connection still fits before the lease is declared LOST), and at most
-    :data:`CALL_TIMEOUT_CAP`; at least :data:`MIN_CALL_TIMEOUT`.
-    """
-    interval = min(map(_refresh_interval, leases))
-    left = min(map(_deadline, leases)) - now
-    return float(max(MIN_CALL_TIMEOUT, min(interval, left / 2, CALL_TIMEOUT_CAP)))
-
-
-def _warn_if_overran(leases: Sequence[Lease], duration: float) -> None:
-    shortest = min(map(_refresh_interval, leases))
-    if duration > shortest / 2:
-        logger.warning(
-            "celery-exclusive heartbeat overran: refreshing %d leases took %.3f s "
-            "(shortest refresh interval %.3f s)",
-            len(leases),
-            duration,
-            shortest,
-        )
-
-
-class _Call:
-    """One store call in flight: its leases (none for releases), send time and deadline."""
-
-    __slots__ = ("abandoned", "deadline", "done", "finished", "leases", "sent", "socket_timeout", "timeout")
-
-    def __init__(self, leases: Sequence[Lease], sent: float, timeout: float, socket_timeout: float) -> None:
-        self.leases = leases
-        self.sent = sent
-        self.timeout = timeout  # the heartbeat stops waiting after this
-        self.socket_timeout = max(socket_timeout, timeout)  # the provider gives up after this
-        self.deadline = sent + timeout
-        self.finished = False
-        self.abandoned = False
-        self.done = threading.Event()
-
-
-class _InFlight:
-    """The heartbeat's store calls in flight, each in a thread of its own, and the releases
-    still to retry. At most :data:`MAX_CALLS` at once; a call past its deadline is given up
-    (its leases may be refreshed again on another connection) and its thread left to end
-    by itself. Every method takes ``mutex`` (the heartbeat's) itself."""
-
-    def __init__(
-        self, mutex: threading.Lock, release: Callable[[str, str], object], clock: Callable[[], float]
-    ) -> None:
-        self.mutex = mutex
-        self._release = release  # one retried release, with its deadline
-        self._clock = clock
-        self.calls: list[_Call] = []  # in flight and not yet abandoned
-        self.busy: set[int] = set()  # id() of the leases those calls carry
-        # (store key, token) -> monotonic time after which the store has surely expired it.
-        self.pending_release: dict[tuple[str, str], float] = {}
-        self.releasing: _Call | None = None
-
-    def start(
-        self,
-        leases: Sequence[Lease],
-        now: float,
-        timeouts: tuple[float, float],
-        target: Callable[..., None],
-        *args: object,
-        releases: bool = False,
-    ) -> _Call | None:
-        """Run ``target(call, *args)`` in a thread of its own; None if no slot is free.
-        ``timeouts``: how long the heartbeat waits for it, and how long it may take."""
-        call = _Call(leases, now, *timeouts)
-        with self.mutex:
-            if len(self.calls) >= MAX_CALLS:
-                return None
-            self.calls.append(call)
-            self.busy.update(map(id, leases))
-            if releases:
-                self.releasing = call
-        # Not the heartbeat's thread_factory: that one makes the heartbeat thread (tests replace it).
-        thread = threading.Thread(target=target, args=(call, *args), name="celery-exclusive-call")
-        thread.daemon = True
-        thread.start()
-        return call
-
-    def start_refreshes(
-        self, due: list[Lease], now: float, batch_size: int, refresh: Callable[[_Call], None]
-    ) -> list[_Call]:
-        """Start ``refresh(call)`` for ``due`` in batches of ``batch_size``, in as many calls as
-        there are free slots."""
-        # Leases in JEOPARDY (their last call failed or was given up) go in calls of their
-        # own: whatever made theirs hang (a slow node, a dead connection) must not take the
-        # healthy leases' refresh down with it.
-        started: list[_Call] = []
-        failing = [lease for lease in due if lease._failing()]
-        healthy = [lease for lease in due if not lease._failing()] if failing else due
-        for group in (healthy, failing):
-            for first in range(0, len(group), batch_size):
-                batch = group[first : first + batch_size]
-                timeouts = (refresh_timeout(batch, now), call_timeout(batch, now))
-                call = self.start(batch, now, timeouts, refresh)
-                if call is None:
-                    break  # every slot is taken by calls still in flight: retry next pass
-                started.append(call)
-        return started
-
-    def _drop(self, call: _Call) -> None:
-        """Forget ``call`` (caller holds ``mutex``)."""
-        self.calls.remove(call)
-        self.busy.difference_update(map(id, call.leases))
-        if self.releasing is call:
-            self.releasing = None
-
-    def finish(self, call: _Call) -> bool:
-        """Mark ``call`` answered; False if it had been abandoned already."""
-        with self.mutex:
-            call.finished = True
-            if call.abandoned:
-                return False
-            self._drop(call)
-        return True
-
-    def abandon_overdue(self, now: float) -> list[_Call]:
-        """Give up waiting for every call past its deadline; returns them."""
-        with self.mutex:
-            overdue = [c for c in self.calls if not c.finished and now >= c.deadline]
-            for call in overdue:
-                call.abandoned = True
-                self._drop(call)
-        return overdue
-
-    def add_release(self, store_key: str, token: str, until: float) -> None:
-        """Retry releasing ``token``'s lease on ``store_key`` until confirmed or ``until``
-        (caller holds ``mutex``)."""
-        self.pending_release[(store_key, token)] = until
-
-    def releases_due(self) -> list[_Release]:
-        """The releases to retry now: all pending, unless a retry call is still in flight."""
-        with self.mutex:
-            return list(self.pending_release.items()) if self.releasing is None else []
-
-    def retry_releases(self, call: _Call, releases: list[_Release]) -> None:
-        """Release each of ``releases`` once, in ``call``'s thread; a release the store
-        answered, or past its ``until``, is no longer pending."""
-        try:
-            for (store_key, token), until in releases:
-                if call.abandoned:
-                    return
-                try:
-                    self._release(store_key, token)
-                except Exception:
-                    if self._clock() < until:
-                        continue  # still unknown; the store may still hold it, try again next pass
-                with self.mutex:
-                    self.pending_release.pop((store_key, token), None)
-        finally:
-            self.finish(call)
-            call.done.set()
-
-    def wake_times(self) -> list[float]:
-        """When the heartbeat must look again for the calls' sake (caller holds ``mutex``)."""
-        return [call.deadline for call in self.calls]
-
-    def idle(self) -> bool:
-        """True with no call in flight and no release to retry (caller holds ``mutex``)."""
-        return not self.calls and not self.pending_release
 
 
 class _Sweeper:
@@ -259,7 +80,7 @@ class _Sweeper:
         self.at = math.inf  # when the next sweep is due (heartbeat clock); set on the first pass
         self.running = False
 
-    def due(self, now: float, inflight: _InFlight) -> bool:
+    def due(self, now: float, inflight: InFlight) -> bool:
         if self.at == math.inf:
             self.at = now + random.uniform(0.0, self.interval)
         if self.running or now < self.at or len(inflight.calls) > MAX_CALLS // 2:
@@ -267,7 +88,7 @@ class _Sweeper:
         self.running = True
         return True
 
-    def run(self, call: _Call, clock: Callable[[], float], inflight: _InFlight) -> None:
+    def run(self, call: Call, clock: Callable[[], float], inflight: InFlight) -> None:
         removed = 0
         try:
             removed = self._sweep(SWEEP_TIMEOUT)
@@ -303,18 +124,23 @@ class Heartbeat:
         self.mutex = threading.Lock()
         # sweep(timeout) deletes dead rows; run every ~sweep_interval while the thread runs.
         self._sweep = _Sweeper(sweep, sweep_interval, sweep_limit) if sweep is not None else None
-        self._provider = provider
-        self._timeouts = accepts_timeout(provider.refresh) and accepts_timeout(provider.release)
         self._clock = clock
         self._lose = lose
-        self._refreshed = refreshed
-        self._failed = failed
         self._batch_size = batch_size
         self._thread_factory = thread_factory
         self._leases: dict[int, Lease] = {}
-        self._inflight = _InFlight(self.mutex, self._release_once, clock)
-        self._pending_release = self._inflight.pending_release  # the same dict (tests look at it)
         self._wake = threading.Event()
+        self._refreshing = Refreshing(
+            provider,
+            mutex=self.mutex,
+            clock=clock,
+            lose=lose,
+            refreshed=refreshed,
+            failed=failed,
+            wake=self._wake,
+        )
+        self._inflight = self._refreshing.inflight
+        self._pending_release = self._inflight.pending_release  # the same dict (tests look at it)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # When the sleeping thread wakes by itself (clock time); +inf while it is awake
@@ -415,17 +241,15 @@ class Heartbeat:
         """
         for call in self._pass():
             call.done.wait(max(call.deadline - self._clock(), 0.0) + 0.05)
-        self._abandon_overdue(self._clock())
+        self._refreshing.abandon_overdue(self._clock())
         return self._next_delay()
 
-    def _pass(self) -> list[_Call]:
+    def _pass(self) -> list[Call]:
         """Lose what is past its deadline, give up overdue calls, start calls for what is due."""
         now = self._clock()
-        self._abandon_overdue(now)
+        self._refreshing.abandon_overdue(now)
         due = self._due(now)
-        started = (
-            self._inflight.start_refreshes(due, now, self._batch_size, self._refresh_call) if due else []
-        )
+        started = self._refreshing.start(due, now, self._batch_size) if due else []
         pending = self._inflight.releases_due()
         if pending:
             timeout = RELEASE_RETRY_TIMEOUT * len(pending)
@@ -462,93 +286,10 @@ class Heartbeat:
                 strictly_due = strictly_due or what == "now"
         return due if strictly_due else []
 
-    def _abandon_overdue(self, now: float) -> None:
-        """Give up waiting for every call past its deadline: its leases may be refreshed again."""
-        for call in self._inflight.abandon_overdue(now):
-            if call.leases:
-                error = BackendError(
-                    f"lock store gave no answer to a refresh within {call.timeout:.3g} s; "
-                    "trying again on another connection"
-                )
-                self._jeopardy(call.leases, call.sent, error)
-            call.done.set()
-
     def _refresh(self, leases: Sequence[Lease]) -> None:
         """Refresh ``leases`` now, in the calling thread (``celery_exclusive.testing``'s
         fake-clock passes); the heartbeat thread itself only starts calls."""
-        sent = self._clock()
-        try:
-            answers = self._send_refresh(leases, call_timeout(leases, sent))
-        except Exception as exc:
-            self._jeopardy(leases, sent, exc)
-            return
-        self._apply(leases, sent, answers, late=False)
-
-    def _send_refresh(self, leases: Sequence[Lease], timeout: float) -> list[float | None]:
-        requests = [lease._refresh_request() for lease in leases]
-        if self._timeouts:
-            return self._provider.refresh(requests, timeout=timeout)
-        return self._provider.refresh(requests)
-
-    def _refresh_call(self, call: _Call) -> None:
-        leases = call.leases
-        sent = call.sent
-        try:
-            answers = self._send_refresh(leases, call.socket_timeout)
-        except Exception as exc:
-            if self._inflight.finish(call):
-                self._jeopardy(leases, sent, exc)
-            self._done(call)
-            return
-        late = not self._inflight.finish(call)
-        try:
-            self._apply(leases, sent, answers, late=late)
-        finally:
-            self._done(call)
-
-    def _done(self, call: _Call) -> None:
-        call.done.set()
-        self._wake.set()  # the thread recomputes its wake-up: these leases are due later now
-
-    def _apply(
-        self, leases: Sequence[Lease], sent: float, answers: list[float | None], *, late: bool
-    ) -> None:
-        duration = self._clock() - sent
-        _warn_if_overran(leases, duration)
-        confirmed: list[Lease] = []
-        disowned: list[Lease] = []
-        final: list[Lease] = []
-        with self.mutex:  # once per batch: a thousand leases confirm in well under a millisecond
-            for lease, granted in zip(leases, answers, strict=True):
-                if granted is None:
-                    disowned.append(lease)
-                    continue
-                if lease._confirm(sent, granted, late=late):
-                    confirmed.append(lease)
-                    if lease._final_reached():
-                        final.append(lease)
-        for lease in disowned:
-            self._lose(lease, "the store no longer lists this token: the lease expired or was taken over")
-        for lease in final:
-            logger.warning(_FINAL, lease.key, lease.max_lifetime)
-        self._refreshed(confirmed, duration)
-
-    def _jeopardy(self, leases: Sequence[Lease], sent: float, exc: Exception) -> None:
-        logger.warning(
-            "celery-exclusive could not refresh %d lease(s): %s; will retry before their deadlines",
-            len(leases),
-            exc,
-        )
-        with self.mutex:
-            for lease in leases:
-                lease._jeopardise(sent)
-        self._failed(list(leases), exc)
-
-    def _release_once(self, store_key: str, token: str) -> None:
-        if self._timeouts:
-            self._provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT)
-        else:
-            self._provider.release(store_key, token)
+        self._refreshing.refresh_now(leases)
 
     def _next_delay(self) -> float:
         now = self._clock()

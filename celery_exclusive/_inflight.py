@@ -1,0 +1,203 @@
+"""The heartbeat's store calls in flight: a thread each, at most :data:`MAX_CALLS` at once,
+their deadlines (:func:`refresh_timeout`, :func:`call_timeout`), and the releases still to
+retry.
+
+Part of the lock core: it serves :mod:`celery_exclusive.heartbeat` (whose docstring says
+why each call has two deadlines) and :mod:`celery_exclusive._refreshing`; the heartbeat
+re-exports the deadlines and constants.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from celery_exclusive.lease import Lease
+
+#: Longest any heartbeat store call may take, in seconds, whatever the leases' durations.
+CALL_TIMEOUT_CAP = 10.0
+#: Shortest deadline a heartbeat call gets, in seconds (a LAN round trip is far shorter).
+MIN_CALL_TIMEOUT = 0.05
+#: Deadline of each retried release, in seconds.
+RELEASE_RETRY_TIMEOUT = 2.0
+#: Store calls in flight at once (abandoned ones included); more leases wait for a slot.
+MAX_CALLS = 16
+#: Deadline of a sweep call (``sweep=``), in seconds; it holds one call slot meanwhile.
+SWEEP_TIMEOUT = 5.0
+#: A lease's refresh interval.
+interval_of = operator.attrgetter("refresh_interval")
+#: (store key, token) of a release to retry, and the time after which the store surely expired it.
+Release = tuple[tuple[str, str], float]
+
+
+def _deadline(lease: Lease) -> float:
+    return lease._deadline_at()
+
+
+def call_timeout(leases: Sequence[Lease], now: float) -> float:
+    """Seconds from ``now`` a refresh of ``leases`` may take on the socket: until the earliest
+    local deadline (after it the leases are LOST anyway), within
+    [:data:`MIN_CALL_TIMEOUT`, :data:`CALL_TIMEOUT_CAP`]."""
+    left = min(map(_deadline, leases)) - now
+    return float(max(MIN_CALL_TIMEOUT, min(left, CALL_TIMEOUT_CAP)))
+
+
+def refresh_timeout(leases: Sequence[Lease], now: float) -> float:
+    """Seconds from ``now`` the heartbeat waits for a refresh of ``leases`` before it sends
+    another on a fresh connection.
+
+    At most the shortest refresh interval (so a stuck call is given up before the next
+    refresh falls due) and half the time left to the earliest local deadline (so one retry
+    on a fresh connection still fits before the lease is declared LOST), and at most
+    :data:`CALL_TIMEOUT_CAP`; at least :data:`MIN_CALL_TIMEOUT`.
+    """
+    interval = min(map(interval_of, leases))
+    left = min(map(_deadline, leases)) - now
+    return float(max(MIN_CALL_TIMEOUT, min(interval, left / 2, CALL_TIMEOUT_CAP)))
+
+
+class Call:
+    """One store call in flight: its leases (none for releases), send time and deadline."""
+
+    __slots__ = ("abandoned", "deadline", "done", "finished", "leases", "sent", "socket_timeout", "timeout")
+
+    def __init__(self, leases: Sequence[Lease], sent: float, timeout: float, socket_timeout: float) -> None:
+        self.leases = leases
+        self.sent = sent
+        self.timeout = timeout  # the heartbeat stops waiting after this
+        self.socket_timeout = max(socket_timeout, timeout)  # the provider gives up after this
+        self.deadline = sent + timeout
+        self.finished = False
+        self.abandoned = False
+        self.done = threading.Event()
+
+
+class InFlight:
+    """The heartbeat's store calls in flight, each in a thread of its own, and the releases
+    still to retry. At most :data:`MAX_CALLS` at once; a call past its deadline is given up
+    (its leases may be refreshed again on another connection) and its thread left to end
+    by itself. Every method takes ``mutex`` (the heartbeat's) itself."""
+
+    def __init__(
+        self, mutex: threading.Lock, release: Callable[[str, str], object], clock: Callable[[], float]
+    ) -> None:
+        self.mutex = mutex
+        self._release = release  # one retried release, with its deadline
+        self._clock = clock
+        self.calls: list[Call] = []  # in flight and not yet abandoned
+        self.busy: set[int] = set()  # id() of the leases those calls carry
+        # (store key, token) -> monotonic time after which the store has surely expired it.
+        self.pending_release: dict[tuple[str, str], float] = {}
+        self.releasing: Call | None = None
+
+    def start(
+        self,
+        leases: Sequence[Lease],
+        now: float,
+        timeouts: tuple[float, float],
+        target: Callable[..., None],
+        *args: object,
+        releases: bool = False,
+    ) -> Call | None:
+        """Run ``target(call, *args)`` in a thread of its own; None if no slot is free.
+        ``timeouts``: how long the heartbeat waits for it, and how long it may take."""
+        call = Call(leases, now, *timeouts)
+        with self.mutex:
+            if len(self.calls) >= MAX_CALLS:
+                return None
+            self.calls.append(call)
+            self.busy.update(map(id, leases))
+            if releases:
+                self.releasing = call
+        # Not the heartbeat's thread_factory: that one makes the heartbeat thread (tests replace it).
+        thread = threading.Thread(target=target, args=(call, *args), name="celery-exclusive-call")
+        thread.daemon = True
+        thread.start()
+        return call
+
+    def start_refreshes(
+        self, due: list[Lease], now: float, batch_size: int, refresh: Callable[[Call], None]
+    ) -> list[Call]:
+        """Start ``refresh(call)`` for ``due`` in batches of ``batch_size``, in as many calls as
+        there are free slots."""
+        # Leases in JEOPARDY (their last call failed or was given up) go in calls of their
+        # own: whatever made theirs hang (a slow node, a dead connection) must not take the
+        # healthy leases' refresh down with it.
+        started: list[Call] = []
+        failing = [lease for lease in due if lease._failing()]
+        healthy = [lease for lease in due if not lease._failing()] if failing else due
+        for group in (healthy, failing):
+            for first in range(0, len(group), batch_size):
+                batch = group[first : first + batch_size]
+                timeouts = (refresh_timeout(batch, now), call_timeout(batch, now))
+                call = self.start(batch, now, timeouts, refresh)
+                if call is None:
+                    break  # every slot is taken by calls still in flight: retry next pass
+                started.append(call)
+        return started
+
+    def _drop(self, call: Call) -> None:
+        """Forget ``call`` (caller holds ``mutex``)."""
+        self.calls.remove(call)
+        self.busy.difference_update(map(id, call.leases))
+        if self.releasing is call:
+            self.releasing = None
+
+    def finish(self, call: Call) -> bool:
+        """Mark ``call`` answered; False if it had been abandoned already."""
+        with self.mutex:
+            call.finished = True
+            if call.abandoned:
+                return False
+            self._drop(call)
+        return True
+
+    def abandon_overdue(self, now: float) -> list[Call]:
+        """Give up waiting for every call past its deadline; returns them."""
+        with self.mutex:
+            overdue = [c for c in self.calls if not c.finished and now >= c.deadline]
+            for call in overdue:
+                call.abandoned = True
+                self._drop(call)
+        return overdue
+
+    def add_release(self, store_key: str, token: str, until: float) -> None:
+        """Retry releasing ``token``'s lease on ``store_key`` until confirmed or ``until``
+        (caller holds ``mutex``)."""
+        self.pending_release[(store_key, token)] = until
+
+    def releases_due(self) -> list[Release]:
+        """The releases to retry now: all pending, unless a retry call is still in flight."""
+        with self.mutex:
+            return list(self.pending_release.items()) if self.releasing is None else []
+
+    def retry_releases(self, call: Call, releases: list[Release]) -> None:
+        """Release each of ``releases`` once, in ``call``'s thread; a release the store
+        answered, or past its ``until``, is no longer pending."""
+        try:
+            for (store_key, token), until in releases:
+                if call.abandoned:
+                    return
+                try:
+                    self._release(store_key, token)
+                except Exception:
+                    if self._clock() < until:
+                        continue  # still unknown; the store may still hold it, try again next pass
+                with self.mutex:
+                    self.pending_release.pop((store_key, token), None)
+        finally:
+            self.finish(call)
+            call.done.set()
+
+    def wake_times(self) -> list[float]:
+        """When the heartbeat must look again for the calls' sake (caller holds ``mutex``)."""
+        return [call.deadline for call in self.calls]
+
+    def idle(self) -> bool:
+        """True with no call in flight and no release to retry (caller holds ``mutex``)."""
+        return not self.calls and not self.pending_release
