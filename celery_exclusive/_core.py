@@ -1,6 +1,7 @@
 """What the lock service's collaborators (:mod:`~celery_exclusive._acquiring`,
 :mod:`~celery_exclusive._releasing`, :mod:`~celery_exclusive._leasing`,
-:mod:`~celery_exclusive._records`) see of it: its settings, its store and its calls.
+:mod:`~celery_exclusive._records`) see of it: its settings, its store and its calls
+(the records only the :class:`Store` part).
 
 Part of the lock core. :class:`~celery_exclusive.service.LockService` satisfies it; the
 collaborators depend on this Protocol rather than import the service (no import cycle).
@@ -19,12 +20,22 @@ from celery_exclusive.providers.base import LockProvider
 T = TypeVar("T")
 
 
-class Service(LeaseOwner, Protocol):
-    """The lock service, as its collaborators use it (and as its leases do: a LeaseOwner)."""
+class Store(Protocol):
+    """One store under one key prefix, its calls within deadlines: what the completion
+    records need (:class:`~celery_exclusive._prefixed.PrefixedStore` satisfies it)."""
 
     prefix: str
     provider: LockProvider
     call_timeout: float
+
+    def _call(
+        self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> T: ...
+
+
+class Service(Store, LeaseOwner, Protocol):
+    """The lock service, as its collaborators use it (and as its leases do: a LeaseOwner)."""
+
     ttl: float
     refresh_interval: float
     max_lifetime: float
@@ -38,7 +49,3 @@ class Service(LeaseOwner, Protocol):
     def heartbeat(self) -> Heartbeat: ...
 
     def _check_key(self, key: str) -> None: ...
-
-    def _call(
-        self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> T: ...

@@ -16,9 +16,9 @@ from typing import Any
 from celery_exclusive import many, semaphore, signals, waiting
 from celery_exclusive._acquiring import Acquiring
 from celery_exclusive._core import Service
-from celery_exclusive._process import check_filter, check_holder
+from celery_exclusive._process import check_holder
 from celery_exclusive._releasing import Releasing
-from celery_exclusive.errors import InvalidArgumentError, LockedError
+from celery_exclusive.errors import LockedError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease
 from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, SWEEP_LIMIT, Held, Sweeps, accepts_timeout
@@ -113,7 +113,23 @@ class Leasing:
             raise LockedError(key, taken.holder)
         return taken
 
-    def take_many(
+    def lock_many(
+        self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
+    ) -> many.LeaseSet:
+        """See :meth:`LockService.lock_many <celery_exclusive.service.LockService.lock_many>`."""
+        taken = self._take_many(keys, durations, holder, wait)
+        if isinstance(taken, tuple):
+            raise LockedError(taken[0], taken[1].holder)
+        return taken
+
+    def try_lock_many(
+        self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
+    ) -> many.LeaseSet | None:
+        """See :meth:`LockService.try_lock_many <celery_exclusive.service.LockService.try_lock_many>`."""
+        taken = self._take_many(keys, durations, holder, wait)
+        return None if isinstance(taken, tuple) else taken
+
+    def _take_many(
         self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
     ) -> many.LeaseSet | tuple[str, Held]:
         """All of ``keys`` as a LeaseSet, or the first refused key and its Held."""
@@ -132,23 +148,6 @@ class Leasing:
         )
 
     # -- upkeep -------------------------------------------------------------------------
-
-    def sweep(self, prefix: str, limit: int) -> int:
-        """See :meth:`LockService.sweep <celery_exclusive.service.LockService.sweep>`."""
-        service = self._service
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
-        full = service.prefix + check_filter(prefix)
-        if not full:
-            raise InvalidArgumentError(
-                "sweep needs a non-empty key prefix: the lock table may hold other applications' rows"
-            )
-        provider = service.provider
-        if not isinstance(provider, Sweeps):
-            return 0
-        if accepts_timeout(provider.sweep):
-            return int(service._call("sweep", provider.sweep, full, limit, timeout=service.call_timeout))
-        return int(service._call("sweep", provider.sweep, full, limit))
 
     def _heartbeat_sweep(self) -> Callable[[float], int] | None:
         """What the heartbeat calls to sweep (None: off, no prefix, or nothing to sweep)."""

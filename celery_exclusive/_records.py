@@ -6,7 +6,7 @@ Part of the lock core.
 
 from __future__ import annotations
 
-from celery_exclusive._core import Service
+from celery_exclusive._core import Store
 from celery_exclusive._process import check_filter, unprefix
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
@@ -23,7 +23,7 @@ class Records:
     """The service's completion records (see :meth:`LockService.completion`): key checks,
     the prefix, and None/[]/False from a store that keeps none."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Store) -> None:
         self._service = service
         self._store = service.provider if isinstance(service.provider, CompletionStore) else None
 

@@ -20,46 +20,37 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from celery_exclusive import many, semaphore
+from celery_exclusive import _options, many
 
 # Names re-exported from where they lived before the lock core was split (tests, users).
 from celery_exclusive._acquiring import ACQUIRE_RETRY_DELAY, Acquiring  # noqa: F401
-from celery_exclusive._leasing import DEFAULT_SWEEP_INTERVAL, Leasing
+from celery_exclusive._leasing import Leasing
+from celery_exclusive._options import FROM_ENV, SWEEP_ENV_VAR  # noqa: F401
+from celery_exclusive._prefixed import PrefixedStore
 from celery_exclusive._process import HOST as _HOST  # noqa: F401
 from celery_exclusive._process import (
-    check_filter,
     new_token,  # noqa: F401
-    unprefixed,
 )
 from celery_exclusive._process import this as _this
-from celery_exclusive._records import Records
 from celery_exclusive._releasing import RELEASE_TIMEOUT, Releasing  # noqa: F401
 from celery_exclusive._store import (
-    StoreCalls,
     is_store_error,  # noqa: F401
 )
-from celery_exclusive.errors import InvalidArgumentError, LockedError
+from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease, ReleaseOutcome
 from celery_exclusive.providers.base import (
-    SWEEP_LIMIT,
     Completion,
-    CompletionInfo,
-    CompletionStore,
     Held,
     LockInfo,
     LockProvider,
-    Sweeps,
 )
-from celery_exclusive.urls import mask_url, provider_from_url, resolve_url
-from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_prefix, lease_durations, seconds
+from celery_exclusive.urls import mask_url
+from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key
 
 T = TypeVar("T")
 
 DEFAULT_PREFIX = "task-lock:"
-#: Environment variable read when ``sweep_interval`` is not given: seconds, or 0/off.
-SWEEP_ENV_VAR = "CELERY_EXCLUSIVE_SWEEP_INTERVAL"
-_FROM_ENV: Any = object()
 DEFAULT_TTL = 15 * 60.0
 DEFAULT_MAX_LIFETIME = MAX_LIFETIME_CAP
 #: Default ``call_timeout``: seconds an acquire (its retry included), peek or scan may wait
@@ -77,41 +68,7 @@ class ExclusiveResult(Generic[T]):
     holder: LockInfo | None = None
 
 
-def _check_batch_size(size: object) -> int:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise InvalidArgumentError(f"heartbeat_batch_size must be a positive int, got {size!r}")
-    return size
-
-
-def _store_from(store: LockProvider | str | None) -> tuple[str | None, LockProvider]:
-    """The URL (None for a provider given as such) and the provider of ``store``."""
-    if store is None or isinstance(store, str):
-        url = resolve_url(store)
-        return url, provider_from_url(url)
-    if isinstance(store, LockProvider):
-        return None, store
-    raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
-
-
-def _sweep_interval(value: object) -> float | None:
-    """The heartbeat's sweep interval in seconds, None for off; from the environment
-    (``CELERY_EXCLUSIVE_SWEEP_INTERVAL``: seconds, or 0/off) when not given."""
-    if value is _FROM_ENV:
-        raw = os.environ.get(SWEEP_ENV_VAR, "").strip().lower()
-        if not raw:
-            return DEFAULT_SWEEP_INTERVAL
-        if raw in ("0", "off", "false", "no"):
-            return None
-        try:
-            value = float(raw)
-        except ValueError:
-            raise InvalidArgumentError(f"{SWEEP_ENV_VAR} must be seconds or 0/off, got {raw!r}") from None
-    if value is None or value is False or value == 0:
-        return None
-    return seconds("sweep_interval", value)
-
-
-class LockService:
+class LockService(PrefixedStore):
     """Acquires, keeps alive and releases leases on one lock store.
 
     ``store`` is a provider or a URL; None reads ``CELERY_EXCLUSIVE_URL``. One service per
@@ -137,30 +94,22 @@ class LockService:
         heartbeat_batch_size: int = 1000,
         thread_factory: Callable[..., threading.Thread] = threading.Thread,
         call_timeout: float | timedelta = DEFAULT_CALL_TIMEOUT,
-        sweep_interval: float | timedelta | None = _FROM_ENV,
+        sweep_interval: float | timedelta | None = FROM_ENV,
     ) -> None:
-        self.prefix = check_prefix(prefix)
-        #: Seconds between sweeps of dead rows by the heartbeat; None: off (see :meth:`sweep`).
-        self.sweep_interval = _sweep_interval(sweep_interval)
-        self.call_timeout = seconds("call_timeout", call_timeout)
-        self.ttl, self.refresh_interval, self.max_lifetime = lease_durations(
-            seconds("ttl", ttl),
-            None if refresh_interval is None else seconds("refresh_interval", refresh_interval),
-            seconds("max_lifetime", max_lifetime),
-            ttl_explicit=True,
+        durations = (ttl, refresh_interval, max_lifetime)
+        callables = {"clock": clock, "thread_factory": thread_factory}
+        options = _options.checked(
+            prefix, durations, call_timeout, sweep_interval, heartbeat_batch_size, **callables
         )
-        self._refresh_explicit = refresh_interval is not None  # read by _acquiring
-        self._batch_size = _check_batch_size(heartbeat_batch_size)
-        for name, value in (("clock", clock), ("thread_factory", thread_factory)):
-            if not callable(value):
-                raise InvalidArgumentError(f"{name} must be callable, got {type(value).__name__}")
-        self._url, self.provider = _store_from(store)
+        url, provider = _options.store_from(store)
+        super().__init__(provider, url=url, prefix=options.prefix, call_timeout=options.call_timeout)
+        #: Seconds between sweeps of dead rows by the heartbeat; None: off (see :meth:`sweep`).
+        self.sweep_interval = options.sweep_interval
+        self.ttl, self.refresh_interval, self.max_lifetime = options.durations
+        self._refresh_explicit = options.refresh_explicit  # read by _acquiring
+        self._batch_size = options.batch_size
         self.clock = clock
-        #: Whether the store keeps completion records (see ``completion()``).
-        self.keeps_records = isinstance(self.provider, CompletionStore)
         self._thread_factory = thread_factory
-        self._calls = StoreCalls()
-        self._records = Records(self)
         self._acquiring = Acquiring(self, self._records)
         self._releasing = Releasing(self)
         self._leasing = Leasing(self, self._acquiring, self._releasing)
@@ -244,10 +193,9 @@ class LockService:
         :mod:`celery_exclusive.semaphore` (slot keys, changing the limit; ``task_id`` is
         ignored for ``limit > 1``).
         """
-        durations = (ttl, refresh_interval, max_lifetime)
         return self._leasing.lock(
             key,
-            durations,
+            (ttl, refresh_interval, max_lifetime),
             holder=holder,
             task_id=task_id,
             wait=wait,
@@ -268,10 +216,7 @@ class LockService:
         """Acquire every key or none (see :mod:`celery_exclusive.many`): a LeaseSet, or
         :class:`LockedError` naming the first refused key. Keys are taken in a canonical
         order, so overlapping calls never deadlock; ``wait`` as for :meth:`lock`."""
-        taken = self._leasing.take_many(keys, (ttl, refresh_interval, max_lifetime), holder, wait)
-        if isinstance(taken, tuple):
-            raise LockedError(taken[0], taken[1].holder)
-        return taken
+        return self._leasing.lock_many(keys, (ttl, refresh_interval, max_lifetime), holder, wait)
 
     def try_lock_many(
         self,
@@ -284,8 +229,7 @@ class LockService:
         wait: float | None = None,
     ) -> many.LeaseSet | None:
         """:meth:`lock_many`, answering None instead of raising LockedError."""
-        taken = self._leasing.take_many(keys, (ttl, refresh_interval, max_lifetime), holder, wait)
-        return None if isinstance(taken, tuple) else taken
+        return self._leasing.try_lock_many(keys, (ttl, refresh_interval, max_lifetime), holder, wait)
 
     def run_exclusive(
         self,
@@ -346,71 +290,6 @@ class LockService:
         """
         return self._releasing.release(lease, self._records.for_release(completion))
 
-    def force_release(self, key: str, token: str) -> bool:
-        """Release exactly the lease ``token`` holds on ``key`` (operators, worker hooks)."""
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        if not isinstance(token, str) or not token:
-            raise InvalidArgumentError("token must be a non-empty str")
-        return bool(self._call("release", self.provider.release, self.prefix + key, token))
-
-    # -- inspecting -----------------------------------------------------------------------
-
-    def peek(self, key: str) -> LockInfo | None:
-        """The live lease on ``key`` (key shown without the prefix), or None if free."""
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        info = self._call("peek", self.provider.peek, self.prefix + key)
-        return None if info is None else unprefixed(info, self.prefix)
-
-    def locks(self, prefix: str = "") -> list[LockInfo]:
-        """Every live lease whose key (without the service prefix) starts with ``prefix``, and
-        the higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys."""
-        found = self._call("scan", self.provider.scan, self.prefix + check_filter(prefix))
-        if prefix and not prefix.startswith("{"):  # "" already covers every slot key
-            slots = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
-            found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
-        return [unprefixed(info, self.prefix) for info in found]
-
-    # -- completion records -----------------------------------------------------------
-
-    def completion(self, key: str, task_id: str) -> CompletionInfo | None:
-        """The live completion record of ``task_id`` on ``key`` (key without the prefix).
-
-        Records are written by ``lease.release(completion)`` and read by
-        ``lock(..., task_id=...)``; a store that keeps none (a third-party provider without
-        the :class:`~celery_exclusive.providers.base.CompletionStore` methods) answers None,
-        ``[]`` and False here, and ``lock``/``release`` then ignore records.
-        """
-        return self._records.completion(key, task_id)
-
-    def completions(self, prefix: str = "") -> list[CompletionInfo]:
-        """Every live completion record on a key (without the prefix) starting with ``prefix``."""
-        return self._records.completions(prefix)
-
-    def forget(self, key: str, task_id: str) -> bool:
-        """Delete the completion record of ``task_id`` on ``key``; True if a live one existed.
-
-        A later copy of that task's message then runs its body again.
-        """
-        return self._records.forget(key, task_id)
-
-    # -- housekeeping ---------------------------------------------------------------------
-
-    @property
-    def sweeps(self) -> bool:
-        """Whether the store keeps dead leases as rows to sweep (SQL stores, memory); Redis
-        keys expire by themselves."""
-        return isinstance(self.provider, Sweeps)
-
-    def sweep(self, prefix: str = "", *, limit: int = SWEEP_LIMIT) -> int:
-        """Delete up to ``limit`` dead leases and ``limit`` expired completion records on
-        keys (without the service prefix) starting with ``prefix``; the rows deleted.
-
-        Only rows dead on the store's clock are deleted (a live lease never is); fences stay
-        increasing. The heartbeat does this by itself every ``sweep_interval`` seconds while
-        the process uses the service. 0 on a store without rows to sweep (Redis).
-        """
-        return self._leasing.sweep(prefix, limit)
-
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self, *, release: bool = True) -> None:
@@ -433,7 +312,7 @@ class LockService:
     def _after_fork_in_child(self) -> None:
         # The parent's leases are the parent's: the child neither refreshes nor releases them.
         self._heartbeat = self._leasing.new_heartbeat()
-        self._calls = StoreCalls()  # the parent's stuck calls have no thread here
+        super()._after_fork_in_child()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -442,15 +321,6 @@ class LockService:
         if self._closed:
             raise InvalidArgumentError("this LockService is closed")
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-
-    def _call(
-        self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> T:
-        """Call the provider within ``timeout`` seconds (default ``call_timeout``); the
-        driver's and the network's exceptions become BackendError, any other propagates."""
-        return self._calls.call(
-            what, method, *args, timeout=self.call_timeout if timeout is None else timeout, **kwargs
-        )
 
     def _lose(self, lease: Lease, reason: str) -> None:
         """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""

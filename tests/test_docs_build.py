@@ -42,12 +42,14 @@ def test_the_site_builds_strictly_with_its_generated_reference(tmp_path: Path) -
         "service": (
             "service.LockService.run_exclusive",
             "service.LockService.try_lock",
+            "service.LockService.peek",  # inherited from _prefixed.PrefixedStore
             "service.ExclusiveResult",
         ),
         "lease": ("lease.Lease.guard", "lease.LeaseState", "lease.ReleaseOutcome"),
         "errors": ("errors.BackendError", "errors.LockLost", "errors.MissingDriverError"),
         "providers": (
             "providers.base.LockProvider.acquire",
+            "providers.base.LockInfo",  # defined in _info, re-exported
             "providers.sql.SqlLockProvider",
             "providers.redis.RedisLockProvider",
             "providers.memory.MemoryLockProvider",
