@@ -1,7 +1,7 @@
 """One lock store under one key prefix, as operators and observers use it: look (``peek``,
 ``locks``), release a lease by its token, read and forget completion records, sweep.
 
-Part of the lock core. :class:`PrefixedStore` holds no lease and starts no thread; every
+Part of the lock core. :class:`PrefixedStore` holds no lease and has no heartbeat; every
 call it makes runs within ``call_timeout`` (:class:`~celery_exclusive._store.StoreCalls`)
 and shows keys without the prefix. :class:`~celery_exclusive.service.LockService` is a
 PrefixedStore that also takes, keeps alive and releases leases.
