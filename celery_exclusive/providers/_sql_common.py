@@ -34,6 +34,7 @@ from sqlalchemy.engine import Connection, Dialect, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
+from celery_exclusive.providers import _deadline
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
 from celery_exclusive.urls import mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -539,10 +540,12 @@ class SqlStore(metaclass=abc.ABCMeta):
             self._records = ready
         return ready
 
-    def _ensure_schema(self) -> None:
+    def _ensure_schema(self, timeout: float | None = None) -> None:
+        """Create the tables on first use; with ``timeout``, connecting for it gives up by
+        then (the call's own deadline covers the set-up it triggers)."""
         if self._ready:
             return
-        with self._schema_lock:
+        with self._schema_lock, _deadline.connect_budget(timeout):
             for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
                 if self._ready:
                     return

@@ -824,7 +824,7 @@ class PostgresLockProvider(SqlStore):
 
     def _run_pg(self, op: str, params: dict[str, Any], timeout: float | None = None) -> Rows:
         """Run one statement through the executor; its rows (driver errors translated)."""
-        self._ensure_schema()
+        self._ensure_schema(timeout)
         with self._translated(op):
             return self._executor.run(op, params, timeout)
 

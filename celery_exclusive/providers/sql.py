@@ -628,7 +628,7 @@ class SqlLockProvider(SqlStore):
     def _transact(self, op: str, work: Callable[[Connection], _T], timeout: float | None = None) -> _T:
         """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying
         deadlocks, within ``timeout`` seconds (see :meth:`_Transactions.run`)."""
-        self._ensure_schema()
+        self._ensure_schema(timeout)
         if timeout is None:
             return self._tx.run(self._translated(op), work)
         failed = f"SQL lock store {self._masked} failed to {op}"

@@ -54,6 +54,30 @@ def test_inspection_calls_end_by_call_timeout_on_a_silent_store(
     _works_again(service, call)
 
 
+#: libpq's connect_timeout is whole seconds, at least 2: the floor of a bounded connect.
+CONNECT_FLOOR = 2.0
+
+
+def test_the_first_call_on_a_store_silent_from_the_start_ends_by_its_deadline(
+    backend: Backend, faults: Faults
+) -> None:
+    """A service whose very first call meets a silent store (the SQL stores set up their
+    schema then, on a connection of their own) still ends near ``call_timeout``, not at the
+    driver's 10 s connect timeout, and leaves no thread waiting for the store."""
+    proxy = faults.proxy(backend.port)
+    proxy.stall()
+    try:
+        service = faults.service(backend.url(proxy.port), call_timeout=CALL_TIMEOUT)
+        started = time.monotonic()
+        with pytest.raises(BackendError):
+            service.peek("k")
+        took = time.monotonic() - started
+        assert took <= max(CALL_TIMEOUT, CONNECT_FLOOR) + SLACK, f"first peek() took {took:.3f} s"
+        assert service._calls.stuck == 0, "the first peek() was abandoned in a thread"
+    finally:
+        proxy.resume()
+
+
 #: The SQL stores' acquire and release take the same deadline.
 SQL_CALLS: dict[str, Callable[[LockService], object]] = {
     **CALLS,
