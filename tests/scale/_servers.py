@@ -7,6 +7,7 @@ PgBouncer fixture forwards to the shared PostgreSQL (read from ``CE_TEST_POSTGRE
 from __future__ import annotations
 
 import os
+import pwd
 import random
 import shutil
 import socket
@@ -15,7 +16,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 import redis
 
@@ -130,3 +133,68 @@ def start_cluster_node(
     client = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
     wait_for(client.ping, f"cluster node on port {port}", proc)
     return client
+
+
+def run_as_postgres() -> dict[str, Any]:
+    """Popen arguments that drop root (PgBouncer refuses to run as root)."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        unavailable("running as root and there is no 'postgres' user to run pgbouncer as")
+    return {"user": "postgres", "group": "postgres"}
+
+
+def start_pgbouncer(
+    started: list[subprocess.Popen[bytes]],
+    folder: Path,
+    databases: dict[str, str],
+    *,
+    pool_size: int,
+    user: str = "postgres",
+    max_client_conn: int = 500,
+) -> int:
+    """Start a PgBouncer in transaction pooling mode from ``folder`` on a free port; its port
+    once it accepts connections.
+
+    ``databases`` maps each alias to the libpq conninfo of its server (one pool of
+    ``pool_size`` server connections per alias). ``user`` may connect without a password
+    and also to the ``pgbouncer`` admin database (``SHOW POOLS``). ``folder`` must be
+    readable by the ``postgres`` user when this process is root (PgBouncer then runs as it).
+    """
+    exe = binary("pgbouncer", "/usr/sbin/pgbouncer")
+    drop = run_as_postgres()
+    port = free_port()
+    (folder / "userlist.txt").write_text(f'"{user}" ""\n')
+    aliases = "".join(f"{alias} = {conninfo}\n" for alias, conninfo in databases.items())
+    (folder / "pgbouncer.ini").write_text(
+        f"""[databases]
+{aliases}
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {folder / "userlist.txt"}
+admin_users = {user}
+pool_mode = transaction
+default_pool_size = {pool_size}
+max_client_conn = {max_client_conn}
+server_reset_query =
+pidfile = {folder / "pgbouncer.pid"}
+logfile = {folder / "pgbouncer.log"}
+"""
+    )
+    if drop:
+        for item in (folder, *folder.iterdir()):
+            shutil.chown(item, "postgres", "postgres")
+    proc = start(started, [exe, str(folder / "pgbouncer.ini")], folder / "stdout.log", **drop)
+    first = next(iter(databases))
+
+    def accepts() -> bool:
+        psycopg.connect(f"host=127.0.0.1 port={port} dbname={first} user={user}", connect_timeout=2).close()
+        return True
+
+    wait_for(accepts, f"pgbouncer on port {port}", proc)
+    return port
