@@ -11,6 +11,9 @@ Each field: its ``app.conf`` name, its environment variable, its per-task option
 * ``max_lifetime``: ``exclusive_max_lifetime``, ``CELERY_EXCLUSIVE_MAX_LIFETIME``, ``lock_max_lifetime``
 * ``refresh_interval``: ``exclusive_refresh_interval``, ``CELERY_EXCLUSIVE_REFRESH_INTERVAL``,
   ``lock_refresh_interval``
+* ``sweep_interval``: ``exclusive_sweep_interval``, ``CELERY_EXCLUSIVE_SWEEP_INTERVAL`` (not per
+  task): seconds between the heartbeat's sweeps of dead rows (60 s; 0 or False, ``0``/``off``
+  in the environment, turns it off; see ``LockService.sweep``)
 * ``on_locked``: ``exclusive_on_locked``, ``CELERY_EXCLUSIVE_ON_LOCKED``, ``lock_on_locked``
 * ``on_lost``: ``exclusive_on_lost``, ``CELERY_EXCLUSIVE_ON_LOST``, ``lock_on_lost``
 * ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``: ``exclusive_<name>``,
@@ -49,6 +52,8 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from celery_exclusive._leasing import DEFAULT_SWEEP_INTERVAL
+from celery_exclusive._options import _sweep_interval as sweep_interval
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
 from celery_exclusive.semaphore import check_limit
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
@@ -93,7 +98,7 @@ class Option:
     field: str
     conf: str
     kind: str  # "duration", "on_locked", "on_lost", "retries", "retention", "fallback",
-    # "dedupe", "on_duplicate", "rerun_args", "limit" or "text"
+    # "dedupe", "on_duplicate", "rerun_args", "limit", "sweep" or "text"
     per_task: bool = True
 
     @property
@@ -123,6 +128,7 @@ OPTIONS = (
     Option("ttl", "default_ttl", "duration"),
     Option("max_lifetime", "max_lifetime", "duration"),
     Option("refresh_interval", "refresh_interval", "duration"),
+    Option("sweep_interval", "sweep_interval", "sweep", per_task=False),
     Option("on_locked", "on_locked", "on_locked"),
     Option("on_lost", "on_lost", "on_lost"),
     Option("lock_max_retries", "lock_max_retries", "retries"),
@@ -169,6 +175,7 @@ class ExclusiveSettings:
     ttl: float | None = None
     max_lifetime: float = DEFAULT_MAX_LIFETIME
     refresh_interval: float | None = None
+    sweep_interval: float | None = DEFAULT_SWEEP_INTERVAL  # None: off
     on_locked: str | Callable[..., Any] = DEFAULT_ON_LOCKED
     on_lost: str = DEFAULT_ON_LOST
     lock_max_retries: int = DEFAULT_LOCK_MAX_RETRIES
@@ -188,6 +195,7 @@ class ExclusiveSettings:
         if self.url is not None and not isinstance(self.url, str):
             raise InvalidArgumentError(f"url must be a str, got {type(self.url).__name__}")
         check_prefix(self.prefix)
+        object.__setattr__(self, "sweep_interval", sweep_interval(self.sweep_interval))
         for name, value in check_durations({name: getattr(self, name) for name in _DURATIONS}).items():
             object.__setattr__(self, name, value)
         check_on_locked(self.on_locked)
@@ -383,10 +391,10 @@ def check_lock_attributes(names: Iterable[str], known: Iterable[str]) -> None:
 
 def _parse_env(name: str, env_name: str, raw: str) -> Any:
     raw = raw.strip()
-    if name in ("done_retention", "dedupe") and raw.lower() in ("false", "off", "no"):
+    if name in ("done_retention", "dedupe", "sweep_interval") and raw.lower() in ("false", "off", "no"):
         return False
     try:
-        if name == "done_retention":
+        if name in ("done_retention", "sweep_interval"):
             return float(raw)
         if name in _DURATIONS:
             return timedelta(seconds=float(raw))

@@ -120,7 +120,8 @@ def app_settings(app: Any = None) -> ExclusiveSettings:
 def get_lock_service(app: Any = None) -> LockService:
     """This process's LockService for ``app`` (default: the current app), created on first use.
 
-    Configured from the app's settings (URL, prefix, default ttl, max lifetime); usable
+    Configured from the app's settings (URL, prefix, default ttl, max lifetime, sweep
+    interval); usable
     from your own signal handlers, e.g. a once-per-cluster job on ``worker_ready`` with
     ``get_lock_service(app).run_exclusive("startup", job)``. Never shared across fork.
     """
@@ -136,6 +137,7 @@ def get_lock_service(app: Any = None) -> LockService:
                 ttl=settings.lease_ttl,
                 max_lifetime=settings.max_lifetime,
                 refresh_interval=settings.refresh_interval,
+                sweep_interval=settings.sweep_interval,
             )
             state.services[app] = service
         return service

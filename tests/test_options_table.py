@@ -29,6 +29,7 @@ DOCUMENTED = {
         "lock_refresh_interval",
         "refresh_interval",
     ),
+    "sweep_interval": ("exclusive_sweep_interval", "CELERY_EXCLUSIVE_SWEEP_INTERVAL", None, None),
     "on_locked": ("exclusive_on_locked", "CELERY_EXCLUSIVE_ON_LOCKED", "lock_on_locked", "on_locked"),
     "on_lost": ("exclusive_on_lost", "CELERY_EXCLUSIVE_ON_LOST", "lock_on_lost", "on_lost"),
     "lock_max_retries": (

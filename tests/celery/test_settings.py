@@ -166,3 +166,40 @@ def test_django_style_namespace_settings_are_read() -> None:
     app.config_from_object(DjangoSettings, namespace="CELERY")
     settings = app_settings(app)
     assert (settings.url, settings.ttl) == ("memory://", 33.0)
+
+
+@pytest.mark.parametrize(
+    ("conf", "environ", "expected"),
+    [
+        ({}, {}, 60.0),
+        ({"exclusive_sweep_interval": 600}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "5"}, 600.0),
+        ({"exclusive_sweep_interval": timedelta(minutes=2)}, {}, 120.0),
+        ({}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "30"}, 30.0),
+        ({}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "off"}, None),
+        ({}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "0"}, None),
+        ({"exclusive_sweep_interval": 0}, {}, None),
+        ({"exclusive_sweep_interval": False}, {}, None),
+    ],
+)
+def test_sweep_interval_from_conf_or_environment(
+    conf: dict[str, Any], environ: dict[str, str], expected: float | None
+) -> None:
+    """exclusive_sweep_interval / CELERY_EXCLUSIVE_SWEEP_INTERVAL: seconds, or 0/False/off for none."""
+    assert ExclusiveSettings.from_conf(conf, environ).sweep_interval == expected
+
+
+def test_sweep_interval_is_rejected_when_bad_and_reaches_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad sweep interval names its setting; a good one is the worker's service's."""
+    with pytest.raises(ConfigurationError, match="exclusive_sweep_interval"):
+        ExclusiveSettings.from_conf({"exclusive_sweep_interval": -5}, {})
+    with pytest.raises(ConfigurationError, match="CELERY_EXCLUSIVE_SWEEP_INTERVAL"):
+        ExclusiveSettings.from_conf({}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "soon"})
+    monkeypatch.delenv("CELERY_EXCLUSIVE_SWEEP_INTERVAL", raising=False)
+    app = Celery("sweep", set_as_current=False)
+    app.conf.exclusive_url = "memory://"
+    app.conf.exclusive_sweep_interval = 300
+    service = get_lock_service(app)
+    try:
+        assert service.sweep_interval == 300.0
+    finally:
+        service.close()
