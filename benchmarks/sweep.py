@@ -40,12 +40,16 @@ def _drop(url: str, table: str) -> None:
     engine.dispose()
 
 
-def _cycles(service: LockService, ops: int) -> float:
-    """lock()+release() cycles per second over ``ops`` distinct keys."""
-    start = time.perf_counter()
+def _cycles(service: LockService, ops: int, latencies: list[float]) -> float:
+    """lock()+release() cycles per second over ``ops`` distinct keys; each cycle's seconds
+    appended to ``latencies``."""
+    clock = time.perf_counter
+    start = clock()
     for _ in range(ops):
+        began = clock()
         service.release(service.lock(uuid.uuid4().hex))
-    return ops / (time.perf_counter() - start)
+        latencies.append(clock() - began)
+    return ops / (clock() - start)
 
 
 def _count_sweeps(service: LockService) -> list[float]:
@@ -85,6 +89,7 @@ def postgres(rounds: int, ops: int, dead: int) -> None:
         on = LockService(url, prefix="bench-on:", sweep_interval=0.05)
         sweeps = _count_sweeps(on)
         ratios, rates_off, rates_on, swept = [], [], [], []
+        cycle: dict[int, list[float]] = {id(off): [], id(on): []}
         for index in range(rounds):
             pair = (off, on) if index % 2 == 0 else (on, off)
             got = {}
@@ -95,7 +100,7 @@ def postgres(rounds: int, ops: int, dead: int) -> None:
                 held = service.lock("held")
                 time.sleep(0.1)
                 before = len(sweeps)
-                got[id(service)] = _cycles(service, ops)
+                got[id(service)] = _cycles(service, ops, cycle[id(service)])
                 if service is on:
                     swept.append(len(sweeps) - before)
                 service.release(held)
@@ -108,6 +113,8 @@ def postgres(rounds: int, ops: int, dead: int) -> None:
             f"postgres lock()+release(): sweep off {statistics.median(rates_off):,.0f}/s, "
             f"sweep every 0.05 s {statistics.median(rates_on):,.0f}/s; median per-round ratio on/off "
             f"{statistics.median(ratios):.3f} (rounds {', '.join(f'{r:.2f}' for r in ratios)}); "
+            f"cycle p50 off {statistics.median(cycle[id(off)]) * 1e6:.0f} us, on "
+            f"{statistics.median(cycle[id(on)]) * 1e6:.0f} us; "
             f"{sum(swept):,} sweeps ran during the 'on' phases ({statistics.median(swept):.0f} per phase, "
             f"median {statistics.median(sweeps) * 1e3:.1f} ms each), each scanning {dead:,} dead rows "
             "of another prefix"

@@ -456,7 +456,9 @@ class SqlStore(metaclass=abc.ABCMeta):
 
         ``ce_pgbouncer=true`` sends every statement unprepared (the provider prepares acquire
         and release, psycopg any statement run five times), as PgBouncer before 1.21 (or
-        without ``max_prepared_statements``) cannot pool prepared statements.
+        without ``max_prepared_statements``) cannot pool prepared statements; on PostgreSQL it
+        also turns the waiters' LISTEN connection off (session state): set it for any
+        transaction pooling.
         """
         base, options = split_options(url, OPTIONS)
         create = parse_bool("create_table", options.get("create_table", "true"))
