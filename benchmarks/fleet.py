@@ -283,7 +283,7 @@ def measure(
     try:
         setup.set()
         ready, deadline = 0, time.monotonic() + SETUP_TIMEOUT
-        while ready < processes:
+        while ready + len(found) < processes:  # a worker that failed reports "done" only
             kind, value = out.get(timeout=max(deadline - time.monotonic(), 0.1))
             if kind == "ready":
                 ready += 1
