@@ -8,9 +8,10 @@
   memory (one mutex) and Redis (one Lua script over the slot keys; on Cluster the slots
   ``2..N`` share a hash slot, as ``{key}#i`` hashes the text between the first ``{`` and the
   next ``}``, which is the same for every ``i``, so a cluster takes at most two calls: slot 1,
-  then the others). PostgreSQL, SQLite and MariaDB try the slots in order, one acquire each;
-  an attempt on a held slot is the single lock's contended acquire, so a refused semaphore
-  attempt stays write-free on PostgreSQL (N read-only round trips).
+  then the others), PostgreSQL (one statement: a snapshot read of every slot, then the
+  single lock's advisory-locked fence draw and insert or take-over on the first free slot
+  only, so a refused attempt takes no lock, no xid and writes no WAL). SQLite and MariaDB
+  try the slots in order, one acquire each.
 * A dead holder's slot is reclaimed after its ttl, as any lease's is: the slot's lease expires.
 * Changing ``limit`` while the key is held: new acquires use only slots ``1..limit``; leases
   on slots above it keep running until released or expired (nothing revokes them). Lowering

@@ -10,7 +10,8 @@ the provider is built (:class:`_DirectExecutor` or :class:`_PooledExecutor`): wi
 on a connection the provider keeps (acquire and release as prepared statements through
 libpq directly, see ``_libpq.py``), and a contended acquire writes nothing (no transaction
 id, no WAL); with any other driver through SQLAlchemy's pool, the same statements. Taking
-over a dead row is the one case that needs a second statement.
+over a dead row is the one case that needs a second statement. A semaphore's slot
+(``acquire_any``) is taken in one statement, take-over included.
 
 Waiters (``LockService.lock(key, wait=)``) are woken by LISTEN/NOTIFY: the release
 statements, when they free a live lease while a waiter is registered on the key, call
@@ -67,6 +68,7 @@ from celery_exclusive.providers.base import (
 _LIBPQ_COLUMNS = {
     "acquire": "bttiffft",
     "acquire_once": "bttiffft",
+    "acquire_any": "tittiffft",
     "take_over": "bttiffft",
     "release": "b",
     "release_done": "b",
@@ -216,6 +218,7 @@ rec AS (
     return {
         "acquire": acquire,
         "acquire_once": acquire_once,
+        "acquire_any": _acquire_any_statement(t, seq, name, durable),
         # release and the completion record in one statement (data-modifying CTEs all run).
         "release_done": release_done + f"\nSELECT {wake('live')} FROM rel",
         # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
@@ -258,6 +261,76 @@ RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
         "AND expires_at > clock_timestamp() AND deadline > clock_timestamp() "
         f"AND created_at > clock_timestamp() - make_interval(secs => {STALE}) FOR SHARE",
     }
+
+
+def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
+    """A semaphore's first free slot of ``:keys`` (a text array literal, slot order) in one
+    statement (``AcquiresAny``); rows ``kind, slot index (1-based), key, value, fence, age,
+    expires_in, hard_expires_in, holder``. ``kind`` is ``g`` (granted: only the index and
+    fence are set), ``m`` (``:token`` already holds that slot live, a retried call), ``h``
+    (every slot live: slot 1's holder) or ``r`` (the picked slot was taken by a racing
+    acquirer between the snapshot and the write: the caller tries again).
+
+    The single lock's guarantees, per slot key: one snapshot read of every slot picks the
+    first that is absent or dead (expired, past its deadline or stale); only then is that
+    key's advisory lock taken (the same ``(hashtext(table), hashtext(key))`` lock as
+    ``acquire`` and ``take_over``, so single and semaphore acquires of slot 1 exclude each
+    other) and its fence drawn under it, just before its write, which is an INSERT ... ON
+    CONFLICT DO NOTHING for an absent slot and, for a dead one, an UPDATE that re-checks the
+    row is still dead on the version it locks (the take_over rule: a slot is reclaimed only
+    once its lease is over). With every slot live the pick is empty, so nothing below it
+    runs: no lock, no nextval, no xid, no WAL. The grant commits with synchronous_commit on
+    (``durable``). Time is ``statement_timestamp()`` throughout, as in ``acquire``."""
+    ts = "statement_timestamp()"
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(p.key))"
+    fence = f"(SELECT nextval('{seq}') FROM lk)"
+    fields = "key, value, expires_at, created_at, deadline, fence, holder"
+    live = (
+        f"c.expires_at > {ts} AND c.deadline > {ts} AND c.created_at > {ts} - make_interval(secs => {STALE})"
+    )
+    row = (
+        f"c.key, c.value, c.fence, extract(epoch FROM {ts} - c.created_at)::float8 AS age, "
+        f"extract(epoch FROM c.expires_at - {ts})::float8 AS expires_in, "
+        f"extract(epoch FROM c.deadline - {ts})::float8 AS hard_in, c.holder"
+    )
+    info = "cur.key, cur.value, cur.fence, cur.age, cur.expires_in, cur.hard_in, cur.holder"
+    granted = "NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
+    return f"""WITH s AS MATERIALIZED (
+  SELECT s.key, s.i FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i)),
+cur AS MATERIALIZED (
+  SELECT s.i, s.key AS slot, c.key IS NOT NULL AS present, COALESCE({live}, false) AS live,
+         COALESCE(c.value = :token, false) AS mine, {row}
+  FROM s LEFT JOIN {t} AS c ON c.key = s.key),
+held AS MATERIALIZED (SELECT * FROM cur WHERE live AND mine ORDER BY i LIMIT 1),
+p AS MATERIALIZED (
+  SELECT slot AS key, i, present FROM cur
+  WHERE NOT live AND NOT EXISTS (SELECT 1 FROM held) ORDER BY i LIMIT 1),
+lk AS MATERIALIZED (SELECT {lock}, {durable} FROM p),
+upd AS (
+  UPDATE {t} AS t SET value = :token, expires_at = {ts} + make_interval(secs => :ttl), created_at = {ts},
+    deadline = {ts} + make_interval(secs => :life), fence = {fence}, holder = :holder
+  FROM p
+  WHERE p.present AND t.key = p.key
+    AND (t.expires_at <= {ts} OR t.deadline <= {ts} OR t.created_at <= {ts} - make_interval(secs => {STALE}))
+  RETURNING t.fence),
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT p.key, :token, {ts} + make_interval(secs => :ttl), {ts}, {ts} + make_interval(secs => :life),
+         {fence}, :holder
+  FROM p WHERE NOT p.present
+  ON CONFLICT (key) DO NOTHING
+  RETURNING t.fence)
+SELECT 'g'::text, p.i, {granted} FROM upd CROSS JOIN p
+UNION ALL
+SELECT 'g'::text, p.i, {granted} FROM ins CROSS JOIN p
+UNION ALL
+SELECT 'm'::text, cur.i, {info} FROM held AS cur
+UNION ALL
+SELECT 'h'::text, cur.i, {info} FROM cur
+WHERE cur.i = 1 AND NOT EXISTS (SELECT 1 FROM p) AND NOT EXISTS (SELECT 1 FROM held)
+UNION ALL
+SELECT 'r'::text, p.i, {granted.replace("fence", "NULL::bigint")} FROM p
+WHERE NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
 
 
 def _pg_sweep_statements(dialect: Dialect, name: str) -> dict[str, str]:
@@ -524,6 +597,12 @@ def _answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
 
 
+def _text_array(values: Sequence[str]) -> str:
+    """``values`` as a PostgreSQL array literal (every element quoted), for ``CAST(... AS varchar[])``."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"
+
+
 def _guard_connection(connection: Any) -> tuple[Connection | None, Any]:
     """``(SQLAlchemy connection, None)`` or ``(None, psycopg connection)`` of a guard() call,
     checked to be inside a transaction on PostgreSQL."""
@@ -639,6 +718,42 @@ class PostgresLockProvider(SqlStore):
             left = None if end is None else max(end - time.monotonic(), 0.001)
             answer = _answer(self._call("take_over", params, left), token, granted)
         return Held(None) if answer is None else answer
+
+    def acquire_any(
+        self,
+        keys: Sequence[str],
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[int, Grant] | Held:
+        """A semaphore's first free slot in one statement (``acquire_any`` in
+        :func:`_pg_statements`); a contended attempt (every slot live) writes nothing. A slot
+        lost to a racing acquirer between the statement's read and its write is tried
+        again, at most once per slot."""
+        granted = float(min(ttl, max_lifetime))
+        params = {
+            "keys": _text_array(keys),
+            "token": token,
+            "ttl": granted,
+            "life": float(max_lifetime),
+            "holder": holder,
+        }
+        end = None if timeout is None else time.monotonic() + timeout
+        for _ in keys:
+            left = None if end is None else max(end - time.monotonic(), 0.001)
+            rows = self._call("acquire_any", params, left)
+            kind, index, *row = rows[0]
+            if kind == "g":
+                return int(index) - 1, Grant(int(row[2]), granted)
+            if kind == "m":
+                info = info_of(row)
+                return int(index) - 1, Grant(info.fence, info.expires_in)
+            if kind == "h":
+                return Held(info_of(row))
+        return Held(None)  # every attempt lost its slot to a racing acquirer
 
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None

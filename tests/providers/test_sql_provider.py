@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -462,6 +462,25 @@ def test_fork_child_gets_its_own_connections(pg: Db) -> None:
         provider.close()
 
 
+def _assert_contended_attempts_write_no_wal(conn: Any, attempt: Callable[[int], object]) -> None:
+    """``attempt(i)`` (an acquire, refused: Held) 200 times in a window: some window must show
+    no WAL growth (other sessions may write meanwhile: any quiet window proves we wrote nothing)."""
+    growth = []
+    for _ in range(5):
+        before = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
+        for i in range(200):
+            assert isinstance(attempt(i), Held)
+        after = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", before).fetchone()
+        growth.append(after[0] if after else None)
+        if growth[-1] == 0:
+            return
+    pytest.skip(f"WAL grew in every window (other writers on the server?): {growth}")
+
+
+def _psycopg_dsn(pg: Db) -> str:
+    return sa.make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def test_pg_contention_takes_no_transaction_id_and_writes_no_wal(pg: Db) -> None:
     """A refused acquire (and a retry by the holder) assigns no xid and writes no WAL."""
     import psycopg
@@ -469,8 +488,7 @@ def test_pg_contention_takes_no_transaction_id_and_writes_no_wal(pg: Db) -> None
     provider = pg.provider()
     try:
         assert isinstance(provider.acquire("k", "holder", 60, 600, "{}"), Grant)
-        dsn = sa.make_url(pg.url).set(drivername="postgresql").render_as_string(hide_password=False)
-        with psycopg.connect(dsn) as conn:
+        with psycopg.connect(_psycopg_dsn(pg)) as conn:
             for token in ("other", "holder"):
                 params = {"key": "k", "token": token, "ttl": 5.0, "life": 60.0, "holder": "{}"}
                 rows = conn.execute(provider._psycopg_sql["acquire"], params).fetchall()
@@ -479,18 +497,40 @@ def test_pg_contention_takes_no_transaction_id_and_writes_no_wal(pg: Db) -> None
                 assert conn.execute("SELECT txid_current_if_assigned()").fetchone() == (None,)
                 conn.rollback()
             conn.autocommit = True
-            # Other sessions may write WAL meanwhile: any quiet window proves we wrote nothing.
-            growth = []
-            for _ in range(5):
-                before = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
-                for i in range(200):
-                    assert isinstance(provider.acquire("k", f"x{i}", 5, 60, "{}"), Held)
-                after = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", before).fetchone()
-                growth.append(after[0] if after else None)
-                if growth[-1] == 0:
-                    break
-            else:
-                pytest.skip(f"WAL grew in every window (other writers on the server?): {growth}")
+            _assert_contended_attempts_write_no_wal(
+                conn, lambda i: provider.acquire("k", f"x{i}", 5, 60, "{}")
+            )
+    finally:
+        provider.close()
+
+
+def test_pg_contended_semaphore_takes_no_lock_or_transaction_id_and_writes_no_wal(pg: Db) -> None:
+    """A limit=3 acquire_any on three live slots (and a retry by a holder) takes no advisory
+    lock, assigns no xid and writes no WAL: the single lock's contended guarantee."""
+    import psycopg
+
+    from celery_exclusive.providers.postgres import _text_array
+
+    provider = pg.provider()
+    keys = ["sem", "{sem}#2", "{sem}#3"]
+    try:
+        for i in range(3):
+            assert provider.acquire_any(keys, f"holder{i}", 60, 600, "{}") == (i, Grant(i + 1, 60.0))
+        with psycopg.connect(_psycopg_dsn(pg)) as conn:
+            for token, kind in (("other", "h"), ("holder1", "m")):
+                params = {"keys": _text_array(keys), "token": token, "ttl": 5.0, "life": 60.0, "holder": "{}"}
+                rows = conn.execute(provider._psycopg_sql["acquire_any"], params).fetchall()
+                assert [row[:2] for row in rows] == [(kind, 1 if kind == "h" else 2)]
+                assert conn.execute("SELECT txid_current_if_assigned()").fetchone() == (None,)
+                advisory = (
+                    "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory'"
+                )
+                assert conn.execute(advisory).fetchone() == (0,)
+                conn.rollback()
+            conn.autocommit = True
+            _assert_contended_attempts_write_no_wal(
+                conn, lambda i: provider.acquire_any(keys, f"x{i}", 5, 60, "{}")
+            )
     finally:
         provider.close()
 
