@@ -66,6 +66,7 @@ class Leasing:
                 self._service.provider,
                 self._service.prefix + key,
                 waiting.check_wait(wait),
+                more=[self._service.prefix + slot for slot in semaphore.slot_keys(key, limit)[1:]],
             )
         if cooldown is not None and isinstance(taken, Lease):
             self._releasing.cool(taken, cooldown)

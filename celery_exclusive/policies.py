@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeGuard, cast
 from celery.exceptions import Retry as CeleryRetry
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import observe, redelivery, signals, waiting
+from celery_exclusive import observe, redelivery, semaphore, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import check_key
@@ -321,7 +321,8 @@ class Wait(OnLocked):
         service = task.lock_service
         waiter = waiting.Waiter(service.provider, remaining, step=call.wait_step)
         try:
-            waiter.watch(service.prefix + key)
+            slots = [service.prefix + slot for slot in semaphore.slot_keys(key, settings.limit)]
+            waiter.watch(slots[0], slots[1:])
             waiter.pause()
         finally:
             waiter.close()

@@ -18,8 +18,10 @@
   N therefore takes effect as the higher slots' holders finish; raising it is immediate.
 * Listing: ``locks()`` / ``peek`` / CLI ``list`` show each slot as its own lease, slot ``i``
   under ``{key}#i`` (sorted after ``key``); :func:`slot_of` reads a listed key back.
-* Waiting (``wait=``) on a full semaphore subscribes to slot 1's release signal only: a
-  release of a higher slot is seen by the waiter's polling (within
+* Waiting (``wait=``) on a full semaphore subscribes to the release signals of every slot
+  (``subscribe_any``, :class:`~celery_exclusive.providers.base.WakesOnAny`: memory, Redis,
+  PostgreSQL), so the release of any slot wakes it; on a store with only ``subscribe`` it
+  hears slot 1's, and a higher slot's release is seen by its polling (within
   :data:`~celery_exclusive.waiting.POLL_MAX`).
 * A user key of the form ``{K}#i`` is slot ``i`` of ``K``: do not name plain locks that way.
 * Completion records (``task_id``) are not checked or written for ``limit > 1``: a record

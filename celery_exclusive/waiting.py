@@ -56,11 +56,11 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from celery_exclusive.errors import InvalidArgumentError
-from celery_exclusive.providers.base import Held, ReleaseSubscription, WakesWaiters
+from celery_exclusive.providers.base import Held, ReleaseSubscription, WakesOnAny, WakesWaiters
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -97,28 +97,34 @@ class Waiter:
         provider: object,
         wait: float,
         *,
-        step: float = POLL_MIN,
+        step: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._provider = provider if isinstance(provider, WakesWaiters) else None
         self._clock = clock
         self.deadline = clock() + wait
-        #: The backoff step of the next pause (a caller resuming a wait passes it back in).
-        self.step = step
-        self._watching: str | None = None
+        #: The backoff step of the next pause (a caller resuming a wait passes it back in;
+        #: :data:`POLL_MIN` for a new wait).
+        self.step = POLL_MIN if step is None else step
+        self._watching: tuple[str, ...] | None = None
         self._subscription: ReleaseSubscription | None = None
 
     def remaining(self) -> float:
         return self.deadline - self._clock()
 
-    def watch(self, store_key: str) -> None:
-        """Listen for releases of ``store_key`` (dropping any other key listened to)."""
-        if self._provider is None or self._watching == store_key:
+    def watch(self, store_key: str, more: Sequence[str] = ()) -> None:
+        """Listen for releases of ``store_key`` and of the keys ``more`` (a semaphore's other
+        slots, where the store offers ``subscribe_any``; else their releases are polled for),
+        dropping any other key listened to."""
+        if self._provider is None or self._watching == (store_key, *more):
             return
         self.close()
         try:
-            self._subscription = self._provider.subscribe(store_key)
-            self._watching = store_key
+            if more and isinstance(self._provider, WakesOnAny):
+                self._subscription = self._provider.subscribe_any([store_key, *more])
+            else:
+                self._subscription = self._provider.subscribe(store_key)
+            self._watching = (store_key, *more)
         except Exception as exc:  # no signals: poll (the next attempt reports an outage)
             logger.debug("cannot listen for releases of %r (%s); polling", store_key, type(exc).__name__)
 
@@ -150,14 +156,20 @@ class Waiter:
 
 
 def take_waiting(
-    attempt: Callable[[bool], T | Held], provider: object, store_key: str, wait: float
+    attempt: Callable[[bool], T | Held],
+    provider: object,
+    store_key: str,
+    wait: float,
+    *,
+    more: Sequence[str] = (),
 ) -> T | Held:
     """Call ``attempt(final)`` until it returns something other than :class:`Held` or ``wait``
     seconds pass; ``final`` is True for the last attempt (made at the deadline), whose answer
-    is returned whatever it is. Exceptions (an outage, AlreadyDone) propagate at once."""
+    is returned whatever it is. Woken by releases of ``store_key`` and ``more`` (see
+    :meth:`Waiter.watch`). Exceptions (an outage, AlreadyDone) propagate at once."""
     waiter = Waiter(provider, wait)
     try:
-        waiter.watch(store_key)  # before the first attempt: a release right after it still wakes us
+        waiter.watch(store_key, more)  # before the first attempt: a release right after it still wakes us
         while True:
             if waiter.remaining() <= 0:
                 return attempt(True)

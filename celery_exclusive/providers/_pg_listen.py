@@ -31,7 +31,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_exclusive.providers import _deadline
@@ -71,8 +71,10 @@ class _Watch:
 
     __slots__ = ("changed", "idle_since", "listening", "lost", "released", "subscribers")
 
-    def __init__(self, lock: threading.Lock) -> None:
-        self.changed = threading.Condition(lock)
+    def __init__(self, changed: threading.Condition) -> None:
+        #: The listener's one Condition (shared by its watches, so that a subscription to
+        #: several channels can wait for any of them).
+        self.changed = changed
         self.subscribers = 0
         #: When the last subscriber left (monotonic; None while it has subscribers).
         self.idle_since: float | None = None
@@ -90,31 +92,36 @@ class _Watch:
 
 
 class Subscription:
-    """One waiter's view of a key's releases (``providers.base.ReleaseSubscription``)."""
+    """One waiter's view of the releases of one or more channels
+    (``providers.base.ReleaseSubscription``)."""
 
-    def __init__(self, listener: Listener, name: str, watch: _Watch) -> None:
+    def __init__(self, listener: Listener, watches: dict[str, _Watch]) -> None:
         self._listener = listener
-        self._channel = name
-        self._watch = watch
-        self._seen = watch.released
+        self._watches = watches
+        self._seen = self._released()
         self._open = True
 
+    def _released(self) -> int:
+        return sum(watch.released for watch in self._watches.values())
+
     def wait(self, timeout: float) -> bool:
-        watch = self._watch
-        with watch.changed:
+        changed = self._listener._changed
+        with changed:
             if not self._open or self._listener.closed:
                 raise SignalsLost("the subscription is closed")
-            watch.changed.wait_for(lambda: watch.released != self._seen, max(0.0, timeout))
-            if watch.released != self._seen:
-                self._seen = watch.released
+            changed.wait_for(lambda: self._released() != self._seen, max(0.0, timeout))
+            released = self._released()
+            if released != self._seen:
+                self._seen = released
                 return True
             return False
 
     def close(self) -> None:
-        with self._watch.changed:
+        with self._listener._changed:
             if self._open:
                 self._open = False
-                self._listener._leave(self._channel, self._watch)
+                for name, watch in self._watches.items():
+                    self._listener._leave(name, watch)
 
 
 class Listener:
@@ -129,6 +136,7 @@ class Listener:
         self._connect = connect
         self._name = name
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._watches: dict[str, _Watch] = {}
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -143,27 +151,43 @@ class Listener:
     def subscribe(self, name: str) -> Subscription:
         """Subscribe to channel ``name``; returns once it is LISTENed, or after
         :data:`SUBSCRIBE_WAIT` seconds (the subscription signals from when it is)."""
+        return self.subscribe_any([name])
+
+    def subscribe_any(self, names: Sequence[str]) -> Subscription:
+        """Subscribe to every channel of ``names`` at once (one subscription, signalled by
+        any of them); returns once all are LISTENed (one batch on the listener connection),
+        or after :data:`SUBSCRIBE_WAIT` seconds, as :meth:`subscribe`."""
         with self._lock:
             if self.closed:
                 raise SignalsLost("the listener is closed")
-            watch = self._watches.get(name)
-            if watch is None:
-                watch = self._watches[name] = _Watch(self._lock)
-                # Still LISTENed after its last subscriber left: in effect (if the thread
-                # UNLISTENs it after all, it LISTENs again and signals, see _sync).
-                watch.listening = name in self._listened
-            watch.subscribers += 1
-            watch.idle_since = None
-            subscription = Subscription(self, name, watch)
+            watches: dict[str, _Watch] = {}
+            for name in names:
+                watch = self._watches.get(name)
+                if watch is None:
+                    watch = self._watches[name] = _Watch(self._changed)
+                    # Still LISTENed after its last subscriber left: in effect (if the thread
+                    # UNLISTENs it after all, it LISTENs again and signals, see _sync).
+                    watch.listening = name in self._listened
+                if name not in watches:
+                    watch.subscribers += 1
+                    watch.idle_since = None
+                    watches[name] = watch
+            subscription = Subscription(self, watches)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"celery-exclusive-listen {self._name}", daemon=True
                 )
                 self._thread.start()
-            if not watch.listening:
+            pending = [watch for watch in watches.values() if not watch.listening]
+            if pending:
                 self._poke()
-                if not watch.changed.wait_for(lambda: watch.listening or self.closed, SUBSCRIBE_WAIT):
-                    watch.lost = True  # a release before the LISTEN is missed: signal once it is on
+                listening = self._changed.wait_for(
+                    lambda: all(watch.listening for watch in pending) or self.closed, SUBSCRIBE_WAIT
+                )
+                if not listening:
+                    for watch in pending:  # a release before the LISTEN is missed: signal once it is on
+                        if not watch.listening:
+                            watch.lost = True
         return subscription
 
     def _leave(self, name: str, watch: _Watch) -> None:

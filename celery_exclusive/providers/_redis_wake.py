@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_exclusive.providers._redis_wire import _connect_within, as_text
@@ -70,9 +70,11 @@ class _Watch:
 
     __slots__ = ("broken", "changed", "confirmed", "link", "released", "subscribers")
 
-    def __init__(self, link: _Link, lock: threading.Lock) -> None:
+    def __init__(self, link: _Link, changed: threading.Condition) -> None:
         self.link = link
-        self.changed = threading.Condition(lock)
+        #: The one Condition of the ReleaseSignals (shared by its watches, so that a
+        #: subscription to several keys can wait for any of them).
+        self.changed = changed
         self.subscribers = 0
         self.released = 0
         self.confirmed = False
@@ -80,34 +82,41 @@ class _Watch:
 
 
 class Subscription:
-    """One waiter's view of a key's releases (``providers.base.ReleaseSubscription``)."""
+    """One waiter's view of the releases of one or more keys
+    (``providers.base.ReleaseSubscription``)."""
 
-    def __init__(self, signals: ReleaseSignals, key: str, watch: _Watch) -> None:
+    def __init__(self, signals: ReleaseSignals, watches: dict[str, _Watch]) -> None:
         self._signals = signals
-        self._key = key
-        self._watch = watch
-        self._seen = watch.released
+        self._watches = watches
+        self._seen = self._released()
         self._open = True
 
+    def _released(self) -> int:
+        return sum(watch.released for watch in self._watches.values())
+
+    def _broken(self) -> bool:
+        return any(watch.broken for watch in self._watches.values())
+
     def wait(self, timeout: float) -> bool:
-        watch = self._watch
-        with watch.changed:
+        with self._signals._changed:
             if not self._open:
                 raise SignalsLost("subscription closed")
-            watch.changed.wait_for(lambda: watch.released != self._seen or watch.broken, timeout)
-            if watch.released != self._seen:
-                self._seen = watch.released
+            self._signals._changed.wait_for(lambda: self._released() != self._seen or self._broken(), timeout)
+            released = self._released()
+            if released != self._seen:
+                self._seen = released
                 return True
-            if watch.broken:
+            if self._broken():
                 raise SignalsLost("the subscriber connection was lost")
             return False
 
     def close(self) -> None:
-        with self._watch.changed:
+        with self._signals._changed:
             if not self._open:
                 return
             self._open = False
-            self._signals._leave(self._key, self._watch)
+            for key, watch in self._watches.items():
+                self._signals._leave(key, watch)
 
 
 class ReleaseSignals:
@@ -121,6 +130,7 @@ class ReleaseSignals:
         self.pid = os.getpid()
         self._route = route
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._connecting = threading.Lock()
         self._links: dict[str, _Link] = {}
         self._watches: dict[str, _Watch] = {}
@@ -132,30 +142,49 @@ class ReleaseSignals:
     def subscribe(self, key: str) -> Subscription:
         """Subscribe to ``key``'s releases; returns once the server confirmed it. Raises a
         driver error or :class:`SignalsLost` when it cannot (the waiter then polls)."""
+        return self.subscribe_any([key])
+
+    def subscribe_any(self, keys: Sequence[str]) -> Subscription:
+        """Subscribe to the releases of every one of ``keys`` (one subscription, signalled
+        by any); the SSUBSCRIBEs are sent together, then their confirmations awaited. Raises
+        as :meth:`subscribe` if any one cannot be made."""
         if self._unsupported is not None:
             raise SignalsLost(self._unsupported)
         if time.monotonic() < self._stalled_until:
             raise SignalsLost("a recent subscription went unconfirmed; polling for now")
-        link = self._link(*self._route(key))
+        links = {key: self._link(*self._route(key)) for key in keys}
         with self._lock:
-            if not link.alive:  # lost since: never send on it (redis-py would reconnect it)
-                raise SignalsLost(f"no subscription to releases of {key!r}")
-            watch = self._watches.get(key)
-            if watch is None or watch.broken or watch.link is not link:
-                watch = _Watch(link, self._lock)
-                self._watches[key] = watch
-                self._send(link, "SSUBSCRIBE", key)
-            watch.subscribers += 1
-            subscription = Subscription(self, key, watch)
-            confirmed = watch.changed.wait_for(lambda: watch.confirmed or watch.broken, CONFIRM_TIMEOUT)
-            if confirmed and not watch.broken:
+            watches: dict[str, _Watch] = {}
+            try:
+                for key, link in links.items():
+                    if not link.alive:  # lost since: never send on it (redis-py would reconnect it)
+                        raise SignalsLost(f"no subscription to releases of {key!r}")
+                    found = self._watches.get(key)
+                    if found is None or found.broken or found.link is not link:
+                        watch = self._watches[key] = _Watch(link, self._changed)
+                        self._send(link, "SSUBSCRIBE", key)
+                    else:
+                        watch = found
+                    watch.subscribers += 1
+                    watches[key] = watch
+            except BaseException:
+                for taken, watch in watches.items():
+                    self._leave(taken, watch)
+                raise
+            subscription = Subscription(self, watches)
+            confirmed = self._changed.wait_for(
+                lambda: all(w.confirmed for w in watches.values()) or subscription._broken(), CONFIRM_TIMEOUT
+            )
+            if confirmed and not subscription._broken():
                 return subscription
             subscription._open = False
-            self._leave(key, watch)
+            for key, watch in watches.items():
+                self._leave(key, watch)
             if not confirmed:  # a connection that stopped answering: a new one, but not at once
                 self._stalled_until = time.monotonic() + STALLED_FOR
-                self._lost(link)
-        raise SignalsLost(self._unsupported or f"no subscription to releases of {key!r}")
+                for link in {id(w.link): w.link for w in watches.values() if not w.confirmed}.values():
+                    self._lost(link)
+        raise SignalsLost(self._unsupported or f"no subscription to releases of {', '.join(map(repr, keys))}")
 
     def _link(self, node: str, make: Callable[[], Any]) -> _Link:
         link = self._links.get(node)

@@ -278,6 +278,19 @@ class WakesWaiters(Protocol):
 
 
 @runtime_checkable
+class WakesOnAny(Protocol):
+    """Optional, with :class:`WakesWaiters`: one subscription woken by the release of any of
+    several keys. Used by a waiter on a full semaphore (``lock(key, limit=N, wait=...)``): a
+    release of any slot frees a place. Stores with only ``subscribe`` wake such a waiter on
+    slot 1's release; the other slots' releases are seen by its polling."""
+
+    def subscribe_any(self, keys: Sequence[str]) -> ReleaseSubscription:
+        """Start listening for releases of every one of ``keys`` (already prefixed): the
+        subscription's ``wait`` returns True after a release of any of them."""
+        ...
+
+
+@runtime_checkable
 class AcquiresAny(Protocol):
     """Optional: a store that takes the first free key of several in one atomic operation.
 

@@ -42,21 +42,26 @@ def _alive(row: _Row, now: float) -> bool:
 
 
 class _Subscription:
-    """One waiter's view of a key's releases on a MemoryLockProvider."""
+    """One waiter's view of the releases of one or more keys on a MemoryLockProvider."""
 
-    def __init__(self, provider: MemoryLockProvider, key: str, seen: int) -> None:
-        self._provider, self._key, self._seen = provider, key, seen
+    def __init__(self, provider: MemoryLockProvider, keys: tuple[str, ...]) -> None:
+        self._provider, self._keys = provider, keys
+        self._seen = self._count()
         self._open = True
+
+    def _count(self) -> int:
+        """(holding the Condition) Releases of the keys so far."""
+        watched = self._provider._watched
+        return sum(watched[key][1] for key in self._keys if key in watched)
 
     def wait(self, timeout: float) -> bool:
         cond = self._provider._released
         with cond:
-            watch = self._provider._watched.get(self._key)
-            if not self._open or watch is None:
+            if not self._open:
                 return False
-            cond.wait_for(lambda: watch[1] != self._seen, timeout=max(timeout, 0.0))
-            signalled = watch[1] != self._seen
-            self._seen = watch[1]
+            cond.wait_for(lambda: self._count() != self._seen, timeout=max(timeout, 0.0))
+            now = self._count()
+            signalled, self._seen = now != self._seen, now
             return signalled
 
     def close(self) -> None:
@@ -64,11 +69,12 @@ class _Subscription:
             if not self._open:
                 return
             self._open = False
-            watch = self._provider._watched.get(self._key)
-            if watch is not None:
-                watch[0] -= 1
-                if watch[0] <= 0:
-                    del self._provider._watched[self._key]
+            for key in self._keys:
+                watch = self._provider._watched.get(key)
+                if watch is not None:
+                    watch[0] -= 1
+                    if watch[0] <= 0:
+                        del self._provider._watched[key]
 
 
 class MemoryLockProvider:
@@ -216,10 +222,15 @@ class MemoryLockProvider:
 
     def subscribe(self, key: str) -> _Subscription:
         """Listen for releases of ``key`` (WakesWaiters): a Condition, no polling needed."""
+        return self.subscribe_any([key])
+
+    def subscribe_any(self, keys: Sequence[str]) -> _Subscription:
+        """Listen for releases of any of ``keys`` (WakesOnAny: a semaphore's slots)."""
+        unique = tuple(dict.fromkeys(keys))
         with self._released:
-            watch = self._watched.setdefault(key, [0, 0])
-            watch[0] += 1
-            return _Subscription(self, key, watch[1])
+            for key in unique:
+                self._watched.setdefault(key, [0, 0])[0] += 1
+            return _Subscription(self, unique)
 
     def _signal_release(self, key: str) -> None:
         with self._released:

@@ -800,6 +800,11 @@ class PostgresLockProvider(SqlStore):
         (providers/_pg_listen.py). Returns once listening or shortly after (see there).
         Raises SignalsLost behind PgBouncer (``ce_pgbouncer=true``) and with drivers other
         than psycopg 3: the waiter then polls."""
+        return self.subscribe_any([key])
+
+    def subscribe_any(self, keys: Sequence[str]) -> _pg_listen.Subscription:
+        """Listen for releases of any of ``keys`` (``WakesOnAny``: a semaphore's slots), one
+        channel per key LISTENed in one batch; otherwise as :meth:`subscribe`."""
         if self._no_wake is not None:
             raise _pg_listen.SignalsLost(f"no release signals: {self._no_wake}; waiters poll")
         listener = self._listener
@@ -810,7 +815,7 @@ class PostgresLockProvider(SqlStore):
                     if self._closed:
                         raise _pg_listen.SignalsLost("the provider is closed")
                     listener = self._listener = _pg_listen.Listener(self._listen_connection, self.table.name)
-        return listener.subscribe(_pg_listen.channel(self.table.name, key))
+        return listener.subscribe_any([_pg_listen.channel(self.table.name, key) for key in keys])
 
     def _listen_connection(self) -> Any:
         """A psycopg connection of the engine's, detached from its pool: the listener's own."""

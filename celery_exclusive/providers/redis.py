@@ -378,6 +378,11 @@ class RedisLockProvider:
         """Listen for releases of ``key`` (``WakesWaiters``): sharded pub/sub on the key,
         published by the release script (providers/_redis_wake.py). Raises when the server
         cannot confirm it (a BackendError for a driver error); the waiter then polls."""
+        return self.subscribe_any([key])
+
+    def subscribe_any(self, keys: Sequence[str]) -> Subscription:
+        """Listen for releases of any of ``keys`` (``WakesOnAny``: a semaphore's slots), one
+        sharded channel per key (on Cluster, each on its key's shard); as :meth:`subscribe`."""
         signals = self._signals
         if signals is None or signals.pid != os.getpid():  # a child never uses its parent's
             with self._connecting:
@@ -385,7 +390,7 @@ class RedisLockProvider:
                 if signals is None or signals.pid != os.getpid():
                     signals = self._signals = ReleaseSignals(self._route)
         with self._translated:
-            return signals.subscribe(key)
+            return signals.subscribe_any(keys)
 
     def _route(self, key: str) -> tuple[str, Callable[[], Any]]:
         """The server owning ``key`` and a factory of unconnected connections to it."""

@@ -20,9 +20,17 @@ from typing import Any
 
 import pytest
 
-from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService, ReleaseOutcome
+from celery_exclusive import (
+    BackendError,
+    InvalidArgumentError,
+    LockedError,
+    LockService,
+    ReleaseOutcome,
+    waiting,
+)
 from celery_exclusive.many import MAX_KEYS, LeaseSet
-from celery_exclusive.providers.base import WakesWaiters
+from celery_exclusive.providers.base import WakesOnAny, WakesWaiters
+from celery_exclusive.semaphore import slot_key
 from celery_exclusive.testing.contract import Store
 from celery_exclusive.waiting import POLL_MAX
 from tests.contract import _wait_workers
@@ -59,6 +67,38 @@ def test_a_waiter_acquires_soon_after_the_release(store: Store) -> None:
     woken = isinstance(store.service().provider, WakesWaiters)
     assert max(latencies) <= POLL_MAX + 0.3, latencies
     assert statistics.median(latencies) <= (0.05 if woken else POLL_MAX + 0.05), latencies
+
+
+@pytest.mark.parametrize("slot", [1, 2])
+def test_a_semaphore_waiter_is_woken_by_the_release_of_any_slot(
+    store: Store, monkeypatch: pytest.MonkeyPatch, slot: int
+) -> None:
+    """A waiter on a full limit=2 key acquires soon after either slot is released: with its
+    polling slowed to pauses of 2.5-5 s, only the release signal can bring it in within 1.5 s."""
+    if not isinstance(store.service().provider, WakesOnAny):
+        pytest.skip(f"store {store.name!r} has no subscribe_any: its semaphore waiters poll")
+    holder, waiter = store.service(), store.service()
+    waiter.provider.subscribe(waiter.prefix + "warm-up").close()  # the listener connection, made once
+    monkeypatch.setattr(waiting, "POLL_MIN", 5.0)
+    monkeypatch.setattr(waiting, "POLL_MAX", 5.0)
+    leases = [holder.lock("woken", limit=2, ttl=30) for _ in range(2)]
+    target = next(lease for lease in leases if lease.store_key == holder.prefix + slot_key("woken", slot))
+    released_at: list[float] = []
+
+    def release_later() -> None:
+        time.sleep(0.5)
+        released_at.append(time.monotonic())
+        assert target.release() is ReleaseOutcome.RELEASED
+
+    thread = threading.Thread(target=release_later)
+    thread.start()
+    got = waiter.lock("woken", limit=2, ttl=30, wait=20)
+    acquired_at = time.monotonic()
+    thread.join()
+    assert got.store_key == target.store_key
+    assert acquired_at - released_at[0] < 1.5
+    for lease in (got, *leases):
+        lease.release()
 
 
 def round_trip(service: LockService, key: str) -> float:
