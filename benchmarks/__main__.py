@@ -32,6 +32,7 @@ from benchmarks import (
     heartbeat,
     pg_locks,
     redis_locks,
+    semaphore,
     waiting,
 )
 from benchmarks.harness import (
@@ -58,6 +59,7 @@ SECTIONS = (
     "postgres",
     "contention",
     "waiting",
+    "semaphore",
     "heartbeat",
     "footprint",
     "capacity",
@@ -73,6 +75,7 @@ def all_rows() -> list[str]:
         pg_locks,
         contention,
         waiting,
+        semaphore,
         heartbeat,
         footprint,
         capacity,
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "postgres": lambda: pg_locks.run(report, plan, cleanup),
         "contention": lambda: contention.run(report, plan, cleanup),
         "waiting": lambda: waiting.run(report, plan, cleanup),
+        "semaphore": lambda: semaphore.run(report, plan, cleanup),
         "heartbeat": lambda: heartbeat.run(report, plan, cleanup),
         "footprint": lambda: footprint.run(report, plan),
         "capacity": lambda: capacity.run(report, plan, cleanup),

@@ -322,13 +322,17 @@ class RedisLockProvider:
     ) -> tuple[int, Grant] | Held:
         """A semaphore's first free slot: one ``acquire_any.lua`` call over every slot key (on a
         cluster, one per hash slot in slot order: a semaphore's slots 2..N share one)."""
+        if any(key.startswith(FENCES) for key in keys):
+            raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
         deadline = None if timeout is None else time.monotonic() + timeout
         first: Held | None = None
         for group in self._scripts.groups(keys, self._cluster):
             picked = [keys[i] for i in group]
+            fences = fence_key(self._slot_of(picked[0].encode())) if self._cluster else FENCES
             args: tuple[Any, ...] = (
-                len(picked),
+                len(picked) + 1,
                 *picked,
+                fences,
                 token,
                 whole_ms(ttl),
                 whole_ms(max_lifetime),

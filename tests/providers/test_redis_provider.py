@@ -7,6 +7,7 @@ start their own ``redis-server``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -213,6 +214,38 @@ def test_a_completion_record_keeps_the_hash_for_its_retention(
     assert provider.release(key, "tok2") is True
     assert provider.completion(key, "task-1") is not None
     assert provider._client.pttl(key) > 299_000
+
+
+def test_acquire_any_grants_like_acquire(provider: RedisLockProvider, prefix: str) -> None:
+    """A semaphore slot taken by acquire_any.lua expires with its lease (PEXPIRETIME equals
+    its ``expires``) and draws its fence from the high-water key like acquire.lua (above the
+    fence acquire granted just before, and the key raised to it), in one call: no failed
+    first attempt retried."""
+    client = provider._client
+    keys = [prefix + "any", "{" + prefix + "any}#2"]
+    single = provider.acquire(prefix + "other", "x", 30.0, 60.0, "{}")
+    assert isinstance(single, Grant)
+    calls = []
+    run = provider._scripts.run
+    provider._scripts.run = lambda *a, **k: calls.append(a[0]) or run(*a, **k)  # type: ignore[method-assign]
+    answer = provider.acquire_any(keys, "a", 30.0, 600.0, "{}")
+    assert isinstance(answer, tuple)
+    assert len(calls) == 1
+    index, grant = answer
+    assert index == 0
+    assert grant.fence > single.fence
+    assert int(client.get(FENCES)) >= grant.fence  # other tests' grants may raise it further
+    assert 29_000 < client.pttl(keys[0]) <= 30_000
+    with contextlib.suppress(redis.ResponseError):  # Redis < 7 has no PEXPIRETIME
+        assert client.execute_command("PEXPIRETIME", keys[0]) == int(client.hget(keys[0], "expires"))
+    again = provider.acquire_any(keys, "a", 30.0, 600.0, "{}")
+    assert isinstance(again, tuple)
+    assert again[0] == 0
+    assert again[1].fence == grant.fence  # a retried call gets its own slot back
+    for key, token in ((keys[0], "a"), (prefix + "other", "x")):
+        assert provider.release(key, token) is True
+    with pytest.raises(InvalidArgumentError, match="fences"):
+        provider.acquire_any([FENCES, "{" + FENCES + "}#2"], "tok", 30.0, 60.0, "{}")
 
 
 def test_the_fence_keys_are_refused_as_lock_keys(provider: RedisLockProvider) -> None:
