@@ -10,8 +10,10 @@
   next ``}``, which is the same for every ``i``, so a cluster takes at most two calls: slot 1,
   then the others), PostgreSQL (one statement: a snapshot read of every slot, then the
   single lock's advisory-locked fence draw and insert or take-over on the first free slot
-  only, so a refused attempt takes no lock, no xid and writes no WAL). SQLite and MariaDB
-  try the slots in order, one acquire each.
+  only, so a refused attempt takes no lock, no xid and writes no WAL), SQLite and MariaDB
+  (one transaction reading every slot row at once; on MariaDB through pymysql, two batches
+  of statements and the commit). A third-party store without ``acquire_any`` is tried slot
+  by slot, one acquire each.
 * A dead holder's slot is reclaimed after its ttl, as any lease's is: the slot's lease expires.
 * Changing ``limit`` while the key is held: new acquires use only slots ``1..limit``; leases
   on slots above it keep running until released or expired (nothing revokes them). Lowering

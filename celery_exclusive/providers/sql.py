@@ -110,9 +110,15 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
         "bump": f"UPDATE {f} SET n = n + 1 WHERE id = 1",
         "fence": f"SELECT n FROM {f} WHERE id = 1",
         "select": f"SELECT {cols} FROM {t} WHERE {k} = :key{lock}",
+        "select_any": f"SELECT {cols} FROM {t} WHERE {k} IN :keys{lock}",
         "delete": f"DELETE FROM {t} WHERE {k} = :key",
         "insert": f"INSERT INTO {t} ({k}, {v}, expires_at, created_at, deadline, fence, holder) "
         f"VALUES (:key, :token, {stamp(':ttl')}, {stamp('0')}, {stamp(':life')}, :fence, :holder)",
+        # insert with the fence read in the statement (for a batch, where the insert cannot
+        # wait for the fence's round trip): the counter row this transaction bumped and locked.
+        "insert_fenced": f"INSERT INTO {t} ({k}, {v}, expires_at, created_at, deadline, fence, holder) "
+        f"SELECT :key, :token, {stamp(':ttl')}, {stamp('0')}, {stamp(':life')}, n, :holder "
+        f"FROM {f} WHERE id = 1",
         "refresh": f"UPDATE {t} SET expires_at = {least}({stamp(':ttl')}, {deadline}) "
         f"WHERE {k} = :key AND {v} = :token AND {live}",
         # Whether the refresh stopped short of the hard deadline (it then granted exactly
@@ -163,6 +169,7 @@ def _generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]
     )
     texts = {name: sa.text(s) for name, s in sql.items()}
     texts["remaining"] = texts["remaining"].bindparams(sa.bindparam("keys", expanding=True))
+    texts["select_any"] = texts["select_any"].bindparams(sa.bindparam("keys", expanding=True))
     return texts
 
 
@@ -428,6 +435,64 @@ class SqlLockProvider(SqlStore):
         conn.commit()
         return Grant(fence, granted)
 
+    def acquire_any(
+        self,
+        keys: Sequence[str],
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[int, Grant] | Held:
+        """A semaphore's first free slot in one transaction (``AcquiresAny``): the acquire of
+        :meth:`acquire` over every slot at once, one read of all the slot rows instead of one
+        transaction per slot; a refused attempt commits nothing."""
+        granted = float(min(ttl, max_lifetime))
+        params = {
+            "keys": list(keys),
+            "token": token,
+            "ttl": granted,
+            "life": float(max_lifetime),
+            "holder": holder,
+        }
+        return self._transact(
+            "acquire", lambda conn: self._acquire_any_in(conn, keys, params, granted), timeout
+        )
+
+    def _acquire_any_in(
+        self, conn: Connection, keys: Sequence[str], params: dict[str, Any], granted: float
+    ) -> tuple[int, Grant] | Held:
+        """One acquire_any attempt in ``conn``'s transaction (committed if it grants). On
+        pymysql with multi-statements (MariaDB/MySQL engines built from a URL) its statements
+        go as two batches, a read and a write: two round trips and the commit."""
+        batched = self._batched(conn)
+        params.update(self._tx.now(conn))
+        if batched:  # bump: serialises acquirers, as in _acquire_in
+            rows = self._batch(conn, ("bump", "select_any"), params)[1][1]
+        else:
+            conn.execute(self._sql["bump"])
+            rows = list(conn.execute(self._sql["select_any"], params))
+        found = {str(row[0]): info_of(row[:7]) for row in rows}
+        infos = [found.get(key) for key in keys]
+        for index, info in enumerate(infos):
+            if info is not None and live(info) and info.token == params["token"]:
+                return index, Grant(info.fence, info.expires_in)
+        free = next((i for i, info in enumerate(infos) if info is None or not live(info)), None)
+        if free is None:
+            return Held(infos[0])
+        slot = {**params, "key": keys[free]}
+        dead = ("delete",) if infos[free] is not None else ()  # a dead lease: its ttl is over
+        if batched:
+            fence = int(self._batch(conn, (*dead, "insert_fenced", "fence"), slot)[-1][1][0][0])
+        else:
+            for name in dead:
+                conn.execute(self._sql[name], slot)
+            fence = int(conn.execute(self._sql["fence"], params).one()[0])
+            conn.execute(self._sql["insert"], {**slot, "fence": fence})
+        conn.commit()
+        return free, Grant(fence, granted)
+
     def _existing(
         self, conn: Connection, row: Sequence[Any], params: dict[str, Any], task_id: str | None
     ) -> Grant | Held | Done | None:
@@ -515,26 +580,35 @@ class SqlLockProvider(SqlStore):
         """The release's DELETE, the tidy-up of our own expired row and the completion
         record (and one in _PRUNE_EVERY times the prune) in one round trip, as one batch of
         statements in the release's transaction; True if the lease was still ours."""
-        errors = self._engine.dialect.loaded_dbapi.Error
         names = ("release_live", "release_any", "done_put") + (("done_prune",) if prune else ())
+        return self._batch(conn, names, params)[0][0] == 1
+
+    def _batch(
+        self, conn: Connection, names: tuple[str, ...], params: dict[str, Any]
+    ) -> list[tuple[int, list[Any]]]:
+        """The statements ``names`` in one round trip, as one batch in ``conn``'s transaction
+        (:meth:`_batched` must hold); each one's ``(rowcount, rows)``."""
+        errors = self._engine.dialect.loaded_dbapi.Error
         batch = self._batches.get(names)
         if batch is None:
-            batch = "; ".join(PLACEHOLDER.sub(r"%(\1)s", str(self._sql[n])) for n in names)
+            batch = "; ".join(PLACEHOLDER.sub(r"%(\1)s", self._sql[n].text) for n in names)
             self._batches[names] = batch
         if not conn.in_transaction():
             conn.begin()  # so that the caller's commit() commits (pymysql sends nothing here)
         dbapi: Any = conn.connection.driver_connection
         cursor = dbapi.cursor()
+        results: list[tuple[int, list[Any]]] = []
         try:
             cursor.execute(batch, params)
-            owned = cursor.rowcount == 1
-            while cursor.nextset():  # an error in a later statement is raised here
-                pass
+            while True:
+                results.append((cursor.rowcount, list(cursor.fetchall() or ())))
+                if not cursor.nextset():  # an error in a later statement is raised here
+                    break
         except errors as exc:
             raise sa_exc.DBAPIError.instance(batch, params, exc, errors) from exc
         finally:
             cursor.close()
-        return bool(owned)
+        return results
 
     def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
         if not self._records_on():

@@ -96,3 +96,37 @@ def test_a_caller_engine_without_multi_statements_still_releases(maria: Db) -> N
     finally:
         provider.close()
         engine.dispose()
+
+
+def test_a_semaphore_acquire_is_two_batches_and_a_commit(maria: Db, monkeypatch: pytest.MonkeyPatch) -> None:
+    """acquire_any (limit=3) sends one batch to read every slot (UPDATE of the fence counter,
+    SELECT) and one to write the free one (INSERT, SELECT of the fence), then COMMIT, whatever
+    the limit; refused, only the read (and the pool's ROLLBACK). Counted as commands the
+    driver sends; each slot keeps its own fence."""
+
+    def verbs() -> list[str]:
+        return [s.removeprefix('b"').removeprefix("b'").split()[0].upper() for s in sent]
+
+    provider = maria.provider()
+    keys = ["sem", "{sem}#2", "{sem}#3"]
+    try:
+        provider.acquire_any(["warm", "{warm}#2"], "w", 5, 10, "{}")
+        sent = _commands(monkeypatch)
+        granted = []
+        for i in range(3):
+            sent.clear()
+            answer = provider.acquire_any(keys, f"t{i}", 30, 60, "{}")
+            assert isinstance(answer, tuple)
+            assert answer[0] == i
+            granted.append(answer[1].fence)
+            assert verbs() == ["UPDATE", "INSERT", "COMMIT", "ROLLBACK"], sent
+        assert granted == sorted(set(granted))
+        sent.clear()
+        held = provider.acquire_any(keys, "other", 30, 60, "{}")
+        assert not isinstance(held, tuple)
+        assert held.holder is not None
+        assert held.holder.token == "t0"
+        assert verbs() == ["UPDATE", "ROLLBACK"], sent
+        assert sorted(maria.rows()) == sorted(["warm", *keys])
+    finally:
+        provider.close()
