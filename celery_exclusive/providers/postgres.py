@@ -61,6 +61,7 @@ from celery_exclusive.providers.base import (
     Done,
     Grant,
     Held,
+    LockInfo,
     RefreshRequest,
 )
 
@@ -266,21 +267,23 @@ RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
 def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
     """A semaphore's first free slot of ``:keys`` (a text array literal, slot order) in one
     statement (``AcquiresAny``); rows ``kind, slot index (1-based), key, value, fence, age,
-    expires_in, hard_expires_in, holder``. ``kind`` is ``g`` (granted: only the index and
-    fence are set), ``m`` (``:token`` already holds that slot live, a retried call), ``h``
-    (every slot live: slot 1's holder) or ``r`` (the picked slot was taken by a racing
-    acquirer between the snapshot and the write: the caller tries again).
+    expires_in, hard_expires_in, holder``: one ``g`` row (granted: only the index and fence
+    are set) if it took a slot, and one row per slot as read (``l`` live, ``f`` absent or
+    dead; key and times NULL if absent). No ``g`` row: ``:token`` already holds a live slot
+    (a retried call), or every slot was live, or the picked slot was taken by a racing
+    acquirer between the statement's read and its write (the caller tries again).
 
     The single lock's guarantees, per slot key: one snapshot read of every slot picks the
-    first that is absent or dead (expired, past its deadline or stale); only then is that
-    key's advisory lock taken (the same ``(hashtext(table), hashtext(key))`` lock as
-    ``acquire`` and ``take_over``, so single and semaphore acquires of slot 1 exclude each
-    other) and its fence drawn under it, just before its write, which is an INSERT ... ON
-    CONFLICT DO NOTHING for an absent slot and, for a dead one, an UPDATE that re-checks the
-    row is still dead on the version it locks (the take_over rule: a slot is reclaimed only
-    once its lease is over). With every slot live the pick is empty, so nothing below it
-    runs: no lock, no nextval, no xid, no WAL. The grant commits with synchronous_commit on
-    (``durable``). Time is ``statement_timestamp()`` throughout, as in ``acquire``."""
+    first that is absent or dead (expired, past its deadline or stale), unless ``:token``
+    holds one; only then is that key's advisory lock taken (the same ``(hashtext(table),
+    hashtext(key))`` lock as ``acquire`` and ``take_over``, so single and semaphore acquires
+    of slot 1 exclude each other) and its fence drawn under it, just before its write, which
+    is an INSERT ... ON CONFLICT DO NOTHING for an absent slot and, for a dead one, an
+    UPDATE that re-checks the row is still dead on the version it locks (the take_over rule:
+    a slot is reclaimed only once its lease is over). With every slot live the pick is
+    empty, so nothing below it runs: no lock, no nextval, no xid, no WAL. The grant commits
+    with synchronous_commit on (``durable``). Time is ``statement_timestamp()`` throughout,
+    as in ``acquire``."""
     ts = "statement_timestamp()"
     lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(p.key))"
     fence = f"(SELECT nextval('{seq}') FROM lk)"
@@ -293,18 +296,14 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
         f"extract(epoch FROM c.expires_at - {ts})::float8 AS expires_in, "
         f"extract(epoch FROM c.deadline - {ts})::float8 AS hard_in, c.holder"
     )
-    info = "cur.key, cur.value, cur.fence, cur.age, cur.expires_in, cur.hard_in, cur.holder"
-    granted = "NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
-    return f"""WITH s AS MATERIALIZED (
-  SELECT s.key, s.i FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i)),
-cur AS MATERIALIZED (
+    granted = "NULL::varchar, NULL::text, g.fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
+    return f"""WITH cur AS MATERIALIZED (
   SELECT s.i, s.key AS slot, c.key IS NOT NULL AS present, COALESCE({live}, false) AS live,
          COALESCE(c.value = :token, false) AS mine, {row}
-  FROM s LEFT JOIN {t} AS c ON c.key = s.key),
-held AS MATERIALIZED (SELECT * FROM cur WHERE live AND mine ORDER BY i LIMIT 1),
+  FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i) LEFT JOIN {t} AS c ON c.key = s.key),
 p AS MATERIALIZED (
   SELECT slot AS key, i, present FROM cur
-  WHERE NOT live AND NOT EXISTS (SELECT 1 FROM held) ORDER BY i LIMIT 1),
+  WHERE NOT live AND NOT EXISTS (SELECT 1 FROM cur AS m WHERE m.live AND m.mine) ORDER BY i LIMIT 1),
 lk AS MATERIALIZED (SELECT {lock}, {durable} FROM p),
 upd AS (
   UPDATE {t} AS t SET value = :token, expires_at = {ts} + make_interval(secs => :ttl), created_at = {ts},
@@ -320,17 +319,11 @@ ins AS (
   FROM p WHERE NOT p.present
   ON CONFLICT (key) DO NOTHING
   RETURNING t.fence)
-SELECT 'g'::text, p.i, {granted} FROM upd CROSS JOIN p
+SELECT 'g'::text, p.i, {granted}
+FROM (SELECT fence FROM upd UNION ALL SELECT fence FROM ins) AS g CROSS JOIN p
 UNION ALL
-SELECT 'g'::text, p.i, {granted} FROM ins CROSS JOIN p
-UNION ALL
-SELECT 'm'::text, cur.i, {info} FROM held AS cur
-UNION ALL
-SELECT 'h'::text, cur.i, {info} FROM cur
-WHERE cur.i = 1 AND NOT EXISTS (SELECT 1 FROM p) AND NOT EXISTS (SELECT 1 FROM held)
-UNION ALL
-SELECT 'r'::text, p.i, {granted.replace("fence", "NULL::bigint")} FROM p
-WHERE NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
+SELECT CASE WHEN live THEN 'l' ELSE 'f' END, i, key, value, fence, age, expires_in, hard_in, holder
+FROM cur"""
 
 
 def _pg_sweep_statements(dialect: Dialect, name: str) -> dict[str, str]:
@@ -729,10 +722,10 @@ class PostgresLockProvider(SqlStore):
         *,
         timeout: float | None = None,
     ) -> tuple[int, Grant] | Held:
-        """A semaphore's first free slot in one statement (``acquire_any`` in
-        :func:`_pg_statements`); a contended attempt (every slot live) writes nothing. A slot
-        lost to a racing acquirer between the statement's read and its write is tried
-        again, at most once per slot."""
+        """A semaphore's first free slot in one statement (:func:`_acquire_any_statement`);
+        a contended attempt (every slot live) writes nothing. A slot lost to a racing
+        acquirer between the statement's read and its write is tried again, at most once
+        per slot."""
         granted = float(min(ttl, max_lifetime))
         params = {
             "keys": _text_array(keys),
@@ -745,14 +738,21 @@ class PostgresLockProvider(SqlStore):
         for _ in keys:
             left = None if end is None else max(end - time.monotonic(), 0.001)
             rows = self._call("acquire_any", params, left)
-            kind, index, *row = rows[0]
-            if kind == "g":
-                return int(index) - 1, Grant(int(row[2]), granted)
-            if kind == "m":
-                info = info_of(row)
-                return int(index) - 1, Grant(info.fence, info.expires_in)
-            if kind == "h":
-                return Held(info_of(row))
+            slots: list[tuple[int, LockInfo]] = []
+            raced = False
+            for kind, index, *row in rows:
+                if kind == "g":
+                    return int(index) - 1, Grant(int(row[2]), granted)
+                if kind == "f":
+                    raced = True
+                else:
+                    slots.append((int(index), info_of(row)))
+            mine = [(index, info) for index, info in slots if info.token == token]
+            if mine:
+                index, info = min(mine)
+                return index - 1, Grant(info.fence, info.expires_in)
+            if not raced:
+                return Held(min(slots)[1])
         return Held(None)  # every attempt lost its slot to a racing acquirer
 
     def refresh(

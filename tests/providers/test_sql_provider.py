@@ -463,12 +463,13 @@ def test_fork_child_gets_its_own_connections(pg: Db) -> None:
 
 
 def _assert_contended_attempts_write_no_wal(conn: Any, attempt: Callable[[int], object]) -> None:
-    """``attempt(i)`` (an acquire, refused: Held) 200 times in a window: some window must show
-    no WAL growth (other sessions may write meanwhile: any quiet window proves we wrote nothing)."""
+    """``attempt(i)`` (an acquire, refused: Held) 50 times in a window: some window must show
+    no WAL growth (other sessions may write meanwhile: any quiet window proves we wrote nothing;
+    short windows are likelier to be quiet on a shared server)."""
     growth = []
-    for _ in range(5):
+    for _ in range(20):
         before = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
-        for i in range(200):
+        for i in range(50):
             assert isinstance(attempt(i), Held)
         after = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", before).fetchone()
         growth.append(after[0] if after else None)
@@ -517,10 +518,10 @@ def test_pg_contended_semaphore_takes_no_lock_or_transaction_id_and_writes_no_wa
         for i in range(3):
             assert provider.acquire_any(keys, f"holder{i}", 60, 600, "{}") == (i, Grant(i + 1, 60.0))
         with psycopg.connect(_psycopg_dsn(pg)) as conn:
-            for token, kind in (("other", "h"), ("holder1", "m")):
+            for token in ("other", "holder1"):
                 params = {"keys": _text_array(keys), "token": token, "ttl": 5.0, "life": 60.0, "holder": "{}"}
                 rows = conn.execute(provider._psycopg_sql["acquire_any"], params).fetchall()
-                assert [row[:2] for row in rows] == [(kind, 1 if kind == "h" else 2)]
+                assert sorted(row[:2] for row in rows) == [("l", 1), ("l", 2), ("l", 3)]  # no grant
                 assert conn.execute("SELECT txid_current_if_assigned()").fetchone() == (None,)
                 advisory = (
                     "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory'"
