@@ -47,6 +47,12 @@ Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` pr
   during a failover (Sentinel promotes a replica, the subscriber reconnects) only costs
   the poll interval.
 
+A waiter on a semaphore (``limit=N``) listens to the releases of all N slot keys in one
+subscription where the store has ``subscribe_any``
+(:class:`~celery_exclusive.providers.base.WakesOnAny`: memory, PostgreSQL, one channel per
+slot; Redis, one sharded channel per slot, on Cluster on each slot key's shard), so any
+holder's release wakes it.
+
 Nothing here holds the store while waiting: the waiter owns no lease between attempts.
 """
 

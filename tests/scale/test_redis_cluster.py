@@ -371,3 +371,35 @@ def test_a_release_wakes_its_waiters_on_every_primary(provider: RedisLockProvide
         assert all(s.wait(0) is False for k, s in subscriptions.items() if k != key)
     for subscription in subscriptions.values():
         subscription.close()
+
+
+def test_a_semaphore_takes_slots_with_their_slots_fence_and_wakes_on_any(provider: RedisLockProvider) -> None:
+    """limit=3 on a cluster under a service prefix: slot 1 (``prefix + key``) and slots 2..3
+    (``prefix + {key}#i``, hashed on ``key``) sit in different hash slots (on different
+    primaries here); acquire_any draws each group's fence from that hash slot's high-water
+    key, and one subscribe_any over the three keys is woken by the release of any of them."""
+    cluster = provider._client
+    for i in range(200):
+        prefix, key = f"p{uuid.uuid4().hex[:8]}:", f"sem{i}"
+        keys = [prefix + key, prefix + "{" + key + "}#2", prefix + "{" + key + "}#3"]
+        nodes = {cluster.nodes_manager.get_node_from_slot(cluster.keyslot(k)).name for k in keys}
+        if len(nodes) == 2:
+            break
+    else:  # pragma: no cover - 3 primaries: a random prefix lands apart from the tag 2/3 of the time
+        pytest.fail("no key found whose slots are on two primaries")
+    subscription = provider.subscribe_any(keys)
+    try:
+        for i, key in enumerate(keys):
+            answer = provider.acquire_any(keys, f"t{i}", 30.0, 600.0, "{}")
+            assert isinstance(answer, tuple)
+            assert answer[0] == i
+            assert int(cluster.get(fence_key(cluster.keyslot(key)))) >= answer[1].fence
+            assert 29_000 < cluster.pttl(key) <= 30_000
+        assert not isinstance(provider.acquire_any(keys, "late", 30.0, 600.0, "{}"), tuple)
+        assert subscription.wait(0.1) is False
+        for i in (2, 0):
+            assert provider.release(keys[i], f"t{i}") is True
+            assert subscription.wait(5.0) is True
+        assert provider.release(keys[1], "t1") is True
+    finally:
+        subscription.close()
