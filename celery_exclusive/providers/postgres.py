@@ -283,7 +283,9 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
     a slot is reclaimed only once its lease is over). With every slot live the pick is
     empty, so nothing below it runs: no lock, no nextval, no xid, no WAL. The grant commits
     with synchronous_commit on (``durable``). Time is ``statement_timestamp()`` throughout,
-    as in ``acquire``."""
+    as in ``acquire``. Each slot's row is read by its own primary-key lookup (the LATERAL
+    subquery, kept apart by ``OFFSET 0``): joined plainly, the planner hashed the slot list
+    and scanned the whole table (a refused attempt 80 µs against 49 µs with 300 rows)."""
     ts = "statement_timestamp()"
     lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(p.key))"
     fence = f"(SELECT nextval('{seq}') FROM lk)"
@@ -300,7 +302,8 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
     return f"""WITH cur AS MATERIALIZED (
   SELECT s.i, s.key AS slot, c.key IS NOT NULL AS present, COALESCE({live}, false) AS live,
          COALESCE(c.value = :token, false) AS mine, {row}
-  FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i) LEFT JOIN {t} AS c ON c.key = s.key),
+  FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i)
+  LEFT JOIN LATERAL (SELECT * FROM {t} AS c WHERE c.key = s.key OFFSET 0) AS c ON true),
 p AS MATERIALIZED (
   SELECT slot AS key, i, present FROM cur
   WHERE NOT live AND NOT EXISTS (SELECT 1 FROM cur AS m WHERE m.live AND m.mine) ORDER BY i LIMIT 1),
