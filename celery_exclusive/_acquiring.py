@@ -18,7 +18,7 @@ from celery_exclusive._process import check_holder, new_token, this, unprefixed
 from celery_exclusive._records import Records
 from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError
 from celery_exclusive.lease import Lease
-from celery_exclusive.providers.base import AcquiresAny, Done, Grant, Held, LockInfo, encode_holder
+from celery_exclusive.providers.base import AcquiresAny, Done, Grant, Held, LockInfo, SetsUp, encode_holder
 from celery_exclusive.validation import MAX_LIFETIME_CAP, lease_durations, seconds
 
 T = TypeVar("T")
@@ -36,6 +36,8 @@ class Acquiring:
         #: Whether the store takes a semaphore's first free slot in one call (checked once:
         #: a runtime Protocol check costs microseconds).
         self._any = isinstance(service.provider, AcquiresAny)
+        #: Set-up still to run before the first lease's clock starts (None once done).
+        self._set_up = service.provider if isinstance(service.provider, SetsUp) else None
 
     def take(
         self,
@@ -59,6 +61,9 @@ class Acquiring:
         encoded = this.holder if holder is None else encode_holder({**this.meta, **check_holder(holder)})
         store_key = service.prefix + key
         token = new_token()
+        if self._set_up is not None:
+            service._call("set up", self._set_up.set_up)
+            self._set_up = None
         sent = service.clock()
         if limit == 1:
             answer = self.acquire_one(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)

@@ -542,6 +542,10 @@ class SqlStore(metaclass=abc.ABCMeta):
             self._records = ready
         return ready
 
+    def set_up(self, *, timeout: float | None = None) -> None:
+        """Create the tables if needed (see ``SetsUp``); nothing once done."""
+        self._ensure_schema(timeout)
+
     def _ensure_schema(self, timeout: float | None = None) -> None:
         """Create the tables on first use; with ``timeout``, connecting for it gives up by
         then (the call's own deadline covers the set-up it triggers)."""

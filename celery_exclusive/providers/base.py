@@ -291,6 +291,18 @@ class WakesOnAny(Protocol):
 
 
 @runtime_checkable
+class SetsUp(Protocol):
+    """Optional: a store with one-time set-up on first use (the SQL stores create their
+    tables). The service runs it before it starts a lease's clock, so a slow first set-up
+    (a whole fleet creating one table at once) does not eat into the first lease's ttl."""
+
+    def set_up(self, *, timeout: float | None = None) -> None:
+        """Make the store ready for calls, within ``timeout`` seconds where given; returns at
+        once when already done. Raises BackendError when the store cannot be set up."""
+        ...
+
+
+@runtime_checkable
 class AcquiresAny(Protocol):
     """Optional: a store that takes the first free key of several in one atomic operation.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sqlite3
 import threading
 import time
 import uuid
@@ -848,3 +849,22 @@ def test_a_schema_without_the_record_table_keeps_working_without_records(
         assert any(d.check == "records" and d.status == "warn" for d in provider.diagnose())
     finally:
         provider.close()
+
+
+def test_a_slow_first_set_up_does_not_shorten_the_first_lease(tmp_path: Path) -> None:
+    """The first lock() creates the tables before its lease's clock starts: with the
+    database write-locked elsewhere for longer than the ttl, the lease still begins with
+    its whole ttl once the set-up gets through (it used to be granted already expired)."""
+    from celery_exclusive import LockService
+
+    path = tmp_path / "locks.db"
+    rival = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    rival.execute("BEGIN IMMEDIATE")
+    threading.Timer(1.5, rival.close).start()  # the set-up waits this long for the write lock
+    with LockService(f"sqlite:///{path}", call_timeout=10) as service:
+        lease = service.lock("first", ttl=1.0)
+        try:
+            assert lease.held
+            assert lease.expires_in > 0.6, lease.expires_in
+        finally:
+            lease.release()
