@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_task_logger
@@ -221,6 +222,10 @@ class Run:
             logger.warning("could not send the %s event", EVENT_LOST, exc_info=True, extra=context)
 
 
-def holding(task: Any, lease: Lease) -> Run:
-    """The run acquired ``lease`` and is about to run its body: annotate its span."""
-    return Run(task, lease)
+def holding(task: Any, leases: Sequence[Lease]) -> Run:
+    """The run acquired ``leases`` and is about to run its body: annotate its span (with the
+    first lease), and report the loss of any of them (``lease.on_lost``)."""
+    report = Run(task, leases[0])
+    for lease in leases:
+        lease.on_lost(report.lost)
+    return report

@@ -14,6 +14,7 @@ callable); see :mod:`celery_exclusive.task` for the behaviour each name promises
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,9 +28,11 @@ from celery_exclusive import observe, redelivery, semaphore, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import check_key
+from celery_exclusive.worker import HOST
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
+    from celery_exclusive.settings import ExclusiveSettings
 
 logger = get_task_logger("celery_exclusive.task")
 
@@ -206,7 +209,7 @@ class Rerun(OnLocked):
         service = task.lock_service
         marker_key = key + RERUN_SUFFIX
         check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
-        meta = {**task._holder(), "rerun": _recorded_call(task, call)}
+        meta = {**holder_of(task), "rerun": _recorded_call(task, call)}
         token = service.mark(marker_key, ttl=task.lock_settings.max_lifetime, holder=meta)
         if token is None and task.lock_settings.rerun_args == "latest":
             token = _replace_marker(service, marker_key, meta, task.lock_settings.max_lifetime)
@@ -346,3 +349,35 @@ def policy_for(on_locked: str | Callable[..., Any]) -> OnLocked:
     if callable(on_locked):
         return Custom(on_locked)
     return POLICIES[on_locked]
+
+
+def of(task: Task) -> OnLocked:
+    """The policy object of ``task``'s settings (made once per settings object)."""
+    settings = task.lock_settings
+    cached: tuple[ExclusiveSettings, OnLocked] | None = task.__dict__.get("_lock_policy_cache")
+    if cached is None or cached[0] is not settings:
+        cached = (settings, policy_for(settings.on_locked))
+        task.__dict__["_lock_policy_cache"] = cached
+    return cached[1]
+
+
+def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+    """The answer to a held key: the redelivery check (policy-independent, and first: a copy
+    of this very message's run never reaches a policy), then the policy's ``locked`` hook."""
+    if not call.inline and redelivery.is_copy(task, holder):
+        redelivery.end(task, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
+    return of(task).locked(task, key, holder, call)
+
+
+def holder_of(task: Task) -> dict[str, Any]:
+    """The holder metadata of ``task``'s run: who runs it, and what its policy and cooldown
+    need others to know (a rerun-policy holder hands on reruns; ``list`` shows "cooling")."""
+    request = task.request
+    holder = {"host": HOST, "pid": os.getpid(), "task_name": task.name, "task_id": request.id}
+    if request.hostname:
+        holder["worker"] = request.hostname
+    if of(task).hands_on_reruns:
+        holder[HANDS_ON_RERUNS] = True
+    if task.lock_settings.cooldown:
+        holder["cooldown"] = task.lock_settings.cooldown
+    return holder

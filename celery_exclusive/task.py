@@ -54,7 +54,6 @@ finished id is remembered; ``False`` turns that off).
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 import time
 import types
@@ -78,11 +77,11 @@ from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import _interrupt, dedupe, observe, policies, redelivery
+from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
-from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.lease import Lease
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.policies import (
     COALESCED,
@@ -95,16 +94,16 @@ from celery_exclusive.policies import (
     lock_retry_countdown,
     skip_marker,
 )
-from celery_exclusive.providers.base import Completion, LockInfo
+from celery_exclusive.providers.base import Completion
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
-    TASK_KEYWORDS,
     TASK_OPTIONS,
     ExclusiveSettings,
     check_lock_attributes,
     check_task_options,
+    keyword_attributes,
 )
-from celery_exclusive.worker import HOST, app_settings, get_lock_service
+from celery_exclusive.worker import app_settings, get_lock_service
 
 if TYPE_CHECKING:
     from celery.canvas import Signature
@@ -126,25 +125,6 @@ __all__ = [
     "lock_retry_countdown",
     "skip_marker",
 ]
-
-
-class _Running(threading.local):
-    """Per-thread stack of (task, lease) for the runs in progress in this thread (a
-    LeaseSet for a run holding several keys)."""
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[object, Lease | LeaseSet]] = []
-
-    def remove(self, lease: Lease | LeaseSet) -> None:
-        """Pop the innermost entry of ``lease``."""
-        stack = self.stack
-        for index in range(len(stack) - 1, -1, -1):
-            if stack[index][1] is lease:
-                del stack[index]
-                return
-
-
-_running = _Running()
 
 
 def _raw_attribute(task: object, name: str) -> Any:
@@ -257,14 +237,14 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
         A run holding several keys: the lease of its first key in canonical order (the one
         carrying the completion record); :attr:`locks` has them all."""
-        lease = _current(self)
+        lease = _runs.current(self)
         return lease.leases[0] if isinstance(lease, LeaseSet) else lease
 
     @property
     def locks(self) -> LeaseSet | None:
         """Every lease held by this task's run in progress in this thread (one for a
         single key), in canonical order, or None: ``self.locks.check()`` checks them all."""
-        lease = _current(self)
+        lease = _runs.current(self)
         return LeaseSet([lease]) if isinstance(lease, Lease) else lease
 
     @property
@@ -345,18 +325,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     # learn who it is (it may be this very message's original).
                     asked_again = True
                     continue
-                result = self._held(locked.key, locked.holder, call)
+                result = policies.held(self, locked.key, locked.holder, call)
                 if result is policies.AGAIN:
                     continue
                 return result
             return self._run_holding(lease, args, kwargs)
-
-    def _held(self, key: str, holder: LockInfo | None, call: policies.Call) -> Any:
-        """The answer to a held key: the redelivery check (policy-independent, and first:
-        a copy of this very message's run never reaches a policy), then the policy."""
-        if not call.inline and redelivery.is_copy(self, holder):
-            redelivery.end(self, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
-        return self._lock_policy.locked(self, key, holder, call)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -388,64 +361,23 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     # -- internals ------------------------------------------------------------------------
 
-    @property
-    def _lock_policy(self) -> policies.OnLocked:
-        """The ``on_locked`` policy object of this task's settings (made once per settings)."""
-        settings = self.lock_settings
-        cached: tuple[ExclusiveSettings, policies.OnLocked] | None = self.__dict__.get("_lock_policy_cache")
-        if cached is None or cached[0] is not settings:
-            cached = (settings, policies.policy_for(settings.on_locked))
-            self.__dict__["_lock_policy_cache"] = cached
-        return cached[1]
-
-    def _holder(self) -> dict[str, Any]:
-        request = self.request
-        holder = {"host": HOST, "pid": os.getpid(), "task_name": self.name, "task_id": request.id}
-        if request.hostname:
-            holder["worker"] = request.hostname
-        if self._lock_policy.hands_on_reruns:
-            holder[policies.HANDS_ON_RERUNS] = True
-        if self.lock_settings.cooldown:
-            holder["cooldown"] = self.lock_settings.cooldown  # `list` shows "cooling" after the run
-        return holder
-
-    @overload
-    def _acquire(
-        self, service: LockService, settings: ExclusiveSettings, key: str, once: str | None = None
-    ) -> Lease: ...
-    @overload
-    def _acquire(
-        self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
-    ) -> Lease | LeaseSet: ...
     def _acquire(
         self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
     ) -> Lease | LeaseSet:
+        """The run's lease(s) on ``key`` (LockedError if held; AlreadyDone if ``once`` is done)."""
         started = time.perf_counter()
         try:
-            if not isinstance(key, str):
-                return _lock_all(service, settings, key, self._holder(), once)
-            return service.lock(
-                key,
-                ttl=settings.lease_ttl,
-                max_lifetime=settings.max_lifetime,
-                refresh_interval=settings.refresh_interval,
-                holder=self._holder(),
-                task_id=once,
-                hold_at_least=settings.cooldown,
-                limit=settings.limit,
-            )
+            return _lock(service, settings, key, policies.holder_of(self), once)
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
 
     def _run_holding(self, lease: Lease | LeaseSet, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         dedupe.acquired(self)
         leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
-        report = observe.holding(self, leases[0])
-        for each in leases:
-            each.on_lost(report.lost)
+        report = observe.holding(self, leases)
         interrupter = _interrupt.arm(*leases) if self.lock_settings.on_lost == "terminate" else None
         traced = _traced(self)
-        _running.stack.append((self, lease))
+        _runs.push(self, lease)
         try:
             try:
                 result = self.run(*args, **kwargs) if traced else super().__call__(*args, **kwargs)
@@ -456,7 +388,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             lost = self._finish(
                 lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True)
             )
-            which = lost or _first_lost(leases)
+            which = lost or _runs.first_lost(leases)
             raise LockLost(which.key, which.fence, _INTERRUPTED) from None
         except BaseException as exc:
             lost = self._finish(lease, retrying=isinstance(exc, Retry), done=redelivery.completion(self, exc))
@@ -472,67 +404,37 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     def _finish(
         self, lease: Lease | LeaseSet, *, retrying: bool, done: Completion | None = None
     ) -> Lease | None:
-        """Pop and release the run's lease(s) (recording ``done`` on the first key, in the same
-        store call); then the policy's ``finished`` hook (the rerun hand-on). The lease that
-        had been lost (the first in canonical order), or None."""
-        _running.remove(lease)
-        if isinstance(lease, LeaseSet):
-            lost = None
-            first, *rest = lease.leases
-            for each in reversed(rest):  # the first key last: it carries the record
-                lost = each if _release(each, None) else lost
-            lost = first if _release(first, done) else lost
-            self._lock_policy.finished(self, first.key, retrying=retrying)
-            return lost
-        state = lease.state  # _release inlined: the single-key path makes no extra call
-        gone = state is LeaseState.LOST
-        if state is not LeaseState.RELEASED:
-            gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
-        self._lock_policy.finished(self, lease.key, retrying=retrying)
-        return lease if gone else None
+        """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
+        ``finished`` hook (the rerun hand-on). The lease that had been lost, or None."""
+        lost = _runs.finish(lease, done)
+        policies.of(self).finished(self, _runs.first_key(lease), retrying=retrying)
+        return lost
 
 
-def _release(lease: Lease, done: Completion | None) -> bool:
-    """Release ``lease`` (recording ``done``) unless released already; True if it had been lost."""
-    state = lease.state
-    lost = state is LeaseState.LOST
-    if state is not LeaseState.RELEASED:
-        lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
-    return lost
-
-
-def _first_lost(leases: Sequence[Lease]) -> Lease:
-    """The lease whose loss interrupted the run (the first one lost, in canonical order)."""
-    return next((lease for lease in leases if lease.lost.is_set()), leases[0])
-
-
-def _current(task: object) -> Lease | LeaseSet | None:
-    """The lease(s) of ``task``'s run in progress in this thread, or None."""
-    for running, lease in reversed(_running.stack):
-        if running is task:
-            return lease
-    return None
-
-
-def _lock_all(
+def _lock(
     service: LockService,
     settings: ExclusiveSettings,
-    keys: list[str],
+    key: str | list[str],
     holder: dict[str, Any],
     once: str | None,
-) -> LeaseSet:
-    """Every key of a run, all or none, in canonical order (``keys`` is sorted): the first
-    through ``lock(task_id=once)``, which checks (and at release records) the completion
-    record of the task id on it, the rest through ``lock_many``. A semaphore (``limit > 1``)
-    of several keys is refused (checked at the first run, before the store is touched)."""
-    if settings.limit > 1:
-        raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
+) -> Lease | LeaseSet:
+    """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
+    the first through ``lock(task_id=once)``, which checks (and at release records) the
+    completion record of the task id on it, the rest through ``lock_many``. A semaphore
+    (``limit > 1``) of several keys is refused (at the first run, before the store is touched)."""
     options: dict[str, Any] = {
         "ttl": settings.lease_ttl,
         "max_lifetime": settings.max_lifetime,
         "refresh_interval": settings.refresh_interval,
         "holder": holder,
     }
+    if isinstance(key, str):
+        return service.lock(
+            key, task_id=once, hold_at_least=settings.cooldown, limit=settings.limit, **options
+        )
+    if settings.limit > 1:
+        raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
+    keys = key
     first = service.lock(keys[0], task_id=once, **options)
     try:
         rest = service.lock_many(keys[1:], **options)
@@ -579,14 +481,9 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
     """Release the run's lease before its retry is sent, and restart the lock-retry count."""
-    lease = _current(task)
-    if isinstance(lease, LeaseSet):
-        first, *rest = lease.leases
-        for each in reversed(rest):
-            each.release()
-        first.release(redelivery.retried(task))
-    elif lease is not None:
-        lease.release(redelivery.retried(task))
+    lease = _runs.current(task)
+    if lease is not None:
+        _runs.release_all(lease, redelivery.retried(task))
     headers = task.request.headers
     if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
         options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
@@ -620,11 +517,7 @@ def _traced(task: ExclusiveTask[..., Any]) -> bool:
     apply()) pushed this task and its request before calling us, and Task.__call__
     would push a copy of both (10 us a run). Only when it is the next __call__ in
     line, and not for a call from inside this task's own body."""
-    return (
-        not task.request.called_directly
-        and _celerys_call_is_next(type(task))
-        and all(running is not task for running, _ in _running.stack)
-    )
+    return not task.request.called_directly and _celerys_call_is_next(type(task)) and not _runs.inside(task)
 
 
 def _celerys_call_is_next(cls: type) -> bool:
@@ -740,13 +633,7 @@ def exclusive_task(
     the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
     ``task(...)``, ``.delay(...)`` and ``.si(...)`` arguments and what ``.delay(...).get()`` returns.
     """
-    given = locals()
-    lock_options = {"lock_key": key, **{attr: given[keyword] for keyword, attr in TASK_KEYWORDS.items()}}
-    for name, value in lock_options.items():
-        if value is not None and options.get(name) is not None:
-            raise InvalidArgumentError(f"{name} given twice (once by its short name)")
-        if value is not None:
-            options[name] = value
+    options.update(keyword_attributes(locals(), options))
     check_lock_attributes(options, _LOCK_ATTRIBUTES)
     check_task_options(**{name: options.get(attr) for name, attr in TASK_OPTIONS.items()})
     options["base"] = exclusive_base(base)
