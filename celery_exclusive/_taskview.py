@@ -7,7 +7,6 @@ importing the module that imports them (no import cycle, see tests/test_layering
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -32,7 +31,8 @@ class TaskView(Protocol):
     @property
     def lock_service(self) -> LockService: ...
     def signature_from_request(self, request: Any, args: Any, kwargs: Any, **options: Any) -> Any: ...
-    def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease | LeaseSet: ...
-    def _run_holding(
-        self, lease: Lease | LeaseSet, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> Any: ...
+    def _acquire(
+        self, service: LockService, key: str, once: str | None, request: Any
+    ) -> Lease | LeaseSet: ...
+    # ``call``: a policies.Call (not named here: policies imports this module).
+    def _run_holding(self, lease: Lease | LeaseSet, call: Any, request: Any, record: str | None) -> Any: ...

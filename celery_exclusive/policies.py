@@ -14,7 +14,6 @@ callable); see :mod:`celery_exclusive.task` for the behaviour each name promises
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +27,6 @@ from celery_exclusive import observe, redelivery, semaphore, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import check_key
-from celery_exclusive.worker import HOST
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
@@ -206,7 +204,7 @@ class Rerun(OnLocked):
             # other holder (a "skip" or "retry" task on the same key) a coalesced request
             # would wait for some later rerun-policy run, or forever. So wait like "retry".
             return RETRY.locked(task, key, holder, call)
-        service = task.lock_service
+        service, request = task.lock_service, task.request
         marker_key = key + RERUN_SUFFIX
         check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
         meta = {**holder_of(task), "rerun": _recorded_call(task, call)}
@@ -216,11 +214,11 @@ class Rerun(OnLocked):
         if token is None:
             return skipped(task, key, holder, coalesced=True)
         try:
-            lease = task._acquire(service, task.lock_settings, key)
+            lease = task._acquire(service, key, None, request)
         except LockedError as locked:
             return skipped(task, key, locked.holder, coalesced=True)
         if service.force_release(marker_key, token):
-            return task._run_holding(lease, call.args, call.kwargs)
+            return task._run_holding(lease, call, request, redelivery.once_id(task, request))
         # The previous holder took our marker and has sent the rerun already. A request that
         # found the key held by us meanwhile recorded a new rerun: hand it on like a holder.
         lease.release()
@@ -369,11 +367,13 @@ def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
     return of(task).locked(task, key, holder, call)
 
 
-def holder_of(task: Task) -> dict[str, Any]:
-    """The holder metadata of ``task``'s run: who runs it, and what its policy and cooldown
-    need others to know (a rerun-policy holder hands on reruns; ``list`` shows "cooling")."""
-    request = task.request
-    holder = {"host": HOST, "pid": os.getpid(), "task_name": task.name, "task_id": request.id}
+def holder_of(task: Task, request: Any = None) -> dict[str, Any]:
+    """The holder metadata of ``task``'s run (``request``: its current request, if the
+    caller has it): who runs it, and what its policy and cooldown need others to know (a
+    rerun-policy holder hands on reruns; ``list`` shows "cooling"). The service adds this
+    process's ``host`` and ``pid`` in front (the store's JSON is the same as with them here)."""
+    request = task.request if request is None else request
+    holder = {"task_name": task.name, "task_id": request.id}
     if request.hostname:
         holder["worker"] = request.hostname
     if of(task).hands_on_reruns:

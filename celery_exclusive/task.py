@@ -103,6 +103,7 @@ from celery_exclusive.settings import (
     check_task_options,
     keyword_attributes,
 )
+from celery_exclusive.validation import lease_durations
 from celery_exclusive.worker import app_settings, get_lock_service
 
 if TYPE_CHECKING:
@@ -146,8 +147,12 @@ def _key_builder_for(cls: Any) -> KeyBuilder:
 
 def _key_builder_of(task: Any) -> KeyBuilder:
     """The task's key builder: its class's, unless ``lock_key`` changed after the class was made."""
-    spec = _raw_attribute(task, "lock_key")
     builder: KeyBuilder | None = type(task)._lock_keys
+    # The class's own spec, read without getattr_static (a classmethod key takes the long way).
+    seen = task.__dict__.get("lock_key", _UNSET)
+    if builder is not None and builder.spec is (type(task).lock_key if seen is _UNSET else seen):
+        return builder
+    spec = _raw_attribute(task, "lock_key")
     if builder is None or builder.spec is not spec:
         # Bind the new lock_key to the run method, once.
         builder = task.__dict__.get("_lock_keys_own")
@@ -157,6 +162,7 @@ def _key_builder_of(task: Any) -> KeyBuilder:
     return builder
 
 
+_UNSET: Any = object()
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -310,11 +316,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         service = self.lock_service
         request = self.request
         call = policies.Call(args, kwargs, inline=bool(request.called_directly or request.is_eager))
-        once = None if call.inline else redelivery.once_id(self)
-        asked_again = call.inline
+        record = None if call.inline else redelivery.once_id(self, request)
+        once, asked_again = record, call.inline
         while True:
             try:
-                lease = self._acquire(service, settings, key, once)
+                lease = self._acquire(service, key, once, request)
             except AlreadyDone as done:
                 redelivery.settle(self, done.key, done.record, args, kwargs)  # ends a copy of a finished run
                 once = None  # a retry's own attempt: take the key as usual
@@ -329,7 +335,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 if result is policies.AGAIN:
                     continue
                 return result
-            return self._run_holding(lease, args, kwargs)
+            return self._run_holding(lease, call, request, record)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -348,35 +354,35 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         starts again from zero for the retried run.
         """
         _before_retry(self, options)
-        return super().retry(
-            args=None if args is None else tuple(args),
-            kwargs=None if kwargs is None else dict(kwargs),
-            exc=exc,  # type: ignore[arg-type]  # celery-types says Exception; Celery takes any
-            throw=throw,
-            eta=eta,
-            countdown=countdown,
-            max_retries=max_retries,
-            **options,
-        )
+        args, kwargs = None if args is None else tuple(args), None if kwargs is None else dict(kwargs)
+        # celery-types says exc is an Exception; Celery takes any.
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)  # type: ignore[arg-type]
 
     # -- internals ------------------------------------------------------------------------
 
     def _acquire(
-        self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
+        self, service: LockService, key: str | list[str], once: str | None, request: Any
     ) -> Lease | LeaseSet:
         """The run's lease(s) on ``key`` (LockedError if held; AlreadyDone if ``once`` is done)."""
         started = time.perf_counter()
         try:
-            return _lock(service, settings, key, policies.holder_of(self), once)
+            settings = self.lock_settings
+            durations = _durations(self, settings, service)
+            return _lock(service, settings, key, policies.holder_of(self, request), once, durations=durations)
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
 
-    def _run_holding(self, lease: Lease | LeaseSet, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    def _run_holding(
+        self, lease: Lease | LeaseSet, call: policies.Call, request: Any, record: str | None
+    ) -> Any:
+        """Run the body holding ``lease``, then release it, writing the completion record of
+        ``record`` (:func:`redelivery.once_id` of ``request``, the current request)."""
+        args, kwargs = call.args, call.kwargs
         dedupe.acquired(self)
         leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
-        report = observe.holding(self, leases)
+        report = observe.holding(self, leases, request)
         interrupter = _interrupt.arm(*leases) if self.lock_settings.on_lost == "terminate" else None
-        traced = _traced(self)
+        traced = _traced(self, request)
         _runs.push(self, lease)
         try:
             try:
@@ -385,16 +391,18 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 if interrupter is not None:
                     interrupter.disarm()
         except _interrupt.LeaseLostInterrupt as exc:
-            lost = self._finish(
-                lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True)
-            )
+            done = redelivery.completion(self, exc, interrupted=True, task_id=record, request=request)
+            lost = self._finish(lease, retrying=False, done=done)
             which = lost or _runs.first_lost(leases)
             raise LockLost(which.key, which.fence, _INTERRUPTED) from None
         except BaseException as exc:
-            lost = self._finish(lease, retrying=isinstance(exc, Retry), done=redelivery.completion(self, exc))
+            done = redelivery.completion(self, exc, task_id=record, request=request)
+            lost = self._finish(lease, retrying=isinstance(exc, Retry), done=done)
             report.finished(lost or leases[0], lost is not None)
             raise
-        lost = self._finish(lease, retrying=False, done=redelivery.completion(self, None))
+        lost = self._finish(
+            lease, retrying=False, done=redelivery.completion(self, None, task_id=record, request=request)
+        )
         if lost is not None:
             report.finished(lost, True)
             if self.lock_settings.on_lost == "raise":
@@ -417,17 +425,14 @@ def _lock(
     key: str | list[str],
     holder: dict[str, Any],
     once: str | None,
+    *,
+    durations: Mapping[str, float | None],
 ) -> Lease | LeaseSet:
     """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
     the first through ``lock(task_id=once)``, which checks (and at release records) the
     completion record of the task id on it, the rest through ``lock_many``. A semaphore
     (``limit > 1``) of several keys is refused (at the first run, before the store is touched)."""
-    options: dict[str, Any] = {
-        "ttl": settings.lease_ttl,
-        "max_lifetime": settings.max_lifetime,
-        "refresh_interval": settings.refresh_interval,
-        "holder": holder,
-    }
+    options: dict[str, Any] = {**durations, "holder": holder}
     if isinstance(key, str):
         return service.lock(
             key, task_id=once, hold_at_least=settings.cooldown, limit=settings.limit, **options
@@ -467,6 +472,28 @@ _DISCARDED = (
     "the lease was lost while the task ran, so the run may have overlapped another; "
     "its result was discarded (lock_on_lost='raise')"
 )
+
+
+def _durations(
+    task: ExclusiveTask[..., Any], settings: ExclusiveSettings, service: LockService
+) -> Mapping[str, float | None]:
+    """The durations ``service.lock`` is given for ``task``'s runs: none when the settings'
+    resolve to the service's own (which it then takes unchecked), else the settings'.
+    Cached per settings and service object (a new service after a fork or close is another)."""
+    cached = task.__dict__.get("_lock_durations_cache")
+    if cached is None or cached[0] is not settings or cached[1] is not service:
+        own = (settings.lease_ttl, settings.refresh_interval, settings.max_lifetime)
+        try:
+            same = lease_durations(*own, ttl_explicit=True) == (
+                service.ttl,
+                service.refresh_interval,
+                service.max_lifetime,
+            )
+        except InvalidArgumentError:  # the call itself then says so
+            same = False
+        durations = {} if same else dict(zip(("ttl", "refresh_interval", "max_lifetime"), own, strict=True))
+        cached = task.__dict__["_lock_durations_cache"] = (settings, service, durations)
+    return cached[2]
 
 
 def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
@@ -512,12 +539,12 @@ _mixins_mutex = threading.Lock()
 _celerys_call_next: dict[type, bool] = {}
 
 
-def _traced(task: ExclusiveTask[..., Any]) -> bool:
+def _traced(task: ExclusiveTask[..., Any], request: Any) -> bool:
     """Whether the body may be called without Task.__call__: the worker's tracer (and
     apply()) pushed this task and its request before calling us, and Task.__call__
     would push a copy of both (10 us a run). Only when it is the next __call__ in
     line, and not for a call from inside this task's own body."""
-    return not task.request.called_directly and _celerys_call_is_next(type(task)) and not _runs.inside(task)
+    return not request.called_directly and _celerys_call_is_next(type(task)) and not _runs.inside(task)
 
 
 def _celerys_call_is_next(cls: type) -> bool:
