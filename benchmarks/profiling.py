@@ -55,6 +55,15 @@ _LAYERS = (
     ("keys.py", "key validation"),
     ("signals.py", "signals"),
     ("service.py", "service: lock, _take, _call, release"),
+    # The Celery layer (celery_layer): the task's own modules, then Celery's tracer.
+    *(
+        (f"celery_exclusive/{m}.py", "task layer: task, policies, redelivery, observe, runs")
+        for m in ("task", "policies", "redelivery", "observe", "_runs", "worker", "_interrupt")
+    ),
+    ("celery_exclusive/dedupe.py", "dedupe: prerun/postrun receivers"),
+    ("site-packages/celery", "Celery: tracer, request, signals"),
+    ("site-packages/kombu", "Celery: tracer, request, signals"),
+    ("site-packages/opentelemetry", "OpenTelemetry (installed: the current span is looked up)"),
 )
 
 
@@ -176,3 +185,87 @@ def profile_service(plan: Plan) -> None:
         print(f"-- by layer (profiler overhead inflates small functions; load {_load()}):")
         print(layer_breakdown(stats, n))
     cpu_ladder(300 if plan.quick else 1500, 3 if plan.quick else 5)
+    celery_layer(300 if plan.quick else 2000, 3 if plan.quick else 7)
+
+
+def celery_layer(n: int = 2000, rounds: int = 7) -> None:
+    """Client CPU per task on Redis, each task run by Celery's own tracer as a pool process runs
+    it (``build_tracer``; no broker): a plain no-op, the same plus the provider's acquire +
+    release (the lock's floor), plus ``LockService.lock + release``, and an exclusive no-op.
+    Exclusive minus service is what the task layer itself costs (issue #16); rounds rotate the
+    order, and the exclusive variant is then profiled by layer (CPU clock)."""
+    if reachable(REDIS_URL):
+        return
+    from celery import Celery
+    from celery.app.trace import build_tracer
+
+    from celery_exclusive import exclusive_task
+    from celery_exclusive.worker import close_lock_services, get_lock_service
+
+    app = Celery("cebench-layer", broker="memory://", set_as_current=False)
+    app.conf.update(
+        exclusive_url=REDIS_URL, exclusive_prefix=f"{REDIS_PREFIX}layer:", task_ignore_result=True
+    )
+
+    def noop(i: int, tag: str) -> None:
+        """A no-op task body."""
+
+    def floor(i: int, tag: str) -> None:
+        service = get_lock_service(app)
+        key, token = f"{service.prefix}f:{tag}:{i}", secrets.token_hex(16)
+        service.provider.acquire(key, token, service.ttl, service.max_lifetime, '{"host":"h","pid":1}')
+        service.provider.release(key, token)
+
+    def locked(i: int, tag: str) -> None:
+        get_lock_service(app).lock(f"s:{tag}:{i}").release()
+
+    tasks = {
+        "plain no-op": app.task(name="layer.plain")(noop),
+        "floor: plain + provider acquire + release": app.task(name="layer.floor")(floor),
+        "service: plain + LockService.lock + release": app.task(name="layer.service")(locked),
+        "exclusive no-op (a key per task)": exclusive_task(
+            app=app, name="layer.exclusive", key="e:{tag}:{i}"
+        )(noop),
+    }
+    app.finalize()
+    tracers = {
+        name: build_tracer(t.name, t, eager=False, hostname="layer@bench", app=app)
+        for name, t in tasks.items()
+    }
+
+    def batch(name: str, count: int, tag: str) -> float:
+        tracer = tracers[name]
+        start = time.process_time()
+        for i in range(count):
+            task_id = f"{tag}-{i}"
+            request = {"id": task_id, "args": (i, tag), "kwargs": {}, "hostname": "layer@bench", "retries": 0}
+            tracer(task_id, (i, tag), {}, request)
+        return (time.process_time() - start) / count * 1e6
+
+    cpu: dict[str, list[float]] = {name: [] for name in tasks}
+    try:
+        names = list(tasks)
+        for name in names:
+            batch(name, 100, f"warm{len(name)}")
+        for r in range(rounds):
+            for name in names[r % 4 :] + names[: r % 4]:
+                cpu[name].append(batch(name, n, f"{r}{len(name)}"))
+        profiler = cProfile.Profile(time.process_time)
+        profiler.enable()
+        batch("exclusive no-op (a key per task)", n, "profiled")
+        profiler.disable()
+    finally:
+        close_lock_services()
+    medians = {name: statistics.median(values) for name, values in cpu.items()}
+    plain = medians["plain no-op"]
+    where = f"Redis store ({rounds} rounds of {n:,}; load {_load()})"
+    print(f"\n== client CPU per task run by Celery's tracer, {where}")
+    for name, value in medians.items():
+        rounds_text = ", ".join(f"{v:.0f}" for v in cpu[name])
+        print(f"  {value:6.1f} µs  (+{value - plain:5.1f} over plain)  {name}  (rounds: {rounds_text})")
+    own = [e - s for e, s in zip(cpu["exclusive no-op (a key per task)"], cpu[names[2]], strict=True)]
+    print(
+        f"  {statistics.median(own):6.1f} µs  the task layer's own: exclusive minus service, median of rounds"
+    )
+    print("-- the exclusive variant by layer (profiler overhead inflates small functions):")
+    print(layer_breakdown(pstats.Stats(profiler), n))

@@ -7,11 +7,11 @@ importing the module that imports them (no import cycle, see tests/test_layering
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from celery_exclusive.lease import Lease
+    from celery_exclusive.many import LeaseSet
     from celery_exclusive.service import LockService
     from celery_exclusive.settings import ExclusiveSettings
 
@@ -31,6 +31,8 @@ class TaskView(Protocol):
     @property
     def lock_service(self) -> LockService: ...
     def signature_from_request(self, request: Any, args: Any, kwargs: Any, **options: Any) -> Any: ...
-    def _holder(self) -> dict[str, Any]: ...
-    def _acquire(self, service: LockService, settings: ExclusiveSettings, key: str) -> Lease: ...
-    def _run_holding(self, lease: Lease, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any: ...
+    def _acquire(
+        self, service: LockService, key: str, once: str | None, request: Any
+    ) -> Lease | LeaseSet: ...
+    # ``call``: a policies.Call (not named here: policies imports this module).
+    def _run_holding(self, lease: Lease | LeaseSet, call: Any, request: Any, record: str | None) -> Any: ...

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_task_logger
@@ -97,24 +98,28 @@ def spent_acquiring(seconds: float) -> None:
     _local.acquiring += seconds
 
 
-def _task_span(task: Any) -> Any:
+def _task_span(task: Any, request: Any = None) -> Any:
     """The task's own recording span in this thread, or None."""
     # Never imported here: a span can only be recording if an SDK, which imports this
     # module, is set up; so the package costs nothing where OpenTelemetry is not used.
     trace = sys.modules.get("opentelemetry.trace")
-    if trace is None or task.request.called_directly:
+    if trace is None or (task.request if request is None else request).called_directly:
         return None
     span = trace.get_current_span()
     return span if span.is_recording() else None
 
 
-def _ids(task: Any) -> tuple[str, str | None, str | None]:
-    request = task.request
+def _ids(task: Any, request: Any = None) -> tuple[str, str | None, str | None]:
+    request = task.request if request is None else request
     return task.name, request.id, request.hostname
 
 
-def _wants_events(task: Any) -> bool:
-    return events.enabled and bool(getattr(task, "send_events", True)) and bool(task.request.hostname)
+def _wants_events(task: Any, hostname: str | None = None) -> bool:
+    if not events.enabled:
+        return False
+    return bool(getattr(task, "send_events", True)) and bool(
+        task.request.hostname if hostname is None else hostname
+    )
 
 
 def _send_event(task: Any, type_: str, **fields: Any) -> None:
@@ -156,11 +161,12 @@ def not_acquired(
 class Run:
     """Reporting for one run that holds its lease: made in the task's thread by :func:`holding`."""
 
-    def __init__(self, task: Any, lease: Lease) -> None:
-        self.task_name, self.task_id, self.hostname = _ids(task)
+    def __init__(self, task: Any, lease: Lease, request: Any = None) -> None:
+        request = task.request if request is None else request
+        self.task_name, self.task_id, self.hostname = _ids(task, request)
         self.app = task.app
-        self.events = _wants_events(task)
-        self.span = _task_span(task)
+        self.events = _wants_events(task, self.hostname)
+        self.span = _task_span(task, request)
         self._reported = False
         self._mutex = threading.Lock()
         if self.span is not None:
@@ -221,6 +227,11 @@ class Run:
             logger.warning("could not send the %s event", EVENT_LOST, exc_info=True, extra=context)
 
 
-def holding(task: Any, lease: Lease) -> Run:
-    """The run acquired ``lease`` and is about to run its body: annotate its span."""
-    return Run(task, lease)
+def holding(task: Any, leases: Sequence[Lease], request: Any = None) -> Run:
+    """The run acquired ``leases`` and is about to run its body: annotate its span (with the
+    first lease), and report the loss of any of them (``lease.on_lost``). ``request``: the
+    task's current request, if the caller has it."""
+    report = Run(task, leases[0], request)
+    for lease in leases:
+        lease.on_lost(report.lost)
+    return report

@@ -30,6 +30,7 @@ from celery_exclusive.validation import check_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
+    from celery_exclusive.settings import ExclusiveSettings
 
 logger = get_task_logger("celery_exclusive.task")
 
@@ -203,21 +204,21 @@ class Rerun(OnLocked):
             # other holder (a "skip" or "retry" task on the same key) a coalesced request
             # would wait for some later rerun-policy run, or forever. So wait like "retry".
             return RETRY.locked(task, key, holder, call)
-        service = task.lock_service
+        service, request = task.lock_service, task.request
         marker_key = key + RERUN_SUFFIX
         check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
-        meta = {**task._holder(), "rerun": _recorded_call(task, call)}
+        meta = {**holder_of(task), "rerun": _recorded_call(task, call)}
         token = service.mark(marker_key, ttl=task.lock_settings.max_lifetime, holder=meta)
         if token is None and task.lock_settings.rerun_args == "latest":
             token = _replace_marker(service, marker_key, meta, task.lock_settings.max_lifetime)
         if token is None:
             return skipped(task, key, holder, coalesced=True)
         try:
-            lease = task._acquire(service, task.lock_settings, key)
+            lease = task._acquire(service, key, None, request)
         except LockedError as locked:
             return skipped(task, key, locked.holder, coalesced=True)
         if service.force_release(marker_key, token):
-            return task._run_holding(lease, call.args, call.kwargs)
+            return task._run_holding(lease, call, request, redelivery.once_id(task, request))
         # The previous holder took our marker and has sent the rerun already. A request that
         # found the key held by us meanwhile recorded a new rerun: hand it on like a holder.
         lease.release()
@@ -346,3 +347,37 @@ def policy_for(on_locked: str | Callable[..., Any]) -> OnLocked:
     if callable(on_locked):
         return Custom(on_locked)
     return POLICIES[on_locked]
+
+
+def of(task: Task) -> OnLocked:
+    """The policy object of ``task``'s settings (made once per settings object)."""
+    settings = task.lock_settings
+    cached: tuple[ExclusiveSettings, OnLocked] | None = task.__dict__.get("_lock_policy_cache")
+    if cached is None or cached[0] is not settings:
+        cached = (settings, policy_for(settings.on_locked))
+        task.__dict__["_lock_policy_cache"] = cached
+    return cached[1]
+
+
+def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
+    """The answer to a held key: the redelivery check (policy-independent, and first: a copy
+    of this very message's run never reaches a policy), then the policy's ``locked`` hook."""
+    if not call.inline and redelivery.is_copy(task, holder):
+        redelivery.end(task, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
+    return of(task).locked(task, key, holder, call)
+
+
+def holder_of(task: Task, request: Any = None) -> dict[str, Any]:
+    """The holder metadata of ``task``'s run (``request``: its current request, if the
+    caller has it): who runs it, and what its policy and cooldown need others to know (a
+    rerun-policy holder hands on reruns; ``list`` shows "cooling"). The service adds this
+    process's ``host`` and ``pid`` in front (the store's JSON is the same as with them here)."""
+    request = task.request if request is None else request
+    holder = {"task_name": task.name, "task_id": request.id}
+    if request.hostname:
+        holder["worker"] = request.hostname
+    if of(task).hands_on_reruns:
+        holder[HANDS_ON_RERUNS] = True
+    if task.lock_settings.cooldown:
+        holder["cooldown"] = task.lock_settings.cooldown
+    return holder

@@ -85,10 +85,11 @@ def retention(task: TaskView) -> float | None:
     return result
 
 
-def once_id(task: TaskView) -> str | None:
+def once_id(task: TaskView, request: Any = None) -> str | None:
     """The task id this worker run checks and records, or None (inline run, records off,
-    or an id a record cannot hold: more than 200 characters, NUL)."""
-    request = task.request
+    or an id a record cannot hold: more than 200 characters, NUL). ``request``: the task's
+    current request, when the caller has it (one thread-local lookup fewer)."""
+    request = task.request if request is None else request
     if request.called_directly or request.is_eager or retention(task) is None:
         return None
     task_id = request.id
@@ -97,14 +98,23 @@ def once_id(task: TaskView) -> str | None:
     return task_id
 
 
-def completion(task: TaskView, exc: BaseException | None, *, interrupted: bool = False) -> Completion | None:
+def completion(
+    task: TaskView,
+    exc: BaseException | None,
+    *,
+    interrupted: bool = False,
+    task_id: Any = False,
+    request: Any = None,
+) -> Completion | None:
     """The record a run that ended with ``exc`` (None: returned) writes with its release.
 
     None when nothing may be recorded: a run whose message will be delivered again and
     must run then (``Reject``, a worker shutting down), a body that raised ``Ignore``
-    (``self.replace()`` among others), or no :func:`once_id`.
+    (``self.replace()`` among others), or no :func:`once_id` (``task_id``, when the caller
+    has it already for ``request``, the current request).
     """
-    task_id = once_id(task)
+    request = task.request if request is None else request
+    task_id = once_id(task, request) if task_id is False else task_id
     if task_id is None:
         return None
     if exc is None:
@@ -119,7 +129,7 @@ def completion(task: TaskView, exc: BaseException | None, *, interrupted: bool =
         outcome = "failure"
     keep = retention(task)
     assert keep is not None  # once_id() said records are on
-    return Completion(task_id, outcome, int(task.request.retries or 0), keep)
+    return Completion(task_id, outcome, int(request.retries or 0), keep)
 
 
 def retried(task: TaskView) -> Completion | None:

@@ -93,13 +93,15 @@ class Option:
     (``exclusive_<conf>``) and environment variable (``CELERY_EXCLUSIVE_<CONF>``), and,
     if a task may override it, the task attribute (``lock_<field>``, or the field when it
     already starts with ``lock_``) and the ``exclusive_task`` keyword (the field). ``kind``
-    picks its check (see ``check_task_options``) and how the environment's text is parsed."""
+    picks its check (see ``check_task_options``) and how the environment's text is parsed:
+    a ``"choice"`` is one of ``choices`` or, where ``callable_form`` describes one, a callable."""
 
     field: str
     conf: str
-    kind: str  # "duration", "on_locked", "on_lost", "retries", "retention", "fallback",
-    # "dedupe", "on_duplicate", "rerun_args", "limit", "sweep" or "text"
+    kind: str  # "duration", "choice", "retries", "retention", "dedupe", "limit", "sweep" or "text"
     per_task: bool = True
+    choices: tuple[str, ...] = ()
+    callable_form: str | None = None
 
     @property
     def conf_name(self) -> str:
@@ -129,19 +131,31 @@ OPTIONS = (
     Option("max_lifetime", "max_lifetime", "duration"),
     Option("refresh_interval", "refresh_interval", "duration"),
     Option("sweep_interval", "sweep_interval", "sweep", per_task=False),
-    Option("on_locked", "on_locked", "on_locked"),
-    Option("on_lost", "on_lost", "on_lost"),
+    Option(
+        "on_locked",
+        "on_locked",
+        "choice",
+        choices=ON_LOCKED_POLICIES,
+        callable_form="(task, key, holder) -> result",
+    ),
+    Option("on_lost", "on_lost", "choice", choices=ON_LOST_POLICIES),
     Option("lock_max_retries", "lock_max_retries", "retries"),
     Option("lock_retry_backoff", "lock_retry_backoff", "duration"),
     Option("lock_retry_backoff_max", "lock_retry_backoff_max", "duration"),
     Option("done_retention", "done_retention", "retention"),
     Option("lock_wait", "lock_wait", "duration"),
-    Option("lock_wait_fallback", "lock_wait_fallback", "fallback"),
+    Option("lock_wait_fallback", "lock_wait_fallback", "choice", choices=WAIT_FALLBACKS),
     Option("dedupe", "dedupe", "dedupe"),
-    Option("on_duplicate", "on_duplicate", "on_duplicate"),
+    Option(
+        "on_duplicate",
+        "on_duplicate",
+        "choice",
+        choices=ON_DUPLICATE_POLICIES,
+        callable_form="(task, key, existing AsyncResult) -> result",
+    ),
     Option("dedupe_ttl", "dedupe_ttl", "duration"),
     Option("cooldown", "cooldown", "duration"),
-    Option("rerun_args", "rerun_args", "rerun_args"),
+    Option("rerun_args", "rerun_args", "choice", choices=RERUN_ARGS),
     Option("limit", "limit", "limit"),
 )
 _BY_FIELD = {option.field: option for option in OPTIONS}
@@ -267,23 +281,27 @@ class ExclusiveSettings:
             raise ConfigurationError(f"celery-exclusive settings: {exc}") from None
 
 
+def check_choice(field: str, value: object) -> None:
+    """Reject a value of the choice option ``field`` (its :data:`OPTIONS` row) that is not
+    one of its ``choices``, nor a callable where the row allows one."""
+    option = _BY_FIELD[field]
+    if option.callable_form is not None and callable(value):
+        return
+    if value not in option.choices:
+        also = "" if option.callable_form is None else f" or a callable {option.callable_form}"
+        raise InvalidArgumentError(
+            f"{field} must be one of {', '.join(map(repr, option.choices))}{also}, got {value!r}"
+        )
+
+
 def check_on_locked(value: object) -> None:
     """Reject anything but a known policy name or a callable."""
-    if callable(value):
-        return
-    if value not in ON_LOCKED_POLICIES:
-        raise InvalidArgumentError(
-            f"on_locked must be one of {', '.join(map(repr, ON_LOCKED_POLICIES))} or a callable "
-            f"(task, key, holder) -> result, got {value!r}"
-        )
+    check_choice("on_locked", value)
 
 
 def check_wait_fallback(value: object) -> None:
     """Reject anything but a policy ``on_locked="wait"`` can fall back to."""
-    if value not in WAIT_FALLBACKS:
-        raise InvalidArgumentError(
-            f"lock_wait_fallback must be one of {', '.join(map(repr, WAIT_FALLBACKS))}, got {value!r}"
-        )
+    check_choice("lock_wait_fallback", value)
 
 
 def check_wait_seconds(value: float) -> None:
@@ -305,10 +323,7 @@ def check_done_retention(value: object) -> float | bool:
 
 def check_on_lost(value: object) -> None:
     """Reject anything but a known on-lost policy name."""
-    if value not in ON_LOST_POLICIES:
-        raise InvalidArgumentError(
-            f"on_lost must be one of {', '.join(map(repr, ON_LOST_POLICIES))}, got {value!r}"
-        )
+    check_choice("on_lost", value)
 
 
 def check_dedupe(value: object) -> str | bool:
@@ -324,21 +339,12 @@ def check_dedupe(value: object) -> str | bool:
 
 def check_on_duplicate(value: object) -> None:
     """Reject anything but a known on-duplicate answer or a callable."""
-    if callable(value):
-        return
-    if value not in ON_DUPLICATE_POLICIES:
-        raise InvalidArgumentError(
-            f"on_duplicate must be one of {', '.join(map(repr, ON_DUPLICATE_POLICIES))} or a callable "
-            f"(task, key, existing AsyncResult) -> result, got {value!r}"
-        )
+    check_choice("on_duplicate", value)
 
 
 def check_rerun_args(value: object) -> None:
     """Reject anything but a known ``rerun_args`` choice."""
-    if value not in RERUN_ARGS:
-        raise InvalidArgumentError(
-            f"rerun_args must be one of {', '.join(map(repr, RERUN_ARGS))}, got {value!r}"
-        )
+    check_choice("rerun_args", value)
 
 
 def check_task_options(**options: Any) -> None:
@@ -352,7 +358,9 @@ def check_task_options(**options: Any) -> None:
         if name not in TASK_OPTIONS:
             raise InvalidArgumentError(f"unknown per-task lock option {name!r}")
         kind = _BY_FIELD[name].kind
-        if kind != "duration":
+        if kind == "choice":
+            check_choice(name, value)
+        elif kind != "duration":
             _CHECKS[kind](TASK_OPTIONS[name], value)
     durations = check_durations({name: options.get(name) for name in _DURATIONS}, labels=TASK_OPTIONS)
     if "lock_wait" in durations:
@@ -366,18 +374,28 @@ def check_max_retries(name: str, value: object) -> None:
 
 
 #: Each option kind's check of a per-task value, given the task attribute's name (durations:
-#: ``check_durations``, which also checks them against each other).
+#: ``check_durations``, which also checks them against each other; choices: ``check_choice``).
 _CHECKS: dict[str, Callable[[str, Any], object]] = {
-    "on_locked": lambda _name, value: check_on_locked(value),
-    "on_lost": lambda _name, value: check_on_lost(value),
     "retries": check_max_retries,
     "retention": lambda _name, value: check_done_retention(value),
-    "fallback": lambda _name, value: check_wait_fallback(value),
     "dedupe": lambda _name, value: check_dedupe(value),
-    "on_duplicate": lambda _name, value: check_on_duplicate(value),
-    "rerun_args": lambda _name, value: check_rerun_args(value),
     "limit": lambda _name, value: check_limit(value),
 }
+
+
+def keyword_attributes(given: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """``exclusive_task``'s short keywords found in ``given`` (``key``, and those of
+    :data:`TASK_KEYWORDS`: ``ttl``...) as the task attributes they set (``lock_key``,
+    ``lock_ttl``...), None left out; InvalidArgumentError if ``options`` names one too."""
+    found: dict[str, Any] = {}
+    for keyword, attribute in {"key": "lock_key", **TASK_KEYWORDS}.items():
+        value = given.get(keyword)
+        if value is None:
+            continue
+        if options.get(attribute) is not None:
+            raise InvalidArgumentError(f"{attribute} given twice (once by its short name)")
+        found[attribute] = value
+    return found
 
 
 def check_lock_attributes(names: Iterable[str], known: Iterable[str]) -> None:

@@ -54,7 +54,6 @@ finished id is remembered; ``False`` turns that off).
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 import time
 import types
@@ -78,11 +77,11 @@ from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
-from celery_exclusive import _interrupt, dedupe, observe, policies, redelivery
+from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
-from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.lease import Lease
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.policies import (
     COALESCED,
@@ -95,16 +94,17 @@ from celery_exclusive.policies import (
     lock_retry_countdown,
     skip_marker,
 )
-from celery_exclusive.providers.base import Completion, LockInfo
+from celery_exclusive.providers.base import Completion
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
-    TASK_KEYWORDS,
     TASK_OPTIONS,
     ExclusiveSettings,
     check_lock_attributes,
     check_task_options,
+    keyword_attributes,
 )
-from celery_exclusive.worker import HOST, app_settings, get_lock_service
+from celery_exclusive.validation import lease_durations
+from celery_exclusive.worker import app_settings, get_lock_service
 
 if TYPE_CHECKING:
     from celery.canvas import Signature
@@ -128,25 +128,6 @@ __all__ = [
 ]
 
 
-class _Running(threading.local):
-    """Per-thread stack of (task, lease) for the runs in progress in this thread (a
-    LeaseSet for a run holding several keys)."""
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[object, Lease | LeaseSet]] = []
-
-    def remove(self, lease: Lease | LeaseSet) -> None:
-        """Pop the innermost entry of ``lease``."""
-        stack = self.stack
-        for index in range(len(stack) - 1, -1, -1):
-            if stack[index][1] is lease:
-                del stack[index]
-                return
-
-
-_running = _Running()
-
-
 def _raw_attribute(task: object, name: str) -> Any:
     """``task.<name>`` without binding: a function given as an option is not a method."""
     value = inspect.getattr_static(task, name)
@@ -166,8 +147,12 @@ def _key_builder_for(cls: Any) -> KeyBuilder:
 
 def _key_builder_of(task: Any) -> KeyBuilder:
     """The task's key builder: its class's, unless ``lock_key`` changed after the class was made."""
-    spec = _raw_attribute(task, "lock_key")
     builder: KeyBuilder | None = type(task)._lock_keys
+    # The class's own spec, read without getattr_static (a classmethod key takes the long way).
+    seen = task.__dict__.get("lock_key", _UNSET)
+    if builder is not None and builder.spec is (type(task).lock_key if seen is _UNSET else seen):
+        return builder
+    spec = _raw_attribute(task, "lock_key")
     if builder is None or builder.spec is not spec:
         # Bind the new lock_key to the run method, once.
         builder = task.__dict__.get("_lock_keys_own")
@@ -177,6 +162,7 @@ def _key_builder_of(task: Any) -> KeyBuilder:
     return builder
 
 
+_UNSET: Any = object()
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -257,14 +243,14 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
         A run holding several keys: the lease of its first key in canonical order (the one
         carrying the completion record); :attr:`locks` has them all."""
-        lease = _current(self)
+        lease = _runs.current(self)
         return lease.leases[0] if isinstance(lease, LeaseSet) else lease
 
     @property
     def locks(self) -> LeaseSet | None:
         """Every lease held by this task's run in progress in this thread (one for a
         single key), in canonical order, or None: ``self.locks.check()`` checks them all."""
-        lease = _current(self)
+        lease = _runs.current(self)
         return LeaseSet([lease]) if isinstance(lease, Lease) else lease
 
     @property
@@ -330,11 +316,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         service = self.lock_service
         request = self.request
         call = policies.Call(args, kwargs, inline=bool(request.called_directly or request.is_eager))
-        once = None if call.inline else redelivery.once_id(self)
-        asked_again = call.inline
+        record = None if call.inline else redelivery.once_id(self, request)
+        once, asked_again = record, call.inline
         while True:
             try:
-                lease = self._acquire(service, settings, key, once)
+                lease = self._acquire(service, key, once, request)
             except AlreadyDone as done:
                 redelivery.settle(self, done.key, done.record, args, kwargs)  # ends a copy of a finished run
                 once = None  # a retry's own attempt: take the key as usual
@@ -345,18 +331,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     # learn who it is (it may be this very message's original).
                     asked_again = True
                     continue
-                result = self._held(locked.key, locked.holder, call)
+                result = policies.held(self, locked.key, locked.holder, call)
                 if result is policies.AGAIN:
                     continue
                 return result
-            return self._run_holding(lease, args, kwargs)
-
-    def _held(self, key: str, holder: LockInfo | None, call: policies.Call) -> Any:
-        """The answer to a held key: the redelivery check (policy-independent, and first:
-        a copy of this very message's run never reaches a policy), then the policy."""
-        if not call.inline and redelivery.is_copy(self, holder):
-            redelivery.end(self, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
-        return self._lock_policy.locked(self, key, holder, call)
+            return self._run_holding(lease, call, request, record)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -375,77 +354,36 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         starts again from zero for the retried run.
         """
         _before_retry(self, options)
-        return super().retry(
-            args=None if args is None else tuple(args),
-            kwargs=None if kwargs is None else dict(kwargs),
-            exc=exc,  # type: ignore[arg-type]  # celery-types says Exception; Celery takes any
-            throw=throw,
-            eta=eta,
-            countdown=countdown,
-            max_retries=max_retries,
-            **options,
-        )
+        args, kwargs = None if args is None else tuple(args), None if kwargs is None else dict(kwargs)
+        # celery-types says exc is an Exception; Celery takes any.
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)  # type: ignore[arg-type]
 
     # -- internals ------------------------------------------------------------------------
 
-    @property
-    def _lock_policy(self) -> policies.OnLocked:
-        """The ``on_locked`` policy object of this task's settings (made once per settings)."""
-        settings = self.lock_settings
-        cached: tuple[ExclusiveSettings, policies.OnLocked] | None = self.__dict__.get("_lock_policy_cache")
-        if cached is None or cached[0] is not settings:
-            cached = (settings, policies.policy_for(settings.on_locked))
-            self.__dict__["_lock_policy_cache"] = cached
-        return cached[1]
-
-    def _holder(self) -> dict[str, Any]:
-        request = self.request
-        holder = {"host": HOST, "pid": os.getpid(), "task_name": self.name, "task_id": request.id}
-        if request.hostname:
-            holder["worker"] = request.hostname
-        if self._lock_policy.hands_on_reruns:
-            holder[policies.HANDS_ON_RERUNS] = True
-        if self.lock_settings.cooldown:
-            holder["cooldown"] = self.lock_settings.cooldown  # `list` shows "cooling" after the run
-        return holder
-
-    @overload
     def _acquire(
-        self, service: LockService, settings: ExclusiveSettings, key: str, once: str | None = None
-    ) -> Lease: ...
-    @overload
-    def _acquire(
-        self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
-    ) -> Lease | LeaseSet: ...
-    def _acquire(
-        self, service: LockService, settings: ExclusiveSettings, key: str | list[str], once: str | None = None
+        self, service: LockService, key: str | list[str], once: str | None, request: Any
     ) -> Lease | LeaseSet:
+        """The run's lease(s) on ``key`` (LockedError if held; AlreadyDone if ``once`` is done)."""
         started = time.perf_counter()
         try:
-            if not isinstance(key, str):
-                return _lock_all(service, settings, key, self._holder(), once)
-            return service.lock(
-                key,
-                ttl=settings.lease_ttl,
-                max_lifetime=settings.max_lifetime,
-                refresh_interval=settings.refresh_interval,
-                holder=self._holder(),
-                task_id=once,
-                hold_at_least=settings.cooldown,
-                limit=settings.limit,
-            )
+            settings = self.lock_settings
+            durations = _durations(self, settings, service)
+            return _lock(service, settings, key, policies.holder_of(self, request), once, durations=durations)
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
 
-    def _run_holding(self, lease: Lease | LeaseSet, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    def _run_holding(
+        self, lease: Lease | LeaseSet, call: policies.Call, request: Any, record: str | None
+    ) -> Any:
+        """Run the body holding ``lease``, then release it, writing the completion record of
+        ``record`` (:func:`redelivery.once_id` of ``request``, the current request)."""
+        args, kwargs = call.args, call.kwargs
         dedupe.acquired(self)
         leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
-        report = observe.holding(self, leases[0])
-        for each in leases:
-            each.on_lost(report.lost)
+        report = observe.holding(self, leases, request)
         interrupter = _interrupt.arm(*leases) if self.lock_settings.on_lost == "terminate" else None
-        traced = _traced(self)
-        _running.stack.append((self, lease))
+        traced = _traced(self, request)
+        _runs.push(self, lease)
         try:
             try:
                 result = self.run(*args, **kwargs) if traced else super().__call__(*args, **kwargs)
@@ -453,16 +391,18 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                 if interrupter is not None:
                     interrupter.disarm()
         except _interrupt.LeaseLostInterrupt as exc:
-            lost = self._finish(
-                lease, retrying=False, done=redelivery.completion(self, exc, interrupted=True)
-            )
-            which = lost or _first_lost(leases)
+            done = redelivery.completion(self, exc, interrupted=True, task_id=record, request=request)
+            lost = self._finish(lease, retrying=False, done=done)
+            which = lost or _runs.first_lost(leases)
             raise LockLost(which.key, which.fence, _INTERRUPTED) from None
         except BaseException as exc:
-            lost = self._finish(lease, retrying=isinstance(exc, Retry), done=redelivery.completion(self, exc))
+            done = redelivery.completion(self, exc, task_id=record, request=request)
+            lost = self._finish(lease, retrying=isinstance(exc, Retry), done=done)
             report.finished(lost or leases[0], lost is not None)
             raise
-        lost = self._finish(lease, retrying=False, done=redelivery.completion(self, None))
+        lost = self._finish(
+            lease, retrying=False, done=redelivery.completion(self, None, task_id=record, request=request)
+        )
         if lost is not None:
             report.finished(lost, True)
             if self.lock_settings.on_lost == "raise":
@@ -472,67 +412,34 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     def _finish(
         self, lease: Lease | LeaseSet, *, retrying: bool, done: Completion | None = None
     ) -> Lease | None:
-        """Pop and release the run's lease(s) (recording ``done`` on the first key, in the same
-        store call); then the policy's ``finished`` hook (the rerun hand-on). The lease that
-        had been lost (the first in canonical order), or None."""
-        _running.remove(lease)
-        if isinstance(lease, LeaseSet):
-            lost = None
-            first, *rest = lease.leases
-            for each in reversed(rest):  # the first key last: it carries the record
-                lost = each if _release(each, None) else lost
-            lost = first if _release(first, done) else lost
-            self._lock_policy.finished(self, first.key, retrying=retrying)
-            return lost
-        state = lease.state  # _release inlined: the single-key path makes no extra call
-        gone = state is LeaseState.LOST
-        if state is not LeaseState.RELEASED:
-            gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
-        self._lock_policy.finished(self, lease.key, retrying=retrying)
-        return lease if gone else None
+        """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
+        ``finished`` hook (the rerun hand-on). The lease that had been lost, or None."""
+        lost = _runs.finish(lease, done)
+        policies.of(self).finished(self, _runs.first_key(lease), retrying=retrying)
+        return lost
 
 
-def _release(lease: Lease, done: Completion | None) -> bool:
-    """Release ``lease`` (recording ``done``) unless released already; True if it had been lost."""
-    state = lease.state
-    lost = state is LeaseState.LOST
-    if state is not LeaseState.RELEASED:
-        lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
-    return lost
-
-
-def _first_lost(leases: Sequence[Lease]) -> Lease:
-    """The lease whose loss interrupted the run (the first one lost, in canonical order)."""
-    return next((lease for lease in leases if lease.lost.is_set()), leases[0])
-
-
-def _current(task: object) -> Lease | LeaseSet | None:
-    """The lease(s) of ``task``'s run in progress in this thread, or None."""
-    for running, lease in reversed(_running.stack):
-        if running is task:
-            return lease
-    return None
-
-
-def _lock_all(
+def _lock(
     service: LockService,
     settings: ExclusiveSettings,
-    keys: list[str],
+    key: str | list[str],
     holder: dict[str, Any],
     once: str | None,
-) -> LeaseSet:
-    """Every key of a run, all or none, in canonical order (``keys`` is sorted): the first
-    through ``lock(task_id=once)``, which checks (and at release records) the completion
-    record of the task id on it, the rest through ``lock_many``. A semaphore (``limit > 1``)
-    of several keys is refused (checked at the first run, before the store is touched)."""
+    *,
+    durations: Mapping[str, float | None],
+) -> Lease | LeaseSet:
+    """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
+    the first through ``lock(task_id=once)``, which checks (and at release records) the
+    completion record of the task id on it, the rest through ``lock_many``. A semaphore
+    (``limit > 1``) of several keys is refused (at the first run, before the store is touched)."""
+    options: dict[str, Any] = {**durations, "holder": holder}
+    if isinstance(key, str):
+        return service.lock(
+            key, task_id=once, hold_at_least=settings.cooldown, limit=settings.limit, **options
+        )
     if settings.limit > 1:
         raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
-    options: dict[str, Any] = {
-        "ttl": settings.lease_ttl,
-        "max_lifetime": settings.max_lifetime,
-        "refresh_interval": settings.refresh_interval,
-        "holder": holder,
-    }
+    keys = key
     first = service.lock(keys[0], task_id=once, **options)
     try:
         rest = service.lock_many(keys[1:], **options)
@@ -567,6 +474,28 @@ _DISCARDED = (
 )
 
 
+def _durations(
+    task: ExclusiveTask[..., Any], settings: ExclusiveSettings, service: LockService
+) -> Mapping[str, float | None]:
+    """The durations ``service.lock`` is given for ``task``'s runs: none when the settings'
+    resolve to the service's own (which it then takes unchecked), else the settings'.
+    Cached per settings and service object (a new service after a fork or close is another)."""
+    cached = task.__dict__.get("_lock_durations_cache")
+    if cached is None or cached[0] is not settings or cached[1] is not service:
+        own = (settings.lease_ttl, settings.refresh_interval, settings.max_lifetime)
+        try:
+            same = lease_durations(*own, ttl_explicit=True) == (
+                service.ttl,
+                service.refresh_interval,
+                service.max_lifetime,
+            )
+        except InvalidArgumentError:  # the call itself then says so
+            same = False
+        durations = {} if same else dict(zip(("ttl", "refresh_interval", "max_lifetime"), own, strict=True))
+        cached = task.__dict__["_lock_durations_cache"] = (settings, service, durations)
+    return cached[2]
+
+
 def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
     """``task.throws``: its own, and LockedError under ``on_locked="raise"``."""
     own = task._own_throws
@@ -579,14 +508,9 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
     """Release the run's lease before its retry is sent, and restart the lock-retry count."""
-    lease = _current(task)
-    if isinstance(lease, LeaseSet):
-        first, *rest = lease.leases
-        for each in reversed(rest):
-            each.release()
-        first.release(redelivery.retried(task))
-    elif lease is not None:
-        lease.release(redelivery.retried(task))
+    lease = _runs.current(task)
+    if lease is not None:
+        _runs.release_all(lease, redelivery.retried(task))
     headers = task.request.headers
     if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
         options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
@@ -615,16 +539,12 @@ _mixins_mutex = threading.Lock()
 _celerys_call_next: dict[type, bool] = {}
 
 
-def _traced(task: ExclusiveTask[..., Any]) -> bool:
+def _traced(task: ExclusiveTask[..., Any], request: Any) -> bool:
     """Whether the body may be called without Task.__call__: the worker's tracer (and
     apply()) pushed this task and its request before calling us, and Task.__call__
     would push a copy of both (10 us a run). Only when it is the next __call__ in
     line, and not for a call from inside this task's own body."""
-    return (
-        not task.request.called_directly
-        and _celerys_call_is_next(type(task))
-        and all(running is not task for running, _ in _running.stack)
-    )
+    return not request.called_directly and _celerys_call_is_next(type(task)) and not _runs.inside(task)
 
 
 def _celerys_call_is_next(cls: type) -> bool:
@@ -740,13 +660,7 @@ def exclusive_task(
     the bound ``self`` under ``bind=True``) and result ``R``, so a type checker checks
     ``task(...)``, ``.delay(...)`` and ``.si(...)`` arguments and what ``.delay(...).get()`` returns.
     """
-    given = locals()
-    lock_options = {"lock_key": key, **{attr: given[keyword] for keyword, attr in TASK_KEYWORDS.items()}}
-    for name, value in lock_options.items():
-        if value is not None and options.get(name) is not None:
-            raise InvalidArgumentError(f"{name} given twice (once by its short name)")
-        if value is not None:
-            options[name] = value
+    options.update(keyword_attributes(locals(), options))
     check_lock_attributes(options, _LOCK_ATTRIBUTES)
     check_task_options(**{name: options.get(attr) for name, attr in TASK_OPTIONS.items()})
     options["base"] = exclusive_base(base)

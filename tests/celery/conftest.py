@@ -261,6 +261,57 @@ def cleanup_group(group: WorkerGroup) -> None:
         drop_sql_table(POSTGRES_URL, f"ce_celery_{SESSION}")
 
 
+def module_group(store: str, logdir: Path, **options: Any) -> Iterator[WorkerGroup]:
+    """The body of a module-scoped worker-group fixture: ``start_group(store, logdir,
+    **options)`` yielded, then stopped and its keys or table deleted."""
+    workers = start_group(store, logdir, **options)
+    try:
+        yield workers
+    finally:
+        workers.close()
+        cleanup_group(workers)
+
+
+@pytest.fixture
+def logs_on_failure(request: pytest.FixtureRequest, group: WorkerGroup) -> Iterator[None]:
+    """Print the module's ``group`` workers' logs when the test fails (``usefixtures`` it)."""
+    yield
+    if failed(request):
+        print(group.dump())
+
+
+def uid() -> str:
+    """A fresh tag / key id, so tests never see each other's keys or records."""
+    return uuid.uuid4().hex[:8]
+
+
+def embedded_app(name: str, queue: str, **conf: Any) -> Any:
+    """A Celery app for Celery's embedded test worker: in-memory broker, results and lock
+    store (so a test holds the tasks' keys through ``get_lock_service(app)``), ``conf`` on top."""
+    from celery import Celery
+
+    app = Celery(name, broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(
+        exclusive_url="memory://",
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"polling_interval": 0.01},
+        task_default_queue=queue,
+        worker_hijack_root_logger=False,
+        **conf,
+    )
+    return app
+
+
+def embedded_worker(app: Any, concurrency: int) -> Iterator[Any]:
+    """The body of a module-scoped fixture: one embedded threads-pool worker of ``app``."""
+    from celery.contrib.testing.worker import start_worker
+
+    with start_worker(
+        app, pool="threads", concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
+    ) as worker:
+        yield worker
+
+
 @pytest.fixture(scope="session")
 def celery_logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where subprocess logs go."""

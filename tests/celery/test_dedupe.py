@@ -26,36 +26,22 @@ from tests.celery.conftest import (
     BROKER_URL,
     ROOT,
     WorkerGroup,
-    cleanup_group,
-    failed,
+    module_group,
     records,
-    start_group,
+    uid,
     wait_for,
 )
 
 QUEUED = "#queued"
 
 
+pytestmark = pytest.mark.usefixtures("logs_on_failure")
+
+
 @pytest.fixture(scope="module", params=["redis", "postgres"])
 def group(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[WorkerGroup]:
     """One prefork worker of two processes on one lock store, for the whole module."""
-    workers = start_group(request.param, celery_logdir, workers=1)
-    try:
-        yield workers
-    finally:
-        workers.close()
-        cleanup_group(workers)
-
-
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request: pytest.FixtureRequest, group: WorkerGroup) -> Iterator[None]:
-    yield
-    if failed(request):
-        print(group.dump())
-
-
-def uid() -> str:
-    return uuid.uuid4().hex[:8]
+    yield from module_group(request.param, celery_logdir, workers=1)
 
 
 def _command(spec: dict[str, Any]) -> list[str]:

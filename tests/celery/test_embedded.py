@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from celery import Celery, Task, chain, group
+from celery import Task, chain, group
 from celery.contrib.testing.worker import start_worker
 from celery.signals import before_task_publish
 
@@ -31,15 +31,9 @@ from celery_exclusive.task import (
     is_skipped,
 )
 from celery_exclusive.worker import get_lock_service
+from tests.celery.conftest import embedded_app, embedded_worker, uid
 
-app = Celery("ce_embedded", broker="memory://", backend="cache+memory://", set_as_current=False)
-app.conf.update(
-    exclusive_url="memory://",
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={"polling_interval": 0.01},
-    task_default_queue="ce-embedded",
-    worker_hijack_root_logger=False,
-)
+app = embedded_app("ce_embedded", "ce-embedded")
 
 executions: list[tuple[str, Any]] = []
 _executions_mutex = threading.Lock()
@@ -265,19 +259,13 @@ def shared_style_task(n: str) -> str:
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
     """One embedded threads-pool worker for the module."""
-    with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False, shutdown_timeout=30) as w:
-        yield w
+    yield from embedded_worker(app, 6)
 
 
 @pytest.fixture
 def locks(worker: Any) -> LockService:
     """The lock service the worker's tasks use (same process, same memory store)."""
     return get_lock_service(app)
-
-
-def uid() -> str:
-    """A fresh key id."""
-    return uuid.uuid4().hex[:8]
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,15 @@ from tests.celery import app as tasks
 from tests.celery.conftest import (
     WorkerGroup,
     assert_no_overlap,
-    cleanup_group,
     failed,
+    module_group,
     records,
     spawn,
-    start_group,
+    uid,
     wait_for,
 )
 
-pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(180), pytest.mark.usefixtures("logs_on_failure")]
 
 RESULT_TIMEOUT = 60
 
@@ -39,25 +38,7 @@ RESULT_TIMEOUT = 60
 @pytest.fixture(scope="module", params=["redis", "postgres"])
 def group(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[WorkerGroup]:
     """Two prefork workers of two processes on one lock store, for the whole module."""
-    workers = start_group(request.param, celery_logdir)
-    try:
-        yield workers
-    finally:
-        workers.close()
-        cleanup_group(workers)
-
-
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request: pytest.FixtureRequest, group: WorkerGroup) -> Iterator[None]:
-    """Print the workers' logs when a test fails."""
-    yield
-    if failed(request):
-        print(group.dump())
-
-
-def uid() -> str:
-    """A fresh tag / key id, so tests never see each other's keys or records."""
-    return uuid.uuid4().hex[:8]
+    yield from module_group(request.param, celery_logdir)
 
 
 def runs(tag: str) -> list[dict[str, Any]]:

@@ -165,3 +165,64 @@ def test_class_based_task_template_binds_without_self(app: Celery) -> None:
             lock_key = "import:{self}"
 
             def run(self, tenant: str) -> None: ...
+
+
+class _Unstable:
+    """An object whose text is its memory address: refused as a key field."""
+
+
+def _both(spec: str, fun: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, object]:
+    """What ``build`` gives (a key, or the error text) through its plain-template path and
+    through the full path (``Signature.bind`` + the strict formatter)."""
+    quick, full = (
+        KeyBuilder.for_function(spec, fun, bound=False),
+        KeyBuilder.for_function(spec, fun, bound=False),
+    )
+    assert quick._plain is not None, "the plain path must apply to this template"
+    full._plain = None
+    outcomes = []
+    for builder in (quick, full):
+        try:
+            outcomes.append(builder.build("t.name", args, kwargs))
+        except InvalidArgumentError as exc:
+            outcomes.append(f"InvalidArgumentError: {exc}")
+    return outcomes[0], outcomes[1]
+
+
+def _body(work_id: Any, mode: Any = "full", task_name: Any = "own") -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((1,), {}),
+        ((), {"work_id": "x y"}),
+        ((1.5, "quick"), {}),
+        ((True,), {"mode": False}),
+        ((10**30,), {"task_name": "mine"}),
+        (({"b": 2, "a": 1},), {}),  # a dict: the strict formatter's canonical text
+        (([3, 1],), {"mode": frozenset({2, 1})}),
+        ((_Unstable(),), {}),  # refused, with the same message
+        ((), {}),  # a missing argument
+        ((1,), {"nope": 2}),  # an unknown keyword
+        ((1,), {"work_id": 2}),  # given twice
+        ((1, 2, 3, 4), {}),  # too many
+    ],
+)
+def test_the_plain_template_path_gives_what_the_full_path_gives(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A template of plain ``{name}`` fields skips Signature.bind and string.Formatter per call:
+    its key, or its refusal, is the full path's for every kind of call and value."""
+    quick, full = _both("k:{work_id}:{mode}:{task_name}", _body, args, kwargs)
+    assert quick == full
+
+
+def test_templates_and_signatures_the_plain_path_does_not_take() -> None:
+    """Conversions, format specs, attribute lookups, ``*args``/``**kwargs`` take the full path."""
+
+    def varargs(*values: Any, **more: Any) -> None: ...
+
+    for spec, fun in (("k:{work_id!r}", _body), ("k:{work_id:>4}", _body), ("k:{work_id.real}", _body)):
+        assert KeyBuilder.for_function(spec, fun, bound=False)._plain is None
+    assert KeyBuilder.for_function("k:{a}", varargs, bound=False)._plain is None

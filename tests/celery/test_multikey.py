@@ -18,16 +18,14 @@ from celery_exclusive import InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.task import is_skipped
 from tests.celery import app as tasks
 from tests.celery import test_integration as integration
-from tests.celery.conftest import WorkerGroup, records, wait_for
+from tests.celery.conftest import WorkerGroup, records, uid, wait_for
 
-# The integration module's fixtures and helpers: a module-scoped group of workers per store
-# (this module gets its own), their logs printed when a test fails.
+# The integration module's group fixture: a module-scoped group of workers per store (this
+# module gets its own), their logs printed when a test fails.
 group = integration.group
-_logs_on_failure = integration._logs_on_failure
-uid = integration.uid
 runs = integration.runs
 
-pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(180), pytest.mark.usefixtures("logs_on_failure")]
 
 RESULT_TIMEOUT = 60
 

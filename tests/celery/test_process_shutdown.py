@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.celery import app as tasks
-from tests.celery.conftest import WorkerGroup, cleanup_group, failed, start_group, wait_for
+from tests.celery.conftest import WorkerGroup, failed, module_group, wait_for
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(120)]
 
@@ -21,14 +21,9 @@ pytestmark = [pytest.mark.celery, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def recycling(celery_logdir: Path) -> Iterator[WorkerGroup]:
     """One prefork worker whose single child exits after every task (--max-tasks-per-child 1)."""
-    group = start_group(
+    yield from module_group(
         "redis", celery_logdir, workers=1, concurrency=1, extra=("--max-tasks-per-child", "1")
     )
-    try:
-        yield group
-    finally:
-        group.close()
-        cleanup_group(group)
 
 
 @pytest.fixture(autouse=True)

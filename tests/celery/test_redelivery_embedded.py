@@ -10,8 +10,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from celery_exclusive import signals
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
@@ -19,16 +17,9 @@ from celery_exclusive.redelivery import ALREADY_DONE, LOCKED, REDELIVERED
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task, is_skipped
 from celery_exclusive.worker import get_lock_service
+from tests.celery.conftest import embedded_app, embedded_worker
 
-app = Celery("ce_redelivery", broker="memory://", backend="cache+memory://", set_as_current=False)
-app.conf.update(
-    exclusive_url="memory://",
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={"polling_interval": 0.01},
-    task_default_queue="ce-redelivery",
-    worker_hijack_root_logger=False,
-    result_expires=120,
-)
+app = embedded_app("ce_redelivery", "ce-redelivery", result_expires=120)
 
 _runs: dict[str, int] = {}
 _mutex = threading.Lock()
@@ -63,8 +54,7 @@ def no_records(self: Any, n: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
-    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30) as w:
-        yield w
+    yield from embedded_worker(app, 4)
 
 
 @pytest.fixture

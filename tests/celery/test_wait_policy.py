@@ -8,27 +8,18 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
 from celery_exclusive.service import LockService
 from celery_exclusive.task import exclusive_task, is_skipped
 from celery_exclusive.worker import get_lock_service
+from tests.celery.conftest import embedded_app, embedded_worker, uid
 
-app = Celery("ce_wait", broker="memory://", backend="cache+memory://", set_as_current=False)
-app.conf.update(
-    exclusive_url="memory://",
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={"polling_interval": 0.01},
-    task_default_queue="ce-wait",
-    worker_hijack_root_logger=False,
-)
+app = embedded_app("ce_wait", "ce-wait")
 
 
 @exclusive_task(app=app, key="wait:{n}", on_locked="wait", lock_wait=5)
@@ -60,17 +51,12 @@ def wait_then_retry_task(n: str) -> str:
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
-    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30) as w:
-        yield w
+    yield from embedded_worker(app, 4)
 
 
 @pytest.fixture
 def locks(worker: Any) -> LockService:
     return get_lock_service(app)
-
-
-def uid() -> str:
-    return uuid.uuid4().hex[:8]
 
 
 def test_a_waiting_run_gets_the_key_when_the_holder_releases(locks: LockService) -> None:

@@ -1,0 +1,99 @@
+"""The exclusive runs in progress in this thread, and the release of a run's leases.
+
+:mod:`celery_exclusive.task` pushes each run's lease (a :class:`LeaseSet` for a run holding
+several keys) while its body runs, and pops and releases it through :func:`finish`;
+``self.lock``, ``self.locks`` and ``self.retry()`` find it with :func:`current`. A run holding
+several keys releases its first key (canonical order) last: it carries the completion record.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
+from celery_exclusive.many import LeaseSet
+from celery_exclusive.providers.base import Completion
+
+
+class _Running(threading.local):
+    """Per-thread stack of (task, lease) for the runs in progress in this thread."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[object, Lease | LeaseSet]] = []
+
+
+_running = _Running()
+
+
+def push(task: object, lease: Lease | LeaseSet) -> None:
+    """``task``'s run holds ``lease`` from now on, in this thread."""
+    _running.stack.append((task, lease))
+
+
+def current(task: object) -> Lease | LeaseSet | None:
+    """The lease(s) of ``task``'s innermost run in progress in this thread, or None."""
+    for running, lease in reversed(_running.stack):
+        if running is task:
+            return lease
+    return None
+
+
+def inside(task: object) -> bool:
+    """Whether a run of ``task`` is in progress in this thread (a call from its own body)."""
+    return any(running is task for running, _ in _running.stack)
+
+
+def _pop(lease: Lease | LeaseSet) -> None:
+    stack = _running.stack
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index][1] is lease:
+            del stack[index]
+            return
+
+
+def release(lease: Lease, done: Completion | None) -> bool:
+    """Release ``lease`` (recording ``done``) unless released already; True if it had been lost."""
+    state = lease.state
+    lost = state is LeaseState.LOST
+    if state is not LeaseState.RELEASED:
+        lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
+    return lost
+
+
+def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
+    """Pop the run's lease(s) and release them, recording ``done`` on the first key in the
+    same store call. The lease that had been lost (the first in canonical order), or None."""
+    _pop(lease)
+    if isinstance(lease, LeaseSet):
+        lost = None
+        first, *rest = lease.leases
+        for each in reversed(rest):  # the first key last: it carries the record
+            lost = each if release(each, None) else lost
+        return first if release(first, done) else lost
+    state = lease.state  # release() inlined: the single-key path makes no extra call
+    gone = state is LeaseState.LOST
+    if state is not LeaseState.RELEASED:
+        gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
+    return lease if gone else None
+
+
+def release_all(lease: Lease | LeaseSet, done: Completion | None) -> None:
+    """Release every lease of a run (before ``self.retry()``), ``done`` on the first key, last."""
+    if isinstance(lease, LeaseSet):
+        first, *rest = lease.leases
+        for each in reversed(rest):
+            each.release()
+        first.release(done)
+    else:
+        lease.release(done)
+
+
+def first_key(lease: Lease | LeaseSet) -> str:
+    """The key of the run's first lease in canonical order (the one the policy hooks see)."""
+    return lease.leases[0].key if isinstance(lease, LeaseSet) else lease.key
+
+
+def first_lost(leases: Sequence[Lease]) -> Lease:
+    """The lease whose loss interrupted the run (the first one lost, in canonical order)."""
+    return next((lease for lease in leases if lease.lost.is_set()), leases[0])
