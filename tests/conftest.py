@@ -3,6 +3,7 @@
 Servers come from the environment (defaults are this project's CI machine):
 ``CE_TEST_POSTGRES_URL``, ``CE_TEST_REDIS_URL``, ``CE_TEST_MYSQL_URL``. A test whose
 server is unreachable skips locally with the reason, and fails when ``CI=true``.
+``CE_TIME_SLACK`` scales the durations a loaded machine can stretch (:data:`TIME_SLACK`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from urllib.parse import urlsplit
 import pytest
 
 from celery_exclusive import LockService
-from celery_exclusive.testing.contract import OUTAGE_SECRET, Store
+from celery_exclusive.testing.contract import OUTAGE_SECRET, Store, time_slack
 
 POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() == "true"
+#: The one timing slack factor of the suite (``CE_TIME_SLACK``, default 2, the exported
+#: contract's too): tests multiply the leases, windows and bounds a busy neighbour can
+#: stretch by it, keeping what they prove (in ttls) the same. 1 suits a quiet machine.
+TIME_SLACK = time_slack()
 #: A user's project that tests/test_plugin.py runs in its own pytest (pytester), never here.
 collect_ignore = ["plugin_example"]
 
@@ -174,6 +179,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, sql_tables: dict[str, 
         make=make,
         outage=None if name == "memory" else lambda: LockService(DEAD_URLS[name]),
         guard=postgres_transaction if name == "postgres" else None,
+        slack=TIME_SLACK,
     )
     for service in services:
         service.close(release=True)

@@ -17,8 +17,10 @@ from celery_exclusive.heartbeat import CALL_TIMEOUT_CAP, MIN_CALL_TIMEOUT, call_
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest, accepts_timeout
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.service import RELEASE_TIMEOUT, is_store_error
+from tests.conftest import TIME_SLACK
 
-SLACK = 0.5
+#: Scheduling allowance on top of a promised bound, in seconds (0.5 s by default).
+SLACK = 0.25 * TIME_SLACK
 
 
 class StuckProvider(MemoryLockProvider):

@@ -31,6 +31,7 @@ from tests.celery.conftest import (
     uid,
     wait_for,
 )
+from tests.conftest import TIME_SLACK
 
 QUEUED = "#queued"
 
@@ -271,17 +272,19 @@ def test_a_producer_killed_between_marker_and_publish_blocks_the_key_at_most_ded
 
 
 def test_a_countdown_marker_lasts_past_the_eta(group: WorkerGroup) -> None:
-    """countdown=16 with dedupe_ttl=4: the marker is still there after 6 s, past the 4 s ttl, so
-    a send then is a duplicate, and it ends once the run has started. (The countdown leaves the
-    second producer's start-up, several seconds on a loaded machine, well inside it.)"""
+    """A countdown with dedupe_ttl=4: the marker is still there after 6.5 s, past the 4 s ttl,
+    so a send then is a duplicate, and it ends once the run has started. (The countdown,
+    6.5 s + 4.75 s x TIME_SLACK, 16 s by default, leaves the second producer's start-up,
+    several seconds on a loaded machine, inside it.)"""
     from tests.celery.app import app
 
+    countdown = round(6.5 + 4.75 * TIME_SLACK)
     key_id, tag = uid(), uid()
-    spec = {"task": "dedupe_raise", "args": [key_id, tag], "options": {"countdown": 16}}
+    spec = {"task": "dedupe_raise", "args": [key_id, tag], "options": {"countdown": countdown}}
     (first,) = produce(group, spec)
     marker = group.service.peek(f"dedupe-raise:{key_id}{QUEUED}")
     assert marker is not None
-    assert marker.expires_in > 14
+    assert marker.expires_in > countdown - 2
     time.sleep(max(0.0, 6.5 - marker.age))
     (second,) = produce(group, spec)
     assert second == {"error": "AlreadyQueued", "task_id": first["id"]}

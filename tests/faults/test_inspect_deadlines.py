@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from celery_exclusive import BackendError, LockService
-from tests.conftest import MYSQL_URL, drop_lock_table, require_server, with_option
+from tests.conftest import MYSQL_URL, TIME_SLACK, drop_lock_table, require_server, with_option
 from tests.faults.conftest import Backend, Faults
 from tests.faults.servers import TcpProxy
 
 CALL_TIMEOUT = 1.0
-#: Thread start, the proxy's stall hand-shake and a loaded 2-core machine.
-SLACK = 1.5
+#: Thread start, the proxy's stall hand-shake and a loaded 2-core machine (1.5 s by default).
+SLACK = 0.75 * TIME_SLACK
 
 CALLS: dict[str, Callable[[LockService], object]] = {
     "peek": lambda s: s.peek("k"),

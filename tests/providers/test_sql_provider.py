@@ -24,7 +24,7 @@ from celery_exclusive.errors import BackendError, ConfigurationError, MissingDri
 from celery_exclusive.providers import postgres as postgres_module
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
-from tests.conftest import drop_lock_table
+from tests.conftest import TIME_SLACK, drop_lock_table
 
 POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
@@ -360,13 +360,15 @@ def test_other_application_rows_are_never_touched(db: Db, provider: SqlLockProvi
 
 
 def test_expiry_is_decided_by_the_store(provider: SqlLockProvider) -> None:
-    """A 1.5 s lease is held just after its grant and free 0.5 s after its end (a commit
-    stalled by a busy neighbour on the disk can take a few hundred ms of a shorter lease)."""
-    assert isinstance(provider.acquire("k", "a", 1.5, 60, "{}"), Grant)
-    granted = time.monotonic()  # the lease ends at most 1.5 s after this
+    """A lease of 0.75 s x TIME_SLACK (1.5 s by default) is held just after its grant and free
+    a third of its ttl after its end (a commit stalled by a busy neighbour on the disk can
+    take a few hundred ms of a short lease)."""
+    ttl = 0.75 * TIME_SLACK
+    assert isinstance(provider.acquire("k", "a", ttl, 60, "{}"), Grant)
+    granted = time.monotonic()  # the lease ends at most ttl after this
     assert isinstance(provider.acquire("k", "b", 5, 60, "{}"), Held)
     assert provider.peek("k") is not None
-    time.sleep(max(0.0, 2.0 - (time.monotonic() - granted)))
+    time.sleep(max(0.0, ttl * 4 / 3 - (time.monotonic() - granted)))
     assert provider.peek("k") is None
     assert provider.scan("") == []
     assert provider.refresh([RefreshRequest("k", "a", 5)]) == [None]  # not revived
