@@ -16,7 +16,9 @@ out), cut short by a release signal where the store gives one. Guarantees:
 * each refused attempt is one refused acquisition: with ``lock_contended`` receivers (the
   metrics) connected, each sends the signal, so contention counts attempts, not waits;
 * fairness is statistical: no queue, but jitter and the wake-all signal give every waiter
-  the same chance at each release (measured by ``benchmarks/waiting.py``).
+  the same chance at each release (measured by ``benchmarks/waiting.py``, asserted by
+  ``tests/contract/test_waiting.py``); except on SQLite, where waiting processes can starve:
+  each attempt is a ``BEGIN IMMEDIATE`` whose busy handler backs off while others write.
 
 Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` protocol):
 

@@ -62,3 +62,25 @@ def lock_random_sets(
     finally:
         service.close()
     results.put((seed, acquired, overlaps, timeouts))
+
+
+def take_turns(url: str, prefix: str, key: str, *, seconds: float, start: Any, results: Any) -> None:
+    """Loop ``lock(key, wait=)`` / hold 5 ms / release for ``seconds`` after the start line,
+    then report (pid, acquisitions). Nothing else paces the loop: a releaser that is served
+    again before the woken waiters is what fairness must survive."""
+    service = LockService(url, prefix=prefix, ttl=30)
+    service.peek(key)  # connect before the start line
+    count = 0
+    start.wait()
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            lease = service.try_lock(key, wait=max(0.0, end - time.monotonic()))
+            if lease is None:
+                break
+            time.sleep(0.005)
+            lease.release()
+            count += 1
+    finally:
+        service.close()
+    results.put((os.getpid(), count))

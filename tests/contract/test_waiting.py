@@ -309,6 +309,51 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
     print(f"{store.name}: acquisitions per process {[acquired for _, acquired, _, _ in reports]}")
 
 
+def jain_index(counts: list[int]) -> float:
+    """Jain's fairness index: 1.0 when every count is equal, 1/n when one got everything."""
+    total = sum(counts)
+    return total * total / (len(counts) * sum(c * c for c in counts)) if total else 0.0
+
+
+def test_no_waiting_process_is_starved(store: Store) -> None:
+    """8 processes loop lock(wait=) / hold 5 ms / release on one key for 3 s (20 s with
+    CE_LONG=1): each gets at least a fifth of the fair share (2.5 % of the acquisitions,
+    12.5 % being even); the shares and Jain's index are printed (issue #13 item 1)."""
+    if not store.cross_process:
+        pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
+    if store.name == "sqlite":
+        # Known, measured: 3 of 8 processes got no turn in 3 s (Jain 0.36). Waiters poll, and
+        # each attempt is a BEGIN IMMEDIATE whose busy handler backs off while the others write.
+        pytest.skip("SQLite starves polling waiters across processes (see waiting.py)")
+    ctx = multiprocessing.get_context("spawn")
+    processes = 8
+    results, start = ctx.Queue(), ctx.Barrier(processes)
+    prefix = store.service().prefix
+    seconds = 20.0 if LONG else 3.0
+    procs = [
+        ctx.Process(
+            target=_wait_workers.take_turns,
+            args=(store.target(), prefix, "fair"),
+            kwargs={"seconds": seconds, "start": start, "results": results},
+        )
+        for _ in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    counts = sorted(count for _, count in (results.get(timeout=seconds + 90) for _ in procs))
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    total = sum(counts)
+    shares = [count / total for count in counts] if total else []
+    print(
+        f"{store.name}: {total} acquisitions by {processes} processes in {seconds:.0f} s, shares"
+        f" {' '.join(f'{100 * share:.1f}%' for share in shares)}, Jain {jain_index(counts):.3f}"
+    )
+    assert total >= 10 * processes, counts  # enough turns for shares to mean something
+    assert min(shares) >= 1 / processes / 5, (counts, jain_index(counts))
+
+
 class FailsOnKey:
     """The store's own provider, except that acquiring a key ending in ``boom`` raises
     ``error`` (a fault injected between two keys of one lock_many)."""
