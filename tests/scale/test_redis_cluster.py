@@ -2,11 +2,15 @@
 
 Every script touches one key or keys of one hash slot, so acquire, release and peek are
 single-slot; refresh and scan group keys by slot (pipelined per node). The shared
-contract suite is run once more against the cluster at the end of this module.
+contract suite is run once more against the cluster at the end of this module, and so
+are the semaphore contract tests (``limit=N``: slot 1 is the key, slots 2..N ``{key}#i``
+share one hash slot).
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,13 +21,32 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from celery_exclusive import LockService
+from celery_exclusive import LockService, ReleaseOutcome
 from celery_exclusive.errors import BackendError
 from celery_exclusive.providers._redis_scripts import fence_key
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
+from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
 from celery_exclusive.testing import contract as _contract
+from celery_exclusive.testing.contract import wait_until
+from celery_exclusive.waiting import POLL_MAX
 from tests.conftest import Store
+
+# The semaphore contract on the cluster (its script runs per attempt are counted below).
+from tests.contract.test_semaphore import (  # noqa: F401
+    test_a_dead_holders_slot_is_reclaimed_after_its_ttl_and_not_before,
+    test_a_waiter_on_a_full_semaphore_gets_the_slot_a_holder_releases,
+    test_each_slot_has_its_own_fence,
+    test_limit_one_is_the_single_lock,
+    test_locks_list_each_slot,
+    test_locks_with_a_filter_include_the_higher_slots,
+    test_lowering_the_limit_keeps_higher_slots_until_released,
+    test_n_holders_are_granted_and_the_next_is_refused,
+    test_one_call_where_the_store_offers_it,
+    test_release_frees_exactly_one_slot,
+    test_semaphore_oracle_never_more_than_limit_holders,
+    test_sigkilled_holders_slots_free_after_the_ttl_only,
+)
 
 # Woken handover on the cluster (p50 within 50 ms, as on every store that signals releases).
 from tests.contract.test_waiting import test_a_waiter_acquires_soon_after_the_release  # noqa: F401
@@ -39,10 +62,15 @@ def provider(redis_cluster: str) -> Iterator[RedisLockProvider]:
     p.close()
 
 
-def evalsha_calls(cluster: RedisCluster) -> int:
-    """EVALSHA calls served so far, summed over the primaries."""
+def script_runs(cluster: RedisCluster) -> int:
+    """Scripts run so far (EVAL, and EVALSHA but for failed ones such as NOSCRIPT), summed
+    over the primaries: a node's first call of a script costs a NOSCRIPT and an EVAL."""
     stats = cluster.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
-    return sum(node.get("cmdstat_evalsha", {}).get("calls", 0) for node in stats.values())
+    return sum(
+        node.get(name, {}).get("calls", 0) - node.get(name, {}).get("failed_calls", 0)
+        for node in stats.values()
+        for name in ("cmdstat_evalsha", "cmdstat_eval")
+    )
 
 
 def test_core_operations_across_every_node(provider: RedisLockProvider) -> None:
@@ -87,14 +115,13 @@ def test_refresh_sends_one_script_call_per_slot(provider: RedisLockProvider) -> 
     tagged = [f"{{{prefix}job}}:{i}" for i in range(1500)]  # one slot, two chunks of 1000
     for key in spread + tagged:
         assert isinstance(provider.acquire(key, "tok", 30.0, 60.0, "{}"), Grant)
-    provider.refresh([RefreshRequest(spread[0], "tok", 30.0)] * 2)  # scripts loaded everywhere
     slots = {cluster.keyslot(k) for k in spread}
-    before = evalsha_calls(cluster)
+    before = script_runs(cluster)
     assert all(a is not None for a in provider.refresh([RefreshRequest(k, "tok", 30.0) for k in spread]))
-    assert evalsha_calls(cluster) - before == len(slots)
-    before = evalsha_calls(cluster)
+    assert script_runs(cluster) - before == len(slots)
+    before = script_runs(cluster)
     assert all(a is not None for a in provider.refresh([RefreshRequest(k, "tok", 30.0) for k in tagged]))
-    assert evalsha_calls(cluster) - before == 2
+    assert script_runs(cluster) - before == 2
     assert len(provider.scan(prefix)) == len(spread)  # the tagged keys start with "{"
     assert len(provider.scan("{" + prefix)) == len(tagged)
     for key in spread + tagged:
@@ -403,3 +430,94 @@ def test_a_semaphore_takes_slots_with_their_slots_fence_and_wakes_on_any(provide
         assert provider.release(keys[1], "t1") is True
     finally:
         subscription.close()
+
+
+def test_semaphore_slots_live_in_at_most_two_hash_slots(redis_cluster: str) -> None:
+    """limit=3 on the cluster: three holders, each its own slot key, token and fence; slots
+    2..3 share one hash slot (slot 1, the key itself, has its own); an attempt costs one
+    script call while slot 1 is free and two once it is held, granted or refused; peek and
+    locks() show each slot's holder; a released slot is reclaimed with a greater fence."""
+    prefix = f"sem{uuid.uuid4().hex[:8]}:"
+    services = [LockService(redis_cluster, prefix=prefix) for _ in range(4)]
+    provider = services[0].provider
+    assert isinstance(provider, RedisLockProvider)
+    cluster = provider._client
+    try:
+        keys = [prefix + k for k in slot_keys("tenant", 3)]
+        assert cluster.keyslot(keys[1]) == cluster.keyslot(keys[2])
+        calls = []
+        leases = []
+        for service in services[:3]:
+            before = script_runs(cluster)
+            leases.append(service.lock("tenant", limit=3, ttl=30, holder={"n": len(leases)}))
+            calls.append(script_runs(cluster) - before)
+        assert calls == [1, 2, 2], calls
+        assert [lease.store_key for lease in leases] == keys
+        assert len({lease.token for lease in leases}) == 3
+        before = script_runs(cluster)
+        assert services[3].try_lock("tenant", limit=3) is None
+        assert script_runs(cluster) - before == 2
+        for slot, lease in enumerate(leases, start=1):
+            info = services[3].peek(slot_key("tenant", slot))
+            assert info is not None
+            assert (info.token, info.fence, info.holder["n"]) == (lease.token, lease.fence, slot - 1)
+        listed = services[3].locks("tenant")
+        assert [slot_of(info.key) for info in listed] == [("tenant", 1), ("tenant", 2), ("tenant", 3)]
+        assert [info.token for info in listed] == [lease.token for lease in leases]
+        assert leases[1].release() is ReleaseOutcome.RELEASED
+        again = services[3].lock("tenant", limit=3, ttl=30)
+        assert again.store_key == keys[1]
+        assert again.fence > leases[1].fence
+        for lease in (leases[0], leases[2], again):
+            assert lease.release() is ReleaseOutcome.RELEASED
+        assert services[3].locks("tenant") == []
+    finally:
+        for service in services:
+            service.close(release=True)
+
+
+def test_any_slots_release_wakes_a_semaphore_waiter_on_the_cluster(redis_cluster: str) -> None:
+    """A waiter on a full limit=3 semaphore subscribes to its slot keys (slot 1's on that
+    key's shard); the release of slot 1, or of slot 3 (another hash slot), hands over within
+    50 ms (p50 of each, woken by SPUBLISH), and every handover within the poll bound."""
+    prefix = f"semw{uuid.uuid4().hex[:8]}:"
+    holder, waiter = LockService(redis_cluster, prefix=prefix), LockService(redis_cluster, prefix=prefix)
+    provider = holder.provider
+    assert isinstance(provider, RedisLockProvider)
+    node = provider._client.get_node_from_key(prefix + "full")
+    shard = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+    latencies: dict[int, list[float]] = {1: [], 3: []}
+    try:
+        leases = [holder.lock("full", limit=3, ttl=30) for _ in range(3)]
+        for slot in (1, 3, 1, 3, 1, 3, 1, 3, 1, 3):
+            acquired: list[tuple[float, str]] = []
+
+            def wait_for_a_slot(acquired: list[tuple[float, str]] = acquired) -> None:
+                got = waiter.lock("full", limit=3, ttl=30, wait=10)
+                acquired.append((time.monotonic(), got.store_key))
+                leases.append(got)
+
+            thread = threading.Thread(target=wait_for_a_slot)
+            thread.start()
+            assert wait_until(
+                lambda: shard.execute_command("PUBSUB", "SHARDNUMSUB", prefix + "full")[1] == 1, 5.0
+            )
+            time.sleep(0.3)  # the waiter is in its longest pauses by now
+            freed = next(lease for lease in leases if lease.store_key == prefix + slot_key("full", slot))
+            released = time.monotonic()
+            assert freed.release() is ReleaseOutcome.RELEASED
+            leases.remove(freed)
+            thread.join(15)
+            assert acquired
+            assert acquired[0][1] == freed.store_key
+            latencies[slot].append(acquired[0][0] - released)
+        print(f"handover after slot 1's release {latencies[1]}, after slot 3's {latencies[3]}")
+        assert statistics.median(latencies[1]) <= 0.05, latencies
+        assert statistics.median(latencies[3]) <= 0.05, latencies
+        assert max(latencies[1] + latencies[3]) <= POLL_MAX + 0.3, latencies
+        for lease in leases:
+            lease.release()
+    finally:
+        shard.close()
+        holder.close(release=True)
+        waiter.close(release=True)

@@ -1,6 +1,7 @@
 """The Redis store through Sentinel (``redis+sentinel://``): a private primary and sentinel.
 
-Only discovery and normal operation are tested here; what a failover does to leases
+Only discovery and normal operation (the single lock, and semaphores: the semaphore
+contract tests run through the sentinel too) are tested here; what a failover does to leases
 (async replication can lose them) is tested in tests/faults/test_failover.py and
 documented in docs/scaling.md.
 """
@@ -17,11 +18,30 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_exclusive import BackendError, LockService
-from celery_exclusive.providers.base import Grant, RefreshRequest
+from celery_exclusive import BackendError, LockService, ReleaseOutcome
+from celery_exclusive.providers.base import AcquiresAny, Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
+from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
 from celery_exclusive.testing.contract import wait_until
+from tests.conftest import Store
+
+# The semaphore contract through the sentinel (on the `store` fixture below).
+from tests.contract.test_semaphore import (  # noqa: F401
+    test_a_dead_holders_slot_is_reclaimed_after_its_ttl_and_not_before,
+    test_a_waiter_on_a_full_semaphore_gets_the_slot_a_holder_releases,
+    test_each_slot_has_its_own_fence,
+    test_limit_one_is_the_single_lock,
+    test_locks_list_each_slot,
+    test_locks_with_a_filter_include_the_higher_slots,
+    test_lowering_the_limit_keeps_higher_slots_until_released,
+    test_n_holders_are_granted_and_the_next_is_refused,
+    test_one_call_where_the_store_offers_it,
+    test_release_frees_exactly_one_slot,
+    test_semaphore_oracle_never_more_than_limit_holders,
+    test_sigkilled_holders_slots_free_after_the_ttl_only,
+)
 from tests.scale._servers import binary, free_port, processes, start, wait_for
+from tests.scale.conftest import contract_store
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +85,50 @@ def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, in
         )
         watcher.close()
         yield primary_port, sentinel_port
+
+
+@pytest.fixture
+def store(sentinel: tuple[int, int]) -> Iterator[Store]:
+    """The primary, found through the sentinel, as the semaphore contract tests' store."""
+    yield from contract_store("redis-sentinel", f"redis+sentinel://127.0.0.1:{sentinel[1]}/mymaster/0")
+
+
+def test_a_semaphore_through_sentinel(sentinel: tuple[int, int]) -> None:
+    """limit=3 through the sentinel: each slot taken in one script call on the primary
+    (AcquiresAny), three holders with their own tokens and fences, a fourth refused; the
+    primary holds exactly the slot hashes, peek and locks() show each slot's holder, and a
+    released slot is taken again with a greater fence."""
+    primary_port, sentinel_port = sentinel
+    prefix = f"sem{uuid.uuid4().hex[:8]}:"
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster/0"
+    services = [LockService(url, prefix=prefix) for _ in range(4)]
+    direct = redis.Redis(port=primary_port)
+    try:
+        assert isinstance(services[0].provider, AcquiresAny)
+        leases = [service.lock("tenant", limit=3, ttl=30) for service in services[:3]]
+        assert [lease.store_key for lease in leases] == [prefix + k for k in slot_keys("tenant", 3)]
+        assert len({lease.token for lease in leases}) == 3
+        assert services[3].try_lock("tenant", limit=3) is None
+        for lease in leases:
+            assert direct.hget(lease.store_key, "token").decode() == lease.token
+            assert 0 < direct.pttl(lease.store_key) <= 30_000  # a slot's hash expires with its lease
+        for slot, lease in enumerate(leases, start=1):
+            info = services[3].peek(slot_key("tenant", slot))
+            assert info is not None
+            assert (info.token, info.fence) == (lease.token, lease.fence)
+        listed = services[3].locks("tenant")
+        assert [slot_of(info.key) for info in listed] == [("tenant", 1), ("tenant", 2), ("tenant", 3)]
+        assert leases[2].release() is ReleaseOutcome.RELEASED
+        again = services[3].lock("tenant", limit=3, ttl=30)
+        assert again.store_key == leases[2].store_key
+        assert again.fence > leases[2].fence
+        for lease in (leases[0], leases[1], again):
+            assert lease.release() is ReleaseOutcome.RELEASED
+        assert direct.exists(*(prefix + k for k in slot_keys("tenant", 3))) == 0
+    finally:
+        for service in services:
+            service.close(release=True)
+        direct.close()
 
 
 def test_core_operations_through_sentinel(sentinel: tuple[int, int]) -> None:
