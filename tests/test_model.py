@@ -12,17 +12,27 @@ Two machines:
   memory store, everything on one fake clock; a client believes it holds a key while
   ``lease.check()`` passes.
 
+* :class:`PrimitivesModel` drives :class:`LockService` clients through the richer primitives
+  of issue #13 (``wait=``, semaphores ``limit=1..3``, ``lock_many`` over overlapping key
+  sets) on memory (fake clock, leases expire as time is advanced) and on SQLite,
+  PostgreSQL, MariaDB and Redis (30 s leases, nothing expires within an example). Its oracle is the
+  store as seen just before each call (``peek``), so it needs no model of the heartbeat.
+
 Invariants after every step: at most one client believes it holds each key (leases the
 store forgot are excluded: exclusion cannot outlive the store's data, but such a lease must
 never come back); the store agrees with the model (``peek`` and ``scan`` show the model's
 holder); fences grow with every acquisition of a key. Each example uses its own key prefix;
 SQL tables and Redis keys are removed afterwards. Fences must keep growing even after the
 store forgot a key: SQL counters outlive the row, Redis fences come from its clock.
+
+Examples are few by default, so CI stays quick; ``CE_LONG=1`` runs ten times as many.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,9 +53,11 @@ from hypothesis.stateful import (
 
 from celery_exclusive import Lease, LockLost, LockService, ReleaseOutcome
 from celery_exclusive.lease import safety_margin
+from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import Grant, Held, LockProvider, RefreshRequest, encode_holder
 from celery_exclusive.providers.memory import MemoryLockProvider
 from celery_exclusive.providers.sql import SqlLockProvider
+from celery_exclusive.semaphore import slot_key
 from tests.conftest import (
     MYSQL_URL,
     POSTGRES_URL,
@@ -56,6 +68,9 @@ from tests.conftest import (
     require_server,
 )
 
+#: Long mode (``CE_LONG=1``): ten times the examples of every model.
+LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
+SCALE = 10 if LONG else 1
 N_CLIENTS = 3
 KEYS = ("a", "b/'; DROP TABLE x; --")
 #: Expiry used to make a lease lapse on purpose (seconds), and how long to wait past it.
@@ -596,7 +611,7 @@ def test_provider_model(harness: Harness) -> None:
         run_state_machine_as_test(
             ProviderModel,
             settings=settings(
-                max_examples=harness.examples,
+                max_examples=harness.examples * SCALE,
                 stateful_step_count=harness.steps,
                 deadline=None,
                 suppress_health_check=[HealthCheck.too_slow],
@@ -611,9 +626,341 @@ def test_service_model() -> None:
     run_state_machine_as_test(
         ServiceModel,
         settings=settings(
-            max_examples=200,
+            max_examples=200 * SCALE,
             stateful_step_count=40,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+# -- the primitives model: wait, limit, lock_many (memory on a fake clock, real stores) ------
+
+#: Plain keys, taken alone or as overlapping sets; the semaphore key, with limit 1..3.
+PLAIN = ("p", "q", "r", "s'; --")
+SEM = "sem"
+MAX_SLOTS = 3
+#: A small wait: long enough to be a real wait, short enough for many steps.
+SMALL_WAIT = 0.02
+
+key_sets = st.lists(st.sampled_from(PLAIN), min_size=2, max_size=3, unique=True)
+waits = st.sampled_from([None, 0.0, SMALL_WAIT])
+
+
+@dataclass
+class PrimitivesStore:
+    """One store under the primitives model: a shared provider (fake clock on memory)."""
+
+    name: str
+    run: str
+    provider: Callable[[Callable[[], float]], LockProvider]
+    fake_clock: bool
+    ttls: tuple[float, ...] = (30.0,)
+    examples: int = 15
+    steps: int = 25
+
+
+@dataclass
+class _PrimitivesConfig:
+    store: PrimitivesStore | None = None
+
+
+_primitives = _PrimitivesConfig()
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres", "mariadb", "redis"])
+def primitives_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PrimitivesStore]:
+    """Each store in turn, its keys or table removed afterwards (examples: memory 60, the
+    servers 15, a few seconds each; ten times as many with CE_LONG=1)."""
+    run = uuid.uuid4().hex[:10]
+    name: str = request.param
+    if name == "memory":
+        yield PrimitivesStore(
+            name,
+            run,
+            provider=lambda clock: MemoryLockProvider(clock=clock),
+            fake_clock=True,
+            ttls=(3.0, 6.0),
+            examples=60 * SCALE,
+            steps=35,
+        )
+        return
+    if name == "redis":
+        require_server(REDIS_URL)
+        from celery_exclusive.providers.redis import RedisLockProvider
+
+        redis_store = RedisLockProvider(REDIS_URL)
+        try:
+            yield PrimitivesStore(name, run, lambda _clock: redis_store, False, examples=15 * SCALE)
+        finally:
+            redis_store.close()
+            delete_redis_keys(f"x{run}:")
+        return
+    urls = {"sqlite": f"sqlite:///{tmp_path / 'primitives.sqlite3'}", "postgres": POSTGRES_URL}
+    url = urls.get(name, MYSQL_URL)
+    if name != "sqlite":
+        require_server(url)
+    table = f"ce_prim_{run}"
+    sql_store = SqlLockProvider(url, table=table)
+    try:
+        yield PrimitivesStore(name, run, lambda _clock: sql_store, False, examples=15 * SCALE)
+    finally:
+        sql_store.close()
+        drop_lock_table(url, table)
+
+
+@dataclass
+class Taken:
+    """A lease some client took (alone, on a semaphore slot, or as part of a set)."""
+
+    lease: Lease
+    client: int
+    generation: int
+    set_id: int | None = None
+
+
+class PrimitivesModel(RuleBasedStateMachine):
+    """Clients wait, take semaphore slots and key sets; the store seen before each call
+    decides what the call must answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        store = _primitives.store
+        assert store is not None
+        self.s = store
+        self.now = 0.0
+        self.provider = store.provider(self.clock)
+        self.prefix = f"x{store.run}:{next(_examples)}:"
+        self.services = [self.new_service() for _ in range(N_CLIENTS)]
+        self.generations = [0] * N_CLIENTS
+        self.taken: list[Taken] = []
+        self.sets: dict[int, tuple[int, int, LeaseSet]] = {}  # id -> (client, generation, set)
+        self.released: set[str] = set()
+        self.floor: dict[str, int] = {}
+
+    # helpers
+
+    def clock(self) -> float:
+        return self.now if self.s.fake_clock else time.monotonic()
+
+    def new_service(self) -> LockService:
+        clock = self.clock if self.s.fake_clock else time.monotonic
+        return LockService(self.provider, prefix=self.prefix, clock=clock, thread_factory=IdleThread)
+
+    def store_keys(self) -> list[str]:
+        return [*PLAIN, *(slot_key(SEM, slot) for slot in range(1, MAX_SLOTS + 1))]
+
+    def shown(self, key: str) -> str | None:
+        """The token the store shows on ``key`` (unprefixed), None if it is free."""
+        info = self.provider.peek(self.prefix + key)
+        return None if info is None else info.token
+
+    def alive(self, taken: Taken) -> bool:
+        return self.generations[taken.client] == taken.generation
+
+    def granted(self, lease: Lease, client: int, set_id: int | None = None) -> None:
+        """A new lease: its fence beats every earlier one of its store key."""
+        floor = self.floor.get(lease.store_key, 0)
+        assert lease.fence > floor, f"{lease.store_key!r}: fence {lease.fence} after {floor}"
+        self.floor[lease.store_key] = lease.fence
+        self.taken.append(Taken(lease, client, self.generations[client], set_id))
+
+    def live(self, client: int) -> list[Taken]:
+        """The client's leases not released, newest first."""
+        return [
+            t
+            for t in reversed(self.taken)
+            if t.client == client and self.alive(t) and t.lease.token not in self.released
+        ]
+
+    @staticmethod
+    def believes(lease: Lease) -> bool:
+        try:
+            lease.check()
+        except LockLost:
+            return False
+        return True
+
+    # rules
+
+    @rule(client=clients, key=st.sampled_from(PLAIN), wait=waits, data=st.data())
+    def lock(self, client: int, key: str, wait: float | None, data: st.DataObject) -> None:
+        """A plain key, maybe with a small wait: a lease exactly when the store showed it
+        free; a refused wait returns no earlier than its timeout."""
+        ttl = data.draw(st.sampled_from(self.s.ttls), label="ttl")
+        before = self.shown(key)
+        started = time.monotonic()
+        lease = self.services[client].try_lock(key, ttl=ttl, wait=wait)
+        elapsed = time.monotonic() - started
+        assert (lease is None) == (before is not None), (key, before, lease)
+        if lease is None:
+            assert elapsed >= (wait or 0.0), f"a {wait} s wait gave up after {elapsed:.4f} s"
+            return
+        self.granted(lease, client)
+
+    @rule(client=clients, limit=st.integers(1, MAX_SLOTS), wait=st.sampled_from([None, SMALL_WAIT]))
+    def lock_slot(self, client: int, limit: int, wait: float | None) -> None:
+        """A slot of the semaphore with ``limit``: granted exactly when one of slots
+        1..limit was free, on a free one, with a token no other holder has; refused when all
+        ``limit`` were held (never more holders than the limit)."""
+        before = {slot: self.shown(slot_key(SEM, slot)) for slot in range(1, limit + 1)}
+        lease = self.services[client].try_lock(SEM, ttl=self.s.ttls[-1], limit=limit, wait=wait)
+        free = [slot for slot, token in before.items() if token is None]
+        if lease is None:
+            assert not free, f"limit={limit} refused with slots {free} free: {before}"
+            return
+        assert free, f"limit={limit} granted a slot while all were held: {before}"
+        assert lease.key == SEM
+        assert lease.store_key in {self.prefix + slot_key(SEM, slot) for slot in free}, lease.store_key
+        assert lease.token not in before.values()
+        self.granted(lease, client)
+
+    @rule(client=clients, keys=key_sets.flatmap(st.permutations), wait=waits)
+    def lock_many(self, client: int, keys: list[str], wait: float | None) -> None:
+        """An overlapping key set, in any order: all taken when all were free, else none,
+        and then the store shows exactly what it showed before."""
+        before = {key: self.shown(key) for key in PLAIN}
+        taken = self.services[client].try_lock_many(keys, ttl=self.s.ttls[-1], wait=wait)
+        if taken is None:
+            assert any(before[key] is not None for key in keys), (keys, before)
+            assert {key: self.shown(key) for key in PLAIN} == before, "a refused set left something held"
+            return
+        assert all(before[key] is None for key in keys), (keys, before)
+        assert taken.keys == sorted(keys)
+        assert len({lease.token for lease in taken}) == len(keys)
+        set_id = len(self.sets)
+        self.sets[set_id] = (client, self.generations[client], taken)
+        for lease in taken:
+            self.granted(lease, client, set_id)
+
+    @rule(waiter=clients, data=st.data())
+    def handover(self, waiter: int, data: st.DataObject) -> None:
+        """A waiter (wait=10 s) gets a key, or a slot, that its holder releases meanwhile."""
+        held = [
+            t
+            for t in self.taken
+            if t.set_id is None
+            and self.alive(t)
+            and t.lease.token not in self.released
+            and self.shown(t.lease.store_key[len(self.prefix) :]) == t.lease.token
+        ]
+        if not held:
+            return
+        target = data.draw(st.sampled_from(held), label="released")
+        lease = target.lease
+        limit = MAX_SLOTS if lease.key == SEM else 1
+        got: list[Lease | None] = []
+        thread = threading.Thread(
+            target=lambda: got.append(
+                self.services[waiter].try_lock(lease.key, ttl=30.0, limit=limit, wait=10.0)
+            )
+        )
+        thread.start()
+        time.sleep(0.01)
+        assert lease.release() is ReleaseOutcome.RELEASED
+        self.released.add(lease.token)
+        thread.join(30)
+        assert got, "the waiter did not return"
+        assert got[0] is not None, f"the waiter missed the release of {lease.store_key!r}"
+        self.granted(got[0], waiter)
+
+    @rule(client=clients)
+    def release(self, client: int) -> None:
+        """A client releases its newest lease (not part of a set): RELEASED exactly when the
+        store showed it."""
+        mine = [t for t in self.live(client) if t.set_id is None]
+        if not mine:
+            return
+        lease = mine[0].lease
+        owned = self.shown(lease.store_key[len(self.prefix) :]) == lease.token
+        outcome = lease.release()
+        assert outcome is (ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED)
+        self.released.add(lease.token)
+
+    @rule(client=clients)
+    def release_set(self, client: int) -> None:
+        """A client releases a key set together: each key RELEASED exactly when the store
+        showed its lease, and none of them is held by it afterwards."""
+        mine = [
+            (set_id, leases)
+            for set_id, (owner, generation, leases) in self.sets.items()
+            if owner == client
+            and self.generations[owner] == generation
+            and not any(lease.token in self.released for lease in leases)
+        ]
+        if not mine:
+            return
+        _, leases = mine[-1]
+        owned = {lease.key: self.shown(lease.key) == lease.token for lease in leases}
+        outcomes = leases.release()
+        assert outcomes == {
+            key: ReleaseOutcome.RELEASED if mine_ else ReleaseOutcome.NOT_OWNED
+            for key, mine_ in owned.items()
+        }
+        for lease in leases:
+            self.released.add(lease.token)
+            assert self.shown(lease.key) != lease.token
+
+    @rule(client=clients)
+    def heartbeat(self, client: int) -> None:
+        """One heartbeat pass of a client."""
+        self.services[client].heartbeat.beat()
+
+    @precondition(lambda self: self.s.fake_clock)
+    @rule(seconds=st.sampled_from([0.5, 2.0, 4.0, 7.0]))
+    def advance(self, seconds: float) -> None:
+        """Time passes for everyone (fake clock only: memory)."""
+        self.now += seconds
+
+    @rule(client=clients)
+    def kill(self, client: int) -> None:
+        """A client dies: its leases are neither refreshed nor released; a new one starts.
+        (The old service is dropped, not closed: closing would close the shared provider.)"""
+        self.services[client] = self.new_service()
+        self.generations[client] += 1
+
+    # invariants
+
+    @invariant()
+    def one_believer_per_key(self) -> None:
+        """At most one live lease believes it holds each key and each semaphore slot, and the
+        store shows that one; no slot beyond the largest limit is ever taken."""
+        for key in self.store_keys():
+            store_key = self.prefix + key
+            believers = [
+                t
+                for t in self.taken
+                if t.lease.store_key == store_key
+                and self.alive(t)
+                and t.lease.token not in self.released
+                and self.believes(t.lease)
+            ]
+            assert len(believers) <= 1, f"several clients believe they hold {key!r}: {believers}"
+            if believers:
+                info = self.provider.peek(store_key)
+                assert info is not None, f"{key!r} is believed held, but the store shows it free"
+                assert (info.token, info.fence) == (believers[0].lease.token, believers[0].lease.fence)
+        assert self.shown(slot_key(SEM, MAX_SLOTS + 1)) is None
+
+    @invariant()
+    def nothing_comes_back(self) -> None:
+        """A released lease never shows up in the store again."""
+        for key in self.store_keys():
+            assert self.shown(key) not in self.released
+
+
+def test_primitives_model(primitives_store: PrimitivesStore) -> None:
+    """wait=, limit= and lock_many never disagree with the store or give a key to two."""
+    _primitives.store = primitives_store
+    try:
+        run_state_machine_as_test(
+            PrimitivesModel,
+            settings=settings(
+                max_examples=primitives_store.examples,
+                stateful_step_count=primitives_store.steps,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        _primitives.store = None
