@@ -154,24 +154,29 @@ class Acquiring:
         self, key: str, limit: int, token: str, *, ttl: float, max_lifetime: float, holder: str
     ) -> tuple[int, Grant | Held]:
         """The first free slot (1-based) of semaphore ``key`` and its Grant, or ``(1, Held)``:
-        one store call where the provider has ``acquire_any``, else one acquire per slot in order
-        (a retried attempt then releases the token's other slots, which its lost reply may hold)."""
+        one store call where the provider has ``acquire_any``, else one acquire per slot in order;
+        either way a retried attempt releases the token's other slots, which its lost reply may hold."""
         service = self._service
         provider = service.provider
         keys = [service.prefix + slot for slot in semaphore.slot_keys(key, limit)]
         life = min(ttl, max_lifetime)
+        attempts: list[float] = []
         if self._any:
             any_store = cast("AcquiresAny", provider)  # self._any says so
-            answer = self._retried(
-                lambda timeout: service._call(
+
+            def in_one_call(timeout: float) -> tuple[int, Grant] | Held:
+                attempts.append(service.clock())
+                got = service._call(
                     "acquire", any_store.acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout
-                ),
-                keys,
-                token,
-                life,
-            )
+                )
+                if len(attempts) > 1 and not isinstance(got, Held):
+                    # On a cluster one call per hash slot: the lost reply may hold another slot.
+                    for other in keys[: got[0]] + keys[got[0] + 1 :]:
+                        service.heartbeat.retry_release(other, token, until=attempts[0] + life)
+                return got
+
+            answer = self._retried(in_one_call, keys, token, life)
             return (1, answer) if isinstance(answer, Held) else (answer[0] + 1, answer[1])
-        attempts: list[float] = []
 
         def in_order(timeout: float) -> tuple[int, Grant | Held | Done]:
             attempts.append(service.clock())

@@ -13,8 +13,9 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -521,3 +522,48 @@ def test_any_slots_release_wakes_a_semaphore_waiter_on_the_cluster(redis_cluster
         shard.close()
         holder.close(release=True)
         waiter.close(release=True)
+
+
+class LosesFirstSemaphoreReply:
+    """The cluster provider, except that its first ``acquire_any`` takes a slot, then lets
+    ``meanwhile()`` run and raises as a lost reply would."""
+
+    def __init__(self, provider: RedisLockProvider, meanwhile: Callable[[], object]) -> None:
+        self._provider, self._meanwhile, self.calls = provider, meanwhile, 0
+        self.max_key_length = provider.max_key_length
+
+    def acquire_any(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        answer = self._provider.acquire_any(*args, **kwargs)
+        if self.calls == 1:
+            self._meanwhile()
+            raise BackendError("injected: the reply was lost")
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._provider, name)
+
+
+def test_a_semaphore_retry_after_a_lost_reply_holds_one_slot(redis_cluster: str) -> None:
+    """The first attempt takes slot 2 (slot 1 held; on a cluster, another hash slot's script
+    call) and its reply is lost; slot 1 is released before the same-token retry, which takes
+    it: the token's slot 2 is released too, not left holding a second slot for its ttl."""
+    prefix = f"semr{uuid.uuid4().hex[:8]}:"
+    other = LockService(redis_cluster, prefix=prefix)
+    first = other.lock("retried", limit=3, ttl=30)
+    assert first.store_key == prefix + "retried"
+    lossy = LosesFirstSemaphoreReply(RedisLockProvider(redis_cluster), first.release)
+    service = LockService(lossy, prefix=prefix)
+    try:
+        lease = service.lock("retried", limit=3, ttl=30)
+        assert lossy.calls == 2
+        assert lease.store_key == prefix + "retried"  # the retry found slot 1 free
+        assert wait_until(lambda: other.peek(slot_key("retried", 2)) is None, 5.0), other.peek(
+            slot_key("retried", 2)
+        )
+        holders = [other.peek(key) for key in slot_keys("retried", 3)]
+        assert [info.token for info in holders if info is not None] == [lease.token]
+        lease.release()
+    finally:
+        service.close(release=True)
+        other.close(release=True)
