@@ -11,6 +11,10 @@ hands every inherited connection to ``on_fork`` and starts empty. The default dr
 right for redis-py, whose ``disconnect()`` shuts a socket down only in the process that
 made it. A store whose close sends a goodbye on the wire (libpq's Terminate) passes an
 ``on_fork`` that keeps them referenced, unclosed, instead.
+
+Thread-safe without a lock (a list's ``append`` and ``pop`` are atomic): a connection is
+used by one thread at a time, between :meth:`~KeptConnections.take` and
+:meth:`~KeptConnections.give`; concurrent givers may overshoot ``limit`` by one each.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ def _drop(inherited: list[C]) -> None:
 class KeptConnections(Generic[C]):
     """Up to ``limit`` connections (``None``: no limit), each with its last use (monotonic s)."""
 
-    __slots__ = ("_idle", "_limit", "_on_fork", "_pid")
+    __slots__ = ("_idle", "_limit", "_on_fork", "_pid", "closed")
 
     def __init__(self, limit: int | None = None, on_fork: Callable[[list[C]], None] = _drop) -> None:
         self._idle: list[tuple[C, float]] = []
         self._limit = limit
         self._on_fork = on_fork
         self._pid = os.getpid()
+        #: Set by :meth:`close`: nothing is kept any more.
+        self.closed = False
 
     def _forked(self) -> bool:
         """True (after handing the parent's connections to ``on_fork``) in a new process."""
@@ -50,11 +56,19 @@ class KeptConnections(Generic[C]):
         """The most recently used connection and its last use, or None if none is kept."""
         if self._pid != os.getpid():
             self._forked()
-        return self._idle.pop() if self._idle else None
+        try:
+            return self._idle.pop()
+        except IndexError:  # none kept, or another thread took the last one
+            return None
+
+    def has_room(self) -> bool:
+        """Whether fewer than ``limit`` connections are kept (closed or not)."""
+        return self._limit is None or len(self._idle) < self._limit
 
     def give(self, conn: C, used: float | None = None) -> bool:
-        """Keep ``conn``, last used at ``used`` (default: now); False if full (close it yourself)."""
-        if self._limit is not None and len(self._idle) >= self._limit:
+        """Keep ``conn``, last used at ``used`` (default: now); False if full or closed (close
+        it yourself)."""
+        if self.closed or not self.has_room():
             return False
         self._idle.append((conn, time.monotonic() if used is None else used))
         return True
@@ -64,6 +78,11 @@ class KeptConnections(Generic[C]):
         self._forked()
         drained, self._idle = self._idle, []
         return [conn for conn, _ in drained]
+
+    def close(self) -> list[C]:
+        """Keep nothing from now on; :meth:`drain`'s connections (to close them)."""
+        self.closed = True
+        return self.drain()
 
     @property
     def idle(self) -> list[tuple[C, float]]:

@@ -40,6 +40,7 @@ from sqlalchemy.engine import Connection, Dialect, Engine
 
 from celery_exclusive.errors import BackendError, InvalidArgumentError, LockLost
 from celery_exclusive.providers import _deadline, _libpq, _pg_listen
+from celery_exclusive.providers._kept import KeptConnections
 from celery_exclusive.providers._sql_common import (
     INHERITED,
     PRUNE_BATCH,
@@ -370,55 +371,12 @@ forgotten AS (
 _bounded_connect = _deadline.bounded_connect  # its old name here
 
 
-class _KeptConnections:
-    """Up to ``_KEEP`` psycopg connections owned by the provider, detached from the pool: a
-    checkout and check-in cost as much Python time as the SQL. Thread-safe (list operations
-    are atomic); a connection is used by one thread at a time, between :meth:`take` and
-    :meth:`keep`."""
-
-    def __init__(self) -> None:
-        self.connections: list[Any] = []
-        self.closed = False
-
-    def take(self) -> Any | None:
-        """A kept connection, or None if there is none."""
-        with contextlib.suppress(IndexError):  # another thread took the last one
-            return self.connections.pop()
-        return None
-
-    def has_room(self) -> bool:
-        return len(self.connections) < _KEEP
-
-    def keep(self, connection: Any) -> None:
-        """Keep an owned connection for the next statement, or close it if full or closed."""
-        if not self.closed and len(self.connections) < _KEEP:
-            self.connections.append(connection)
-        else:
-            connection.close()
-
-    def drop(self) -> None:
-        """Close every kept connection."""
-        kept = self.connections
-        while kept:
-            try:
-                connection = kept.pop()
-            except IndexError:
-                return
-            with contextlib.suppress(Exception):  # a dead connection still closes locally
-                connection.close()
-
-    def after_fork(self) -> None:
-        """In a forked child: the parent's connections are never used, closed or collected."""
-        INHERITED.extend(self.connections)
-        self.connections = []
-
-
 class _PooledExecutor:
     """Statements through SQLAlchemy's pool (``text()``): PostgreSQL drivers other than psycopg 3.
 
     ``timeout`` is not enforced here: the driver's own network timeouts apply."""
 
-    kept: _KeptConnections | None = None
+    kept: KeptConnections[Any] | None = None
 
     def __init__(self, engine: Engine, sql: dict[str, str]) -> None:
         self._engine = engine
@@ -431,10 +389,7 @@ class _PooledExecutor:
             conn.commit()
         return rows
 
-    def close(self) -> None:
-        return None
-
-    def after_fork(self) -> None:
+    def close(self, *, final: bool = False) -> None:
         return None
 
 
@@ -459,7 +414,11 @@ class _DirectExecutor:
         self._engine = engine
         self._sql = psycopg_sql
         self._masked = masked
-        self.kept = _KeptConnections() if keep else None
+        # A forked child never closes its parent's connections (psycopg's close sends libpq's
+        # Terminate, which would end the parent's session): they are only kept referenced.
+        self.kept: KeptConnections[Any] | None = (
+            KeptConnections(_KEEP, on_fork=INHERITED.extend) if keep else None
+        )
         self.runner = _libpq.Runner(prepare=prepare)
         self.statements = _libpq.statements(sql, _LIBPQ_COLUMNS)
         self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
@@ -508,7 +467,7 @@ class _DirectExecutor:
         if self.kept is not None:
             kept = self.kept.take()
             if kept is not None:
-                return None, kept
+                return None, kept[0]
         fairy = self._engine.raw_connection()
         return fairy, fairy.driver_connection
 
@@ -519,14 +478,13 @@ class _DirectExecutor:
             fairy.detach()  # ours from now on; the pool forgets it
             fairy = None
         if fairy is None:
-            self._keep(dbapi)
+            self.keep(dbapi)
         else:
             fairy.close()
 
-    def _keep(self, dbapi: Any) -> None:
-        if self.kept is not None:
-            self.kept.keep(dbapi)
-        else:  # pragma: no cover - only kept connections are detached
+    def keep(self, dbapi: Any) -> None:
+        """Keep an owned connection for the next statement, or close it if full or closed."""
+        if self.kept is None or not self.kept.give(dbapi):
             dbapi.close()
 
     @staticmethod
@@ -565,16 +523,14 @@ class _DirectExecutor:
         elif dbapi.closed or isinstance(exc, self._broken):
             dbapi.close()
         else:
-            self._keep(dbapi)
+            self.keep(dbapi)
 
-    def close(self) -> None:
-        """Close every kept connection."""
+    def close(self, *, final: bool = False) -> None:
+        """Close every kept connection (``final``: and keep none from now on)."""
         if self.kept is not None:
-            self.kept.drop()
-
-    def after_fork(self) -> None:
-        if self.kept is not None:
-            self.kept.after_fork()
+            for connection in self.kept.close() if final else self.kept.drain():
+                with contextlib.suppress(Exception):  # a dead connection still closes locally
+                    connection.close()
 
 
 def _answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
@@ -682,7 +638,7 @@ class PostgresLockProvider(SqlStore):
         """The connections kept out of the pool (None: the engine is the caller's, or the
         driver not psycopg 3)."""
         kept = self._executor.kept
-        return None if kept is None else kept.connections
+        return None if kept is None else [connection for connection, _ in kept.idle]
 
     # -- the LockProvider operations -------------------------------------------------
 
@@ -887,9 +843,7 @@ class PostgresLockProvider(SqlStore):
             listener, self._listener = self._listener, None
         if listener is not None and listener.pid == os.getpid():
             listener.close()
-        if self._executor.kept is not None:
-            self._executor.kept.closed = True
-        self._executor.close()
+        self._executor.close(final=True)
         if self._owns_engine:
             self._engine.dispose()
 
@@ -953,9 +907,9 @@ class PostgresLockProvider(SqlStore):
 
     def _after_fork(self) -> None:
         super()._after_fork()
-        # The child never shares the parent's sockets: neither the kept connections nor the
-        # pool's (dropped without closing, as SQLAlchemy recommends after fork).
-        self._executor.after_fork()
+        # The child never shares the parent's sockets: the kept connections see the fork
+        # themselves (providers/_kept.py), the pool's are dropped without closing, as
+        # SQLAlchemy recommends after fork.
         self._engine.dispose(close=False)
         listener, self._listener = self._listener, None
         if listener is not None:  # the parent's: its connection and thread are not ours

@@ -712,9 +712,9 @@ def test_pg_fast_path_keeps_its_own_connections(pg: Db) -> None:
             return connection
 
         while len(provider._kept) < postgres_module._KEEP:
-            provider._executor.kept.keep(detached())
+            provider._executor.keep(detached())
         one_too_many = detached()
-        provider._executor.kept.keep(one_too_many)
+        provider._executor.keep(one_too_many)
         assert one_too_many.closed
         kept_now = list(provider._kept)
         assert len(kept_now) == postgres_module._KEEP
