@@ -41,6 +41,7 @@ _LAYERS = (
     ("providers/_redis_", "provider: wire, scripts, acquire, release"),
     ("providers/_kept.py", "provider: wire, scripts, acquire, release"),
     ("providers/_libpq.py", "provider: libpq runner (PQexecPrepared and its wait included)"),
+    ("providers/_pg_executor.py", "provider: PostgreSQL executor (kept connections, deadlines)"),
     ("providers/postgres.py", "provider: PostgresLockProvider"),
     ("providers/_sql_common.py", "provider: shared SQL plumbing (error translation, rows)"),
     ("providers/sql.py", "provider: SqlLockProvider"),

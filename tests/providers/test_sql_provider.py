@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
-from celery_exclusive.providers import postgres as postgres_module
+from celery_exclusive.providers import _pg_executor
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import TIME_SLACK, drop_lock_table
@@ -702,7 +702,7 @@ def test_pg_fast_path_keeps_its_own_connections(pg: Db) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        assert 1 <= len(provider._kept) <= postgres_module._KEEP
+        assert 1 <= len(provider._kept) <= _pg_executor.KEEP
         assert pool.checkedout() == 0
 
         def detached() -> Any:
@@ -711,13 +711,13 @@ def test_pg_fast_path_keeps_its_own_connections(pg: Db) -> None:
             fairy.detach()
             return connection
 
-        while len(provider._kept) < postgres_module._KEEP:
+        while len(provider._kept) < _pg_executor.KEEP:
             provider._executor.keep(detached())
         one_too_many = detached()
         provider._executor.keep(one_too_many)
         assert one_too_many.closed
         kept_now = list(provider._kept)
-        assert len(kept_now) == postgres_module._KEEP
+        assert len(kept_now) == _pg_executor.KEEP
         provider.close()
         assert provider._kept == []
         assert all(connection.closed for connection in kept_now)
@@ -772,7 +772,7 @@ def test_pg_engine_without_autocommit_commits(pg: Db) -> None:
 def test_pg_statements_also_run_through_sqlalchemy(pg: Db) -> None:
     """The path for PostgreSQL drivers other than psycopg 3 runs the same statements."""
     provider = pg.provider()
-    provider._executor = postgres_module._PooledExecutor(provider._engine, provider._pg_sql)
+    provider._executor = _pg_executor.PooledExecutor(provider._engine, provider._pg_sql)
     try:
         first = provider.acquire("k", "a", 5, 60, '{"pid":1}')
         assert isinstance(first, Grant)

@@ -1,0 +1,199 @@
+"""How the PostgreSQL store sends its statements, chosen once when the provider is built.
+
+:class:`DirectExecutor` (psycopg 3): statements on connections the provider keeps out of
+the pool (providers/_kept.py), acquire and release through the libpq runner (_libpq.py),
+per-call deadlines (_deadline.py). :class:`PooledExecutor` (any other driver): the same
+statements through SQLAlchemy's pool. Driver errors are re-raised for the provider to
+translate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Engine
+
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers import _deadline, _libpq
+from celery_exclusive.providers._kept import KeptConnections
+from celery_exclusive.providers._sql_common import INHERITED, Rows
+
+#: The hot statements sent through libpq directly, with their result column types.
+LIBPQ_COLUMNS = {
+    "acquire": "bttiffft",
+    "acquire_once": "bttiffft",
+    "acquire_any": "tittiffft",
+    "take_over": "bttiffft",
+    "release": "b",
+    "release_done": "b",
+    "release_done_prune": "b",
+}
+#: Connections the direct executor keeps for itself, out of the pool (more concurrent
+#: callers than this use the pool's, which then bounds them).
+KEEP = 4
+
+
+class PooledExecutor:
+    """Statements through SQLAlchemy's pool (``text()``): PostgreSQL drivers other than psycopg 3.
+
+    ``timeout`` is not enforced here: the driver's own network timeouts apply."""
+
+    kept: KeptConnections[Any] | None = None
+
+    def __init__(self, engine: Engine, sql: dict[str, str]) -> None:
+        self._engine = engine
+        self._texts = {op: sa.text(text) for op, text in sql.items()}
+        self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError,)
+
+    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        with self._engine.connect() as conn:
+            rows = [tuple(row) for row in conn.execute(self._texts[op], params)]
+            conn.commit()
+        return rows
+
+    def close(self, *, final: bool = False) -> None:
+        return None
+
+
+class DirectExecutor:
+    """Statements on psycopg 3 connections: acquire and release through the libpq runner,
+    the others through psycopg's ``execute``; kept connections (for an engine the provider
+    built), per-call deadlines. Driver errors are re-raised for the provider to translate,
+    after the connection they happened on was put away."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        psycopg_sql: dict[str, str],
+        sql: dict[str, str],
+        *,
+        keep: bool,
+        prepare: bool,
+        masked: str,
+    ) -> None:
+        import psycopg
+
+        self._engine = engine
+        self._sql = psycopg_sql
+        self._masked = masked
+        # A forked child never closes its parent's connections (psycopg's close sends libpq's
+        # Terminate, which would end the parent's session): they are only kept referenced.
+        self.kept: KeptConnections[Any] | None = (
+            KeptConnections(KEEP, on_fork=INHERITED.extend) if keep else None
+        )
+        self.runner = _libpq.Runner(prepare=prepare)
+        self.statements = _libpq.statements(sql, LIBPQ_COLUMNS)
+        self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
+        self._broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+
+    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        """One statement, autocommit, on a kept or pooled connection; its rows.
+
+        With ``timeout`` the call gives up after about that long: connecting is bounded by
+        ``connect_timeout`` (whole seconds, at least 2), the statement by :mod:`._deadline`'s
+        watchdog, which shuts the socket down; the connection is dropped."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with _deadline.connect_budget(timeout):
+            fairy, dbapi = self._connection()
+        left = None if end is None else max(end - time.monotonic(), 0.001)
+        watch = None
+        try:
+            with _deadline.watch(-1 if left is None else dbapi.pgconn.socket, left) as watch:
+                rows = self._send(dbapi, op, params)
+        except self.errors as exc:
+            if watch is not None and watch.fired:
+                raise self._too_slow(fairy, dbapi, op, watch.timeout) from exc
+            self._failed(fairy, dbapi, exc)
+            raise
+        except BaseException:
+            self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
+            raise
+        if watch is not None and watch.fired:  # answered just as its deadline shut the socket
+            self._too_slow(fairy, dbapi, op, watch.timeout)
+        else:
+            self._put_back(fairy, dbapi)
+        return rows
+
+    def _send(self, dbapi: Any, op: str, params: dict[str, Any]) -> Rows:
+        hot = self.statements.get(op)
+        if hot is not None:  # acquire and release skip psycopg's cursor layer
+            rows: Rows = self.runner.run(dbapi, hot, params)
+        else:
+            rows = dbapi.execute(self._sql[op], params).fetchall()
+        if not dbapi.autocommit:  # an engine the caller built without autocommit
+            dbapi.commit()
+        return rows
+
+    def _connection(self) -> tuple[Any, Any]:
+        """``(None, a kept psycopg connection)``, or ``(pool checkout, its connection)``."""
+        if self.kept is not None:
+            kept = self.kept.take()
+            if kept is not None:
+                return None, kept[0]
+        fairy = self._engine.raw_connection()
+        return fairy, fairy.driver_connection
+
+    def _put_back(self, fairy: Any, dbapi: Any) -> None:
+        """After a statement: keep its connection (detached from the pool while we keep fewer
+        than ``KEEP``), or return it to the pool."""
+        if fairy is not None and self.kept is not None and self.kept.has_room():
+            fairy.detach()  # ours from now on; the pool forgets it
+            fairy = None
+        if fairy is None:
+            self.keep(dbapi)
+        else:
+            fairy.close()
+
+    def keep(self, dbapi: Any) -> None:
+        """Keep an owned connection for the next statement, or close it if full or closed."""
+        if self.kept is None or not self.kept.give(dbapi):
+            dbapi.close()
+
+    @staticmethod
+    def _abandon(fairy: Any, dbapi: Any) -> None:
+        if fairy is None:
+            dbapi.close()
+        else:
+            fairy.invalidate()
+            fairy.close()
+
+    def _too_slow(self, fairy: Any, dbapi: Any, op: str, timeout: float) -> BackendError:
+        """Drop the connection a call outlived its deadline on; the error to raise. Only this
+        call was too slow (a lock wait, a silent network): the other connections fail by their
+        own deadlines if they must."""
+        self._abandon(fairy, dbapi)
+        return BackendError(
+            f"SQL lock store {self._masked} failed to {op}: no answer within its {timeout:.3g} s "
+            "deadline (connection dropped)"
+        )
+
+    def _failed(self, fairy: Any, dbapi: Any, exc: BaseException) -> None:
+        """Put away the connection a statement failed on (``fairy`` None: a kept one)."""
+        if dbapi.closed:
+            # The server or the network dropped it, so likely its idle siblings too (a
+            # restart, a failover): recycle every connection made before now, as
+            # SQLAlchemy does on a disconnect, instead of each failing one more call.
+            self.close()
+            if fairy is None:
+                self._engine.dispose()
+            else:
+                self._engine.pool._invalidate(fairy, exc)
+        if fairy is not None:
+            if isinstance(exc, self._broken) or not dbapi.autocommit:
+                fairy.invalidate(exc)
+            fairy.close()
+        elif dbapi.closed or isinstance(exc, self._broken):
+            dbapi.close()
+        else:
+            self.keep(dbapi)
+
+    def close(self, *, final: bool = False) -> None:
+        """Close every kept connection (``final``: and keep none from now on)."""
+        if self.kept is not None:
+            for connection in self.kept.close() if final else self.kept.drain():
+                with contextlib.suppress(Exception):  # a dead connection still closes locally
+                    connection.close()

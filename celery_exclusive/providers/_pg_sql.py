@@ -1,0 +1,299 @@
+"""The PostgreSQL store's statements, as SQL text with ``:name`` parameters (see postgres.py).
+
+Every time comparison uses the server's clock; the comments beside each statement say what
+it locks, what it writes and how durably it commits.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import Dialect
+
+from celery_exclusive.providers import _pg_listen
+from celery_exclusive.providers._sql_common import PRUNE_BATCH, STALE
+
+
+def pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
+    """Every statement of the store, by operation, as SQL text with ``:name`` parameters."""
+    q = dialect.identifier_preparer.quote
+    t, seq = q(name), q(name + "_fence_seq")
+    now = "WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts)"
+
+    def live(a: str) -> str:
+        return f"{a}.expires_at > n.ts AND {a}.deadline > n.ts"
+
+    def cols(a: str, ts: str = "n.ts") -> str:
+        return (
+            f"{a}.key, {a}.value, {a}.fence, extract(epoch FROM {ts} - {a}.created_at)::float8, "
+            f"extract(epoch FROM {a}.expires_at - {ts})::float8, "
+            f"extract(epoch FROM {a}.deadline - {ts})::float8, {a}.holder"
+        )
+
+    fields = "key, value, expires_at, created_at, deadline, fence, holder"
+    returning = "t." + fields.replace(", ", ", t.")
+    # Every statement that can grant the key draws its fence only while holding the key's
+    # lock (a transaction-scoped advisory lock on (hashtext(table), hashtext(key)), taken
+    # just before the draw and kept until commit), so the fences of one key are drawn in
+    # the order their grants commit: a statement that drew a fence and stalled before its
+    # insert makes the next acquirer wait for it instead of letting that acquirer take,
+    # use and release the key with a larger fence before the stalled insert commits the
+    # smaller one. The lock is taken only where a fence is drawn, so a contended acquire
+    # (a live row in its snapshot) still takes no lock, no xid and writes no WAL.
+    # The same step raises the transaction's synchronous_commit to "on" (keeping
+    # remote_apply), so a grant is durable whatever the server's default; the refresh
+    # does the same in its "n" step.
+    durable = (
+        "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+        "WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)"
+    )
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS varchar)))"
+    key_lock = f"lk AS MATERIALIZED (SELECT {lock}, {durable})"
+    fence = f"(SELECT nextval('{seq}') FROM lk)"
+    # The common case, one cheap statement: a free key (no row) is inserted; an existing row
+    # is only read and returned (live or not, see _live), so a contended attempt takes no
+    # xid, takes no key lock, writes no WAL and calls no nextval. A racing inserter holds
+    # the key lock until it commits; ON CONFLICT then does nothing (no rows come back).
+    # Its clock is statement_timestamp(), when the server received it: stable within the
+    # statement without a CTE, and never later than the truth, so the lease it grants
+    # expires no earlier than the holder's own deadline, which counts from before sending.
+    ts = "statement_timestamp()"
+    acquire = f"""WITH {key_lock},
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT CAST(:key AS varchar), CAST(:token AS text), {ts} + make_interval(secs => :ttl), {ts},
+         {ts} + make_interval(secs => :life), {fence}, CAST(:holder AS text)
+  WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
+  ON CONFLICT (key) DO NOTHING
+  RETURNING t.fence)
+SELECT true, NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL::float8, NULL::text FROM ins
+UNION ALL
+SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
+    # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
+    # matches it while it is dead; if the row was deleted meanwhile, an INSERT ... DO
+    # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
+    # a winner wait for its commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE
+    # would lock the row, take an xid and flush a commit, delaying the winner's release).
+    take_over = f"""{now}, {key_lock},
+cur AS MATERIALIZED (
+  SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {STALE})) AS live
+  FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
+upd AS (
+  UPDATE {t} AS t SET value = :token, expires_at = n.ts + make_interval(secs => :ttl), created_at = n.ts,
+    deadline = n.ts + make_interval(secs => :life), fence = {fence}, holder = :holder
+  FROM n
+  WHERE t.key = :key AND EXISTS (SELECT 1 FROM cur WHERE NOT cur.live)
+    AND (t.expires_at <= n.ts OR t.deadline <= n.ts
+         OR t.created_at <= n.ts - make_interval(secs => {STALE}))
+  RETURNING {returning}),
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
+         {fence}, :holder
+  FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live) AND NOT EXISTS (SELECT 1 FROM upd)
+  ON CONFLICT (key) DO NOTHING
+  RETURNING {returning})
+SELECT true, {cols("upd")} FROM upd CROSS JOIN n
+UNION ALL
+SELECT true, {cols("ins")} FROM ins CROSS JOIN n
+UNION ALL
+SELECT false, {cols("cur")} FROM cur CROSS JOIN n
+WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
+    d = q(name + "_done")
+    done_cols = (
+        "outcome, attempt, extract(epoch FROM {ts} - created_at)::float8, "
+        "extract(epoch FROM expires_at - {ts})::float8"
+    )
+    # acquire, but a live completion record of :task_id on the key refuses it (a row whose
+    # first column is NULL carries the record: outcome, attempt, age, seconds left).
+    # Derived from acquire's text, so the two cannot drift apart: one more CTE first, the
+    # insert and the holder's row only without a record, and the record's row.
+    head, insert_guard = "WITH ", "WHERE NOT EXISTS (SELECT 1 FROM"
+    if not acquire.startswith(head) or insert_guard not in acquire:  # pragma: no cover - a code change
+        raise AssertionError("acquire_once cannot be derived from the acquire statement")
+    acquire_once = (
+        f"WITH d AS (SELECT {done_cols.format(ts=ts)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {ts}),\n" + acquire[len(head) :]
+    ).replace(insert_guard, "WHERE NOT EXISTS (SELECT 1 FROM d) AND NOT EXISTS (SELECT 1 FROM", 1)
+    acquire_once += (
+        " AND NOT EXISTS (SELECT 1 FROM d)\nUNION ALL\nSELECT NULL::bool, d.outcome::varchar, NULL::text, "
+        "d.attempt::bigint, d.age, d.left_s, NULL::float8, NULL::text "
+        "FROM d AS d(outcome, attempt, age, left_s)"
+    )
+    clock = "clock_timestamp()"
+
+    def wake(freed_live: str) -> str:
+        """``freed_live``, having notified the key's channel when it is true and someone
+        waits for the key. A waiter holds a shared session lock on the channel's advisory
+        lock (:func:`._pg_listen.waiter_lock`) from before its first attempt: when the try
+        below gets the lock exclusively, nobody waits and nothing is sent (a NOTIFY wakes
+        every listening backend of the database, so an unconditional one would cost each
+        release ~30 µs per listening process). A waiter registering meanwhile blocks on the
+        lock until this release commits, so its first attempt sees the key free. CASE
+        evaluates its branches in order: the try only for a freed live lease, the notify
+        only when the try failed."""
+        channel = "CAST(:channel AS text)"
+        return (
+            f"CASE WHEN NOT ({freed_live}) THEN false "
+            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN true "
+            f"ELSE pg_notify({channel}, '') IS NOT NULL END"
+        )
+
+    release_done = f"""WITH rel AS (
+  DELETE FROM {t} WHERE key = :key AND value = :token
+    AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
+  RETURNING expires_at > {clock} AND deadline > {clock} AS live),
+rec AS (
+  INSERT INTO {d} AS r (key, task_id, outcome, attempt, created_at, expires_at)
+  VALUES (CAST(:key AS varchar), CAST(:task_id AS varchar), CAST(:outcome AS varchar), CAST(:attempt AS int),
+          {clock}, {clock} + make_interval(secs => CAST(:retain AS float8)))
+  ON CONFLICT (key, task_id) DO UPDATE SET outcome = EXCLUDED.outcome, attempt = EXCLUDED.attempt,
+    created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+  RETURNING 1)"""
+    return {
+        "acquire": acquire,
+        "acquire_once": acquire_once,
+        "acquire_any": _acquire_any_statement(t, seq, name, durable),
+        # release and the completion record in one statement (data-modifying CTEs all run).
+        "release_done": release_done + f"\nSELECT {wake('live')} FROM rel",
+        # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
+        # so the table stays small while the common statement stays cheap to plan.
+        "release_done_prune": release_done
+        + f""",
+prune AS (
+  DELETE FROM {d} WHERE (key, task_id) IN (
+    SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
+    ORDER BY expires_at LIMIT {PRUNE_BATCH} FOR UPDATE SKIP LOCKED))
+SELECT {wake("live")} FROM rel""",
+        "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key = :key AND task_id = :task_id AND expires_at > {clock}",
+        "done_list": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
+        f"WHERE key LIKE :pattern ESCAPE '!' AND expires_at > {clock}",
+        "done_forget": f"DELETE FROM {d} WHERE key = :key AND task_id = :task_id "
+        f"RETURNING expires_at > {clock}",
+        "take_over": take_over,
+        "refresh": f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts, {durable} AS durable)
+UPDATE {t} AS t SET expires_at = LEAST(n.ts + make_interval(secs => r.ttl), t.deadline)
+FROM n, unnest(CAST(:keys AS text[]), CAST(:tokens AS text[]), CAST(:ttls AS float8[]))
+  WITH ORDINALITY AS r(key, token, ttl, i)
+WHERE t.key = r.key AND t.value = r.token AND {live("t")}
+RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
+        # The release's commit does not wait for its WAL flush (synchronous_commit off for
+        # this one transaction): it halves the release's latency. A server crash in the
+        # next ~0.6 s can bring the released row back, to expire with its ttl: a key held
+        # longer, never a second holder, since any later acquire's flush covers this WAL.
+        # Freeing a live lease also notifies the key's channel (:mod:`._pg_listen`), in the
+        # same statement: delivered to LISTENing waiters when the release commits.
+        "release": f"DELETE FROM {t} WHERE key = :key AND value = :token "
+        "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL "
+        f"RETURNING {wake('expires_at > clock_timestamp() AND deadline > clock_timestamp()')}",
+        "peek": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n WHERE t.key = :key AND {live('t')}",
+        "scan": f"{now} SELECT {cols('t')} FROM {t} AS t CROSS JOIN n "
+        f"WHERE t.key LIKE :pattern ESCAPE '!' AND {live('t')}",
+        # Run on the caller's connection: the share lock makes a takeover or release of
+        # this row (an UPDATE or DELETE) wait until the caller's transaction ends.
+        "guard": f"SELECT fence FROM {t} WHERE key = :key AND value = :token AND fence = :fence "
+        "AND expires_at > clock_timestamp() AND deadline > clock_timestamp() "
+        f"AND created_at > clock_timestamp() - make_interval(secs => {STALE}) FOR SHARE",
+    }
+
+
+def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
+    """A semaphore's first free slot of ``:keys`` (a text array literal, slot order) in one
+    statement (``AcquiresAny``); rows ``kind, slot index (1-based), key, value, fence, age,
+    expires_in, hard_expires_in, holder``: one ``g`` row (granted: only the index and fence
+    are set) if it took a slot, and one row per slot as read (``l`` live, ``f`` absent or
+    dead; key and times NULL if absent). No ``g`` row: ``:token`` already holds a live slot
+    (a retried call), or every slot was live, or the picked slot was taken by a racing
+    acquirer between the statement's read and its write (the caller tries again).
+
+    The single lock's guarantees, per slot key: one snapshot read of every slot picks the
+    first that is absent or dead (expired, past its deadline or stale), unless ``:token``
+    holds one; only then is that key's advisory lock taken (the same ``(hashtext(table),
+    hashtext(key))`` lock as ``acquire`` and ``take_over``, so single and semaphore acquires
+    of slot 1 exclude each other) and its fence drawn under it, just before its write, which
+    is an INSERT ... ON CONFLICT DO NOTHING for an absent slot and, for a dead one, an
+    UPDATE that re-checks the row is still dead on the version it locks (the take_over rule:
+    a slot is reclaimed only once its lease is over). With every slot live the pick is
+    empty, so nothing below it runs: no lock, no nextval, no xid, no WAL. The grant commits
+    with synchronous_commit on (``durable``). Time is ``statement_timestamp()`` throughout,
+    as in ``acquire``. Each slot's row is read by its own primary-key lookup (the LATERAL
+    subquery, kept apart by ``OFFSET 0``): joined plainly, the planner hashed the slot list
+    and scanned the whole table (a refused attempt 80 µs against 49 µs with 300 rows)."""
+    ts = "statement_timestamp()"
+    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(p.key))"
+    fence = f"(SELECT nextval('{seq}') FROM lk)"
+    fields = "key, value, expires_at, created_at, deadline, fence, holder"
+    live = (
+        f"c.expires_at > {ts} AND c.deadline > {ts} AND c.created_at > {ts} - make_interval(secs => {STALE})"
+    )
+    row = (
+        f"c.key, c.value, c.fence, extract(epoch FROM {ts} - c.created_at)::float8 AS age, "
+        f"extract(epoch FROM c.expires_at - {ts})::float8 AS expires_in, "
+        f"extract(epoch FROM c.deadline - {ts})::float8 AS hard_in, c.holder"
+    )
+    granted = "NULL::varchar, NULL::text, g.fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
+    return f"""WITH cur AS MATERIALIZED (
+  SELECT s.i, s.key AS slot, c.key IS NOT NULL AS present, COALESCE({live}, false) AS live,
+         COALESCE(c.value = :token, false) AS mine, {row}
+  FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i)
+  LEFT JOIN LATERAL (SELECT * FROM {t} AS c WHERE c.key = s.key OFFSET 0) AS c ON true),
+p AS MATERIALIZED (
+  SELECT slot AS key, i, present FROM cur
+  WHERE NOT live AND NOT EXISTS (SELECT 1 FROM cur AS m WHERE m.live AND m.mine) ORDER BY i LIMIT 1),
+lk AS MATERIALIZED (SELECT {lock}, {durable} FROM p),
+upd AS (
+  UPDATE {t} AS t SET value = :token, expires_at = {ts} + make_interval(secs => :ttl), created_at = {ts},
+    deadline = {ts} + make_interval(secs => :life), fence = {fence}, holder = :holder
+  FROM p
+  WHERE p.present AND t.key = p.key
+    AND (t.expires_at <= {ts} OR t.deadline <= {ts} OR t.created_at <= {ts} - make_interval(secs => {STALE}))
+  RETURNING t.fence),
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT p.key, :token, {ts} + make_interval(secs => :ttl), {ts}, {ts} + make_interval(secs => :life),
+         {fence}, :holder
+  FROM p WHERE NOT p.present
+  ON CONFLICT (key) DO NOTHING
+  RETURNING t.fence)
+SELECT 'g'::text, p.i, {granted}
+FROM (SELECT fence FROM upd UNION ALL SELECT fence FROM ins) AS g CROSS JOIN p
+UNION ALL
+SELECT CASE WHEN live THEN 'l' ELSE 'f' END, i, key, value, fence, age, expires_in, hard_in, holder
+FROM cur"""
+
+
+def pg_sweep_statements(dialect: Dialect, name: str) -> dict[str, str]:
+    """The sweep (``Sweeps``): at most ``:limit`` dead leases and ``:limit`` expired
+    completion records under ``:pattern``, deleted in one statement; counts of each.
+
+    A row is chosen only while dead at the statement's clock and locked ``FOR UPDATE SKIP
+    LOCKED`` (a row an acquire or refresh is changing is skipped, not waited for); the lock
+    re-checks a row changed since the snapshot, and the DELETE repeats the condition, so a
+    lease that is live (or revived by a takeover) is never deleted. Fences come from the
+    sequence, so a deleted key's next fence still exceeds all earlier ones.
+    """
+    q = dialect.identifier_preparer.quote
+    t, d = q(name), q(name + "_done")
+
+    def dead(a: str) -> str:
+        return (
+            f"({a}.expires_at < n.ts OR {a}.deadline < n.ts "
+            f"OR {a}.created_at < n.ts - make_interval(secs => {STALE}))"
+        )
+
+    leases = f"""WITH n AS MATERIALIZED (SELECT clock_timestamp() AS ts),
+dead AS (
+  SELECT c.key FROM {t} AS c CROSS JOIN n WHERE c.key LIKE :pattern ESCAPE '!' AND {dead("c")}
+  LIMIT :limit FOR UPDATE OF c SKIP LOCKED),
+gone AS (
+  DELETE FROM {t} AS t USING n WHERE t.key IN (SELECT key FROM dead) AND {dead("t")} RETURNING 1)"""
+    records = f""",
+old AS (
+  SELECT r.key, r.task_id FROM {d} AS r CROSS JOIN n WHERE r.key LIKE :pattern ESCAPE '!'
+    AND r.expires_at < n.ts LIMIT :limit FOR UPDATE OF r SKIP LOCKED),
+forgotten AS (
+  DELETE FROM {d} AS r USING n WHERE (r.key, r.task_id) IN (SELECT key, task_id FROM old)
+    AND r.expires_at < n.ts RETURNING 1)"""
+    return {
+        "sweep": leases + records + "\nSELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM forgotten)",
+        "sweep_leases": leases + "\nSELECT (SELECT count(*) FROM gone), 0",
+    }
