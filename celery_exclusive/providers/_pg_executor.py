@@ -197,3 +197,20 @@ class DirectExecutor:
             for connection in self.kept.close() if final else self.kept.drain():
                 with contextlib.suppress(Exception):  # a dead connection still closes locally
                     connection.close()
+
+
+def for_engine(
+    engine: Engine,
+    psycopg_sql: dict[str, str],
+    sql: dict[str, str],
+    *,
+    keep: bool,
+    pgbouncer: bool,
+    masked: str,
+) -> DirectExecutor | PooledExecutor:
+    """The executor for ``engine``: direct on psycopg 3 (keeping connections if ``keep``;
+    unnamed statements behind PgBouncer), else through SQLAlchemy's pool. ``masked``: the
+    URL without its secrets, for errors."""
+    if engine.dialect.driver != "psycopg":
+        return PooledExecutor(engine, sql)
+    return DirectExecutor(engine, psycopg_sql, sql, keep=keep, prepare=not pgbouncer, masked=masked)

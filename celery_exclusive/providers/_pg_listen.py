@@ -352,3 +352,48 @@ class Listener:
             for fd in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+class PerProcess:
+    """The :class:`Listener` of one provider in the current process, made on the first
+    subscription (a child never uses its parent's, see :meth:`after_fork`); or, when
+    ``no_wake`` says why there can be none (PgBouncer, another driver), no listener at all."""
+
+    def __init__(self, connect: Callable[[], Any], name: str, no_wake: str | None) -> None:
+        self.listener: Listener | None = None
+        self._connect = connect
+        self._name = name
+        self._no_wake = no_wake
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def subscribe_any(self, keys: Sequence[str]) -> Subscription:
+        """Subscribe to the channels of ``keys`` (see :meth:`Listener.subscribe_any`); raises
+        SignalsLost when this provider cannot listen, or is closed."""
+        if self._no_wake is not None:
+            raise SignalsLost(f"no release signals: {self._no_wake}; waiters poll")
+        listener = self.listener
+        if listener is None or listener.pid != os.getpid():  # a child never uses its parent's
+            with self._lock:
+                listener = self.listener
+                if listener is None or listener.pid != os.getpid():
+                    if self._closed:
+                        raise SignalsLost("the provider is closed")
+                    listener = self.listener = Listener(self._connect, self._name)
+        return listener.subscribe_any([channel(self._name, key) for key in keys])
+
+    def close(self) -> None:
+        """Close this process's listener; later subscriptions are refused."""
+        self._closed = True
+        with self._lock:
+            listener, self.listener = self.listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.close()
+
+    def after_fork(self, inherited: list[Any]) -> None:
+        """In a forked child: the parent's listener (its connection and thread are not ours)
+        goes to ``inherited``, untouched."""
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            inherited.append(listener)
+        self._lock = threading.Lock()

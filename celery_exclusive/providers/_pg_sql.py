@@ -6,10 +6,14 @@ it locks, what it writes and how durably it commits.
 
 from __future__ import annotations
 
-from sqlalchemy.engine import Dialect
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect, Engine
 
 from celery_exclusive.providers import _pg_listen
-from celery_exclusive.providers._sql_common import PRUNE_BATCH, STALE
+from celery_exclusive.providers._sql_common import PRUNE_BATCH, STALE, create_fence
+from celery_exclusive.providers.base import Diagnosis
 
 
 def pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
@@ -297,3 +301,38 @@ forgotten AS (
         "sweep": leases + records + "\nSELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM forgotten)",
         "sweep_leases": leases + "\nSELECT (SELECT count(*) FROM gone), 0",
     }
+
+
+def create_schema(engine: Engine, table: sa.Table) -> None:
+    """Create the lock table and its fence sequence if missing, safe against concurrent creators."""
+    # CREATE ... IF NOT EXISTS still races in the catalog (a unique violation on pg_class),
+    # so creators queue on a transaction-scoped lock (PgBouncer-safe), in a real
+    # transaction rather than autocommit.
+    options = {"isolation_level": "READ COMMITTED"}
+    with engine.connect().execution_options(**options) as conn, conn.begin():
+        conn.execute(
+            sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+            {"name": f"celery_exclusive.schema.{table.name}"},
+        )
+        table.create(conn, checkfirst=True)
+        create_fence(table, conn)
+
+
+def server_findings(conn: Connection) -> list[Diagnosis]:
+    """The server's clock vs this machine's, whether it is read-only, and its
+    ``synchronous_commit`` (which acquire and refresh override)."""
+    now = float(conn.execute(sa.text("SELECT extract(epoch FROM clock_timestamp())")).scalar_one())
+    skew = now - time.time()
+    findings = [
+        Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", f"server clock is {skew:+.3f}s from ours")
+    ]
+    read_only = bool(conn.execute(sa.text("SELECT pg_is_in_recovery()")).scalar_one())
+    findings.append(Diagnosis("writable", "fail" if read_only else "ok", f"read-only: {read_only}"))
+    setting = str(conn.execute(sa.text("SHOW synchronous_commit")).scalar_one())
+    kept = "remote_apply" if setting == "remote_apply" else "on"
+    detail = (
+        f"server synchronous_commit is {setting!r}; acquire and refresh commit with "
+        f"{kept} regardless, release with 'off'"
+    )
+    findings.append(Diagnosis("synchronous_commit", "ok", detail))
+    return findings

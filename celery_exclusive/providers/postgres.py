@@ -26,8 +26,6 @@ by later releases.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,7 +42,6 @@ from celery_exclusive.providers._sql_common import (
     Rows,
     SqlStore,
     check_sweep,
-    create_fence,
     info_of,
     like_pattern,
     live,
@@ -140,30 +137,30 @@ class PostgresLockProvider(SqlStore):
         self._pg_sql.update(_pg_sql.pg_sweep_statements(self._engine.dialect, self.table.name))
         self._psycopg_sql = {n: _libpq.PLACEHOLDER.sub(r"%(\1)s", s) for n, s in self._pg_sql.items()}
         # How statements are sent, chosen once: psycopg 3 directly, else SQLAlchemy's pool.
-        self._executor: _pg_executor.DirectExecutor | _pg_executor.PooledExecutor
-        if self._engine.dialect.driver == "psycopg":
-            self._executor = _pg_executor.DirectExecutor(
-                self._engine,
-                self._psycopg_sql,
-                self._pg_sql,
-                keep=self._owns_engine,
-                prepare=not pgbouncer,
-                masked=self._masked,
-            )
-        else:
-            self._executor = _pg_executor.PooledExecutor(self._engine, self._pg_sql)
+        self._executor = _pg_executor.for_engine(
+            self._engine,
+            self._psycopg_sql,
+            self._pg_sql,
+            keep=self._owns_engine,
+            pgbouncer=pgbouncer,
+            masked=self._masked,
+        )
         self._driver_errors = self._executor.errors
         # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`) on psycopg 3 connected to
         # the server itself; behind PgBouncer in transaction mode (no session to LISTEN on)
         # and with other drivers ``subscribe`` refuses and waiters poll. The release
         # statements notify whatever the driver, for waiters in other processes.
-        self._listener: _pg_listen.Listener | None = None
-        self._listen_lock = threading.Lock()
-        self._no_wake: str | None = None
+        no_wake = None
         if pgbouncer:
-            self._no_wake = "behind PgBouncer (ce_pgbouncer=true) there is no session to LISTEN on"
+            no_wake = "behind PgBouncer (ce_pgbouncer=true) there is no session to LISTEN on"
         elif self._engine.dialect.driver != "psycopg":
-            self._no_wake = f"the {self._engine.dialect.driver} driver is not psycopg 3"
+            no_wake = f"the {self._engine.dialect.driver} driver is not psycopg 3"
+        self._listening = _pg_listen.PerProcess(self._listen_connection, self.table.name, no_wake)
+
+    @property
+    def _listener(self) -> _pg_listen.Listener | None:
+        """This process's listener, once a waiter subscribed (for tests)."""
+        return self._listening.listener
 
     @property
     def _kept(self) -> list[Any] | None:
@@ -291,22 +288,12 @@ class PostgresLockProvider(SqlStore):
         (providers/_pg_listen.py). Returns once listening or shortly after (see there).
         Raises SignalsLost behind PgBouncer (``ce_pgbouncer=true``) and with drivers other
         than psycopg 3: the waiter then polls."""
-        return self.subscribe_any([key])
+        return self._listening.subscribe_any([key])
 
     def subscribe_any(self, keys: Sequence[str]) -> _pg_listen.Subscription:
         """Listen for releases of any of ``keys`` (``WakesOnAny``: a semaphore's slots), one
         channel per key LISTENed in one batch; otherwise as :meth:`subscribe`."""
-        if self._no_wake is not None:
-            raise _pg_listen.SignalsLost(f"no release signals: {self._no_wake}; waiters poll")
-        listener = self._listener
-        if listener is None or listener.pid != os.getpid():  # a child never uses its parent's
-            with self._listen_lock:
-                listener = self._listener
-                if listener is None or listener.pid != os.getpid():
-                    if self._closed:
-                        raise _pg_listen.SignalsLost("the provider is closed")
-                    listener = self._listener = _pg_listen.Listener(self._listen_connection, self.table.name)
-        return listener.subscribe_any([_pg_listen.channel(self.table.name, key) for key in keys])
+        return self._listening.subscribe_any(keys)
 
     def _listen_connection(self) -> Any:
         """A psycopg connection of the engine's, detached from its pool: the listener's own."""
@@ -371,10 +358,7 @@ class PostgresLockProvider(SqlStore):
     def close(self) -> None:
         """Dispose of the engine's connections if this provider created the engine."""
         self._closed = True
-        with self._listen_lock:
-            listener, self._listener = self._listener, None
-        if listener is not None and listener.pid == os.getpid():
-            listener.close()
+        self._listening.close()
         self._executor.close(final=True)
         if self._owns_engine:
             self._engine.dispose()
@@ -386,23 +370,7 @@ class PostgresLockProvider(SqlStore):
         try:
             with self._engine.connect() as conn:
                 self._schema_findings(conn, findings)
-                now = float(
-                    conn.execute(sa.text("SELECT extract(epoch FROM clock_timestamp())")).scalar_one()
-                )
-                skew = now - time.time()
-                detail = f"server clock is {skew:+.3f}s from ours"
-                findings.append(Diagnosis("clock", "ok" if abs(skew) < 2 else "warn", detail))
-                read_only = bool(conn.execute(sa.text("SELECT pg_is_in_recovery()")).scalar_one())
-                findings.append(
-                    Diagnosis("writable", "fail" if read_only else "ok", f"read-only: {read_only}")
-                )
-                setting = str(conn.execute(sa.text("SHOW synchronous_commit")).scalar_one())
-                kept = "remote_apply" if setting == "remote_apply" else "on"
-                detail = (
-                    f"server synchronous_commit is {setting!r}; acquire and refresh commit with "
-                    f"{kept} regardless, release with 'off'"
-                )
-                findings.append(Diagnosis("synchronous_commit", "ok", detail))
+                findings += _pg_sql.server_findings(conn)
         except sa_exc.SQLAlchemyError as exc:
             findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
         return findings
@@ -410,17 +378,7 @@ class PostgresLockProvider(SqlStore):
     # -- plumbing --------------------------------------------------------------------
 
     def _create_schema(self) -> None:
-        # CREATE ... IF NOT EXISTS still races in the catalog (a unique violation on
-        # pg_class), so creators queue on a transaction-scoped lock (PgBouncer-safe), in a
-        # real transaction rather than autocommit.
-        options = {"isolation_level": "READ COMMITTED"}
-        with self._engine.connect().execution_options(**options) as conn, conn.begin():
-            conn.execute(
-                sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
-                {"name": f"celery_exclusive.schema.{self.table.name}"},
-            )
-            self.table.create(conn, checkfirst=True)
-            create_fence(self.table, conn)
+        _pg_sql.create_schema(self._engine, self.table)
 
     def _call(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
         """``_run_pg``, passing ``timeout`` only when there is one."""
@@ -443,7 +401,4 @@ class PostgresLockProvider(SqlStore):
         # themselves (providers/_kept.py), the pool's are dropped without closing, as
         # SQLAlchemy recommends after fork.
         self._engine.dispose(close=False)
-        listener, self._listener = self._listener, None
-        if listener is not None:  # the parent's: its connection and thread are not ours
-            INHERITED.append(listener)
-        self._listen_lock = threading.Lock()
+        self._listening.after_fork(INHERITED)
