@@ -4,22 +4,27 @@ psycopg's cursor layer (query conversion, adaptation, row making, its non-blocki
 loop) costs about 50 µs of Python per statement: more than the statement's own execution
 on the server. The lock's hot path is a few fixed statements with text parameters and a
 handful of result columns, so it needs none of that: each runs as one prepared statement
-(``PQexecPrepared``, which releases the GIL while it waits) and its text results are
-converted here. Errors come back as the psycopg exception psycopg would have raised.
+(``PQsendQueryPrepared``) and its text results are converted here. Errors come back as the
+psycopg exception psycopg would have raised, its diagnostics (``exc.diag``) included.
 
 Statements are prepared once per connection under a name derived from their text.
 A connection that lost them (``DISCARD ALL``, a pooler that moved the session) prepares
 them again. ``prepare=False`` (for PgBouncer before 1.21) sends each as an unnamed
 statement instead.
 
-Trade-off: a signal (Ctrl-C, a Celery soft time limit) that arrives during a statement is
-handled when the statement returns. The provider's network timeouts bound that wait.
+Signals: the reply is awaited in Python (``select`` on the socket), not inside libpq, so a
+signal handler (Ctrl-C, Celery's soft time limit) runs at once during a statement and its
+exception leaves the call there, as psycopg's own wait lets it (which looks for signals
+every 0.1 s); the connection is then mid-protocol, and the caller drops it. Why this and not psycopg's
+cursor API (measured side by side): BENCHMARKS.md, "The hot path: libpq runner or psycopg's
+cursors".
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import select
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -118,21 +123,43 @@ class Runner:
     ) -> Any:
         """The statement's result: prepared on this session first if it is not (or no longer)."""
         if not self._prepare:
-            return pgconn.exec_params(statement.sql, values)
+            pgconn.send_query_params(statement.sql, values)
+            return self._result(pgconn)
         if statement.name not in prepared:
             self._prepare_on(pgconn, statement, prepared)
-        result = pgconn.exec_prepared(statement.name, values)
+        pgconn.send_query_prepared(statement.name, values)
+        result = self._result(pgconn)
         if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
             prepared.clear()  # the session lost every statement, not just this one
             self._prepare_on(pgconn, statement, prepared)
-            result = pgconn.exec_prepared(statement.name, values)
+            pgconn.send_query_prepared(statement.name, values)
+            result = self._result(pgconn)
         return result
 
     def _prepare_on(self, pgconn: Any, statement: Statement, prepared: set[bytes]) -> None:
-        result = pgconn.prepare(statement.name, statement.sql)
+        pgconn.send_prepare(statement.name, statement.sql)
+        result = self._result(pgconn)
         if result.status != _COMMAND_OK and self._sqlstate(result) != _DUPLICATE:
             self._raise(pgconn, result)
         prepared.add(statement.name)
+
+    def _result(self, pgconn: Any) -> Any:
+        """The result of the one statement just sent, waited for on the socket here: a signal
+        handler's exception interrupts ``select`` at once (PEP 475 retries only when the
+        handler returns). A broken connection raises psycopg's OperationalError."""
+        if pgconn.is_busy():
+            fd = (pgconn.socket,)
+            while True:
+                select.select(fd, (), ())
+                pgconn.consume_input()
+                if not pgconn.is_busy():
+                    break
+        result = pgconn.get_result()
+        if result is None:  # pragma: no cover - libpq reports a lost connection as a result
+            raise self._errors.OperationalError(pgconn.error_message.decode("utf-8", "replace"))
+        while pgconn.get_result() is not None:  # pragma: no cover - one statement, one result
+            pass
+        return result
 
     @staticmethod
     def _sqlstate(result: Any) -> str | None:
@@ -148,7 +175,7 @@ class Runner:
             kind = self._errors.lookup(sqlstate) if sqlstate else self._errors.OperationalError
         except KeyError:
             kind = self._errors.DatabaseError
-        raise kind(message.strip())
+        raise kind(message.strip(), info=result)
 
 
 def statements(sql: Mapping[str, str], columns: Mapping[str, str]) -> dict[str, Statement]:

@@ -656,15 +656,23 @@ def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
 
 def test_pg_hot_statement_errors_are_backend_errors(pg: Db) -> None:
     """A server error on the libpq path is a BackendError naming it (an outage, never
-    "held"); the connection stays in use, and the statement works again once it can."""
+    "held"), chained from the psycopg error with psycopg's diagnostics; the connection
+    stays in use, and the statement works again once it can."""
+    import psycopg
+
     provider = pg.provider()
     try:
         assert isinstance(provider.acquire("k", "t", 5, 60, "{}"), Grant)
         assert provider._kept is not None
         (kept,) = provider._kept
         pg.execute(f"ALTER TABLE {pg.table} RENAME TO {pg.table}_away")
-        with pytest.raises(BackendError, match=r"UndefinedTable.*does not exist"):
+        with pytest.raises(BackendError, match=r"UndefinedTable.*does not exist") as raised:
             provider.acquire("k2", "t", 5, 60, "{}")
+        cause = raised.value.__cause__
+        assert isinstance(cause, psycopg.errors.UndefinedTable)
+        assert cause.sqlstate == cause.diag.sqlstate == "42P01"
+        assert cause.diag.severity_nonlocalized == "ERROR"
+        assert "does not exist" in str(cause.diag.message_primary)
         with pytest.raises(BackendError, match="UndefinedTable"):
             provider.release("k", "t")
         assert provider._kept == [kept]
