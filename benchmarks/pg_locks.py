@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import weakref
 from typing import Any
 
 from benchmarks import floors
@@ -29,10 +30,11 @@ RAW = "raw psycopg: the provider's one-statement SQL, autocommit, 1 connection"
 ADVISORY = "advisory lock: pg_try_advisory_lock + pg_advisory_unlock"
 PROVIDER = "celery-exclusive SqlLockProvider.acquire + release"
 SERVICE = "celery-exclusive LockService.lock + release (public API)"
+CURSORS = "LockService.lock + release, hot path on psycopg's RawCursor(prepare=True) instead"
 ORIGIN = "origin design on SQLAlchemy: DELETE expired; INSERT; SELECT on conflict"
 C_FLOOR = "C libpq floor: the package's 2 statements, prepared, its durability"
 C_DURABLE = "C libpq: the same 2 statements, both committed durably"
-ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, ORIGIN, C_FLOOR, C_DURABLE]
+ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, CURSORS, ORIGIN, C_FLOOR, C_DURABLE]
 TARGET_RAW = "postgres: LockService vs raw psycopg (same SQL)"
 TARGET_ORIGIN = "postgres: LockService vs origin design"
 TARGET_C = "postgres: LockService vs C libpq floor (same statements, same durability)"
@@ -59,6 +61,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
 
     service = LockService(with_table(POSTGRES_URL, TABLE), prefix="svc:", ttl=TTL)
     service.lock("warm-up").release()  # creates the table and its fence sequence
+    cursors = cursor_service(prefix="cur:")
     provider: Any = service.provider
     sql = provider._psycopg_sql  # exactly the statements the provider sends
     raw = psycopg.connect(psycopg_dsn(), autocommit=True)
@@ -94,6 +97,9 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         def package(i: int) -> None:
             service.lock(f"k{i % KEYS}").release()
 
+        def on_cursors(i: int) -> None:
+            cursors.lock(f"k{i % KEYS}").release()
+
         def origin_design(i: int) -> None:
             key = f"origin:{i % KEYS}"
             token = origin.try_acquire(key, TTL)
@@ -106,6 +112,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             ADVISORY: advisory_lock,
             PROVIDER: provider_only,
             SERVICE: package,
+            CURSORS: on_cursors,
         }
         missing = _c_floors(approaches, programs, provider, cleanup)
         series = interleave(approaches, rounds=plan.rounds, ops=plan.pg_ops, warmup=max(20, plan.pg_ops // 5))
@@ -125,6 +132,9 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
                 SERVICE: "a kept connection; acquire and release prepared, sent through libpq directly",
                 ORIGIN: "3 transactions (BEGIN; statement; COMMIT): 9 round trips per acquire+release",
                 C_FLOOR: "the floor: acquire committed durably, release asynchronously (as the package)",
+                CURSORS: "info (issue #11 item 2): the same service, acquire and release on psycopg's "
+                f"supported API; {_vs(series, CURSORS, SERVICE)} the libpq runner's rate, "
+                f"{_vs(series, CURSORS, C_FLOOR)} the C floor's",
                 C_DURABLE: "info: release without its synchronous_commit=off clause",
             },
         )
@@ -164,6 +174,45 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         advisory.close()
         engine.dispose()
         service.close()
+        cursors.close()
+
+
+class Cursors:
+    """The provider's libpq runner's interface (``run(connection, statement, params)``) on
+    psycopg's supported API: per connection a kept ``RawCursor`` (``$n`` placeholders, as
+    the runner's statements have them), each statement ``execute(..., prepare=True)``."""
+
+    def __init__(self) -> None:
+        import psycopg
+
+        self._cursor = psycopg.RawCursor
+        self._cursors: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+    def run(self, connection: Any, statement: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        cursor = self._cursors.get(connection)
+        if cursor is None or cursor.closed:
+            cursor = self._cursors[connection] = self._cursor(connection)
+        cursor.execute(statement.sql, [params[name] for name in statement.params], prepare=True)
+        rows: list[tuple[Any, ...]] = cursor.fetchall()
+        return rows
+
+
+def cursor_service(prefix: str) -> Any:
+    """A LockService on the benchmark's table whose provider sends acquire and release
+    through psycopg's RawCursor with prepare=True (:class:`Cursors`), not the libpq runner."""
+    from celery_exclusive import LockService
+
+    service = LockService(with_table(POSTGRES_URL, TABLE), prefix=prefix, ttl=TTL)
+    service.provider._executor.runner = Cursors()  # type: ignore[attr-defined]
+    service.lock("warm-up").release()
+    return service
+
+
+def _vs(series: dict[str, Any], a: str, b: str) -> str:
+    """``0.93x``: the median per-round ratio of ``a``'s rate to ``b``'s (``n/a`` without ``b``)."""
+    if a not in series or b not in series:
+        return "n/a x"
+    return f"{median(round_ratios(series[a], series[b])):.2f}x"
 
 
 def _c_floors(

@@ -19,6 +19,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from benchmarks.harness import (
     POSTGRES_URL,
@@ -140,6 +141,73 @@ def cpu_ladder(n: int = 1500, rounds: int = 5) -> None:
         cleanup.run()
 
 
+def pg_cpu_ladder(n: int = 1500, rounds: int = 5) -> None:
+    """Client CPU per PostgreSQL lock + release cycle: the C libpq floor (same statements,
+    same durability), the provider and the service on the libpq runner, the service on
+    psycopg's RawCursor(prepare=True) (issue #11 item 2)."""
+    if reachable(POSTGRES_URL):
+        return
+    from benchmarks import floors, pg_locks
+    from celery_exclusive import LockService
+    from celery_exclusive.providers.base import encode_holder
+
+    cleanup = Cleanup()
+    service = LockService(with_table(POSTGRES_URL, TABLE), prefix="ladder:", ttl=900.0)
+    cursors = pg_locks.cursor_service(prefix="ladder-cur:")
+    programs: list[floors.FloorProgram] = []
+    try:
+        service.lock("warm").release()
+        provider: Any = service.provider
+        holder = encode_holder({"host": "benchmark-host", "pid": os.getpid()})
+
+        def provider_cycle(i: int) -> None:
+            key, token = f"ladder-prov:{i % 256}", secrets.token_hex(16)
+            provider.acquire(key, token, 900.0, 86400.0, holder)
+            provider.release(key, token)
+
+        layers: dict[str, Callable[[int], None]] = {
+            "PostgresLockProvider.acquire + release (libpq runner)": provider_cycle,
+            "LockService.lock + release (libpq runner)": lambda i: service.lock(f"k{i % 256}").release(),
+            "LockService.lock + release (psycopg RawCursor prepare=True)": lambda i: cursors.lock(
+                f"k{i % 256}"
+            ).release(),
+        }
+        c_name = "C libpq floor (same 2 statements, same durability)"
+        cpu: dict[str, list[float]] = {name: [] for name in [c_name, *layers]}
+        floor_approaches: dict[str, Any] = {}
+        missing = pg_locks._c_floors(floor_approaches, programs, provider, cleanup)
+        for _ in range(rounds):
+            if pg_locks.C_FLOOR not in missing and programs:
+                programs[0].batch(n // 5)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                programs[0].batch(n)
+                # A child's CPU is counted once it is reaped: measure the C floor by restarting it.
+                for program in programs:
+                    program.close()
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                used = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                cpu[c_name].append(used / (n + n // 5) * 1e6)  # its warm-up batch included
+                programs.clear()
+                pg_locks._c_floors(floor_approaches, programs, provider, cleanup)
+            for name, op in layers.items():
+                start = time.process_time()
+                for i in range(n):
+                    op(i)
+                cpu[name].append((time.process_time() - start) / n * 1e6)
+        print(
+            f"\n== client CPU per PostgreSQL lock + release cycle ({rounds} rounds of {n:,}; load {_load()})"
+        )
+        for name, values in cpu.items():
+            shown = f"{statistics.median(values):6.1f} µs" if values else "   n/a"
+            print(f"  {shown}  {name}  (rounds: {', '.join(f'{v:.0f}' for v in values)})")
+    finally:
+        for program in programs:
+            program.close()
+        service.close()
+        cursors.close()
+        cleanup.run()
+
+
 def _load() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -187,6 +255,7 @@ def profile_service(plan: Plan) -> None:
         print(layer_breakdown(stats, n))
     cpu_ladder(300 if plan.quick else 1500, 3 if plan.quick else 5)
     celery_layer(300 if plan.quick else 2000, 3 if plan.quick else 7)
+    pg_cpu_ladder(300 if plan.quick else 1500, 3 if plan.quick else 5)
 
 
 def celery_layer(n: int = 2000, rounds: int = 7) -> None:
