@@ -57,7 +57,7 @@ class _Watchdog:
                 self._armed, self._thread, self._pid = {}, None, os.getpid()
                 self._wake_at = math.inf
             self._armed[ticket] = watch
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:  # none yet, or it exited (it clears this as it does)
                 self._thread = threading.Thread(
                     target=self._run, name="celery-exclusive-watchdog", daemon=True
                 )
@@ -72,6 +72,14 @@ class _Watchdog:
             self._armed.pop(ticket, None)
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        finally:  # ended by an error too: the next arm starts a new thread
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _watch(self) -> None:
         idle_since = time.monotonic()
         with self._lock:
             while True:
@@ -84,7 +92,7 @@ class _Watchdog:
                 if self._armed:
                     idle_since = now
                 elif now - idle_since >= IDLE_EXIT:
-                    self._thread = None
+                    self._thread = None  # under the lock: the next arm starts a new thread
                     return
                 earliest = min((w.deadline for w in self._armed.values()), default=math.inf)
                 self._wake_at = min(earliest, now + POLL)
@@ -102,6 +110,17 @@ def _shut_down(fd: int) -> None:
 
 
 _watchdog = _Watchdog()
+
+
+def arm(fd: int, deadline: float) -> tuple[int, Watch]:
+    """Shut down socket ``fd`` if still armed at ``deadline`` (monotonic s; at least 1 ms
+    from now); ``(ticket for disarm, the Watch)``. The lean form of :func:`watch`."""
+    return _watchdog.arm(fd, max(deadline - time.monotonic(), 0.001))
+
+
+def disarm(ticket: int) -> None:
+    """Undo :func:`arm` (a no-op if its deadline already fired)."""
+    _watchdog.disarm(ticket)
 
 
 @contextlib.contextmanager

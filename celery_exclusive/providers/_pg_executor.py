@@ -97,13 +97,17 @@ class DirectExecutor:
         ``connect_timeout`` (whole seconds, at least 2), the statement by :mod:`._deadline`'s
         watchdog, which shuts the socket down; the connection is dropped."""
         end = None if timeout is None else time.monotonic() + timeout
-        with _deadline.connect_budget(timeout):
-            fairy, dbapi = self._connection()
-        left = None if end is None else max(end - time.monotonic(), 0.001)
-        watch = None
+        fairy, dbapi = self._connection(timeout)
+        # Armed and disarmed directly, not through _deadline.watch's context manager: one
+        # generator fewer per statement; disarmed before a failure is handled, so the
+        # watchdog never shuts down a descriptor the handling closed and the OS reused.
+        ticket, watch = (None, None) if end is None else _deadline.arm(dbapi.pgconn.socket, end)
         try:
-            with _deadline.watch(-1 if left is None else dbapi.pgconn.socket, left) as watch:
+            try:
                 rows = self._send(dbapi, op, params)
+            finally:
+                if ticket is not None:
+                    _deadline.disarm(ticket)
         except self.errors as exc:
             if watch is not None and watch.fired:
                 raise self._too_slow(fairy, dbapi, op, watch.timeout) from exc
@@ -112,10 +116,7 @@ class DirectExecutor:
         except BaseException:
             self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
             raise
-        if watch is not None and watch.fired:  # answered just as its deadline shut the socket
-            self._too_slow(fairy, dbapi, op, watch.timeout)
-        else:
-            self._put_back(fairy, dbapi)
+        self._done(fairy, dbapi, op, watch)
         return rows
 
     def _send(self, dbapi: Any, op: str, params: dict[str, Any]) -> Rows:
@@ -128,14 +129,23 @@ class DirectExecutor:
             dbapi.commit()
         return rows
 
-    def _connection(self) -> tuple[Any, Any]:
-        """``(None, a kept psycopg connection)``, or ``(pool checkout, its connection)``."""
-        if self.kept is not None:
-            kept = self.kept.take()
-            if kept is not None:
-                return None, kept[0]
-        fairy = self._engine.raw_connection()
+    def _connection(self, timeout: float | None) -> tuple[Any, Any]:
+        """``(None, a kept psycopg connection)``, or ``(pool checkout, its connection)``
+        (only a new connection needs the connect budget)."""
+        taken = None if self.kept is None else self.kept.take()
+        if taken is not None:
+            return None, taken[0]
+        with _deadline.connect_budget(timeout):
+            fairy = self._engine.raw_connection()
         return fairy, fairy.driver_connection
+
+    def _done(self, fairy: Any, dbapi: Any, op: str, watch: _deadline.Watch | None) -> None:
+        """After a statement that answered: put its connection away, unless its deadline
+        shut the socket just as the answer came (then drop it; the answer stands)."""
+        if watch is not None and watch.fired:
+            self._too_slow(fairy, dbapi, op, watch.timeout)
+        else:
+            self._put_back(fairy, dbapi)
 
     def _put_back(self, fairy: Any, dbapi: Any) -> None:
         """After a statement: keep its connection (detached from the pool while we keep fewer
