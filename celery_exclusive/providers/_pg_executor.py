@@ -209,6 +209,14 @@ class DirectExecutor:
                     connection.close()
 
 
+def detached(engine: Engine) -> Any:
+    """A new psycopg connection of ``engine``'s, detached from its pool: the caller's own."""
+    fairy = engine.raw_connection()
+    connection = fairy.driver_connection
+    fairy.detach()
+    return connection
+
+
 def for_engine(
     engine: Engine,
     psycopg_sql: dict[str, str],

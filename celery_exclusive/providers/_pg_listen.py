@@ -355,15 +355,21 @@ class Listener:
 
 
 class PerProcess:
-    """The :class:`Listener` of one provider in the current process, made on the first
-    subscription (a child never uses its parent's, see :meth:`after_fork`); or, when
-    ``no_wake`` says why there can be none (PgBouncer, another driver), no listener at all."""
+    """The :class:`Listener` of one provider (lock table ``name``) in the current process,
+    made on the first subscription (a child never uses its parent's, see
+    :meth:`after_fork`). None at all behind PgBouncer in transaction mode (no session to
+    LISTEN on) or with a driver other than psycopg 3: subscriptions are refused there, and
+    waiters poll."""
 
-    def __init__(self, connect: Callable[[], Any], name: str, no_wake: str | None) -> None:
+    def __init__(self, connect: Callable[[], Any], name: str, *, pgbouncer: bool, driver: str) -> None:
         self.listener: Listener | None = None
         self._connect = connect
         self._name = name
-        self._no_wake = no_wake
+        self._no_wake: str | None = None
+        if pgbouncer:
+            self._no_wake = "behind PgBouncer (ce_pgbouncer=true) there is no session to LISTEN on"
+        elif driver != "psycopg":
+            self._no_wake = f"the {driver} driver is not psycopg 3"
         self._lock = threading.Lock()
         self._closed = False
 

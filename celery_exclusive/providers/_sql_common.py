@@ -89,6 +89,16 @@ def prune_suffix(completion: Completion) -> str:
     return "_prune" if zlib.crc32(completion.task_id.encode()) % _PRUNE_EVERY == 0 else ""
 
 
+def record_params(completion: Completion) -> dict[str, Any]:
+    """The bind parameters of a release that writes ``completion``'s record."""
+    return {
+        "task_id": completion.task_id,
+        "outcome": completion.outcome,
+        "attempt": int(completion.attempt),
+        "retain": float(completion.retain),
+    }
+
+
 def live(info: LockInfo) -> bool:
     """Whether a row read from the store (times relative to the store's clock) is a live lease."""
     return info.expires_in > 0 and info.hard_expires_in > 0 and info.age < STALE

@@ -46,6 +46,7 @@ from celery_exclusive.providers._sql_common import (
     like_pattern,
     live,
     prune_suffix,
+    record_params,
 )
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
@@ -78,10 +79,43 @@ def _answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
 
 
+def _grant_params(token: str, granted: float, life: float, holder: str, **keys: str) -> dict[str, Any]:
+    """The bind parameters of a statement that may grant: ``keys`` names the key(s)."""
+    return {**keys, "token": token, "ttl": granted, "life": float(life), "holder": holder}
+
+
+def _slot_answer(rows: Rows, token: str, granted: float) -> tuple[int, Grant] | Held | None:
+    """What an ``acquire_any`` statement's rows mean (0-based slot index); None when the
+    picked slot was lost to a racing acquirer (the caller tries again)."""
+    slots: list[tuple[int, LockInfo]] = []
+    raced = False
+    for kind, index, *row in rows:
+        if kind == "g":
+            return int(index) - 1, Grant(int(row[2]), granted)
+        if kind == "f":
+            raced = True
+        else:
+            slots.append((int(index), info_of(row)))
+    mine = [(index, info) for index, info in slots if info.token == token]
+    if mine:
+        index, info = min(mine)
+        return index - 1, Grant(info.fence, info.expires_in)
+    return None if raced else Held(min(slots)[1])
+
+
 def _text_array(values: Sequence[str]) -> str:
     """``values`` as a PostgreSQL array literal (every element quoted), for ``CAST(... AS varchar[])``."""
     quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
     return "{" + ",".join(quoted) + "}"
+
+
+def _guard_found(connection: Any, sql: str, psycopg_sql: str, params: dict[str, Any]) -> bool:
+    """Whether the guard statement (``sql``, or ``psycopg_sql`` in psycopg's placeholders)
+    found the live row on the caller's ``connection`` (see :func:`_guard_connection`)."""
+    alchemy, psycopg_connection = _guard_connection(connection)
+    if alchemy is not None:
+        return alchemy.execute(sa.text(sql), params).first() is not None
+    return psycopg_connection.execute(psycopg_sql, params).fetchone() is not None
 
 
 def _guard_connection(connection: Any) -> tuple[Connection | None, Any]:
@@ -146,16 +180,14 @@ class PostgresLockProvider(SqlStore):
             masked=self._masked,
         )
         self._driver_errors = self._executor.errors
-        # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`) on psycopg 3 connected to
-        # the server itself; behind PgBouncer in transaction mode (no session to LISTEN on)
-        # and with other drivers ``subscribe`` refuses and waiters poll. The release
-        # statements notify whatever the driver, for waiters in other processes.
-        no_wake = None
-        if pgbouncer:
-            no_wake = "behind PgBouncer (ce_pgbouncer=true) there is no session to LISTEN on"
-        elif self._engine.dialect.driver != "psycopg":
-            no_wake = f"the {self._engine.dialect.driver} driver is not psycopg 3"
-        self._listening = _pg_listen.PerProcess(self._listen_connection, self.table.name, no_wake)
+        # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`); the release statements
+        # notify whatever the driver, for waiters in other processes.
+        self._listening = _pg_listen.PerProcess(
+            lambda: _pg_executor.detached(self._engine),
+            self.table.name,
+            pgbouncer=pgbouncer,
+            driver=self._engine.dialect.driver,
+        )
 
     @property
     def _listener(self) -> _pg_listen.Listener | None:
@@ -183,7 +215,7 @@ class PostgresLockProvider(SqlStore):
         timeout: float | None = None,
     ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
-        params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
+        params = _grant_params(token, granted, max_lifetime, holder, key=key)
         if task_id is not None and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
@@ -215,32 +247,13 @@ class PostgresLockProvider(SqlStore):
         acquirer between the statement's read and its write is tried again, at most once
         per slot."""
         granted = float(min(ttl, max_lifetime))
-        params = {
-            "keys": _text_array(keys),
-            "token": token,
-            "ttl": granted,
-            "life": float(max_lifetime),
-            "holder": holder,
-        }
+        params = _grant_params(token, granted, max_lifetime, holder, keys=_text_array(keys))
         end = None if timeout is None else time.monotonic() + timeout
         for _ in keys:
             left = None if end is None else max(end - time.monotonic(), 0.001)
-            rows = self._call("acquire_any", params, left)
-            slots: list[tuple[int, LockInfo]] = []
-            raced = False
-            for kind, index, *row in rows:
-                if kind == "g":
-                    return int(index) - 1, Grant(int(row[2]), granted)
-                if kind == "f":
-                    raced = True
-                else:
-                    slots.append((int(index), info_of(row)))
-            mine = [(index, info) for index, info in slots if info.token == token]
-            if mine:
-                index, info = min(mine)
-                return index - 1, Grant(info.fence, info.expires_in)
-            if not raced:
-                return Held(min(slots)[1])
+            answer = _slot_answer(self._call("acquire_any", params, left), token, granted)
+            if answer is not None:
+                return answer
         return Held(None)  # every attempt lost its slot to a racing acquirer
 
     def refresh(
@@ -274,12 +287,7 @@ class PostgresLockProvider(SqlStore):
             op = "release"
         else:
             op = "release_done" + prune_suffix(completion)
-            params.update(
-                task_id=completion.task_id,
-                outcome=completion.outcome,
-                attempt=int(completion.attempt),
-                retain=float(completion.retain),
-            )
+            params.update(record_params(completion))
         return any(bool(alive) for (alive,) in self._call(op, params, timeout))
 
     def subscribe(self, key: str) -> _pg_listen.Subscription:
@@ -294,13 +302,6 @@ class PostgresLockProvider(SqlStore):
         """Listen for releases of any of ``keys`` (``WakesOnAny``: a semaphore's slots), one
         channel per key LISTENed in one batch; otherwise as :meth:`subscribe`."""
         return self._listening.subscribe_any(keys)
-
-    def _listen_connection(self) -> Any:
-        """A psycopg connection of the engine's, detached from its pool: the listener's own."""
-        fairy = self._engine.raw_connection()
-        connection = fairy.driver_connection
-        fairy.detach()
-        return connection
 
     def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
         if not self._records_on():
@@ -342,12 +343,7 @@ class PostgresLockProvider(SqlStore):
         transaction).
         """
         params = {"key": key, "token": token, "fence": int(fence)}
-        alchemy, psycopg_connection = _guard_connection(connection)
-        if alchemy is not None:
-            found = alchemy.execute(sa.text(self._pg_sql["guard"]), params).first() is not None
-        else:
-            found = psycopg_connection.execute(self._psycopg_sql["guard"], params).fetchone() is not None
-        if not found:
+        if not _guard_found(connection, self._pg_sql["guard"], self._psycopg_sql["guard"], params):
             raise LockLost(
                 key,
                 fence,

@@ -47,6 +47,7 @@ from celery_exclusive.providers._sql_common import (
     lock_table,
     logger,
     prune_suffix,
+    record_params,
 )
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
@@ -543,12 +544,7 @@ class SqlLockProvider(SqlStore):
         if completion is not None and not self._records_on():
             completion = None
         if completion is not None:
-            params.update(
-                task_id=completion.task_id,
-                outcome=completion.outcome,
-                attempt=int(completion.attempt),
-                retain=float(completion.retain),
-            )
+            params.update(record_params(completion))
 
         def attempt(conn: Connection) -> bool:
             params.update(self._tx.now(conn))
