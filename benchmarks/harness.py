@@ -317,11 +317,12 @@ class Cleanup:
 
 
 def drop_pg_tables(*tables: str) -> None:
-    """Drop benchmark tables and their fence sequences."""
+    """Drop benchmark tables, their completion-record tables and their fence sequences."""
     import psycopg
 
     with psycopg.connect(psycopg_dsn(), autocommit=True, connect_timeout=10) as conn:
         for table in tables:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}_done"')
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
             conn.execute(f'DROP TABLE IF EXISTS "{table}_fence"')
             conn.execute(f'DROP SEQUENCE IF EXISTS "{table}_fence_seq"')
