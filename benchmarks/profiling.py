@@ -46,6 +46,7 @@ _LAYERS = (
     ("providers/postgres.py", "provider: PostgresLockProvider"),
     ("providers/_sql_common.py", "provider: shared SQL plumbing (error translation, rows)"),
     ("providers/sql.py", "provider: SqlLockProvider"),
+    ("providers/_sql", "provider: SqlLockProvider"),  # its collaborators, _sqlite.py included
     ("psycopg", "psycopg"),
     ("heartbeat.py", "heartbeat registration"),
     ("threading.py", "heartbeat registration"),

@@ -1,7 +1,7 @@
 """SQLite under a real prefork worker: ``revoke(terminate=True)`` kills a pool child while its
 lease is held; the main process's kill hook releases that lease from a thread, and the pool
 forks a replacement child meanwhile. Every later task must still run (before the at-fork
-gate in ``providers/sql.py``, a child forked while the hook was mid-call failed every task).
+gate in ``providers/_sqlite.py``, a child forked while the hook was mid-call failed every task).
 
 Short mode: 3 kills. ``CE_LONG=1``: 10 (the code before the gate failed at the 4th kill).
 """
