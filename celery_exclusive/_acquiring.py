@@ -14,11 +14,11 @@ from typing import Any, TypeVar, cast
 
 from celery_exclusive import semaphore, signals
 from celery_exclusive._core import Service
-from celery_exclusive._process import check_holder, new_token, this, unprefixed
+from celery_exclusive._process import holder_json, new_token, unprefixed
 from celery_exclusive._records import Records
 from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError
 from celery_exclusive.lease import Lease
-from celery_exclusive.providers.base import AcquiresAny, Done, Grant, Held, LockInfo, SetsUp, encode_holder
+from celery_exclusive.providers.base import AcquiresAny, Done, Grant, Held, LockInfo, SetsUp
 from celery_exclusive.validation import MAX_LIFETIME_CAP, lease_durations, seconds
 
 T = TypeVar("T")
@@ -58,7 +58,7 @@ class Acquiring:
         service = self._service
         service._check_key(key if limit == 1 else semaphore.slot_key(key, limit))
         ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
-        encoded = this.holder if holder is None else encode_holder({**this.meta, **check_holder(holder)})
+        encoded = holder_json(holder)
         store_key = service.prefix + key
         token = new_token()
         if self._set_up is not None:
@@ -92,7 +92,8 @@ class Acquiring:
             mutex=service.heartbeat.mutex,
         )
         service.heartbeat.add(lease)
-        signals.send(signals.lock_acquired, service, key=key, lease=lease)
+        if signals.lock_acquired.receivers:  # signals.send's test, without its call
+            signals.lock_acquired.send(sender=service, key=key, lease=lease)
         return lease
 
     def _contended(self, key: str, store_key: str, answer: Held) -> Held:
@@ -109,7 +110,7 @@ class Acquiring:
         lifetime = service.max_lifetime if ttl is None else seconds("ttl", ttl)
         if lifetime > MAX_LIFETIME_CAP:
             raise InvalidArgumentError(f"ttl is {lifetime:g} s; the hard cap is 24 h")
-        encoded = encode_holder({**this.meta, **check_holder(holder)})
+        encoded = holder_json(holder)
         token = new_token()
         args = (service.prefix + key, token, lifetime, lifetime, encoded)
         answer = service._call("mark", service.provider.acquire, *args)

@@ -108,10 +108,11 @@ class Releasing:
             if left > 0.001:
                 return self._release_cooling(lease, left, completion)
         outcome = self._delete(lease, completion, warn_not_owned=not was_lost)
-        held_for = service.clock() - lease.acquired_at
-        signals.send(
-            signals.lock_released, service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
-        )
+        if signals.lock_released.receivers:  # signals.send's test, before reading the clock
+            held_for = service.clock() - lease.acquired_at
+            signals.lock_released.send(
+                sender=service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
+            )
         return outcome
 
     def _delete(self, lease: Lease, completion: Completion | None, *, warn_not_owned: bool) -> ReleaseOutcome:
