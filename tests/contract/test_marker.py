@@ -116,3 +116,21 @@ def test_mark_on_a_closed_service_is_refused() -> None:
     service.close()
     with pytest.raises(InvalidArgumentError, match="closed"):
         service.mark("k", ttl=60)
+
+
+def test_lock_and_mark_store_the_holder_over_host_and_pid(store: Store) -> None:
+    """The stored holder is this process's host and pid overridden by the caller's mapping,
+    values JSON cannot hold written as their str (the service's prebuilt encoder)."""
+    service, other = store.service(), store.service()
+    odd = {"host": "elsewhere", "when": time.gmtime(0)[:2], "obj": InvalidArgumentError("x"), "é": "ü"}
+    expected = {"host": "elsewhere", "pid": os.getpid(), "when": [1970, 1], "obj": "x", "é": "ü"}
+    with service.lock("h", holder=odd):
+        info = other.peek("h")
+        assert info is not None
+        assert info.holder == expected
+    assert service.mark("hm", ttl=60, holder=odd) is not None
+    marked = other.peek("hm")
+    assert marked is not None
+    assert marked.holder == expected
+    with pytest.raises(InvalidArgumentError, match="holder must be a mapping"):
+        service.lock("h", holder={1: "int key"})  # type: ignore[dict-item]
