@@ -143,7 +143,7 @@ class Acquiring:
         once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
         args = (store_key, token, ttl, max_lifetime, holder)
         return self._retried(
-            lambda timeout: service._call(
+            lambda timeout: service._calls.call(
                 "acquire", service.provider.acquire, *args, timeout=timeout, **once
             ),
             (store_key,),

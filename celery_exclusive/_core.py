@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from celery_exclusive._store import StoreCalls
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import LeaseOwner
 from celery_exclusive.providers.base import LockProvider
@@ -27,6 +28,10 @@ class Store(Protocol):
     prefix: str
     provider: LockProvider
     call_timeout: float
+    #: The calls ``_call`` makes; a hot path with its own timeout calls ``_calls.call``
+    #: directly (one layer less: about 0.3 µs of a memory release's 1 µs). Replaced after a
+    #: fork, so read it per call.
+    _calls: StoreCalls
 
     def _call(
         self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any

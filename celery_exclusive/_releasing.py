@@ -123,7 +123,7 @@ class Releasing:
         timeout = min(service.call_timeout, RELEASE_TIMEOUT)
         try:
             owned = bool(
-                service._call(
+                service._calls.call(
                     "release",
                     service.provider.release,
                     lease.store_key,
