@@ -35,6 +35,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_exclusive.providers import _deadline
+from celery_exclusive.providers._signals import SignalsLost, Subscription, Watch
+
+__all__ = ["Listener", "SignalsLost", "Subscription", "channel", "waiter_lock"]
 
 #: Seconds a channel stays LISTENed (and its waiter registration held) after its last
 #: subscriber left: back-to-back waits on one key skip an UNLISTEN and a LISTEN, at the cost
@@ -62,66 +65,20 @@ def channel(table: str, key: str) -> str:
     return "ce_" + hashlib.sha256(f"{table}\0{key}".encode()).hexdigest()[:24]
 
 
-class SignalsLost(ConnectionError):
-    """A subscription cannot signal (closed, or its listener is); the waiter polls."""
+class _Watch(Watch):
+    """A channel's watch, with the LISTEN state of the channel on the current connection."""
 
-
-class _Watch:
-    """The subscribers of one channel in this process, and the releases they were sent."""
-
-    __slots__ = ("changed", "idle_since", "listening", "lost", "released", "subscribers")
+    __slots__ = ("idle_since", "listening", "lost")
 
     def __init__(self, changed: threading.Condition) -> None:
-        #: The listener's one Condition (shared by its watches, so that a subscription to
-        #: several channels can wait for any of them).
-        self.changed = changed
-        self.subscribers = 0
+        super().__init__(changed)
         #: When the last subscriber left (monotonic; None while it has subscribers).
         self.idle_since: float | None = None
-        self.released = 0
         #: Whether the channel is LISTENed on the current connection.
         self.listening = False
         #: Whether releases may have gone unheard (a lost connection, a subscriber that did
         #: not wait for the LISTEN): signal once the channel is LISTENed.
         self.lost = False
-
-    def signal(self) -> None:
-        """One release (or a possibly missed one); the caller holds the lock."""
-        self.released += 1
-        self.changed.notify_all()
-
-
-class Subscription:
-    """One waiter's view of the releases of one or more channels
-    (``providers.base.ReleaseSubscription``)."""
-
-    def __init__(self, listener: Listener, watches: dict[str, _Watch]) -> None:
-        self._listener = listener
-        self._watches = watches
-        self._seen = self._released()
-        self._open = True
-
-    def _released(self) -> int:
-        return sum(watch.released for watch in self._watches.values())
-
-    def wait(self, timeout: float) -> bool:
-        changed = self._listener._changed
-        with changed:
-            if not self._open or self._listener.closed:
-                raise SignalsLost("the subscription is closed")
-            changed.wait_for(lambda: self._released() != self._seen, max(0.0, timeout))
-            released = self._released()
-            if released != self._seen:
-                self._seen = released
-                return True
-            return False
-
-    def close(self) -> None:
-        with self._listener._changed:
-            if self._open:
-                self._open = False
-                for name, watch in self._watches.items():
-                    self._listener._leave(name, watch)
 
 
 class Listener:
@@ -172,7 +129,7 @@ class Listener:
                     watch.subscribers += 1
                     watch.idle_since = None
                     watches[name] = watch
-            subscription = Subscription(self, watches)
+            subscription = Subscription(self._changed, watches, self._leave)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"celery-exclusive-listen {self._name}", daemon=True
@@ -342,7 +299,7 @@ class Listener:
                 return
             self.closed = True
             for watch in self._watches.values():
-                watch.changed.notify_all()
+                watch.break_off()
             thread = self._thread
             self._poke()
         if thread is not None and thread is not threading.current_thread():

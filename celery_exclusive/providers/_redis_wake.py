@@ -37,6 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_exclusive.providers._redis_wire import _connect_within, as_text
+from celery_exclusive.providers._signals import SignalsLost, Subscription, Watch
+
+__all__ = ["CONFIRM_TIMEOUT", "STALLED_FOR", "ReleaseSignals", "SignalsLost", "Subscription"]
 
 #: Seconds to connect the subscriber connection, and for the server to confirm a
 #: subscription; past it the waiter polls.
@@ -44,10 +47,6 @@ CONFIRM_TIMEOUT = 1.0
 #: Seconds after a subscription went unconfirmed during which waiters poll without trying
 #: to subscribe (a server or proxy that swallows SSUBSCRIBE costs one wait, not every one).
 STALLED_FOR = 30.0
-
-
-class SignalsLost(ConnectionError):
-    """A subscription cannot signal (its connection is gone); the waiter polls instead."""
 
 
 class _Link:
@@ -65,58 +64,15 @@ class _Link:
         )
 
 
-class _Watch:
-    """The subscription state of one key on one link, shared by its subscribers."""
+class _Watch(Watch):
+    """A key's watch on one link; ``confirmed`` once the server answered its SSUBSCRIBE."""
 
-    __slots__ = ("broken", "changed", "confirmed", "link", "released", "subscribers")
+    __slots__ = ("confirmed", "link")
 
     def __init__(self, link: _Link, changed: threading.Condition) -> None:
+        super().__init__(changed)
         self.link = link
-        #: The one Condition of the ReleaseSignals (shared by its watches, so that a
-        #: subscription to several keys can wait for any of them).
-        self.changed = changed
-        self.subscribers = 0
-        self.released = 0
         self.confirmed = False
-        self.broken = False
-
-
-class Subscription:
-    """One waiter's view of the releases of one or more keys
-    (``providers.base.ReleaseSubscription``)."""
-
-    def __init__(self, signals: ReleaseSignals, watches: dict[str, _Watch]) -> None:
-        self._signals = signals
-        self._watches = watches
-        self._seen = self._released()
-        self._open = True
-
-    def _released(self) -> int:
-        return sum(watch.released for watch in self._watches.values())
-
-    def _broken(self) -> bool:
-        return any(watch.broken for watch in self._watches.values())
-
-    def wait(self, timeout: float) -> bool:
-        with self._signals._changed:
-            if not self._open:
-                raise SignalsLost("subscription closed")
-            self._signals._changed.wait_for(lambda: self._released() != self._seen or self._broken(), timeout)
-            released = self._released()
-            if released != self._seen:
-                self._seen = released
-                return True
-            if self._broken():
-                raise SignalsLost("the subscriber connection was lost")
-            return False
-
-    def close(self) -> None:
-        with self._signals._changed:
-            if not self._open:
-                return
-            self._open = False
-            for key, watch in self._watches.items():
-                self._signals._leave(key, watch)
 
 
 class ReleaseSignals:
@@ -171,15 +127,13 @@ class ReleaseSignals:
                 for taken, watch in watches.items():
                     self._leave(taken, watch)
                 raise
-            subscription = Subscription(self, watches)
+            subscription = Subscription(self._changed, watches, self._leave)
             confirmed = self._changed.wait_for(
-                lambda: all(w.confirmed for w in watches.values()) or subscription._broken(), CONFIRM_TIMEOUT
+                lambda: all(w.confirmed for w in watches.values()) or subscription.broken(), CONFIRM_TIMEOUT
             )
-            if confirmed and not subscription._broken():
+            if confirmed and not subscription.broken():
                 return subscription
-            subscription._open = False
-            for key, watch in watches.items():
-                self._leave(key, watch)
+            subscription.close_locked()
             if not confirmed:  # a connection that stopped answering: a new one, but not at once
                 self._stalled_until = time.monotonic() + STALLED_FOR
                 for link in {id(w.link): w.link for w in watches.values() if not w.confirmed}.values():
@@ -250,15 +204,13 @@ class ReleaseSignals:
             if watch is None or watch.link is not link:
                 return
             if kind == "smessage":
-                watch.released += 1
+                watch.signal()
             elif kind == "ssubscribe":
                 watch.confirmed = True
+                watch.changed.notify_all()
             elif kind == "sunsubscribe":  # the server's: the slot moved; its waiters poll
-                watch.broken = True
                 del self._watches[key]
-            else:
-                return
-            watch.changed.notify_all()
+                watch.break_off()
 
     def _lost(self, link: _Link) -> None:
         """``link`` is gone (holding the lock): its subscriptions break, its waiters poll."""
@@ -268,9 +220,8 @@ class ReleaseSignals:
                 del self._links[link.node]
             for key, watch in list(self._watches.items()):
                 if watch.link is link:
-                    watch.broken = True
                     del self._watches[key]
-                    watch.changed.notify_all()
+                    watch.break_off()
         link.conn.disconnect()
 
     def close(self) -> None:
