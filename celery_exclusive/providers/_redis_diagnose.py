@@ -7,10 +7,14 @@ detail starts with ``where`` (a cluster node's name, or nothing for one server).
 from __future__ import annotations
 
 import time
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.providers._redis_wire import as_text
 from celery_exclusive.providers.base import Diagnosis
+
+if TYPE_CHECKING:
+    from celery_exclusive.providers._redis_server import RedisServer
 
 
 def server_findings(
@@ -74,3 +78,25 @@ def _settings(conf: dict[str, str], where: str) -> list[Diagnosis]:
             Diagnosis("persistence", "warn", f"{where}appendonly no: a restart can lose leases and fences")
         ]
     return []
+
+
+def diagnose_servers(server: RedisServer) -> list[Diagnosis]:
+    """The findings of every primary ``server`` reaches (details name the node on a cluster)."""
+    found: list[Diagnosis] = []
+    findings = partial(
+        server_findings,
+        cluster=server.cluster,
+        wait_replicas=server.wait_replicas,
+        refused=server.response_error,
+    )
+    with server.translated:
+        client = server.client
+        if server.cluster:
+            primaries = client.get_primaries()
+            detail = f"Redis Cluster, {len(primaries)} primaries; locks are per slot"
+            found.append(Diagnosis("cluster", "ok", detail))
+            for node in primaries:
+                found.extend(findings(client.get_redis_connection(node), f"{node.name}: "))
+        else:
+            found.extend(findings(client, ""))
+    return found

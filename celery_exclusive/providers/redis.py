@@ -81,12 +81,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
-from celery_exclusive.providers._redis_diagnose import server_findings
+from celery_exclusive.errors import ConfigurationError, InvalidArgumentError, MissingDriverError
+from celery_exclusive.providers._redis_diagnose import diagnose_servers
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
     ACQUIRE_ANY,
@@ -96,17 +95,9 @@ from celery_exclusive.providers._redis_scripts import (
     PEEK,
     REFRESH,
     RELEASE,
-    ScriptRunner,
-    Translating,
-    fence_key,
 )
-from celery_exclusive.providers._redis_urls import (
-    Target,
-    target_of_client,
-    target_of_url,
-    wait_settings,
-    whole_ms,
-)
+from celery_exclusive.providers._redis_server import RedisServer
+from celery_exclusive.providers._redis_urls import target_of_client, target_of_url, whole_ms
 from celery_exclusive.providers._redis_wake import ReleaseSignals, Subscription
 from celery_exclusive.providers._redis_wire import Wire, as_text, left
 from celery_exclusive.providers.base import (
@@ -120,7 +111,6 @@ from celery_exclusive.providers.base import (
     RefreshRequest,
     decode_holder,
 )
-from celery_exclusive.urls import mask_url
 
 if TYPE_CHECKING:
     import redis
@@ -138,7 +128,6 @@ __all__ = [
     "RedisLockProvider",
 ]
 
-_GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 #: ``ce_wait_timeout`` unless the URL sets it, in seconds.
 DEFAULT_WAIT_TIMEOUT = 0.5
 
@@ -194,7 +183,8 @@ class RedisLockProvider:
     ``master_for()`` client or ``redis.cluster.RedisCluster``) is used as configured and
     not closed by :meth:`close`. ``wait_replicas`` and ``wait_timeout`` (the URL's
     ``ce_wait_replicas`` and ``ce_wait_timeout`` win) turn on replica acknowledgement, see
-    the module docstring.
+    the module docstring. How the server is reached (client, wire, errors, cluster routing)
+    is :class:`~._redis_server.RedisServer`'s; this class keeps the lock operations.
     """
 
     #: Redis takes far longer keys; 1024 bounds memory per lock and matches the other stores.
@@ -209,78 +199,43 @@ class RedisLockProvider:
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
     ) -> None:
         try:
-            import redis
-            from redis.crc import key_slot
-            from redis.exceptions import RedisClusterException
+            import redis  # noqa: F401 - the driver's absence is a MissingDriverError here
         except ImportError as exc:
             raise MissingDriverError("redis", "redis") from exc
         wait = (wait_replicas, wait_timeout)
         if client is not None:
-            self._target: Target = target_of_client(client, wait)
+            target = target_of_client(client, wait)
         elif url is not None:
-            self._target = target_of_url(url, wait)
+            target = target_of_url(url, wait)
         else:
             raise ConfigurationError("RedisLockProvider needs a url or a client")
-        self._display = self._target.display
+        self._server = server = RedisServer(target)
+        self._scripts = server.scripts
+        self._translated = server.translated
+        self._wait_replicas = server.wait_replicas
         self._connecting = threading.Lock()
-        self._cluster = self._target.cluster
-        #: A key's hash slot, as the cluster computes it (UTF-8 keys, hash tags honoured).
-        self._slot_of = key_slot
-        self._wait_replicas, self._wait_ms = wait_settings(self._target)
-        # RedisClusterException (no reachable node, say) is not a RedisError.
-        self._errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
-        self._response_error = redis.ResponseError
-        #: ``with self._translated:`` raises a driver error as BackendError, and nothing else.
-        self._translated = Translating(self._errors, self._fail)
-        self._wire: Wire | None = None
-        if self._target.built and not self._cluster:
-            self._wire = Wire(self._target.pool, redis.ResponseError, (*self._errors, OSError))
-            self._execute: Any = self._wire.send
-        elif self._target.factory is not None:
-            self._execute = self._via_client
-        else:
-            self._execute = self._target.client.execute_command
         self._signals: ReleaseSignals | None = None
-        self._scripts = ScriptRunner(
-            lambda: self._client,
-            self._execute,
-            self._wire,
-            translated=self._translated,
-            noscript=redis.exceptions.NoScriptError,
-            wait=(self._wait_replicas, self._wait_ms),
-        )
 
     def __repr__(self) -> str:
-        return f"RedisLockProvider({self._display!r})"
+        return f"RedisLockProvider({self._server.display!r})"
 
     @property
     def _client(self) -> Any:
-        """The redis-py client; a cluster client from a URL is built on first use."""
-        target = self._target
-        client = target.client
-        if client is None:
-            with self._connecting:
-                if target.client is None and target.factory is not None:
-                    target.client = target.factory()
-                client = target.client
-        return client
+        return self._server.client
 
-    def _fail(self, exc: Exception) -> BackendError:
-        reason = str(exc) or type(exc).__name__
-        if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
-            reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
-        password = self._target.password
-        secrets = [str(password)] if password else []
-        return BackendError(f"redis {self._display}: {mask_url(reason, secrets)}")
+    @property
+    def _wire(self) -> Wire | None:
+        return self._server.wire
 
-    def _via_client(self, *command: Any) -> Any:
-        return self._client.execute_command(*command)
-
-    def _unacknowledged(self, what: str, acks: int) -> BackendError:
-        return BackendError(
-            f"redis {self._display}: the {what} reached {acks} of {self._wait_replicas} replica(s) "
-            f"within {self._wait_ms} ms (ce_wait_replicas): a failover now could lose it"
-        )
+    def _granted(self, script: str, args: tuple[Any, ...], timeout: float | None) -> Any:
+        """Run an acquiring script; with ``ce_wait_replicas``, a grant too few replicas
+        acknowledged is a BackendError."""
+        if not self._wait_replicas:
+            return self._scripts.run(script, *args, timeout=timeout)
+        (reply,), acks = self._scripts.run_acked(script, [args], timeout)
+        if reply[0] == 1 and acks < self._wait_replicas:
+            raise self._server.unacknowledged("grant", acks)
+        return reply
 
     def acquire(
         self,
@@ -296,14 +251,8 @@ class RedisLockProvider:
         if key.startswith(FENCES):
             raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
         once = () if task_id is None else (task_id,)
-        fences = fence_key(self._slot_of(key.encode())) if self._cluster else FENCES
-        args = (2, key, fences, token, whole_ms(ttl), whole_ms(max_lifetime), holder, *once)
-        if self._wait_replicas:
-            (reply,), acks = self._scripts.run_acked(ACQUIRE, [args], timeout)
-            if reply[0] == 1 and acks < self._wait_replicas:
-                raise self._unacknowledged("grant", acks)
-        else:
-            reply = self._scripts.run(ACQUIRE, *args, timeout=timeout)
+        args = (2, key, self._server.fences_of(key), token, whole_ms(ttl), whole_ms(max_lifetime), holder)
+        reply = self._granted(ACQUIRE, (*args, *once), timeout)
         if reply[0] == 1:
             return Grant(reply[1], reply[2] / 1e6)
         if reply[0] == 2:
@@ -326,25 +275,11 @@ class RedisLockProvider:
             raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
         deadline = None if timeout is None else time.monotonic() + timeout
         first: Held | None = None
-        for group in self._scripts.groups(keys, self._cluster):
+        for group in self._server.groups(keys):
             picked = [keys[i] for i in group]
-            fences = fence_key(self._slot_of(picked[0].encode())) if self._cluster else FENCES
-            args: tuple[Any, ...] = (
-                len(picked) + 1,
-                *picked,
-                fences,
-                token,
-                whole_ms(ttl),
-                whole_ms(max_lifetime),
-                holder,
-            )
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.01)
-            if self._wait_replicas:
-                (reply,), acks = self._scripts.run_acked(ACQUIRE_ANY, [args], left)
-                if reply[0] == 1 and acks < self._wait_replicas:
-                    raise self._unacknowledged("grant", acks)
-            else:
-                reply = self._scripts.run(ACQUIRE_ANY, *args, timeout=left)
+            fences = self._server.fences_of(picked[0])
+            args = (len(picked) + 1, *picked, fences, token, whole_ms(ttl), whole_ms(max_lifetime), holder)
+            reply = self._granted(ACQUIRE_ANY, args, _left(deadline))
             if reply[0] == 1:
                 return group[reply[1] - 1], Grant(reply[2], reply[3] / 1e6)
             if first is None:
@@ -355,12 +290,12 @@ class RedisLockProvider:
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
     ) -> list[float | None]:
-        groups = self._scripts.groups([r.key for r in requests], self._cluster)
+        groups = self._server.groups([r.key for r in requests])
         calls = [_refresh_args([requests[i] for i in group]) for group in groups]
         if self._wait_replicas:
             replies, acks = self._scripts.run_acked(REFRESH, calls, timeout)
             if acks < self._wait_replicas:
-                raise self._unacknowledged("refresh", acks)
+                raise self._server.unacknowledged("refresh", acks)
         else:
             replies = self._scripts.run_many(REFRESH, calls, timeout)
         answers: list[float | None] = [None] * len(requests)
@@ -392,20 +327,9 @@ class RedisLockProvider:
             with self._connecting:
                 signals = self._signals
                 if signals is None or signals.pid != os.getpid():
-                    signals = self._signals = ReleaseSignals(self._route)
+                    signals = self._signals = ReleaseSignals(self._server.route)
         with self._translated:
             return signals.subscribe_any(keys)
-
-    def _route(self, key: str) -> tuple[str, Callable[[], Any]]:
-        """The server owning ``key`` and a factory of unconnected connections to it."""
-        if self._cluster:
-            node = self._client.get_node_from_key(key)
-            pool = node.redis_connection.connection_pool
-            name = node.name
-        else:
-            pool = self._target.pool if self._target.pool is not None else self._client.connection_pool
-            name = "primary"
-        return name, lambda: pool.connection_class(**pool.connection_kwargs)
 
     def completion(self, key: str, task_id: str, *, timeout: float | None = None) -> CompletionInfo | None:
         now, *found = self._scripts.run(DONE, 1, key, task_id, timeout=timeout)
@@ -414,7 +338,7 @@ class RedisLockProvider:
 
     def completions(self, prefix: str, *, timeout: float | None = None) -> list[CompletionInfo]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        keys, groups = self._hashes(prefix, deadline)
+        keys, groups = self._server.hashes(prefix, deadline)
         calls = [(len(group), *[keys[i] for i in group], "") for group in groups]
         records: list[CompletionInfo] = []
         replies = self._scripts.run_many(DONE, calls, _left(deadline))
@@ -432,13 +356,13 @@ class RedisLockProvider:
         try:
             return _completion_info(key, field, value, now)
         except (TypeError, ValueError) as exc:
-            raise self._fail(ValueError(f"malformed completion record on {key!r}: {exc}")) from exc
+            raise self._server.fail(ValueError(f"malformed completion record on {key!r}: {exc}")) from exc
 
     def _info(self, key: str, row: Sequence[Any], now: Any) -> LockInfo:
         try:
             return _lock_info(key, row, now)
         except (TypeError, ValueError) as exc:
-            raise self._fail(ValueError(f"malformed lock hash {key!r}: {exc}")) from exc
+            raise self._server.fail(ValueError(f"malformed lock hash {key!r}: {exc}")) from exc
 
     def peek(self, key: str, *, timeout: float | None = None) -> LockInfo | None:
         reply = self._scripts.run(PEEK, 1, key, timeout=timeout)
@@ -449,59 +373,14 @@ class RedisLockProvider:
 
         On a cluster every primary is checked (details name the node).
         """
-        found: list[Diagnosis] = []
-        findings = partial(
-            server_findings,
-            cluster=self._cluster,
-            wait_replicas=self._wait_replicas,
-            refused=self._response_error,
-        )
-        with self._translated:
-            client = self._client
-            if self._cluster:
-                primaries = client.get_primaries()
-                detail = f"Redis Cluster, {len(primaries)} primaries; locks are per slot"
-                found.append(Diagnosis("cluster", "ok", detail))
-                for node in primaries:
-                    server = client.get_redis_connection(node)
-                    found.extend(findings(server, f"{node.name}: "))
-            else:
-                found.extend(findings(client, ""))
+        found = diagnose_servers(self._server)
         self.peek("celery-exclusive:doctor")  # the scripts run (a proxy may refuse EVAL)
         found.append(Diagnosis("scripts", "ok", "Lua scripts run"))
         return found
 
-    def _hashes(self, prefix: str, deadline: float | None) -> tuple[list[str], list[range | list[int]]]:
-        """The hash keys starting with ``prefix``, sorted, and their groups for script calls;
-        with a ``deadline`` (monotonic) on the fast path's connection, each SCAN round trip
-        within what is left of it."""
-        pattern = prefix.translate(_GLOB) + "*"
-        with self._translated:
-            if deadline is not None and self._wire is not None:
-                names = self._scan_wire(self._wire, pattern, deadline)
-            else:
-                client = self._client
-                where = {"target_nodes": client.PRIMARIES} if self._cluster else {}
-                found = client.scan_iter(match=pattern, count=1000, _type="hash", **where)
-                names = {as_text(k) for k in found}
-        keys = sorted(k for k in names if k.startswith(prefix))
-        return keys, self._scripts.groups(keys, self._cluster)
-
-    @staticmethod
-    def _scan_wire(wire: Wire, pattern: str, deadline: float) -> set[str]:
-        """``SCAN ... TYPE hash`` to the end on the fast path, each call within ``deadline``."""
-        names: set[str] = set()
-        cursor: Any = 0
-        while True:
-            command = ("SCAN", cursor, "MATCH", pattern, "COUNT", 1000, "TYPE", "hash")
-            cursor, batch = wire.send(*command, timeout=left(deadline))
-            names.update(as_text(k) for k in batch)
-            if int(cursor) == 0:
-                return names
-
     def scan(self, prefix: str, *, timeout: float | None = None) -> list[LockInfo]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        keys, groups = self._hashes(prefix, deadline)
+        keys, groups = self._server.hashes(prefix, deadline)
         calls = [(len(group), *[keys[i] for i in group]) for group in groups]
         infos: list[LockInfo] = []
         replies = self._scripts.run_many(PEEK, calls, _left(deadline))
@@ -509,7 +388,7 @@ class RedisLockProvider:
             infos.extend(
                 self._info(keys[i], row, now) for i, row in zip(group, rows, strict=True) if row != 0
             )
-        if self._cluster:
+        if self._server.cluster:
             infos.sort(key=lambda info: info.key)
         return infos
 
@@ -517,7 +396,4 @@ class RedisLockProvider:
         signals, self._signals = self._signals, None
         if signals is not None and signals.pid == os.getpid():
             signals.close()
-        if self._wire is not None:
-            self._wire.close()
-        if self._target.built and self._target.client is not None:
-            self._target.client.close()
+        self._server.close()

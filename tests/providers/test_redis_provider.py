@@ -629,7 +629,7 @@ def test_cluster_and_sentinel_urls_parse_without_connecting() -> None:
         repr(cluster)
         == "RedisLockProvider('redis+cluster://:***@127.0.0.1:1,127.0.0.1:2/0?socket_timeout=2')"
     )
-    assert cluster._target.client is None  # built on first use
+    assert cluster._server.target.client is None  # built on first use
     cluster.close()
     sentinel = RedisLockProvider("redis+sentinel://:s3cret@127.0.0.1:1,[::1]:2/mymaster/3")
     assert "s3cret" not in repr(sentinel)

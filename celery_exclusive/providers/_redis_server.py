@@ -1,0 +1,158 @@
+"""How the Redis provider reaches its server: the client, the wire, errors, routing, SCAN.
+
+:class:`RedisServer` is built once per provider from its :class:`~._redis_urls.Target`. It
+owns what every operation needs and none decides: the redis-py client (a cluster client
+from a URL built on first use), the fast-path :class:`~._redis_wire.Wire` (a one-server
+client the provider built), the translation of driver errors into a BackendError that
+names the server without its password, the :class:`~._redis_scripts.ScriptRunner`, and the
+cluster's routing (hash slots, fence keys, script groups, the node owning a key, SCAN on
+every primary). The provider (providers/redis.py) keeps the lock operations.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers._redis_scripts import FENCES, ScriptRunner, Translating, fence_key
+from celery_exclusive.providers._redis_urls import Target, wait_settings
+from celery_exclusive.providers._redis_wire import Wire, as_text, left
+from celery_exclusive.urls import mask_url
+
+_GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+
+class RedisServer:
+    """One provider's way to its Redis (standalone, Sentinel's primary, or a cluster).
+
+    Thread-safe. ``translated`` (``with server.translated:``) raises a driver error as
+    :meth:`fail`'s BackendError and nothing else; ``scripts`` runs the Lua scripts.
+    """
+
+    def __init__(self, target: Target) -> None:
+        import redis
+        from redis.crc import key_slot
+        from redis.exceptions import RedisClusterException
+
+        self.target = target
+        self.display = target.display
+        self.cluster = target.cluster
+        #: A key's hash slot, as the cluster computes it (UTF-8 keys, hash tags honoured).
+        self._slot_of = key_slot
+        self.wait_replicas, self.wait_ms = wait_settings(target)
+        self._connecting = threading.Lock()
+        # RedisClusterException (no reachable node, say) is not a RedisError.
+        self.errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+        self.response_error = redis.ResponseError
+        self.translated = Translating(self.errors, self.fail)
+        self.wire: Wire | None = None
+        execute: Callable[..., Any]
+        if target.built and not self.cluster:
+            self.wire = Wire(target.pool, redis.ResponseError, (*self.errors, OSError))
+            execute = self.wire.send
+        elif target.factory is not None:
+            execute = self._via_client
+        else:
+            execute = target.client.execute_command
+        self.scripts = ScriptRunner(
+            lambda: self.client,
+            execute,
+            self.wire,
+            translated=self.translated,
+            noscript=redis.exceptions.NoScriptError,
+            wait=(self.wait_replicas, self.wait_ms),
+        )
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client; a cluster client from a URL is built on first use."""
+        target = self.target
+        client = target.client
+        if client is None:
+            with self._connecting:
+                if target.client is None and target.factory is not None:
+                    target.client = target.factory()
+                client = target.client
+        return client
+
+    def _via_client(self, *command: Any) -> Any:
+        return self.client.execute_command(*command)
+
+    def fail(self, exc: Exception) -> BackendError:
+        """``exc`` (a driver error, or what the provider found malformed) as a BackendError
+        naming the server, the password masked."""
+        reason = str(exc) or type(exc).__name__
+        if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
+            reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
+        password = self.target.password
+        secrets = [str(password)] if password else []
+        return BackendError(f"redis {self.display}: {mask_url(reason, secrets)}")
+
+    def unacknowledged(self, what: str, acks: int) -> BackendError:
+        """A write fewer than ``ce_wait_replicas`` replicas acknowledged."""
+        return BackendError(
+            f"redis {self.display}: the {what} reached {acks} of {self.wait_replicas} replica(s) "
+            f"within {self.wait_ms} ms (ce_wait_replicas): a failover now could lose it"
+        )
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def fences_of(self, key: str) -> str:
+        """The fence high-water key for lock ``key``: one per server, or per slot on a cluster."""
+        return fence_key(self._slot_of(key.encode())) if self.cluster else FENCES
+
+    def same_slot(self, *keys: str) -> bool:
+        """Whether one script may touch all of ``keys`` (always, but on a cluster)."""
+        return not self.cluster or len({self._slot_of(k.encode()) for k in keys}) == 1
+
+    def groups(self, keys: Sequence[str]) -> list[range | list[int]]:
+        """Indices of ``keys`` in groups for one script call each (``ScriptRunner.groups``)."""
+        return self.scripts.groups(keys, self.cluster)
+
+    def route(self, key: str) -> tuple[str, Callable[[], Any]]:
+        """The server owning ``key`` and a factory of unconnected connections to it."""
+        if self.cluster:
+            node = self.client.get_node_from_key(key)
+            pool = node.redis_connection.connection_pool
+            name = node.name
+        else:
+            pool = self.target.pool if self.target.pool is not None else self.client.connection_pool
+            name = "primary"
+        return name, lambda: pool.connection_class(**pool.connection_kwargs)
+
+    def hashes(self, prefix: str, deadline: float | None) -> tuple[list[str], list[range | list[int]]]:
+        """The hash keys starting with ``prefix``, sorted, and their groups for script calls;
+        with a ``deadline`` (monotonic) on the fast path's connection, each SCAN round trip
+        within what is left of it."""
+        pattern = prefix.translate(_GLOB) + "*"
+        with self.translated:
+            if deadline is not None and self.wire is not None:
+                names = _scan_wire(self.wire, pattern, deadline)
+            else:
+                client = self.client
+                where = {"target_nodes": client.PRIMARIES} if self.cluster else {}
+                found = client.scan_iter(match=pattern, count=1000, _type="hash", **where)
+                names = {as_text(k) for k in found}
+        keys = sorted(k for k in names if k.startswith(prefix))
+        return keys, self.groups(keys)
+
+    def close(self) -> None:
+        """Close the wire and a client the provider built (a client you passed stays open)."""
+        if self.wire is not None:
+            self.wire.close()
+        if self.target.built and self.target.client is not None:
+            self.target.client.close()
+
+
+def _scan_wire(wire: Wire, pattern: str, deadline: float) -> set[str]:
+    """``SCAN ... TYPE hash`` to the end on the fast path, each call within ``deadline``."""
+    names: set[str] = set()
+    cursor: Any = 0
+    while True:
+        command = ("SCAN", cursor, "MATCH", pattern, "COUNT", 1000, "TYPE", "hash")
+        cursor, batch = wire.send(*command, timeout=left(deadline))
+        names.update(as_text(k) for k in batch)
+        if int(cursor) == 0:
+            return names
