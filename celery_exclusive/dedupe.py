@@ -4,7 +4,8 @@ With ``dedupe`` set (task option ``lock_dedupe`` / ``exclusive_task(dedupe=...)`
 ``app.conf.exclusive_dedupe``), :meth:`ExclusiveTask.apply_async` (so ``delay``, and canvas
 signatures, which call it) first takes a *queued marker* for the call's lock key: a
 detached lease (:meth:`LockService.mark`) on ``<key>#queued`` whose holder metadata names
-the new task id. One store round trip, atomic: of any number of concurrent senders one
+the new task id. One store round trip, atomic (also under ``"until_done"``, which checks
+the execution key in the same operation): of any number of concurrent senders one
 takes it and publishes; every other one publishes nothing and, by ``on_duplicate``:
 
 * ``"return"`` (default): gets the existing task's ``AsyncResult`` (same id, same result);
@@ -39,16 +40,17 @@ Lifetimes and the race between "marker taken" and "a run holds the execution key
   queued, as with celery-once); that message's run then finds the key held or free and
   ``on_locked`` decides, as for any producer. No send sees the execution lock.
 * ``"until_done"``: the worker releases the marker only *after* the run holds the execution
-  lock, and a send takes the marker *then* peeks the execution key (a second round trip;
-  a run found there is the duplicate, and the fresh marker is released again). So at every
-  instant the marker or the execution lease of the previous message exists: a send that
-  takes the marker after the previous one was released finds the run holding the key, and
-  a run that finished before the peek has freed it for a new message, which is correct.
+  lock, and a send takes the marker only while the execution key is free, both checked in
+  one atomic store operation (``LockService.try_mark(..., unless=key)``; a run found there
+  is the duplicate). So at every instant the marker or the execution lease of the previous
+  message exists, and a send sees one of them: the run's id, or the queued message's.
   A run that finds the key held (``on_locked="skip"``...) releases its marker when it ends.
-  A send that finds a marker looks at the execution key first (a concurrent sender's marker
-  may be about to be withdrawn because that sender found the run). Left open: a run that
-  ends in the instant between a concurrent sender's mark and its look at the execution key;
-  a send then told the marker's id may hold an id that sender did not publish.
+  A key held by something that is no task's run (``service.lock(key)``) does not refuse
+  the marker: the message is sent, and its run finds the key held (``on_locked`` decides).
+  On a store without that operation (a third-party provider; Redis Cluster when
+  ``<key>#queued`` and ``<key>`` hash to different slots) the send takes the marker, then
+  looks at the execution key, giving the marker back if a run holds it: a second round
+  trip, and a concurrent sender may be told the id of a marker about to be given back.
 
 Which producers dedupe: ``delay``, ``apply_async`` and signatures (``.s()``/``.si()``, chains,
 groups, chords, links: they call the task's ``apply_async``) in a process where the task is
@@ -147,44 +149,25 @@ class _Found:
 def _take(
     service: LockService, key: str, mode: str, ttl: float, holder: dict[str, Any]
 ) -> str | _Found | None:
-    """The new marker's token, the duplicate found, or None when the marker kept changing hands."""
+    """The new marker's token, the duplicate found, or None when the marker kept changing hands.
+
+    One store call: the mark answers who refused it (under until_done the store checks the
+    execution key in the same operation, ``LockService.try_mark(unless=)``)."""
     marker = key + QUEUED_SUFFIX
+    unless = key if mode == "until_done" else None
     for _ in range(_ATTEMPTS):
-        token = service.mark(marker, ttl=ttl, holder=holder)
-        if token is None:
-            existing = _existing(service, key, marker, mode)
-            if existing is _FREED:
-                continue  # released between our mark and our look: take it again
-            return _Found(existing)
-        running = _running_id(service, key) if mode == "until_done" else None
-        if running is None:
-            return token
-        service.force_release(marker, token)
-        return _Found(running)
+        taken = service.try_mark(marker, ttl=ttl, holder=holder, unless=unless)
+        if isinstance(taken, str):
+            return taken
+        if taken.holder is None:
+            continue  # changed hands within the call: take it again
+        task_id = taken.holder.holder.get("task_id")
+        known = task_id if isinstance(task_id, str) and task_id else None
+        if taken.holder.key == key and known is None:
+            unless = None  # the key is held, but by no task's run: only the marker decides
+            continue
+        return _Found(known)
     return None
-
-
-def _running_id(service: LockService, key: str) -> str | None:
-    """The id of the task whose run holds ``key``'s execution lock, if any."""
-    running = service.peek(key)
-    task_id = None if running is None else running.holder.get("task_id")
-    return task_id if isinstance(task_id, str) and task_id else None
-
-
-#: What :func:`_existing` answers for a marker released since the failed mark.
-_FREED: Any = object()
-
-
-def _existing(service: Any, key: str, marker: str, mode: str) -> Any:
-    """The id of the task a failed mark found queued (or, under until_done, running), or _FREED."""
-    if mode == "until_done":
-        # The marker may be a concurrent sender's that is about to find the run and publish
-        # nothing: the run is the duplicate then, not the marker's id.
-        running = _running_id(service, key)
-        if running is not None:
-            return running
-    queued = service.peek(marker)
-    return _FREED if queued is None else queued.holder.get("task_id")
 
 
 def marker_ttl(task: Task, dedupe_ttl: float | None, options: Mapping[str, Any]) -> float | None:

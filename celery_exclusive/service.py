@@ -274,7 +274,28 @@ class LockService(PrefixedStore):
         which is what its writer wanted) and bounded by ``call_timeout``; an outage raises
         :class:`BackendError`, any exception that is not the store's propagates unchanged.
         """
-        return self._acquiring.mark(key, ttl, holder)
+        taken = self._acquiring.mark(key, ttl, holder, None)
+        return taken if isinstance(taken, str) else None
+
+    def try_mark(
+        self,
+        key: str,
+        *,
+        ttl: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+        unless: str | None = None,
+    ) -> str | Held:
+        """:meth:`mark`, answering who holds the key instead of None; with ``unless`` (a key),
+        nothing is taken while ``unless`` is held either.
+
+        Returns the marker's token, or Held naming the live lease that refused it: the one
+        on ``unless`` if there is one (checked first), else the one on ``key`` (None when
+        it changed hands mid-call). With ``unless``, one store call on stores that check
+        both keys in one atomic operation (``AcquiresUnless``: every built-in store; on
+        Redis Cluster, keys of one hash slot), else two (take, then look at ``unless``,
+        giving the marker back if it is held). Errors as for :meth:`mark`.
+        """
+        return self._acquiring.mark(key, ttl, holder, unless)
 
     # -- releasing ------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ _FOLDER = files("celery_exclusive.providers").joinpath("redis_scripts")
 _PRELUDE = _FOLDER.joinpath("prelude.lua").read_text(encoding="utf-8")
 
 
-def _compose(name: str) -> str:
-    """The source Redis runs for ``redis_scripts/<name>.lua``: the prelude, then the script."""
-    return _PRELUDE + _FOLDER.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+def _compose(*names: str) -> str:
+    """The source Redis runs for ``redis_scripts/<name>.lua``: the prelude, then the script
+    (several names: their files in that order, one script)."""
+    return _PRELUDE + "".join(_FOLDER.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in names)
 
 
 ACQUIRE = _compose("acquire")
@@ -43,9 +44,11 @@ DONE = _compose("done")
 FORGET = _compose("forget")
 PEEK = _compose("peek")
 ACQUIRE_ANY = _compose("acquire_any")
+#: acquire.lua behind a check of a blocking key (``AcquiresUnless``).
+ACQUIRE_UNLESS = _compose("unless", "acquire")
 SHA = {
     src: hashlib.sha1(src.encode(), usedforsecurity=False).hexdigest()
-    for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET, ACQUIRE_ANY)
+    for src in (ACQUIRE, REFRESH, RELEASE, PEEK, DONE, FORGET, ACQUIRE_ANY, ACQUIRE_UNLESS)
 }
 CHUNK = 1000  # keys per script call: bounds how long one script blocks Redis
 

@@ -329,6 +329,53 @@ class AcquiresAny(Protocol):
         ...
 
 
+@runtime_checkable
+class AcquiresUnless(Protocol):
+    """Optional: a store that takes a key unless another key is held, in one atomic operation.
+
+    Used for ``dedupe="until_done"`` queued markers (``LockService.try_mark(..., unless=)``):
+    a send takes ``<key>#queued`` unless a run holds ``<key>``, in one round trip. Stores
+    without it are asked in steps (:func:`acquire_unless_in_steps`: two round trips, and a
+    run ending between them is seen as still running).
+    """
+
+    def acquire_unless(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str,
+        timeout: float | None = None,
+    ) -> Grant | Held:
+        """Take ``key`` for ``token`` as ``acquire(key, token, ttl, ttl, holder)`` would, unless
+        ``blocker`` (already prefixed) has a live lease: then take nothing and answer Held
+        naming that lease (its ``key`` is ``blocker``). With ``blocker`` free and ``key``
+        live, Held naming ``key``'s holder (None if unknown)."""
+        ...
+
+
+def acquire_unless_in_steps(
+    acquire: Callable[[], Grant | Held | Done],
+    peek_blocker: Callable[[], LockInfo | None],
+    give_back: Callable[[], object],
+) -> Grant | Held:
+    """:meth:`AcquiresUnless.acquire_unless` from plain calls, for a store without it (or keys
+    one operation cannot reach together, as two hash slots of Redis Cluster): take the key,
+    then look at the blocker, giving the key back (``give_back``) when the blocker is held.
+    Not atomic: a blocker released between the two calls still refuses the key."""
+    answer = acquire()
+    blocking = peek_blocker()
+    if blocking is not None:
+        if isinstance(answer, Grant):
+            give_back()
+        return Held(blocking)
+    if isinstance(answer, Done):  # never without a task id; a provider answering it anyway
+        return Held(None)
+    return answer
+
+
 def accepts_timeout(method: Callable[..., object]) -> bool:
     """True if the provider ``method`` takes the ``timeout`` keyword (or ``**kwargs``)."""
     try:

@@ -147,16 +147,46 @@ class MemoryLockProvider:
             now = self._clock()
             if task_id is not None and (record := self._record(key, task_id, now)) is not None:
                 return Done(record)
-            row = self._live(key, now)
-            if row is not None:
-                if row.token == token:
-                    return Grant(row.fence, row.expires_at - now)
-                return Held(self._info(key, row, now))
-            fence = self._fences.get(key, 0) + 1
-            self._fences[key] = fence
-            granted = min(ttl, max_lifetime)
-            self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
-            return Grant(fence, granted)
+            return self._take(key, token, ttl, max_lifetime, holder, now=now)
+
+    def _take(
+        self, key: str, token: str, ttl: float, max_lifetime: float, holder: str, *, now: float
+    ) -> Grant | Held:
+        """``acquire`` without the record check (holding the mutex)."""
+        row = self._live(key, now)
+        if row is not None:
+            if row.token == token:
+                return Grant(row.fence, row.expires_at - now)
+            return Held(self._info(key, row, now))
+        return self._grant(key, token, ttl, max_lifetime, holder, now=now)
+
+    def _grant(
+        self, key: str, token: str, ttl: float, max_lifetime: float, holder: str, *, now: float
+    ) -> Grant:
+        """Write a new lease on the free ``key`` (holding the mutex)."""
+        fence = self._fences.get(key, 0) + 1
+        self._fences[key] = fence
+        granted = min(ttl, max_lifetime)
+        self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
+        return Grant(fence, granted)
+
+    def acquire_unless(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str,
+        timeout: float | None = None,
+    ) -> Grant | Held:
+        """``key`` unless ``blocker`` is live (``AcquiresUnless``), under one hold of the mutex."""
+        with self._mutex:
+            now = self._clock()
+            blocking = self._live(blocker, now)
+            if blocking is not None:
+                return Held(self._info(blocker, blocking, now))
+            return self._take(key, token, ttl, ttl, holder, now=now)
 
     def acquire_any(
         self,
@@ -177,12 +207,7 @@ class MemoryLockProvider:
                     return i, Grant(row.fence, row.expires_at - now)
             for i, row in enumerate(rows):
                 if row is None:
-                    key = keys[i]
-                    fence = self._fences.get(key, 0) + 1
-                    self._fences[key] = fence
-                    granted = min(ttl, max_lifetime)
-                    self._rows[key] = _Row(token, fence, now, now + granted, now + max_lifetime, holder)
-                    return i, Grant(fence, granted)
+                    return i, self._grant(keys[i], token, ttl, max_lifetime, holder, now=now)
             first = rows[0]
             return Held(None if first is None else self._info(keys[0], first, now))
 

@@ -89,6 +89,7 @@ from celery_exclusive.providers._redis_diagnose import diagnose_servers
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
     ACQUIRE_ANY,
+    ACQUIRE_UNLESS,
     DONE,
     FENCES,
     FORGET,
@@ -109,6 +110,7 @@ from celery_exclusive.providers.base import (
     Held,
     LockInfo,
     RefreshRequest,
+    acquire_unless_in_steps,
     decode_holder,
 )
 
@@ -172,6 +174,11 @@ def _completion_info(key: str, field: Any, value: Any, now: Any) -> CompletionIn
     return CompletionInfo(
         key, as_text(field)[5:], outcome, int(attempt), (t - int(recorded)) / 1000, (int(expires) - t) / 1000
     )
+
+
+def _check_key(key: str) -> None:
+    if key.startswith(FENCES):
+        raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
 
 
 class RedisLockProvider:
@@ -248,8 +255,7 @@ class RedisLockProvider:
         task_id: str | None = None,
         timeout: float | None = None,
     ) -> Grant | Held | Done:
-        if key.startswith(FENCES):
-            raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
+        _check_key(key)
         once = () if task_id is None else (task_id,)
         args = (2, key, self._server.fences_of(key), token, whole_ms(ttl), whole_ms(max_lifetime), holder)
         reply = self._granted(ACQUIRE, (*args, *once), timeout)
@@ -258,6 +264,33 @@ class RedisLockProvider:
         if reply[0] == 2:
             return Done(self._record(key, "done:" + str(task_id), reply[1], reply[2]))
         return Held(self._info(key, reply[1:7], reply[7]))
+
+    def acquire_unless(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str,
+        timeout: float | None = None,
+    ) -> Grant | Held:
+        """``key`` unless ``blocker`` is live (``AcquiresUnless``): one script (unless.lua
+        before acquire.lua); on a cluster, keys of two hash slots are asked in steps."""
+        _check_key(key)
+        if not self._server.same_slot(key, blocker):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return acquire_unless_in_steps(
+                lambda: self.acquire(key, token, ttl, ttl, holder, timeout=_left(deadline)),
+                lambda: self.peek(blocker, timeout=_left(deadline)),
+                lambda: self.release(key, token, timeout=_left(deadline)),
+            )
+        ms = whole_ms(ttl)
+        args = (3, key, self._server.fences_of(key), blocker, token, ms, ms, holder)
+        reply = self._granted(ACQUIRE_UNLESS, args, timeout)
+        if reply[0] == 1:
+            return Grant(reply[1], reply[2] / 1e6)
+        return Held(self._info(blocker if reply[0] == 3 else key, reply[1:7], reply[7]))
 
     def acquire_any(
         self,

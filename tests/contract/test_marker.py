@@ -12,6 +12,7 @@ import time
 import pytest
 
 from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService
+from celery_exclusive.providers.base import Held
 from celery_exclusive.testing.contract import OUTAGE_SECRET
 from tests.conftest import Store
 
@@ -134,3 +135,45 @@ def test_lock_and_mark_store_the_holder_over_host_and_pid(store: Store) -> None:
     assert marked.holder == expected
     with pytest.raises(InvalidArgumentError, match="holder must be a mapping"):
         service.lock("h", holder={1: "int key"})  # type: ignore[dict-item]
+
+
+def test_try_mark_answers_who_holds_and_is_refused_while_unless_is_held(store: Store) -> None:
+    """try_mark names the holder that refused it: the lease on ``unless`` first, else the
+    marker's; ``unless`` free, the marker is taken; a plain held ``unless`` takes nothing."""
+    service, other = store.service(), store.service()
+    run = other.lock("job")
+    refused = service.try_mark("job#queued", ttl=60, holder={"task_id": "b"}, unless="job")
+    assert isinstance(refused, Held)
+    assert refused.holder is not None
+    assert (refused.holder.key, refused.holder.token) == ("job", run.token)
+    assert service.peek("job#queued") is None  # nothing was taken
+    run.release()
+    token = service.try_mark("job#queued", ttl=60, holder={"task_id": "a"}, unless="job")
+    assert isinstance(token, str)
+    queued = other.try_mark("job#queued", ttl=60, unless="job")
+    assert isinstance(queued, Held)
+    assert queued.holder is not None
+    assert (queued.holder.key, queued.holder.token) == ("job#queued", token)
+    assert queued.holder.holder["task_id"] == "a"
+    run = other.lock("job")  # the run starts while its marker still exists: the run wins
+    both = other.try_mark("job#queued", ttl=60, unless="job")
+    assert isinstance(both, Held)
+    assert both.holder is not None
+    assert both.holder.key == "job"
+    assert service.force_release("job#queued", token)
+    run.release()
+    assert isinstance(other.try_mark("plain", ttl=60), str)
+    answer = service.try_mark("plain", ttl=60)
+    assert isinstance(answer, Held)
+    assert answer.holder is not None
+    assert answer.holder.key == "plain"
+
+
+def test_try_mark_checks_unless_before_the_store() -> None:
+    """A bad ``unless`` key is an InvalidArgumentError even on an unreachable store."""
+    service = LockService(f"redis://:{OUTAGE_SECRET}@127.0.0.1:1/0")
+    try:
+        with pytest.raises(InvalidArgumentError, match="NUL"):
+            service.try_mark("k", ttl=60, unless="k\x00")
+    finally:
+        service.close()
