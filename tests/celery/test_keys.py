@@ -30,6 +30,23 @@ def test_positional_and_keyword_calls_give_the_same_key(app: Celery) -> None:
     assert sync_1.lock_key_for((1,), {"mode": "quick"}) == "pr:1:quick"
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((), {}), ((1,), {}), ((1, 2, 3), {}), ((1,), {"a": 1}), ((1,), {"c": 2}), ((), {"a": 1, "c": 2})],
+)
+def test_plain_signatures_refuse_what_bind_refuses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A plain signature binds without Signature.bind, accepting exactly the calls it accepts:
+    missing, extra, repeated or unknown arguments are refused as before."""
+
+    def run(a: int, b: int) -> None: ...
+
+    builder = KeyBuilder.for_function("k:{a}:{b}:{task_name}", run, bound=False)
+    assert builder.build("t", (1, 2), {}) == builder.build("t", (1,), {"b": 2}) == "k:1:2:t"
+    assert builder.build("t", (), {"b": 2, "a": 1}) == "k:1:2:t"
+    with pytest.raises(InvalidArgumentError, match="do not match its signature"):
+        builder.build("t", args, kwargs)
+
+
 def test_template_naming_a_missing_parameter_is_rejected_at_decoration(app: Celery) -> None:
     """A template field that is not a parameter raises InvalidArgumentError when the decorator runs."""
     with pytest.raises(InvalidArgumentError, match=r"\{workid\}.*no parameter 'workid'"):
