@@ -6,8 +6,8 @@ Redis, judged on the per-round ratios); also standalone:
 (Redis, PostgreSQL), rounds of ``delay()`` calls on a Redis broker, alternating a plain
 exclusive task and the same task with ``dedupe=True`` (each call a new key, so every
 deduplicated send takes a marker and publishes: one lock-store round trip on top of the
-publish), and a third kind: a duplicate send (its key queued already: one failed mark and
-one peek, nothing published). Prints the median rate of each kind and the ratio to plain
+publish), and a third kind: a duplicate send (its key queued already: one failed mark that
+names the queued task, nothing published). Prints the median rate of each kind and the ratio to plain
 (the issue's target: >= 0.7x plain on Redis). Nothing consumes the queue; the run's queue,
 broker keys, lock keys and table carry the run id and are deleted at the end.
 """

@@ -246,8 +246,8 @@ def full_state(service: LockService, info: LockInfo) -> str:
     A store cannot change a lease's holder when the release shortens it to the cooldown's
     end, so the holder says only that a cooldown applies (``cooldown``, written at
     acquire); the run has ended when its completion record exists (the release writes it
-    in the same step). One store call per such lease. Without records (``lock_retention``
-    off, or a ``service.lock(..., hold_at_least=...)`` lease with no task id) a cooling
+    in the same step). One store call per such lease. Without records (``done_retention=False``,
+    or a ``service.lock(..., hold_at_least=...)`` lease with no task id) a cooling
     lease shows as ``held``.
     """
     state = lease_state(info.key)

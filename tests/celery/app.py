@@ -157,6 +157,12 @@ def cooled(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str,
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="coolbare:{key_id}", cooldown=3, done_retention=False, bind=True)
+def cooled_without_records(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """``cooled`` keeping no completion records: the cooldown holds all the same."""
+    return _body(self, tag, duration)
+
+
 @exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
 def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
     """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""

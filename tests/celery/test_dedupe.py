@@ -401,6 +401,25 @@ def test_a_worker_killed_during_the_cooldown_does_not_extend_it_and_list_shows_c
     assert time.time() - run["start"] > 2.9
 
 
+def test_the_cooldown_holds_without_completion_records(group: WorkerGroup) -> None:
+    """cooldown=3 with done_retention=False: the ended run's key stays held until 3 s after
+    it started (no record is written; `list` can only say `held`), then it is free."""
+    from celery_exclusive.cli import full_state
+    from tests.celery.app import cooled_without_records
+
+    key_id, tag = uid(), uid()
+    key = f"coolbare:{key_id}"
+    group.send(cooled_without_records, key_id, tag, 0.0).get(timeout=30)
+    (run,) = [r for r in records(tag) if r["kind"] == "run"]
+    info = group.service.peek(key)
+    assert info is not None, "the cooldown did not keep the key"
+    assert info.expires_in <= 3.0
+    assert group.service.completion(key, info.holder["task_id"]) is None
+    assert full_state(group.service, info) == "held"
+    wait_for(lambda: group.service.peek(key) is None, 10, what="the cooldown's end")
+    assert 2.9 < time.time() - run["start"] < 3.0 + 1.5
+
+
 def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
     """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a
     run longer than its cooldown frees the key when it ends."""

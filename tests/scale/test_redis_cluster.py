@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import pytest
@@ -567,3 +567,36 @@ def test_a_semaphore_retry_after_a_lost_reply_holds_one_slot(redis_cluster: str)
     finally:
         service.close(release=True)
         other.close(release=True)
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["one-slot", "two-slots"])
+def test_try_mark_unless_on_the_cluster(redis_cluster: str, tagged: bool) -> None:
+    """A dedupe marker unless its execution key is held, on the cluster: one script when the
+    two keys share a slot (a hash tag), else in steps; both refuse while the key is held and
+    name who holds it."""
+    prefix = f"u{uuid.uuid4().hex[:8]}:"
+    service, rival = LockService(redis_cluster, prefix=prefix), LockService(redis_cluster, prefix=prefix)
+    try:
+        cluster = cast("RedisLockProvider", service.provider)._client
+        for i in range(100):  # a key whose marker hashes elsewhere (or, tagged, not)
+            key = f"{{job{i}}}" if tagged else f"job{i}"
+            same = cluster.keyslot(prefix + key) == cluster.keyslot(prefix + key + "#queued")
+            if same == tagged:
+                break
+        run = rival.lock(key)
+        refused = service.try_mark(key + "#queued", ttl=60, holder={"task_id": "b"}, unless=key)
+        assert isinstance(refused, Held)
+        assert refused.holder is not None
+        assert (refused.holder.key, refused.holder.token) == (key, run.token)
+        assert service.peek(key + "#queued") is None
+        run.release()
+        token = service.try_mark(key + "#queued", ttl=60, holder={"task_id": "a"}, unless=key)
+        assert isinstance(token, str)
+        queued = rival.try_mark(key + "#queued", ttl=60, unless=key)
+        assert isinstance(queued, Held)
+        assert queued.holder is not None
+        assert queued.holder.holder["task_id"] == "a"
+        assert service.force_release(key + "#queued", token)
+    finally:
+        service.close()
+        rival.close()
