@@ -285,16 +285,10 @@ class LockService(PrefixedStore):
         holder: Mapping[str, Any] | None = None,
         unless: str | None = None,
     ) -> str | Held:
-        """:meth:`mark`, answering who holds the key instead of None; with ``unless`` (a key),
-        nothing is taken while ``unless`` is held either.
-
-        Returns the marker's token, or Held naming the live lease that refused it: the one
-        on ``unless`` if there is one (checked first), else the one on ``key`` (None when
-        it changed hands mid-call). With ``unless``, one store call on stores that check
-        both keys in one atomic operation (``AcquiresUnless``: every built-in store; on
-        Redis Cluster, keys of one hash slot), else two (take, then look at ``unless``,
-        giving the marker back if it is held). Errors as for :meth:`mark`.
-        """
+        """:meth:`mark` answering Held (the live lease that refused it: ``unless``'s first, else
+        ``key``'s; None if it changed mid-call) instead of None; with ``unless``, taken only
+        while that key is free too: one store call where the store checks both at once
+        (``AcquiresUnless``: Redis, memory), else two (take, look, give back)."""
         return self._acquiring.mark(key, ttl, holder, unless)
 
     # -- releasing ------------------------------------------------------------------------
