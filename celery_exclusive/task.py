@@ -305,7 +305,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         def si(self, *args: _P.args, **kwargs: _P.kwargs) -> Signature[_R]: ...
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return cast("_R", self._call(args, kwargs))
+        dedupe.run_started(self)
+        try:
+            return cast("_R", self._call(args, kwargs))
+        finally:
+            dedupe.release_for(self, "run ended")
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         observe.begin()
