@@ -233,7 +233,7 @@ def test_kombu_style_sentinel_urls_are_accepted(url: str) -> None:
     """``sentinel://h1;sentinel://h2`` (kombu's form) parses like the comma form, offline."""
     provider = provider_from_url(url)
     assert isinstance(provider, RedisLockProvider)
-    pool = provider._target.pool
+    pool = provider._server.target.pool
     assert [
         (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
         for s in pool.sentinel_manager.sentinels
