@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -193,6 +194,17 @@ class InFlight:
         finally:
             self.finish(call)
             call.done.set()
+
+    def settle(self, clock: Callable[[], float], end: float) -> None:
+        """Wait for the calls in flight (not those given up: they may hang on a dead socket),
+        each until its deadline on ``clock``, none past monotonic ``end``."""
+        with self.mutex:
+            calls = list(self.calls)
+        for call in calls:
+            left = min(call.deadline - clock(), end - time.monotonic())
+            if left <= 0:
+                return
+            call.done.wait(left)
 
     def wake_times(self) -> list[float]:
         """When the heartbeat must look again for the calls' sake (caller holds ``mutex``)."""

@@ -31,6 +31,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -197,12 +198,17 @@ class Heartbeat:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread (leases are not released: that is the service's job)."""
+        """Stop the thread, then wait for the store calls it started, each until its own
+        deadline, all within ``timeout`` (leases are not released: that is the service's
+        job). The service closes the store next: a call still running then would open a
+        connection the closed store never closes."""
+        end = time.monotonic() + timeout
         self._stop.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self._inflight.settle(self._clock, end)
 
     def _run(self) -> None:
         delay = 0.0
