@@ -16,19 +16,17 @@ from celery_exclusive import semaphore, signals
 from celery_exclusive._core import Service
 from celery_exclusive._process import holder_json, new_token, unprefixed
 from celery_exclusive._records import Records
-from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError
+from celery_exclusive.errors import AlreadyDone, BackendError
 from celery_exclusive.lease import Lease
 from celery_exclusive.providers.base import (
     AcquiresAny,
-    AcquiresUnless,
     Done,
     Grant,
     Held,
     LockInfo,
     SetsUp,
-    acquire_unless_in_steps,
 )
-from celery_exclusive.validation import MAX_LIFETIME_CAP, lease_durations, seconds
+from celery_exclusive.validation import lease_durations, seconds
 
 T = TypeVar("T")
 
@@ -47,7 +45,6 @@ class Acquiring:
         self._any = isinstance(service.provider, AcquiresAny)
         #: Set-up still to run before the first lease's clock starts (None once done).
         self._set_up = service.provider if isinstance(service.provider, SetsUp) else None
-        self._unless = isinstance(service.provider, AcquiresUnless)
 
     def take(
         self,
@@ -112,48 +109,6 @@ class Acquiring:
         holder_info = None if found is None else unprefixed(found, self._service.prefix)
         signals.send(signals.lock_contended, self._service, key=key, holder=holder_info)
         return Held(holder_info)
-
-    def mark(
-        self, key: str, ttl: float | timedelta | None, holder: Mapping[str, Any] | None, unless: str | None
-    ) -> str | Held:
-        """See :meth:`LockService.try_mark`."""
-        service = self._service
-        service._check_key(key)
-        if unless is not None:
-            service._check_key(unless)
-        lifetime = service.max_lifetime if ttl is None else seconds("ttl", ttl)
-        if lifetime > MAX_LIFETIME_CAP:
-            raise InvalidArgumentError(f"ttl is {lifetime:g} s; the hard cap is 24 h")
-        encoded = holder_json(holder)
-        token = new_token()
-        store_key = service.prefix + key
-        provider = service.provider
-        answer: Grant | Held | Done
-        if unless is None:
-            answer = service._call("mark", provider.acquire, store_key, token, lifetime, lifetime, encoded)
-        elif self._unless:
-            blocker = service.prefix + unless
-            answer = service._call(
-                "mark",
-                cast("AcquiresUnless", provider).acquire_unless,
-                store_key,
-                token,
-                lifetime,
-                encoded,
-                blocker=blocker,
-            )
-        else:
-            answer = acquire_unless_in_steps(
-                lambda: service._call(
-                    "mark", provider.acquire, store_key, token, lifetime, lifetime, encoded
-                ),
-                lambda: service._call("peek", provider.peek, service.prefix + unless),
-                lambda: service._call("release", provider.release, store_key, token),
-            )
-        if isinstance(answer, Grant):
-            return token
-        found = answer.holder if isinstance(answer, Held) else None
-        return Held(None if found is None else unprefixed(found, service.prefix))
 
     def durations(
         self, ttl: object, refresh_interval: object, max_lifetime: object

@@ -1,5 +1,6 @@
 """One lock store under one key prefix, as operators and observers use it: look (``peek``,
-``locks``), release a lease by its token, read and forget completion records, sweep.
+``locks``), release a lease by its token, take markers (detached leases, see
+:mod:`._marking`), read and forget completion records, sweep.
 
 Part of the lock core. :class:`PrefixedStore` holds no lease and has no heartbeat; every
 call it makes runs within ``call_timeout`` (:class:`~celery_exclusive._store.StoreCalls`)
@@ -9,23 +10,26 @@ PrefixedStore that also takes, keeps alive and releases leases.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 
-from celery_exclusive import semaphore
+from celery_exclusive import _marking, semaphore
 from celery_exclusive._process import check_filter, unprefixed
 from celery_exclusive._records import Records
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
+    AcquiresUnless,
     CompletionInfo,
     CompletionStore,
+    Held,
     LockInfo,
     LockProvider,
     Sweeps,
 )
-from celery_exclusive.validation import check_key
+from celery_exclusive.validation import check_key, seconds
 
 T = TypeVar("T")
 
@@ -33,6 +37,9 @@ T = TypeVar("T")
 class PrefixedStore:
     """``provider``'s keys under ``prefix`` (both already checked), each call within
     ``call_timeout`` seconds; ``url`` is where it came from (None for a provider given as such)."""
+
+    #: A marker's ttl when ``mark`` is given none (LockService: its ``max_lifetime``).
+    max_lifetime: float
 
     def __init__(self, provider: LockProvider, *, url: str | None, prefix: str, call_timeout: float) -> None:
         self.prefix = prefix
@@ -43,6 +50,7 @@ class PrefixedStore:
         self.keeps_records = isinstance(provider, CompletionStore)
         self._calls = StoreCalls()
         self._records = Records(self)
+        self._checks_unless = isinstance(provider, AcquiresUnless)
 
     # -- inspecting -----------------------------------------------------------------------
 
@@ -67,6 +75,39 @@ class PrefixedStore:
         if not isinstance(token, str) or not token:
             raise InvalidArgumentError("token must be a non-empty str")
         return bool(self._call("release", self.provider.release, self.prefix + key, token))
+
+    # -- markers ------------------------------------------------------------------------
+
+    def mark(
+        self, key: str, *, ttl: float | timedelta | None = None, holder: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """Take ``key`` as a *marker*: a detached lease that no heartbeat keeps or releases.
+
+        It lives ``ttl`` seconds (default: the service's ``max_lifetime``; at most 24 h),
+        surviving this process, until someone deletes it with ``force_release(key, token)``
+        (whoever deletes it owns what it marks) or it expires. ``holder`` is stored with it
+        and read back by :meth:`peek`. Returns the marker's token, or None when ``key`` is
+        held. One store call, not retried (a marker whose reply was lost stays in place,
+        which is what its writer wanted) and bounded by ``call_timeout``; an outage raises
+        :class:`BackendError`, any exception that is not the store's propagates unchanged.
+        """
+        taken = self.try_mark(key, ttl=ttl, holder=holder)
+        return taken if isinstance(taken, str) else None
+
+    def try_mark(
+        self,
+        key: str,
+        *,
+        ttl: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+        unless: str | None = None,
+    ) -> str | Held:
+        """:meth:`mark` answering Held (the live lease that refused it: ``unless``'s first, else
+        ``key``'s; None if it changed mid-call) instead of None; with ``unless``, taken only
+        while that key is free too: one store call where the store checks both at once
+        (``AcquiresUnless``: Redis, memory), else two (take, look, give back)."""
+        lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
+        return _marking.take(self, key, lifetime, holder, unless)
 
     # -- completion records -----------------------------------------------------------
 
@@ -119,6 +160,10 @@ class PrefixedStore:
         return int(self._call("sweep", self.provider.sweep, full, limit))
 
     # -- internals ------------------------------------------------------------------------
+
+    def _check_key(self, key: str) -> None:
+        """Check ``key`` is a valid key for this store."""
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
 
     def _call(
         self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any

@@ -46,7 +46,7 @@ from celery_exclusive.providers.base import (
     LockProvider,
 )
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key
+from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 T = TypeVar("T")
 
@@ -261,36 +261,6 @@ class LockService(PrefixedStore):
             lease.release()
         return ExclusiveResult(acquired=True, result=result, fence=lease.fence)
 
-    def mark(
-        self, key: str, *, ttl: float | timedelta | None = None, holder: Mapping[str, Any] | None = None
-    ) -> str | None:
-        """Take ``key`` as a *marker*: a detached lease that no heartbeat keeps or releases.
-
-        It lives ``ttl`` seconds (default: the service's ``max_lifetime``; at most 24 h),
-        surviving this process, until someone deletes it with ``force_release(key, token)``
-        (whoever deletes it owns what it marks) or it expires. ``holder`` is stored with it
-        and read back by :meth:`peek`. Returns the marker's token, or None when ``key`` is
-        held. One store call, not retried (a marker whose reply was lost stays in place,
-        which is what its writer wanted) and bounded by ``call_timeout``; an outage raises
-        :class:`BackendError`, any exception that is not the store's propagates unchanged.
-        """
-        taken = self._acquiring.mark(key, ttl, holder, None)
-        return taken if isinstance(taken, str) else None
-
-    def try_mark(
-        self,
-        key: str,
-        *,
-        ttl: float | timedelta | None = None,
-        holder: Mapping[str, Any] | None = None,
-        unless: str | None = None,
-    ) -> str | Held:
-        """:meth:`mark` answering Held (the live lease that refused it: ``unless``'s first, else
-        ``key``'s; None if it changed mid-call) instead of None; with ``unless``, taken only
-        while that key is free too: one store call where the store checks both at once
-        (``AcquiresUnless``: Redis, memory), else two (take, look, give back)."""
-        return self._acquiring.mark(key, ttl, holder, unless)
-
     # -- releasing ------------------------------------------------------------------------
 
     def release(self, lease: Lease, completion: Completion | None = None) -> ReleaseOutcome:
@@ -335,7 +305,7 @@ class LockService(PrefixedStore):
         """Check the service is open and ``key`` is a valid key for it."""
         if self._closed:
             raise InvalidArgumentError("this LockService is closed")
-        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
+        super()._check_key(key)
 
     def _lose(self, lease: Lease, reason: str) -> None:
         """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""

@@ -17,7 +17,7 @@ Layers, bottom up:
   the registry ``providers/__init__.py`` is the one place that may name every provider;
 * lock core (``lease``, ``heartbeat``, ``service`` and its collaborators ``_core``, ``_process``,
   ``_acquiring``, ``_releasing``, ``_leasing``, ``_records``, ``waiting``, ``many``,
-  ``semaphore``, ``_store``, ``_prefixed``, ``_options``; the heartbeat's ``_inflight`` and
+  ``semaphore``, ``_store``, ``_prefixed``, ``_marking``, ``_options``; the heartbeat's ``_inflight`` and
   ``_refreshing``): leaf,
   ``providers.base``, the registry, ``signals`` and each other; no concrete provider
   (``providers.<backend>``) and nothing of the Celery layer;
@@ -132,6 +132,7 @@ CORE = {
     "_inflight",
     "_refreshing",
     "_prefixed",
+    "_marking",
     "_options",
 }
 REGISTRY = "providers"
