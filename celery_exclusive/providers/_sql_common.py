@@ -244,8 +244,12 @@ def schema_contention(exc: sa_exc.SQLAlchemyError) -> bool:
         return True
     if not isinstance(exc, sa_exc.DBAPIError) or exc.orig is None:
         return False
-    code = getattr(exc.orig, "args", (None,))[0]
-    return code in _SCHEMA_CONTENTION_CODES or "database is locked" in str(exc.orig)
+    return error_code(exc) in _SCHEMA_CONTENTION_CODES or "database is locked" in str(exc.orig)
+
+
+def error_code(exc: sa_exc.DBAPIError) -> Any:
+    """The driver's error code (MySQL's number), or None."""
+    return getattr(exc.orig, "args", (None,))[0] if exc.orig is not None else None
 
 
 def create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from celery_exclusive.errors import BackendError
 from celery_exclusive.providers import _deadline
-from celery_exclusive.providers._sql_common import INHERITED
+from celery_exclusive.providers._sql_common import INHERITED, error_code
 from celery_exclusive.providers._sqlite import FORK_GATE, LeaseClock, busy_timeout
 
 __all__ = ["Transactions", "error_code"]
@@ -142,8 +142,3 @@ class Transactions:
             # locks on the file, those of its new connections included: keep the old pool.
             INHERITED.append(self._engine.pool)
         self._engine.dispose(close=False)
-
-
-def error_code(exc: sa_exc.DBAPIError) -> Any:
-    """The driver's error code (MySQL's number), or None."""
-    return getattr(exc.orig, "args", (None,))[0] if exc.orig is not None else None
