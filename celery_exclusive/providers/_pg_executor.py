@@ -27,6 +27,7 @@ LIBPQ_COLUMNS = {
     "acquire": "bttiffft",
     "acquire_once": "bttiffft",
     "acquire_any": "tittiffft",
+    "acquire_unless": "tttiffft",
     "take_over": "bttiffft",
     "release": "b",
     "release_done": "b",

@@ -156,6 +156,7 @@ rec AS (
         "acquire": acquire,
         "acquire_once": acquire_once,
         "acquire_any": _acquire_any_statement(t, seq, name, durable),
+        "acquire_unless": _acquire_unless_statement(t, seq, name, durable),
         # release and the completion record in one statement (data-modifying CTEs all run).
         "release_done": release_done + f"\nSELECT {wake('live')} FROM rel",
         # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
@@ -263,6 +264,70 @@ FROM (SELECT fence FROM upd UNION ALL SELECT fence FROM ins) AS g CROSS JOIN p
 UNION ALL
 SELECT CASE WHEN live THEN 'l' ELSE 'f' END, i, key, value, fence, age, expires_in, hard_in, holder
 FROM cur"""
+
+
+def _acquire_unless_statement(t: str, seq: str, name: str, durable: str) -> str:
+    """``:key`` unless ``:blocker`` has a live lease, in one statement (``AcquiresUnless``: a
+    dedupe queued marker, refused while a run holds the execution key); rows ``kind, key,
+    value, fence, age, expires_in, hard_expires_in, holder``: one ``g`` row (granted: only the
+    fence is set) if it took the key, a ``b`` row for a live blocker, a ``q`` row for a live
+    lease on ``:key``. No row: the key was being taken meanwhile (the caller asks again).
+
+    One snapshot reads both rows, so the two are judged at one instant. Only when both are
+    absent or dead (expired, past the deadline or stale) does it take ``:key``'s lock, the
+    advisory lock of ``acquire``, ``take_over`` and ``acquire_any`` (so every grant of the key
+    draws its fence under it, in commit order, committed with synchronous_commit on); with a
+    live row the pick is empty and nothing below runs: no lock, no nextval, no xid, no WAL.
+    The lock is tried first: if another grant of ``:key`` holds it, the statement waits for
+    that grant to commit and then writes nothing (no row comes back), because its snapshot
+    is older than that grant and than whatever followed it (the run that took the execution
+    key and released the marker): the caller's next statement sees them. The write is an
+    INSERT ... ON CONFLICT DO NOTHING for an absent key, an UPDATE re-checking the row is
+    still dead for a dead one. Time is ``statement_timestamp()``, as in ``acquire``."""
+    ts = "statement_timestamp()"
+    key = "CAST(:key AS varchar)"
+    lock = f"hashtext('{name}'), hashtext({key})"
+    fields = "key, value, expires_at, created_at, deadline, fence, holder"
+    live = (
+        f"c.expires_at > {ts} AND c.deadline > {ts} AND c.created_at > {ts} - make_interval(secs => {STALE})"
+    )
+    row = (
+        f"c.key, c.value, c.fence, extract(epoch FROM {ts} - c.created_at)::float8 AS age, "
+        f"extract(epoch FROM c.expires_at - {ts})::float8 AS expires_in, "
+        f"extract(epoch FROM c.deadline - {ts})::float8 AS hard_in, c.holder"
+    )
+    cols = "key, value, fence, age, expires_in, hard_in, holder"
+    granted = "NULL::varchar, NULL::text, g.fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
+    return f"""WITH b AS MATERIALIZED (
+  SELECT {row} FROM {t} AS c WHERE c.key = CAST(:blocker AS varchar) AND {live}),
+cur AS MATERIALIZED (SELECT {row}, {live} AS live FROM {t} AS c WHERE c.key = {key}),
+p AS MATERIALIZED (
+  SELECT EXISTS (SELECT 1 FROM cur) AS present
+  WHERE NOT EXISTS (SELECT 1 FROM b) AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.live)),
+lk AS MATERIALIZED (
+  SELECT p.present, CASE WHEN pg_try_advisory_xact_lock({lock}) THEN true
+                         ELSE pg_advisory_xact_lock({lock}) IS NULL END AS got, {durable}
+  FROM p),
+f AS MATERIALIZED (SELECT lk.present, nextval('{seq}') AS fence FROM lk WHERE lk.got),
+upd AS (
+  UPDATE {t} AS t SET value = :token, expires_at = {ts} + make_interval(secs => :ttl), created_at = {ts},
+    deadline = {ts} + make_interval(secs => :life), fence = f.fence, holder = :holder
+  FROM f
+  WHERE f.present AND t.key = {key}
+    AND (t.expires_at <= {ts} OR t.deadline <= {ts} OR t.created_at <= {ts} - make_interval(secs => {STALE}))
+  RETURNING t.fence),
+ins AS (
+  INSERT INTO {t} AS t ({fields})
+  SELECT {key}, :token, {ts} + make_interval(secs => :ttl), {ts}, {ts} + make_interval(secs => :life),
+         f.fence, :holder
+  FROM f WHERE NOT f.present
+  ON CONFLICT (key) DO NOTHING
+  RETURNING t.fence)
+SELECT 'g'::text, {granted} FROM (SELECT fence FROM upd UNION ALL SELECT fence FROM ins) AS g
+UNION ALL
+SELECT 'b', {cols} FROM b
+UNION ALL
+SELECT 'q', {cols} FROM cur WHERE cur.live"""
 
 
 def pg_sweep_statements(dialect: Dialect, name: str) -> dict[str, str]:

@@ -103,6 +103,22 @@ def _slot_answer(rows: Rows, token: str, granted: float) -> tuple[int, Grant] | 
     return None if raced else Held(min(slots)[1])
 
 
+def _unless_answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
+    """What an ``acquire_unless`` statement's rows mean; None when it found ``:key`` being
+    taken meanwhile and wrote nothing (the caller asks again)."""
+    found: dict[str, LockInfo] = {}
+    for kind, *row in rows:
+        if kind == "g":
+            return Grant(int(row[2]), granted)
+        found[kind] = info_of(row)
+    blocker, queued = found.get("b"), found.get("q")
+    if blocker is not None:
+        return Held(blocker)
+    if queued is not None:
+        return Grant(queued.fence, queued.expires_in) if queued.token == token else Held(queued)
+    return None
+
+
 def _text_array(values: Sequence[str]) -> str:
     """``values`` as a PostgreSQL array literal (every element quoted), for ``CAST(... AS varchar[])``."""
     quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
@@ -255,6 +271,30 @@ class PostgresLockProvider(SqlStore):
             if answer is not None:
                 return answer
         return Held(None)  # every attempt lost its slot to a racing acquirer
+
+    def acquire_unless(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str,
+        timeout: float | None = None,
+    ) -> Grant | Held:
+        """``key`` unless ``blocker`` is live (``AcquiresUnless``), in one statement
+        (:func:`._pg_sql._acquire_unless_statement`): a refused attempt writes nothing and
+        takes no lock. A statement that found ``key`` being granted meanwhile waited for that
+        grant and wrote nothing; it is asked once more (its answer names the new holder)."""
+        granted = float(ttl)
+        params = _grant_params(token, granted, ttl, holder, key=key, blocker=blocker)
+        end = None if timeout is None else time.monotonic() + timeout
+        for _ in range(2):
+            left = None if end is None else max(end - time.monotonic(), 0.001)
+            answer = _unless_answer(self._call("acquire_unless", params, left), token, granted)
+            if answer is not None:
+                return answer
+        return Held(None)
 
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None

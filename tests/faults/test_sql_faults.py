@@ -87,15 +87,18 @@ def _waiting_on(dsn: str, lock_id: int) -> bool:
     return bool(row and row[0])
 
 
-@pytest.mark.parametrize("dead_row", [False, True], ids=["free-key", "dead-row-vanishes"])
-def test_pg_fence_grows_when_an_acquire_stalls_before_its_insert(pg_table: str, dead_row: bool) -> None:
+@pytest.mark.parametrize("case", ["free-key", "dead-row-vanishes", "marker"])
+def test_pg_fence_grows_when_an_acquire_stalls_before_its_insert(pg_table: str, case: str) -> None:
     """An acquire stalled between drawing its fence and inserting its row, while another client
     acquires and releases the key, must not then commit a smaller fence than that client's.
 
     ``dead-row-vanishes``: the stalled acquire found a dead row (the take-over statement) that
-    is gone by the time it inserts.
+    is gone by the time it inserts. ``marker``: the stalled grant is a dedupe marker's
+    ``acquire_unless`` (its own statement, the same key lock).
     """
     import psycopg
+
+    dead_row = case == "dead-row-vanishes"
 
     dsn = _psycopg_dsn(POSTGRES_URL)
     lock_id = random.randrange(1, 2**31)
@@ -125,7 +128,10 @@ def test_pg_fence_grows_when_an_acquire_stalls_before_its_insert(pg_table: str, 
 
             def run_stalled() -> None:
                 try:
-                    answer = stalled.acquire("k", "stalled", 60, 600, "{}")
+                    if case == "marker":
+                        answer = stalled.acquire_unless("k", "stalled", 60, "{}", blocker="run")
+                    else:
+                        answer = stalled.acquire("k", "stalled", 60, 600, "{}")
                     if isinstance(answer, Grant):
                         grants.append(("stalled", answer.fence))
                 except BaseException as exc:  # pragma: no cover - reported below
@@ -221,8 +227,9 @@ def test_pg_acquire_and_refresh_commit_durably_on_a_server_without_synchronous_c
     pg_server: PrivatePostgres, path: str
 ) -> None:
     """On a server whose default is ``synchronous_commit = off``, the acquire (insert and
-    take-over) and the refresh commit with ``on``; the release keeps ``off`` (it may come back
-    after a crash, to expire with its ttl; never a second holder). ``doctor`` reports it."""
+    take-over), a dedupe marker's acquire_unless (the same) and the refresh commit with
+    ``on``; the release keeps ``off`` (it may come back after a crash, to expire with its ttl;
+    never a second holder). ``doctor`` reports it."""
     import psycopg
 
     assert pg_server.admin("SHOW synchronous_commit") == [("off",)]
@@ -242,6 +249,10 @@ def test_pg_acquire_and_refresh_commit_durably_on_a_server_without_synchronous_c
         time.sleep(0.3)
         assert isinstance(provider.acquire("k", "second", 60, 600, "{}"), Grant)  # takes the dead row over
         assert provider.release("k", "second")
+        # A dedupe marker (acquire_unless): its insert and its take-over of a dead marker row.
+        assert isinstance(provider.acquire_unless("m", "marker", 0.2, "{}", blocker="k"), Grant)
+        time.sleep(0.3)
+        assert isinstance(provider.acquire_unless("m", "marker2", 60, "{}", blocker="k"), Grant)
         with psycopg.connect(dsn) as conn:
             seen = conn.execute(f"SELECT op, value, setting FROM {log}").fetchall()
         assert seen == [
@@ -249,6 +260,8 @@ def test_pg_acquire_and_refresh_commit_durably_on_a_server_without_synchronous_c
             ("UPDATE", "first", "on"),
             ("UPDATE", "second", "on"),
             ("DELETE", "second", "off"),
+            ("INSERT", "marker", "on"),
+            ("UPDATE", "marker2", "on"),
         ]
         findings = {d.check: d for d in provider.diagnose()}
         assert "synchronous_commit" in findings
