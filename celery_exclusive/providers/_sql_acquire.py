@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection
 
 from celery_exclusive.providers._sql_batch import Batches
 from celery_exclusive.providers._sql_common import info_of, live
-from celery_exclusive.providers.base import CompletionInfo, Done, Grant, Held
+from celery_exclusive.providers.base import CompletionInfo, Done, Grant, Held, LockInfo
 
 __all__ = ["Acquires", "done_of"]
 
@@ -63,32 +63,56 @@ class Acquires:
         """One acquire_any attempt in ``conn``'s transaction (committed if it grants). On
         pymysql with multi-statements (MariaDB/MySQL engines built from a URL) its statements
         go as two batches, a read and a write: two round trips and the commit."""
-        batched = self._batches.usable(conn)
-        params.update(self._now(conn))
-        if batched:  # bump: serialises acquirers, as in one()
-            rows = self._batches.run(conn, ("bump", "select_any"), params)[1][1]
-        else:
-            conn.execute(self._sql["bump"])
-            rows = list(conn.execute(self._sql["select_any"], params))
-        found = {str(row[0]): info_of(row[:7]) for row in rows}
-        infos = [found.get(key) for key in keys]
+        infos = self._read(conn, keys, params)
         for index, info in enumerate(infos):
             if info is not None and live(info) and info.token == params["token"]:
                 return index, Grant(info.fence, info.expires_in)
         free = next((i for i, info in enumerate(infos) if info is None or not live(info)), None)
         if free is None:
             return Held(infos[0])
-        slot = {**params, "key": keys[free]}
-        dead = ("delete",) if infos[free] is not None else ()  # a dead lease: its ttl is over
-        if batched:
-            fence = int(self._batches.run(conn, (*dead, "insert_fenced", "fence"), slot)[-1][1][0][0])
+        return free, self._write(conn, {**params, "key": keys[free]}, infos[free] is not None, granted)
+
+    def unless(
+        self, conn: Connection, key: str, blocker: str, params: dict[str, Any], granted: float
+    ) -> Grant | Held:
+        """One acquire_unless attempt in ``conn``'s transaction (committed if it grants): the
+        rows of ``key`` and ``blocker`` read together after the fence counter's bump, which
+        every acquire of either key waits for, so both are judged at one instant and neither
+        can be granted to anyone else before this commits. Batched as ``first_free``."""
+        found, blocking = self._read(conn, (key, blocker), params)
+        if blocking is not None and live(blocking):
+            return Held(blocking)
+        if found is not None and live(found):
+            return Grant(found.fence, found.expires_in) if found.token == params["token"] else Held(found)
+        return self._write(conn, {**params, "key": key}, found is not None, granted)
+
+    def _read(self, conn: Connection, keys: Sequence[str], params: dict[str, Any]) -> list[LockInfo | None]:
+        """The fence counter bumped (serialises acquirers, as in one()), then the rows of
+        ``keys`` (locked on MariaDB/MySQL), in ``keys``' order (None: no row): one batch on
+        pymysql with multi-statements."""
+        params.update(self._now(conn))
+        params["keys"] = list(keys)
+        if self._batches.usable(conn):
+            rows = self._batches.run(conn, ("bump", "select_any"), params)[1][1]
         else:
-            for name in dead:
+            conn.execute(self._sql["bump"])
+            rows = list(conn.execute(self._sql["select_any"], params))
+        found = {str(row[0]): info_of(row[:7]) for row in rows}
+        return [found.get(key) for key in keys]
+
+    def _write(self, conn: Connection, slot: dict[str, Any], dead: bool, granted: float) -> Grant:
+        """Take ``slot["key"]`` (its ``dead`` row deleted first: its ttl is over) with the fence
+        the bump left in the counter, and commit: one batch on pymysql with multi-statements."""
+        deleting = ("delete",) if dead else ()
+        if self._batches.usable(conn):
+            fence = int(self._batches.run(conn, (*deleting, "insert_fenced", "fence"), slot)[-1][1][0][0])
+        else:
+            for name in deleting:
                 conn.execute(self._sql[name], slot)
-            fence = int(conn.execute(self._sql["fence"], params).one()[0])
+            fence = int(conn.execute(self._sql["fence"], slot).one()[0])
             conn.execute(self._sql["insert"], {**slot, "fence": fence})
         conn.commit()
-        return free, Grant(fence, granted)
+        return Grant(fence, granted)
 
     def _existing(
         self, conn: Connection, row: Sequence[Any], params: dict[str, Any], task_id: str | None

@@ -172,6 +172,25 @@ class SqlLockProvider(SqlStore):
             "acquire", lambda conn: self._acquires.first_free(conn, keys, params, granted), timeout
         )
 
+    def acquire_unless(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str,
+        timeout: float | None = None,
+    ) -> Grant | Held:
+        """``key`` unless ``blocker`` is live (``AcquiresUnless``), in one transaction: both rows
+        read after the fence counter's bump (MariaDB/MySQL: as two batches and the commit, as
+        :meth:`acquire_any`); a refused attempt commits nothing."""
+        granted = float(ttl)
+        params = {"token": token, "ttl": granted, "life": granted, "holder": holder}
+        return self._transact(
+            "acquire", lambda conn: self._acquires.unless(conn, key, blocker, params, granted), timeout
+        )
+
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None
     ) -> list[float | None]:

@@ -130,3 +130,48 @@ def test_a_semaphore_acquire_is_two_batches_and_a_commit(maria: Db, monkeypatch:
         assert sorted(maria.rows()) == sorted(["warm", *keys])
     finally:
         provider.close()
+
+
+def test_a_marker_unless_is_two_batches_and_a_commit(maria: Db, monkeypatch: pytest.MonkeyPatch) -> None:
+    """acquire_unless (a dedupe queued marker unless the run's key is held) sends what
+    acquire_any sends: one batch reading both rows after the fence counter's bump, one
+    writing the marker (a dead marker row deleted in it), then COMMIT; refused (by the run or
+    by a live marker), only the read. Fewer commands than a plain acquire (bump, select,
+    fence, insert and the commit)."""
+
+    def verbs() -> list[str]:
+        return [s.removeprefix('b"').removeprefix("b'").split()[0].upper() for s in sent]
+
+    provider = maria.provider()
+    try:
+        provider.acquire_unless("warm#queued", "w", 5, "{}", blocker="warm")
+        sent = _commands(monkeypatch)
+        assert isinstance(provider.acquire_unless("job#queued", "a", 30, "{}", blocker="job"), Grant)
+        assert verbs() == ["UPDATE", "INSERT", "COMMIT", "ROLLBACK"], sent
+        sent.clear()
+        queued = provider.acquire_unless("job#queued", "b", 30, "{}", blocker="job")
+        assert not isinstance(queued, Grant)
+        assert queued.holder is not None
+        assert queued.holder.token == "a"
+        assert verbs() == ["UPDATE", "ROLLBACK"], sent
+        assert provider.release("job#queued", "a")
+        assert isinstance(provider.acquire("job", "run", 30, 60, "{}"), Grant)
+        sent.clear()
+        running = provider.acquire_unless("job#queued", "c", 30, "{}", blocker="job")
+        assert not isinstance(running, Grant)
+        assert running.holder is not None
+        assert (running.holder.key, running.holder.token) == ("job", "run")
+        assert verbs() == ["UPDATE", "ROLLBACK"], sent
+        assert provider.release("job", "run")
+        provider.acquire_unless("dead#queued", "old", 0.05, "{}", blocker="dead")
+        import time
+
+        time.sleep(0.2)
+        sent.clear()
+        assert isinstance(provider.acquire_unless("dead#queued", "new", 30, "{}", blocker="dead"), Grant)
+        assert verbs() == ["UPDATE", "DELETE", "COMMIT", "ROLLBACK"], sent
+        sent.clear()
+        provider.acquire("plain", "p", 30, 60, "{}")
+        assert len(sent) > 4, sent  # the plain acquire, for comparison
+    finally:
+        provider.close()
