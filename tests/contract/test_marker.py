@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService
-from celery_exclusive.providers.base import Held
+from celery_exclusive.providers.base import AcquiresUnless, Held
 from celery_exclusive.testing.contract import OUTAGE_SECRET
 from tests.conftest import Store
 
@@ -177,3 +180,52 @@ def test_try_mark_checks_unless_before_the_store() -> None:
             service.try_mark("k", ttl=60, unless="k\x00")
     finally:
         service.close()
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, provider: Any) -> Counter[str]:
+    """Every call the service makes to ``provider``'s store methods, counted by name."""
+    calls: Counter[str] = Counter()
+    for name in ("acquire", "acquire_unless", "acquire_any", "peek", "release", "scan", "refresh"):
+        method = getattr(provider, name, None)
+        if method is None:
+            continue
+
+        def counting(
+            *args: Any, _name: str = name, _method: Callable[..., Any] = method, **kwargs: Any
+        ) -> Any:
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(provider, name, counting)
+    return calls
+
+
+def test_try_mark_unless_is_one_store_call_naming_the_task_that_refused_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every store of ours checks ``unless`` in the same operation (``AcquiresUnless``: Redis one
+    script, memory one mutex hold, PostgreSQL one statement, SQLite and MariaDB one
+    transaction): a granted, a run-refused and a marker-refused ``try_mark(unless=)`` are each
+    one provider call, and the refusal names the task id of the holder that refused it."""
+    service, other = store.service(), store.service()
+    assert isinstance(service.provider, AcquiresUnless)
+    calls = _counted(monkeypatch, service.provider)
+    token = service.try_mark("job#queued", ttl=60, holder={"task_id": "queued-a"}, unless="job")
+    assert isinstance(token, str)
+    assert calls == {"acquire_unless": 1}
+    calls.clear()
+    queued = service.try_mark("job#queued", ttl=60, holder={"task_id": "b"}, unless="job")
+    assert isinstance(queued, Held)
+    assert queued.holder is not None
+    assert (queued.holder.key, queued.holder.holder["task_id"]) == ("job#queued", "queued-a")
+    assert calls == {"acquire_unless": 1}
+    run = other.lock("job", holder={"task_id": "running-r"})
+    assert other.force_release("job#queued", token)  # the run took over from its marker
+    calls.clear()
+    running = service.try_mark("job#queued", ttl=60, holder={"task_id": "c"}, unless="job")
+    assert isinstance(running, Held)
+    assert running.holder is not None
+    assert (running.holder.key, running.holder.holder["task_id"]) == ("job", "running-r")
+    assert calls == {"acquire_unless": 1}
+    assert other.peek("job#queued") is None  # refused: nothing taken
+    run.release()
