@@ -570,19 +570,33 @@ def test_a_semaphore_retry_after_a_lost_reply_holds_one_slot(redis_cluster: str)
 
 
 @pytest.mark.parametrize("tagged", [True, False], ids=["one-slot", "two-slots"])
-def test_try_mark_unless_on_the_cluster(redis_cluster: str, tagged: bool) -> None:
+def test_try_mark_unless_on_the_cluster(
+    redis_cluster: str, tagged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A dedupe marker unless its execution key is held, on the cluster: one script when the
-    two keys share a slot (a hash tag), else in steps; both refuse while the key is held and
+    two keys share a slot (a hash tag in the key, as docs/celery.md advises: ``zip:{7}``), else
+    in steps (the provider's own acquire and peek); both refuse while the key is held and
     name who holds it."""
     prefix = f"u{uuid.uuid4().hex[:8]}:"
     service, rival = LockService(redis_cluster, prefix=prefix), LockService(redis_cluster, prefix=prefix)
     try:
-        cluster = cast("RedisLockProvider", service.provider)._client
+        provider = cast("RedisLockProvider", service.provider)
+        cluster = provider._client
         for i in range(100):  # a key whose marker hashes elsewhere (or, tagged, not)
-            key = f"{{job{i}}}" if tagged else f"job{i}"
+            key = f"zip:{{{i}}}" if tagged else f"job{i}"
             same = cluster.keyslot(prefix + key) == cluster.keyslot(prefix + key + "#queued")
             if same == tagged:
                 break
+        steps: list[str] = []
+        for name in ("acquire", "peek"):
+            method = getattr(provider, name)
+
+            def counted(*args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
+                if _name == "acquire" or args[0] == prefix + key:  # not the test's own peeks
+                    steps.append(_name)
+                return _method(*args, **kwargs)
+
+            monkeypatch.setattr(provider, name, counted)
         run = rival.lock(key)
         refused = service.try_mark(key + "#queued", ttl=60, holder={"task_id": "b"}, unless=key)
         assert isinstance(refused, Held)
@@ -597,6 +611,7 @@ def test_try_mark_unless_on_the_cluster(redis_cluster: str, tagged: bool) -> Non
         assert queued.holder is not None
         assert queued.holder.holder["task_id"] == "a"
         assert service.force_release(key + "#queued", token)
+        assert (steps == []) == tagged, steps  # tagged: the one script, never a step
     finally:
         service.close()
         rival.close()
