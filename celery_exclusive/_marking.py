@@ -1,8 +1,9 @@
 """Markers: detached leases that no heartbeat keeps or releases (``LockService.mark``).
 
-Part of the lock core. A marker is one store call (two where ``unless`` is asked of a
-store without ``AcquiresUnless``), never retried: a marker whose reply was lost stays in
-place, which is what its writer wanted, and expires with its ttl.
+Part of the lock core. A marker is one store call (two or three where ``unless`` is asked
+of a store without ``AcquiresUnless``, or of Redis Cluster keys in two slots), never
+retried: a marker whose reply was lost stays in place, which is what its writer wanted,
+and expires with its ttl.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ class PrefixedStore:
         """:meth:`mark` answering Held (the live lease that refused it: ``unless``'s first, else
         ``key``'s; None if it changed mid-call) instead of None; with ``unless``, taken only
         while that key is free too: one store call where the store checks both at once
-        (``AcquiresUnless``: Redis, memory), else two (take, look, give back)."""
+        (``AcquiresUnless``: every built-in store; Redis Cluster only for keys of one hash
+        slot), else two or three (take, look, give back)."""
         lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
         return _marking.take(self, key, lifetime, holder, unless)
 

@@ -4,8 +4,8 @@ With ``dedupe`` set (task option ``lock_dedupe`` / ``exclusive_task(dedupe=...)`
 ``app.conf.exclusive_dedupe``), :meth:`ExclusiveTask.apply_async` (so ``delay``, and canvas
 signatures, which call it) first takes a *queued marker* for the call's lock key: a
 detached lease (:meth:`LockService.mark`) on ``<key>#queued`` whose holder metadata names
-the new task id. One store round trip, atomic (under ``"until_done"`` on Redis and memory
-too, which check the execution key in the same operation): of any number of concurrent senders one
+the new task id. One store call, atomic (under ``"until_done"`` too: every built-in store
+checks the execution key in the same operation): of any number of concurrent senders one
 takes it and publishes; every other one publishes nothing and, by ``on_duplicate``:
 
 * ``"return"`` (default): gets the existing task's ``AsyncResult`` (same id, same result);
@@ -47,11 +47,13 @@ Lifetimes and the race between "marker taken" and "a run holds the execution key
   A run that finds the key held (``on_locked="skip"``...) releases its marker when it ends.
   A key held by something that is no task's run (``service.lock(key)``) does not refuse
   the marker: the message is sent, and its run finds the key held (``on_locked`` decides).
-  Redis and memory have that operation; on the others (PostgreSQL, SQLite, MariaDB/MySQL,
-  third-party stores; Redis Cluster when ``<key>#queued`` and ``<key>`` hash to different
-  slots) the send takes the marker, then looks at the execution key, giving the marker
-  back if a run holds it: a second round trip, and a concurrent sender may be told the id
-  of a marker about to be given back.
+  Every built-in store has that operation (``AcquiresUnless``: Redis one script, memory one
+  mutex hold, PostgreSQL one statement, SQLite and MariaDB/MySQL one transaction; the
+  interleavings, store by store, are in docs/celery.md). Third-party stores without it,
+  and Redis Cluster when ``<key>#queued`` and ``<key>`` hash to different slots (a key
+  without a hash tag), take the marker, then look at the execution key, giving the marker
+  back if a run holds it: more round trips, and a concurrent sender may be told the id of
+  a marker about to be given back.
 
 Which producers dedupe: ``delay``, ``apply_async`` and signatures (``.s()``/``.si()``, chains,
 groups, chords, links: they call the task's ``apply_async``) in a process where the task is

@@ -334,9 +334,12 @@ class AcquiresUnless(Protocol):
     """Optional: a store that takes a key unless another key is held, in one atomic operation.
 
     Used for ``dedupe="until_done"`` queued markers (``LockService.try_mark(..., unless=)``):
-    a send takes ``<key>#queued`` unless a run holds ``<key>``, in one round trip. Stores
-    without it are asked in steps (:func:`acquire_unless_in_steps`: two round trips, and a
-    run ending between them is seen as still running).
+    a send takes ``<key>#queued`` unless a run holds ``<key>``, in one round trip (the
+    built-in stores: one Lua script, one mutex hold, one PostgreSQL statement, one SQLite or
+    MariaDB/MySQL transaction). Stores without it are asked in steps
+    (:func:`acquire_unless_in_steps`: two or three round trips, a run ending between them is
+    seen as still running, and a concurrent sender may be refused by a marker about to be
+    given back).
     """
 
     def acquire_unless(
@@ -352,7 +355,9 @@ class AcquiresUnless(Protocol):
         """Take ``key`` for ``token`` as ``acquire(key, token, ttl, ttl, holder)`` would, unless
         ``blocker`` (already prefixed) has a live lease: then take nothing and answer Held
         naming that lease (its ``key`` is ``blocker``). With ``blocker`` free and ``key``
-        live, Held naming ``key``'s holder (None if unknown)."""
+        live, Held naming ``key``'s holder (None if unknown). Both keys are judged at one
+        instant: no run can take ``blocker`` and release the marker it replaced between the
+        look at ``blocker`` and the grant of ``key``. A refused attempt writes nothing."""
         ...
 
 
