@@ -26,9 +26,10 @@ by later releases.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -61,6 +62,7 @@ from celery_exclusive.providers.base import (
 )
 
 _bounded_connect = _deadline.bounded_connect  # its old name here
+T = TypeVar("T")
 
 
 def _answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
@@ -117,6 +119,19 @@ def _unless_answer(rows: Rows, token: str, granted: float) -> Grant | Held | Non
     if queued is not None:
         return Grant(queued.fence, queued.expires_in) if queued.token == token else Held(queued)
     return None
+
+
+def _asked(
+    call: Callable[[float | None], Rows], answer: Callable[[Rows], T], times: int, timeout: float | None
+) -> T:
+    """``answer`` of the rows of ``call(seconds left)``, called again while it answers None, at
+    most ``times`` times (at least once), all within ``timeout`` seconds (None: no deadline)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    for _ in range(max(times, 1)):
+        found = answer(call(None if end is None else max(end - time.monotonic(), 0.001)))
+        if found is not None:
+            break
+    return found
 
 
 def _text_array(values: Sequence[str]) -> str:
@@ -264,37 +279,22 @@ class PostgresLockProvider(SqlStore):
         per slot."""
         granted = float(min(ttl, max_lifetime))
         params = _grant_params(token, granted, max_lifetime, holder, keys=_text_array(keys))
-        end = None if timeout is None else time.monotonic() + timeout
-        for _ in keys:
-            left = None if end is None else max(end - time.monotonic(), 0.001)
-            answer = _slot_answer(self._call("acquire_any", params, left), token, granted)
-            if answer is not None:
-                return answer
-        return Held(None)  # every attempt lost its slot to a racing acquirer
+        call = functools.partial(self._call, "acquire_any", params)
+        answer = functools.partial(_slot_answer, token=token, granted=granted)
+        found = _asked(call, answer, len(keys), timeout)
+        return Held(None) if found is None else found  # None: every attempt lost its slot to a racer
 
     def acquire_unless(
-        self,
-        key: str,
-        token: str,
-        ttl: float,
-        holder: str,
-        *,
-        blocker: str,
-        timeout: float | None = None,
+        self, key: str, token: str, ttl: float, holder: str, *, blocker: str, timeout: float | None = None
     ) -> Grant | Held:
-        """``key`` unless ``blocker`` is live (``AcquiresUnless``), in one statement
-        (:func:`._pg_sql._acquire_unless_statement`): a refused attempt writes nothing and
-        takes no lock. A statement that found ``key`` being granted meanwhile waited for that
-        grant and wrote nothing; it is asked once more (its answer names the new holder)."""
-        granted = float(ttl)
-        params = _grant_params(token, granted, ttl, holder, key=key, blocker=blocker)
-        end = None if timeout is None else time.monotonic() + timeout
-        for _ in range(2):
-            left = None if end is None else max(end - time.monotonic(), 0.001)
-            answer = _unless_answer(self._call("acquire_unless", params, left), token, granted)
-            if answer is not None:
-                return answer
-        return Held(None)
+        """``key`` unless ``blocker`` is live (``AcquiresUnless``) in one statement (see
+        :func:`._pg_sql._acquire_unless_statement`); one that waited for a grant in flight
+        wrote nothing and is sent once more (its answer names the new holder)."""
+        params = _grant_params(token, float(ttl), ttl, holder, key=key, blocker=blocker)
+        call = functools.partial(self._call, "acquire_unless", params)
+        answer = functools.partial(_unless_answer, token=token, granted=float(ttl))
+        found = _asked(call, answer, 2, timeout)
+        return Held(None) if found is None else found
 
     def refresh(
         self, requests: Sequence[RefreshRequest], *, timeout: float | None = None

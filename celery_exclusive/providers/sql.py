@@ -161,34 +161,19 @@ class SqlLockProvider(SqlStore):
         :meth:`acquire` over every slot at once, one read of all the slot rows instead of one
         transaction per slot; a refused attempt commits nothing."""
         granted = float(min(ttl, max_lifetime))
-        params = {
-            "keys": list(keys),
-            "token": token,
-            "ttl": granted,
-            "life": float(max_lifetime),
-            "holder": holder,
-        }
+        params = {"token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
         return self._transact(
             "acquire", lambda conn: self._acquires.first_free(conn, keys, params, granted), timeout
         )
 
     def acquire_unless(
-        self,
-        key: str,
-        token: str,
-        ttl: float,
-        holder: str,
-        *,
-        blocker: str,
-        timeout: float | None = None,
+        self, key: str, token: str, ttl: float, holder: str, *, blocker: str, timeout: float | None = None
     ) -> Grant | Held:
-        """``key`` unless ``blocker`` is live (``AcquiresUnless``), in one transaction: both rows
-        read after the fence counter's bump (MariaDB/MySQL: as two batches and the commit, as
-        :meth:`acquire_any`); a refused attempt commits nothing."""
-        granted = float(ttl)
-        params = {"token": token, "ttl": granted, "life": granted, "holder": holder}
+        """``key`` unless ``blocker`` is live (``AcquiresUnless``) in one transaction (see
+        ``Acquires.unless``: two batches and the commit on MariaDB/MySQL); refused, it commits nothing."""
+        params = {"token": token, "ttl": float(ttl), "life": float(ttl), "holder": holder}
         return self._transact(
-            "acquire", lambda conn: self._acquires.unless(conn, key, blocker, params, granted), timeout
+            "acquire", lambda conn: self._acquires.unless(conn, key, blocker, params, float(ttl)), timeout
         )
 
     def refresh(
