@@ -49,6 +49,7 @@ from celery_exclusive import (
     ReleaseOutcome,
 )
 from celery_exclusive.providers.base import (
+    AcquiresUnless,
     Completion,
     CompletionStore,
     Grant,
@@ -524,6 +525,45 @@ def test_every_call_takes_a_deadline_and_answers_the_same(store: Store) -> None:
         assert records.forget(key, "task-1", timeout=t) is True
         assert records.completion(key, "task-1", timeout=t) is None
     assert provider.peek(key, timeout=t) is None
+
+
+def test_acquire_unless_where_the_store_offers_it(store: Store) -> None:
+    """A store with the optional ``AcquiresUnless`` (dedupe's ``until_done`` marker) takes the
+    key only while the blocker is free: refused, it takes nothing and names the lease that
+    refused it (the blocker's first, then the key's, holder metadata included); its own live
+    grant, asked again, is answered unchanged."""
+    service = store.service()
+    provider = service.provider
+    if not isinstance(provider, AcquiresUnless):
+        pytest.skip(f"store {store.name!r} has no acquire_unless (markers are taken in steps)")
+    key, blocker = service.prefix + "unless#queued", service.prefix + "unless"
+    assert isinstance(provider.acquire(blocker, "run", 30.0, 60.0, '{"task_id": "r"}'), Grant)
+    refused = provider.acquire_unless(key, "m1", 30.0, "{}", blocker=blocker)
+    assert isinstance(refused, Held)
+    assert refused.holder is not None
+    assert (refused.holder.key, refused.holder.token, refused.holder.holder) == (
+        blocker,
+        "run",
+        {"task_id": "r"},
+    )
+    assert provider.peek(key) is None
+    assert provider.release(blocker, "run")
+    grant = provider.acquire_unless(key, "m1", 30.0, '{"task_id": "a"}', blocker=blocker)
+    assert isinstance(grant, Grant)
+    again = provider.acquire_unless(key, "m1", 30.0, '{"task_id": "a"}', blocker=blocker)
+    assert isinstance(again, Grant)
+    assert again.fence == grant.fence
+    queued = provider.acquire_unless(key, "m2", 30.0, "{}", blocker=blocker)
+    assert isinstance(queued, Held)
+    assert queued.holder is not None
+    assert (queued.holder.key, queued.holder.token, queued.holder.holder) == (key, "m1", {"task_id": "a"})
+    assert isinstance(provider.acquire(blocker, "run2", 30.0, 60.0, "{}"), Grant)
+    both = provider.acquire_unless(key, "m3", 30.0, "{}", blocker=blocker)
+    assert isinstance(both, Held)
+    assert both.holder is not None
+    assert (both.holder.key, both.holder.token) == (blocker, "run2")
+    assert provider.release(blocker, "run2")
+    assert provider.release(key, "m1")
 
 
 def test_a_skewed_worker_clock_changes_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
