@@ -14,7 +14,9 @@ this module is imported (``celery_exclusive.task`` imports it):
   the lock store's connection is opened, so the first task does not pay for importing
   its driver and connecting (a prefork worker imports the driver once, in the main
   process before it forks). A failure there is a WARNING; the first task retries it. It
-  waits at most ``WARM_UP_TIMEOUT`` (5 s): a silent store does not hold the start longer.
+  waits at most ``WARM_UP_TIMEOUT`` (5 s; a prefork child half its
+  ``worker_proc_alive_timeout``, 2 s by default, or the pool kills it before it is up): a
+  silent store does not hold the start longer.
 * ``worker_process_shutdown`` / ``worker_shutdown``: leases still held are released.
 * ``task_revoked`` (``terminated=True``) and ``task_failure`` with ``TimeLimitExceeded``:
   both fire in the worker's *main* process, the first right after the pool child was sent
@@ -69,6 +71,13 @@ WARM_UP_KEY = "celery-exclusive-warm-up"
 #: Longest the warm-up at process start waits for the store, in seconds (a silent store
 #: would otherwise hold the process start for the driver's own timeouts, 10-40 s).
 WARM_UP_TIMEOUT = 5.0
+#: Share of ``worker_proc_alive_timeout`` a prefork child's warm-up may use: the pool kills
+#: a child that has not reported UP by then, and the warm-up comes before that report.
+UP_SHARE = 0.5
+#: Celery's default ``worker_proc_alive_timeout``, in seconds.
+PROC_ALIVE_TIMEOUT = 4.0
+#: The warm-up bound of this process's pool children (set at worker start for prefork).
+_child_warm_up = [WARM_UP_TIMEOUT]
 
 
 class _ProcessState:
@@ -183,6 +192,9 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
         return
     app = _resolve_app(instance.app)
     observe.events.enabled = bool(getattr(instance, "task_events", False))
+    if _pool_forks(instance):  # inherited by the pool's children, read by warm_up_process
+        alive = app.conf.get("worker_proc_alive_timeout") or PROC_ALIVE_TIMEOUT
+        _child_warm_up[0] = min(WARM_UP_TIMEOUT, UP_SHARE * float(alive))
     mode = startup_check_mode(app.conf)
     if mode == "off":
         return
@@ -229,14 +241,14 @@ def _pool_forks(instance: Any) -> bool:
     return "prefork" in module
 
 
-def warm_up(app: Any = None) -> None:
+def warm_up(app: Any = None, within: float = WARM_UP_TIMEOUT) -> None:
     """Open ``app``'s lock store connection now (driver import, connect, schema check).
 
-    Once per app and process, waiting at most :data:`WARM_UP_TIMEOUT` seconds (less if
-    the service's ``call_timeout`` is shorter): a store that does not answer by then is a
-    WARNING and the process goes on starting (the connect attempt ends in the background).
-    Errors are logged as a WARNING and otherwise ignored: the first task retries and
-    reports them itself.
+    Once per app and process, waiting at most ``within`` seconds (:data:`WARM_UP_TIMEOUT`;
+    less if the service's ``call_timeout`` is shorter): a store that does not answer by then
+    is a WARNING and the process goes on starting (the connect attempt ends in the
+    background). Errors are logged as a WARNING and otherwise ignored: the first task
+    retries and reports them itself.
     """
     try:
         app = _resolve_app(app)
@@ -250,9 +262,7 @@ def warm_up(app: Any = None) -> None:
         service = get_lock_service(app)
         # service.peek takes no timeout: StoreCalls runs it in a thread it stops waiting for,
         # so a connect still under way at the deadline ends in the background.
-        StoreCalls().call(
-            "warm-up", service.peek, WARM_UP_KEY, timeout=min(service.call_timeout, WARM_UP_TIMEOUT)
-        )
+        StoreCalls().call("warm-up", service.peek, WARM_UP_KEY, timeout=min(service.call_timeout, within))
     except ConfigurationError as exc:
         logger.debug("celery-exclusive: no lock store to open at process start: %s", exc)
     except Exception as exc:
@@ -260,8 +270,14 @@ def warm_up(app: Any = None) -> None:
 
 
 def warm_up_process(**_: Any) -> None:
-    """``worker_process_init``: open the current app's lock store in this new pool process."""
-    warm_up()
+    """``worker_process_init``: open the current app's lock store in this new pool process.
+
+    A prefork child runs this before it reports UP to the pool, which SIGKILLs a child not
+    up within ``worker_proc_alive_timeout`` (4 s by default): there the warm-up waits at
+    most half of that (:data:`UP_SHARE`), so a silent store cannot get every child killed.
+    Other pools run it in the worker's main process, with the full :data:`WARM_UP_TIMEOUT`.
+    """
+    warm_up(within=_child_warm_up[0])
 
 
 def release_on_process_shutdown(**_: Any) -> None:

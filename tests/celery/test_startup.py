@@ -5,7 +5,10 @@ Real ``celery worker`` subprocesses of the integration app, real Redis broker, r
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -143,3 +146,44 @@ def test_a_solo_worker_on_a_silent_store_starts_after_the_warm_up_deadline(celer
     assert len(warned) == 1, log[-3000:]
     assert f"gave no answer during warm-up within {WARM_UP_TIMEOUT:g} s" in warned[0]
     assert log.index(warned[0]) < log.index(" ready.")
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s direct children (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def test_a_prefork_child_on_a_silent_store_is_not_killed_for_a_late_up(celery_logdir: Path) -> None:
+    """A prefork child warms up in ``worker_process_init``, before it tells the pool it is up,
+    and the pool SIGKILLs a child that is not up within ``worker_proc_alive_timeout`` (4 s by
+    default). On a silent store a replacement child (here: for one we killed) must therefore
+    give up its warm-up before that, and then stay: one replacement, one warning. (Before:
+    a 5 s warm-up, killed at 4 s, replaced, killed again, as long as the store is silent.)"""
+    require_server(BROKER_URL)
+    with silent_server() as port:
+        worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": f"redis://127.0.0.1:{port}/0"})
+        try:
+            wait_ready([worker])
+            wait_for(lambda: "could not open the lock store" in worker.text(), 20, what="first warm-up")
+            wait_for(lambda: _children(worker.popen.pid), 10, what="the pool child")
+            # The first child was started before the event loop ran (no UP deadline then);
+            # its replacement is started by the running loop, which enforces it.
+            first = _children(worker.popen.pid)
+            for pid in first:
+                os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: set(_children(worker.popen.pid)) - set(first), 10, what="a replacement")
+            time.sleep(12)  # two UP deadlines (4 s) and two warm-ups (5 s) of a replacement
+            log = worker.text()
+            replacements = set(_children(worker.popen.pid)) - set(first)
+        finally:
+            worker.stop(timeout=1)  # nothing to finish: no task was sent
+    assert "Timed out waiting for UP message" not in log, log[-3000:]
+    warned = [line for line in log.splitlines() if "could not open the lock store at process start" in line]
+    assert len(warned) == 2, log[-3000:]  # the first child's, and its one replacement's
+    assert len(replacements) == 1, replacements
