@@ -115,6 +115,8 @@ class ScriptRunner:
         translated: Translating,
         noscript: type[Exception],
         wait: tuple[int, int],
+        node_of: Callable[[str], tuple[str, Any]] | None = None,
+        moved: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = client
         self._execute = execute
@@ -124,6 +126,10 @@ class ScriptRunner:
         self._errors = translated.errors
         self._noscript = noscript
         self._wait = wait
+        #: On a cluster: the node owning a key, as (name, its own one-node client).
+        self._node_of = node_of
+        #: Called when a node answered MOVED/ASK (the cluster's slot map is stale).
+        self._moved = moved
 
     def run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
@@ -177,20 +183,55 @@ class ScriptRunner:
     def run_acked(
         self, script: str, calls: Sequence[tuple[Any, ...]], timeout: float | None = None
     ) -> tuple[list[Any], int]:
-        """Like :meth:`run_many`, then ``WAIT`` for the replicas, all in one round trip;
-        the replies and how many replicas acknowledged (one connection: never a cluster)."""
+        """Like :meth:`run_many`, then ``WAIT`` for the replicas; the replies and how many
+        replicas acknowledged (on a cluster, the fewest of any node written).
+
+        ``WAIT`` counts the replicas that have every write of *its own connection*, so it
+        goes on the connection that ran the scripts, pipelined after them (one round trip).
+        On a cluster that is one pipeline per primary owning the calls' keys, on a connection
+        of that node's own client, never redis-py's cluster routing: it sends a keyless
+        ``WAIT`` to a default node on another connection, which has written nothing and so
+        is acknowledged at once (or sums the answers of every primary)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._node_of is None:
+            return self._acked(script, calls, lambda batch: self._pipelined(batch, _left(deadline)))
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, args in enumerate(calls):
+            with self._translated:
+                name, node = self._node_of(args[1])  # args: numkeys, then the first key
+            by_node.setdefault(name, (node, []))[1].append(i)
+        replies: list[Any] = [None] * len(calls)
+        fewest: int | None = None
+        for node, indices in by_node.values():
+            got, acks = self._acked(script, [calls[i] for i in indices], functools.partial(_on_node, node))
+            for i, reply in zip(indices, got, strict=True):
+                replies[i] = reply
+            fewest = acks if fewest is None else min(fewest, acks)
+        assert fewest is not None  # calls is never empty
+        return replies, fewest
+
+    def _acked(
+        self,
+        script: str,
+        calls: Sequence[tuple[Any, ...]],
+        send: Callable[[list[tuple[Any, ...]]], list[Any]],
+    ) -> tuple[list[Any], int]:
+        """``calls`` of ``script`` and a ``WAIT``, all through ``send`` (one connection)."""
         commands = [("EVALSHA", SHA[script], *args) for args in calls]
         commands.append(("WAIT", *self._wait))
         for attempt in (1, 2):
             with self._translated:
-                *replies, acks = self._pipelined(commands, None if deadline is None else left(deadline))
+                *replies, acks = send(commands)
             if attempt == 1 and any(isinstance(r, self._noscript) for r in replies):
                 with self._translated:  # nothing ran, so nothing to undo: load it, send it all again
-                    self._execute("SCRIPT", "LOAD", script)
+                    (loaded,) = send([("SCRIPT", "LOAD", script)])
+                if isinstance(loaded, Exception):
+                    raise self._fail(loaded) from loaded
                 continue
             for reply in (*replies, acks):
                 if isinstance(reply, Exception):
+                    if str(reply).startswith(("MOVED ", "ASK ")):
+                        self._moved()  # the script did not run there; the caller's retry is rerouted
                     raise self._fail(reply) from reply
             return replies, int(acks)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -206,3 +247,17 @@ class ScriptRunner:
             for i, key in enumerate(keys):
                 slots.setdefault(slot_of(key), []).append(i)
         return [group[s : s + CHUNK] for group in slots.values() for s in range(0, len(group), CHUNK)]
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else left(deadline)
+
+
+def _on_node(node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` pipelined on one connection of ``node`` (a one-node client); the replies,
+    error replies in their place."""
+    pipe = node.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    replies: list[Any] = pipe.execute(raise_on_error=False)
+    return replies

@@ -63,6 +63,8 @@ class RedisServer:
             translated=self.translated,
             noscript=redis.exceptions.NoScriptError,
             wait=(self.wait_replicas, self.wait_ms),
+            node_of=self._node_client if self.cluster else None,
+            moved=self._remap,
         )
 
     @property
@@ -76,6 +78,17 @@ class RedisServer:
                     target.client = target.factory()
                 client = target.client
         return client
+
+    def _node_client(self, key: str) -> tuple[str, Any]:
+        """The cluster node owning ``key``: its name and its own one-node client."""
+        node = self.client.get_node_from_key(key)
+        return node.name, node.redis_connection
+
+    def _remap(self) -> None:
+        """Ask the cluster for its slot map again (a node answered MOVED or ASK)."""
+        if self.cluster:
+            with self.translated:
+                self.client.nodes_manager.initialize()
 
     def _via_client(self, *command: Any) -> Any:
         return self.client.execute_command(*command)

@@ -191,7 +191,7 @@ def wait_settings(target: Target) -> tuple[int, int]:
     """``(replicas, timeout in ms)`` for ``WAIT``, checked; ConfigurationError if out of range.
 
     The timeout must end before the socket's, or a slow acknowledgement would read as a
-    broken connection instead of a clear answer. Not on a cluster.
+    broken connection instead of a clear answer.
     """
     replicas: int = _within(
         target.wait[0], int, 0, 100, "ce_wait_replicas must be a whole number from 0 to 100"
@@ -204,6 +204,4 @@ def wait_settings(target: Target) -> tuple[int, int]:
         raise ConfigurationError(
             f"ce_wait_timeout ({timeout:g} s) must be shorter than the socket timeout ({socket_timeout:g} s)"
         )
-    if replicas and target.cluster:
-        raise ConfigurationError("ce_wait_replicas is not supported on Redis Cluster")
     return replicas, whole_ms(timeout)

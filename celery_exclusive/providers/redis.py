@@ -12,9 +12,11 @@ options below):
   (``rediss+sentinel://``): the primary that the sentinels name ``service``. The password
   is the primary's; the sentinels are asked without one (pass ``client=`` for that).
 
-Replica acknowledgement (opt-in, not on Redis Cluster): ``?ce_wait_replicas=N`` sends
-``WAIT N timeout`` pipelined right after each acquire and refresh script (one round trip;
-Redis does not allow ``WAIT`` inside a script), and ``ce_wait_timeout=S`` (seconds,
+Replica acknowledgement (opt-in): ``?ce_wait_replicas=N`` sends ``WAIT N timeout``
+pipelined right after each acquire and refresh script, on the script's own connection
+(one round trip; Redis does not allow ``WAIT`` inside a script, and ``WAIT`` counts only
+that connection's writes; on a cluster, one pipeline per primary written, each on that
+node's own client, N replicas of each), and ``ce_wait_timeout=S`` (seconds,
 default 0.5) bounds it. A grant or refresh that fewer than N replicas acknowledged within
 the timeout is a BackendError, not a lease: it may exist on the primary only, which a
 failover would lose. A contended acquire wrote nothing and is answered as usual.

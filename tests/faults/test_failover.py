@@ -307,9 +307,12 @@ def test_postgres_failover_to_a_standby(faults: Faults, sync: bool) -> None:
 
 
 @contextlib.contextmanager
-def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, PrivateSentinel]]:
+def sentinel_set(
+    unix_socket: bool = False,
+) -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, PrivateSentinel]]:
     """(primary, replica, proxy, sentinel): the replica replicates through ``proxy`` (so a
-    test can hold replication back) and is in sync; the sentinel knows both."""
+    test can hold replication back) and is in sync; the sentinel knows both. ``unix_socket``:
+    the primary also listens on ``<its root>/redis.sock``."""
     binary = shutil.which("redis-server")
     if binary is None:
         unavailable("redis-server not found on PATH")
@@ -319,6 +322,8 @@ def sentinel_set() -> Iterator[tuple[PrivateRedis, PrivateRedis, TcpProxy, Priva
     try:
         try:
             primary = PrivateRedis(binary, ("--repl-diskless-sync-delay", "0"))
+            if unix_socket:
+                primary.extra += ("--unixsocket", str(primary.root / "redis.sock"), "--unixsocketperm", "700")
             started.append(primary)
             primary.start()
             proxy = TcpProxy(primary.port)
@@ -427,9 +432,9 @@ def test_wait_options_are_checked_before_any_server_is_asked(query: str, message
     assert "s3cret" not in str(raised.value)
 
 
-def test_wait_is_refused_on_a_cluster() -> None:
-    with pytest.raises(ConfigurationError, match="not supported on Redis Cluster"):
-        LockService("redis+cluster://127.0.0.1:1?ce_wait_replicas=1")
+def test_wait_is_accepted_on_a_cluster_without_contacting_it() -> None:
+    """WAIT runs on each node's own connection (tests/scale/test_redis_cluster.py)."""
+    LockService("redis+cluster://127.0.0.1:1?ce_wait_replicas=1").close()
 
 
 @pytest.mark.parametrize(("replicas", "timeout"), [(True, 0.5), (1.5, 0.5), ("1", 0.5), (1, 0), (1, "0.5")])

@@ -9,6 +9,8 @@ share one hash slot).
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import threading
 import time
@@ -615,3 +617,63 @@ def test_try_mark_unless_on_the_cluster(
     finally:
         service.close()
         rival.close()
+
+
+def test_wait_replicas_on_a_cluster_without_replicas_refuses_every_grant(redis_cluster: str) -> None:
+    """ce_wait_replicas=1 on primaries that have no replica: each grant and refresh, on every
+    node, waits out ce_wait_timeout and raises BackendError; it is never a lease. A contended
+    acquire and a release are answered as usual."""
+    provider = RedisLockProvider(redis_cluster + "?ce_wait_replicas=1&ce_wait_timeout=0.1")
+    plain = RedisLockProvider(redis_cluster)
+    cluster = cast(RedisCluster, plain._client)
+    keys = _keys_on_every_primary(cluster)
+    try:
+        for key in keys:
+            began = time.monotonic()
+            with pytest.raises(BackendError, match=r"grant reached 0 of 1 replica\(s\) within 100 ms"):
+                provider.acquire(key, "tok", 10.0, 60.0, "{}")
+            assert time.monotonic() - began >= 0.1  # WAIT waited on the node, not answered at once
+            assert isinstance(provider.acquire(key, "rival", 10.0, 60.0, "{}"), Held)  # the write is there
+        with pytest.raises(BackendError, match=r"refresh reached 0 of 1 replica\(s\)"):
+            provider.refresh([RefreshRequest(key, "tok", 10.0) for key in keys])
+        assert all(provider.release(key, "tok") for key in keys)
+    finally:
+        provider.close()
+        plain.close()
+
+
+def _keys_on_every_primary(cluster: RedisCluster) -> list[str]:
+    """One fresh key owned by each primary of ``cluster``."""
+    found: dict[str, str] = {}
+    while len(found) < len(cluster.get_primaries()):
+        key = f"w{uuid.uuid4().hex[:10]}"
+        found.setdefault(cluster.get_node_from_key(key).name, key)
+    return list(found.values())
+
+
+def test_wait_replicas_on_a_cluster_waits_on_the_connection_that_wrote(
+    primary_and_replica: tuple[str, redis.Redis, redis.Redis],
+) -> None:
+    """WAIT counts the replicas that have its own connection's writes: with the replica
+    frozen (SIGSTOP: still connected, acknowledging nothing) a grant and a refresh fail
+    within ce_wait_timeout; thawed, both work again and a grant is acknowledged."""
+    url, _primary, replica = primary_and_replica
+    provider = RedisLockProvider(url + "?ce_wait_replicas=1&ce_wait_timeout=0.2")
+    pid = int(replica.info("server")["process_id"])
+    try:
+        grant = provider.acquire("acked", "tok", 10.0, 60.0, "{}")
+        assert isinstance(grant, Grant)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendError, match=r"grant reached 0 of 1 replica\(s\)"):
+                provider.acquire("frozen", "tok", 10.0, 60.0, "{}")
+            with pytest.raises(BackendError, match=r"refresh reached 0 of 1 replica\(s\)"):
+                provider.refresh([RefreshRequest("acked", "tok", 10.0)])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert provider.refresh([RefreshRequest("acked", "tok", 10.0)]) == [pytest.approx(10.0, abs=0.1)]
+        assert isinstance(provider.acquire("thawed", "tok", 10.0, 60.0, "{}"), Grant)
+        for key in ("acked", "frozen", "thawed"):
+            provider.release(key, "tok")
+    finally:
+        provider.close()
