@@ -190,8 +190,8 @@ class ScriptRunner:
         goes on the connection that ran the scripts, pipelined after them (one round trip).
         On a cluster that is one pipeline per primary owning the calls' keys, on a connection
         of that node's own client, never redis-py's cluster routing: it sends a keyless
-        ``WAIT`` to a default node on another connection, which has written nothing and so
-        is acknowledged at once (or sums the answers of every primary)."""
+        ``WAIT`` to its default node, which for keys of any other primary is a connection
+        that wrote nothing there."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._node_of is None:
             return self._acked(script, calls, lambda batch: self._pipelined(batch, _left(deadline)))
