@@ -21,7 +21,7 @@ import subprocess
 import time
 
 DIRECTIONS = ("both", "to_server", "to_client")
-_OPEN: set[Partition] = set()
+_OPEN: set[Partition | PortIsolation] = set()
 
 
 class NetnsUnavailable(RuntimeError):
@@ -124,6 +124,49 @@ class Partition:
         ):
             with contextlib.suppress(Exception):
                 subprocess.run(list(args), capture_output=True, timeout=30, check=False)
+        _OPEN.discard(self)
+
+
+class PortIsolation:
+    """A server on a loopback port cut off from every TCP peer: an nftables table on this host
+    drops every packet to or from ``port`` (both ways, so open connections go silent, without
+    a reset). Its Unix socket still works, so a test can keep a client on the isolated side.
+    Only that port's packets are touched; :meth:`close` deletes the table (also at exit)."""
+
+    def __init__(self, port: int, tag: str = "i") -> None:
+        if os.geteuid() != 0:
+            raise NetnsUnavailable("nftables rules need root")
+        if shutil.which("nft") is None:
+            raise NetnsUnavailable("nft not found (Debian package nftables)")
+        self.port = port
+        self.table = f"ce{tag}{os.getpid()}p{port}"
+        self.cut = False
+
+    def start(self) -> float:
+        """Drop the port's packets from now on; when it began."""
+        _OPEN.add(self)
+        _run(
+            "nft",
+            "-f",
+            "-",
+            stdin=f"table inet {self.table} {{\n  chain out {{\n    type filter hook output priority 0;\n"
+            f"    tcp dport {self.port} drop\n    tcp sport {self.port} drop\n  }}\n}}\n",
+        )
+        self.cut = True
+        return time.monotonic()
+
+    def heal(self) -> float:
+        """Let the port's packets through again; when."""
+        self.close()
+        return time.monotonic()
+
+    def close(self) -> None:
+        """Delete the table if present; safe to call twice."""
+        with contextlib.suppress(Exception):
+            subprocess.run(
+                ["nft", "delete", "table", "inet", self.table], capture_output=True, timeout=30, check=False
+            )
+        self.cut = False
         _OPEN.discard(self)
 
 

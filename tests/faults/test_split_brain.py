@@ -1,0 +1,358 @@
+"""Split brain: the old primary is ISOLATED, alive, while its standby is promoted.
+
+The failover tests kill the primary; here it keeps running, cut off by an nftables rule
+on this host that drops every packet to and from its TCP port (``netns.PortIsolation``):
+the majority side (a holder and a rival on the multi-host / Sentinel URL, the standby's
+replication stream, the sentinel) loses it without a reset. One client stays on the old
+primary's side through its Unix socket, which the rule does not touch: what it is told
+is what a client partitioned together with the old primary would be told.
+
+Parties and keys (ttl 3 s, 6 s in long mode; refreshed every ttl/3):
+
+* ``job:*`` — held by the majority holder from before the cut; it must reconnect to the
+  new primary (or declare LOST before the rival gets the key);
+* ``old:*`` — held by the old-side holder from before the cut (replicated); its refreshes
+  now reach only the isolated primary; a rival on the new primary tries each every 50 ms;
+* ``split:*`` — free keys the old side and the rival both acquire during the partition;
+* ``after:*`` — taken right after the heal by a fresh majority client.
+
+A *double* holder is a rival grant answered while the other party had not declared its
+lease LOST, or a split key granted to both sides. Measured and asserted:
+
+* PostgreSQL, ``synchronous_commit = on`` with a synchronous standby: every write on the
+  isolated primary waits for the standby that is gone, so the old side is granted nothing
+  and confirms no refresh: 0 double holders, during the partition and after the heal.
+  The multi-host URL, though, tries its hosts in order, and a silent (not dead) first host
+  costs each connection attempt its whole ``connect_timeout`` (at least 2 s, libpq's
+  minimum): the baseline ``hosts-in-order`` (old primary listed first) loses every
+  majority lease, and after the heal connects to the old primary again, which is still
+  read-write and blocks every write. ``load_balance_hosts=random`` (libpq >= 16) keeps
+  them;
+* Redis Sentinel without ``ce_wait_replicas``: the isolated master keeps acknowledging
+  writes: the old side keeps its leases and is granted the split keys while the rival
+  holds them on the new master (double holders), until the heal turns it into a replica;
+* with ``ce_wait_replicas=1`` every such write fails as BackendError: 0 double holders.
+
+Short mode (CI): Redis with ``ce_wait_replicas``, one partition of 5 s (about 25 s in all).
+``CE_LONG=1``: partitions of 30 s, PostgreSQL, and the baselines (Redis without WAIT;
+PostgreSQL hosts tried in order).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from celery_exclusive import BackendError, Lease, LeaseState, LockService
+from tests.faults.conftest import IN_CI, LONG, SLACK, Attempt, Competitor, Faults, wait_until
+from tests.faults.netns import NetnsUnavailable, PortIsolation
+from tests.faults.test_failover import close_quietly, pg_set, retrying, sentinel_set
+
+pytestmark = pytest.mark.slow
+
+TTL = 6.0 if LONG else 3.0
+HELD = 20  # job:* on the majority side
+OLD = 10  # old:* on the old primary's side
+SPLIT = 10  # split:* taken by both sides during the partition
+AFTER = 5  # after:* taken right after the heal
+PARTITION = 30.0 if LONG else 5.0  # longer than the ttl: the old side's leases expire
+OLD_SIDE_TIMEOUT = 3.0  # call_timeout of the old side and of the client after the heal
+#: Long mode only: the baselines (what goes wrong, measured), and PostgreSQL's case, whose
+#: two servers take 30-40 s to set up and run here (CI's budget has room for one case).
+LONG_ONLY = pytest.mark.skipif(not LONG, reason="a baseline, measured in long mode (CE_LONG=1)")
+
+
+@pytest.fixture
+def isolation() -> Iterator[list[PortIsolation]]:
+    """Isolations made by the test (``PortIsolation(port)`` appended); always removed."""
+    made: list[PortIsolation] = []
+    try:
+        yield made
+    finally:
+        for each in made:
+            each.close()
+
+
+def isolate(made: list[PortIsolation], port: int) -> PortIsolation:
+    try:
+        cut = PortIsolation(port, "s")
+    except NetnsUnavailable as exc:
+        if IN_CI:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    made.append(cut)
+    return cut
+
+
+@dataclass
+class Side:
+    """One party's leases and when each was declared LOST (test clock)."""
+
+    service: LockService
+    leases: dict[str, Lease] = field(default_factory=dict)
+    lost_at: dict[str, float] = field(default_factory=dict)
+
+    def hold(self, key: str) -> None:
+        lease = self.service.lock(key)
+        self.leases[key] = lease
+        lease.on_lost(lambda lost, _reason: self.lost_at.setdefault(lost.key, time.monotonic()))
+
+
+@dataclass
+class Tally:
+    """What the split did, per group of keys."""
+
+    kept: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+    double: dict[str, int] = field(default_factory=dict)
+    old_side_split_granted: int = 0
+    old_side_split_refused: int = 0
+    rival_split_granted: int = 0
+    after_granted: int = 0
+    after_refused: int = 0
+    promote_s: float = 0.0
+    #: Redis: heal -> the old master is a replica again, and -> the old side's last lease LOST.
+    demoted_s: float | None = None
+    old_side_lost_s: float | None = None
+    #: Leases of each group declared LOST while the partition lasted, and after the heal.
+    lost_during: dict[str, int] = field(default_factory=dict)
+    lost_after_heal: dict[str, int] = field(default_factory=dict)
+    details: list[str] = field(default_factory=list)
+
+
+def doubles(side: Side, grants: dict[str, Attempt | None], tally: Tally, group: str) -> None:
+    """A rival grant answered while ``side`` had not declared that key's lease LOST."""
+    count = 0
+    for key, grant in grants.items():
+        if grant is None:
+            continue
+        lost = side.lost_at.get(key)
+        if lost is None or lost >= grant.answered:
+            count += 1
+            late = "never" if lost is None else f"{lost - grant.answered:+.3f} s"
+            tally.details.append(f"{key}: rival granted, holder LOST {late}")
+    tally.double[group] = count
+
+
+def settle(side: Side, final: LockService, tally: Tally, group: str, healed: float) -> None:
+    """Kept: still believed held and the new primary's lease has its token; else lost."""
+    kept = lost = 0
+    tally.lost_during[group] = sum(at < healed for at in side.lost_at.values())
+    tally.lost_after_heal[group] = sum(at >= healed for at in side.lost_at.values())
+    for key, lease in side.leases.items():
+        if lease.state is LeaseState.LOST:
+            lost += 1
+            continue
+        info = retrying(lambda key=key: final.peek(key))
+        if info is not None and info.token == lease.token:
+            kept += 1
+        else:
+            lost += 1
+            tally.details.append(f"{key}: believed held, the new primary has {info and info.token}")
+    tally.kept[group], tally.lost[group] = kept, lost
+
+
+def split_acquires(old_side: LockService, rival: LockService, tally: Tally) -> None:
+    """Both sides try each free split key at once; what each was granted."""
+    old_grants: list[Lease | BackendError | None] = [None] * SPLIT
+
+    def old_try(i: int) -> None:
+        try:
+            old_grants[i] = old_side.try_lock(f"split:{i}")
+        except BackendError as exc:
+            old_grants[i] = exc
+
+    threads = [threading.Thread(target=old_try, args=(i,)) for i in range(SPLIT)]
+    for thread in threads:
+        thread.start()
+    rival_leases = [retrying(lambda i=i: rival.try_lock(f"split:{i}"), 20) for i in range(SPLIT)]
+    # Held by the rival until the service closes; the old side's grants stay with it too.
+    for thread in threads:
+        thread.join(30)
+    granted_old = [g for g in old_grants if isinstance(g, Lease)]
+    tally.old_side_split_granted = len(granted_old)
+    tally.old_side_split_refused = sum(isinstance(g, BackendError) for g in old_grants)
+    tally.rival_split_granted = sum(lease is not None for lease in rival_leases)
+    both = sum(isinstance(o, Lease) and r is not None for o, r in zip(old_grants, rival_leases, strict=True))
+    tally.double["split"] = both
+
+
+def after_heal(fresh: LockService, tally: Tally) -> None:
+    """A fresh majority client takes each ``after:*`` key at once (threads); counted."""
+
+    def take(i: int) -> None:
+        try:
+            lease = fresh.try_lock(f"after:{i}")
+        except BackendError as exc:
+            tally.after_refused += 1
+            tally.details.append(f"after:{i}: {str(exc)[-100:]}")
+            return
+        if lease is not None:
+            tally.after_granted += 1
+            lease.release()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(AFTER)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+
+def play(
+    faults: Faults,
+    cut: PortIsolation,
+    *,
+    majority_url: str,
+    old_url: str,
+    final_url: str,
+    promote: Any,
+    demoted: Any = None,
+) -> Tally:
+    """The scenario on one replicated set: hold, isolate, promote, race, heal, count."""
+    services: list[LockService] = []
+
+    def service(url: str, **options: Any) -> LockService:
+        services.append(LockService(url, prefix=faults.prefix, ttl=TTL, **options))
+        return services[-1]
+
+    competitors: dict[str, Competitor] = {}
+    try:
+        tally = Tally()
+        holder, old = Side(service(majority_url)), Side(service(old_url, call_timeout=OLD_SIDE_TIMEOUT))
+        rival = service(majority_url)
+        for i in range(HELD):
+            holder.hold(f"job:{i}")
+        for i in range(OLD):
+            old.hold(f"old:{i}")
+        began = cut.start()
+        tally.promote_s = promote() - began
+        for key in (*holder.leases, *old.leases):
+            competitors[key] = Competitor(rival, key, interval=0.05).start()
+        split_acquires(old.service, rival, tally)
+        time.sleep(max(0.0, began + PARTITION - time.monotonic()))
+        healed = cut.heal()
+        after_heal(service(majority_url, call_timeout=OLD_SIDE_TIMEOUT), tally)
+        time.sleep(TTL + SLACK)  # every lease still believed held has been refreshed since
+        for competitor in competitors.values():
+            competitor.stop()
+        if demoted is not None:  # Redis: the sentinel makes the old master a replica
+            assert wait_until(demoted, 60, 0.05), "the sentinel did not demote the old master"
+            tally.demoted_s = time.monotonic() - healed
+            live = old.leases.values()
+            if wait_until(lambda: all(lease.state is LeaseState.LOST for lease in live), TTL + SLACK):
+                tally.old_side_lost_s = max(old.lost_at.values()) - healed
+        doubles(holder, {k: competitors[k].first_grant for k in holder.leases}, tally, "job")
+        doubles(old, {k: competitors[k].first_grant for k in old.leases}, tally, "old")
+        final = service(final_url)
+        settle(holder, final, tally, "job", healed)
+        settle(old, final, tally, "old", healed)
+        return tally
+    finally:
+        cut.close()
+        for competitor in competitors.values():
+            competitor.stop()
+        close_quietly(*services)
+
+
+@pytest.mark.parametrize(
+    "balance",
+    [
+        pytest.param(False, marks=LONG_ONLY, id="hosts-in-order"),
+        pytest.param(True, marks=LONG_ONLY, id="load_balance_hosts"),  # 30-40 s: not in CI's budget
+    ],
+)
+def test_postgres_isolated_primary_grants_nothing(
+    faults: Faults, isolation: list[PortIsolation], balance: bool
+) -> None:
+    """synchronous_commit = on with a synchronous standby: the isolated old primary takes
+    writes but never commits them to anyone, so nobody on its side is granted or confirmed
+    anything, and after the heal a client that reaches it again is refused, not granted."""
+    with pg_set(sync=True) as pair:
+        standby = pair.standby
+        assert standby is not None
+        primary = pair.primary
+        hosts = f"host=127.0.0.1:{primary.port}&host=127.0.0.1:{standby.port}"
+        tail = "&target_session_attrs=read-write&connect_timeout=2&application_name=ce-split"
+        if balance:
+            tail += "&load_balance_hosts=random"
+        majority = f"postgresql+psycopg://postgres@/postgres?{hosts}{tail}"
+        old_side = (
+            f"postgresql+psycopg://postgres@/postgres?host={primary.root}&port={primary.port}"
+            "&application_name=ce-old-side"
+        )
+        final = f"postgresql+psycopg://postgres@127.0.0.1:{standby.port}/postgres"
+        cut = isolate(isolation, primary.port)
+
+        def promote() -> float:
+            standby.promote()
+            return time.monotonic()
+
+        tally = play(faults, cut, majority_url=majority, old_url=old_side, final_url=final, promote=promote)
+        faults.record(store="postgres", sync=True, balance=balance, partition_s=PARTITION, **vars(tally))
+        assert tally.old_side_split_granted == 0, tally
+        assert tally.rival_split_granted == SPLIT, tally
+        assert sum(tally.double.values()) == 0, tally
+        assert tally.kept["old"] == 0, tally  # its refreshes never committed: LOST
+        assert tally.lost["job"] + tally.kept["job"] == HELD
+
+
+@pytest.mark.parametrize(
+    "wait", [pytest.param(False, marks=LONG_ONLY, id="async"), pytest.param(True, id="ce_wait_replicas")]
+)
+def test_redis_isolated_master_under_sentinel(
+    faults: Faults, isolation: list[PortIsolation], wait: bool
+) -> None:
+    """Without WAIT the isolated master acknowledges what it cannot replicate: its side keeps
+    its leases and is granted the split keys while the rival holds them (double holders),
+    lost on heal. With ce_wait_replicas=1 each such write is a BackendError: none."""
+    with sentinel_set(unix_socket=True) as (primary, replica, _proxy, sentinel):
+        options = "socket_timeout=2&socket_connect_timeout=1"
+        if wait:
+            options += "&ce_wait_replicas=1&ce_wait_timeout=0.2"
+        majority = f"{sentinel.url}?{options}"
+        old_side = f"unix://{primary.root / 'redis.sock'}?db=0&{options}"
+        final = f"redis://127.0.0.1:{replica.port}/0"
+        cut = isolate(isolation, primary.port)
+
+        def promote() -> float:
+            assert wait_until(lambda: sentinel.primary() == replica.port, 30, 0.02), "no failover"
+            return time.monotonic()
+
+        def demoted() -> bool:  # the sentinel turns the old master into a replica once it sees it
+            role = primary.command("ROLE")
+            return isinstance(role, list) and role[0] == b"slave"
+
+        tally = play(
+            faults,
+            cut,
+            majority_url=majority,
+            old_url=old_side,
+            final_url=final,
+            promote=promote,
+            demoted=demoted,
+        )
+        faults.record(
+            store="redis-sentinel",
+            wait_replicas=int(wait),
+            partition_s=PARTITION,
+            **vars(tally),
+        )
+        assert tally.double["job"] == 0, tally
+        if wait:
+            # Every write the isolated master could not replicate failed; the new master has
+            # no replica left to acknowledge either, so it grants and confirms nothing until
+            # the old master rejoins as its replica (the price of one replica, measured).
+            assert tally.old_side_split_refused == SPLIT, tally
+            assert sum(tally.double.values()) == 0, tally
+        else:
+            # The isolated master acknowledged both the split grants and the old side's
+            # refreshes: double holders, until the heal makes it a replica.
+            assert tally.old_side_split_granted == SPLIT, tally
+            assert tally.rival_split_granted == SPLIT, tally
+            assert tally.double["split"] == SPLIT, tally
+            assert tally.double["old"] <= OLD, tally
