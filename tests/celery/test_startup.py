@@ -178,7 +178,7 @@ def test_a_prefork_child_on_a_silent_store_is_not_killed_for_a_late_up(celery_lo
             for pid in first:
                 os.kill(pid, signal.SIGKILL)
             wait_for(lambda: set(_children(worker.popen.pid)) - set(first), 10, what="a replacement")
-            time.sleep(12)  # two UP deadlines (4 s) and two warm-ups (5 s) of a replacement
+            time.sleep(6)  # past the UP deadline (4 s) of the replacement, and its warm-up (2 s)
             log = worker.text()
             replacements = set(_children(worker.popen.pid)) - set(first)
         finally:
