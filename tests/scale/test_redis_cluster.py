@@ -9,6 +9,7 @@ share one hash slot).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -293,35 +294,54 @@ def test_a_held_lease_survives_resharding(provider: RedisLockProvider) -> None:
             client.close()
 
 
-@pytest.fixture
-def primary_and_replica(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, redis.Redis]]:
-    """A private one-primary cluster (all slots) with one replica; its URL and both nodes."""
-    ports = cluster_ports(2)
+@contextlib.contextmanager
+def cluster_with_replicas(
+    folder: Path, primaries: int
+) -> Iterator[tuple[str, list[redis.Redis], list[redis.Redis]]]:
+    """A private cluster of ``primaries`` primaries (the slots split evenly), each with one
+    replica: its URL, the primaries and their replicas (replica i of primary i)."""
+    ports = cluster_ports(2 * primaries)
     with processes() as started:
-        clients = [start_cluster_node(started, tmp_path, port, 3000) for port in ports]
-        primary, replica = clients
+        clients = [start_cluster_node(started, folder, port, 3000) for port in ports]
+        heads, tails = clients[:primaries], clients[primaries:]
         try:
-            primary_id = primary.execute_command("CLUSTER", "MYID")
-            primary.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            replica.execute_command("CLUSTER", "MEET", "127.0.0.1", ports[0])
-            wait_for(
-                lambda: primary_id in replica.execute_command("CLUSTER", "NODES"), "the meet", started[1]
-            )
-            replica.execute_command("CLUSTER", "REPLICATE", primary_id)
-            wait_for(
-                lambda: replica.info("replication").get("master_link_status") == "up",
-                "replication",
-                started[1],
-            )
+            step = 16384 // primaries
+            for n, head in enumerate(heads):
+                last = 16383 if n == primaries - 1 else (n + 1) * step - 1
+                head.execute_command("CLUSTER", "ADDSLOTSRANGE", n * step, last)
+            for client in clients[1:]:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", ports[0])
+            ids = [head.execute_command("CLUSTER", "MYID") for head in heads]
+            for tail in tails:
+                wait_for(
+                    lambda tail=tail: all(i in tail.execute_command("CLUSTER", "NODES") for i in ids),
+                    "the meet",
+                    started[0],
+                )
+            for head_id, tail in zip(ids, tails, strict=True):
+                tail.execute_command("CLUSTER", "REPLICATE", head_id)
+            for tail in tails:
+                wait_for(
+                    lambda tail=tail: tail.info("replication").get("master_link_status") == "up",
+                    "replication",
+                    started[0],
+                )
             wait_for(
                 lambda: all(c.cluster("INFO")["cluster_state"] == "ok" for c in clients),
                 "cluster state ok",
                 started[0],
             )
-            yield f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", primary, replica
+            yield f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", heads, tails
         finally:
             for client in clients:
                 client.close()
+
+
+@pytest.fixture
+def primary_and_replica(tmp_path: Path) -> Iterator[tuple[str, redis.Redis, redis.Redis]]:
+    """A private one-primary cluster (all slots) with one replica; its URL and both nodes."""
+    with cluster_with_replicas(tmp_path, 1) as (url, (primary,), (replica,)):
+        yield url, primary, replica
 
 
 def test_a_held_lease_survives_a_manual_failover(
@@ -677,3 +697,42 @@ def test_wait_replicas_on_a_cluster_waits_on_the_connection_that_wrote(
             provider.release(key, "tok")
     finally:
         provider.close()
+
+
+def test_wait_replicas_on_a_cluster_counts_each_node_written(tmp_path: Path) -> None:
+    """Two primaries, one replica each; one replica frozen (SIGSTOP). Grants on the other
+    primary are acknowledged; grants on the frozen one's primary fail; a refresh spanning
+    both primaries fails (the fewest acknowledgements count), one of the healthy primary's
+    keys alone is confirmed. Thawed, everything works again."""
+    with cluster_with_replicas(tmp_path, 2) as (url, _primaries, replicas):
+        provider = RedisLockProvider(url + "?ce_wait_replicas=1&ce_wait_timeout=0.2")
+        cluster = cast(RedisCluster, provider._client)
+        stuck = f"127.0.0.1:{replicas[1].info('replication')['master_port']}"  # frozen replica's primary
+        pid = int(replicas[1].info("server")["process_id"])
+        try:
+            ok1, ok2 = _key_on(cluster, stuck, want=False), _key_on(cluster, stuck, want=False)
+            frozen, frozen2 = _key_on(cluster, stuck), _key_on(cluster, stuck)
+            for key in (ok1, frozen):
+                assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+            both = [RefreshRequest(ok1, "tok", 10.0), RefreshRequest(frozen, "tok", 10.0)]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert isinstance(provider.acquire(ok2, "tok", 10.0, 60.0, "{}"), Grant)
+                with pytest.raises(BackendError, match=r"grant reached 0 of 1 replica\(s\)"):
+                    provider.acquire(frozen2, "tok", 10.0, 60.0, "{}")
+                with pytest.raises(BackendError, match=r"refresh reached 0 of 1 replica\(s\)"):
+                    provider.refresh(both)
+                assert provider.refresh(both[:1]) == [pytest.approx(10.0, abs=0.1)]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert provider.refresh(both) == [pytest.approx(10.0, abs=0.1)] * 2
+        finally:
+            provider.close()
+
+
+def _key_on(cluster: RedisCluster, node: str, *, want: bool = True) -> str:
+    """A fresh key owned by the primary ``node`` (host:port), or by another if not ``want``."""
+    while True:
+        key = f"w{uuid.uuid4().hex[:10]}"
+        if (cluster.get_node_from_key(key).name == node) is want:
+            return key
