@@ -116,7 +116,7 @@ class ScriptRunner:
         noscript: type[Exception],
         wait: tuple[int, int],
         node_of: Callable[[str], tuple[str, Any]] | None = None,
-        moved: Callable[[], None] = lambda: None,
+        moved: tuple[tuple[type[Exception], ...], Callable[[], None]] = ((), lambda: None),
     ) -> None:
         self._client = client
         self._execute = execute
@@ -128,8 +128,8 @@ class ScriptRunner:
         self._wait = wait
         #: On a cluster: the node owning a key, as (name, its own one-node client).
         self._node_of = node_of
-        #: Called when a node answered MOVED/ASK (the cluster's slot map is stale).
-        self._moved = moved
+        #: The MOVED/ASK error replies, and what to call on one (the slot map is stale).
+        self._redirects, self._moved = moved
 
     def run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
@@ -230,7 +230,7 @@ class ScriptRunner:
                 continue
             for reply in (*replies, acks):
                 if isinstance(reply, Exception):
-                    if str(reply).startswith(("MOVED ", "ASK ")):
+                    if isinstance(reply, self._redirects):
                         self._moved()  # the script did not run there; the caller's retry is rerouted
                     raise self._fail(reply) from reply
             return replies, int(acks)

@@ -46,6 +46,7 @@ class RedisServer:
         # RedisClusterException (no reachable node, say) is not a RedisError.
         self.errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
         self.response_error = redis.ResponseError
+        self.redirects = (redis.exceptions.MovedError, redis.exceptions.AskError)
         self.translated = Translating(self.errors, self.fail)
         self.wire: Wire | None = None
         execute: Callable[..., Any]
@@ -64,7 +65,7 @@ class RedisServer:
             noscript=redis.exceptions.NoScriptError,
             wait=(self.wait_replicas, self.wait_ms),
             node_of=self._node_client if self.cluster else None,
-            moved=self._remap,
+            moved=(self.redirects, self._remap),
         )
 
     @property
@@ -97,6 +98,8 @@ class RedisServer:
         """``exc`` (a driver error, or what the provider found malformed) as a BackendError
         naming the server, the password masked."""
         reason = str(exc) or type(exc).__name__
+        if isinstance(exc, self.redirects):  # redis-py strips the MOVED/ASK word
+            reason = f"{type(exc).__name__[:-5].upper()} {reason}: the slot is served elsewhere now"
         if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
             reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
         password = self.target.password

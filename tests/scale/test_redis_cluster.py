@@ -736,3 +736,27 @@ def _key_on(cluster: RedisCluster, node: str, *, want: bool = True) -> str:
         key = f"w{uuid.uuid4().hex[:10]}"
         if (cluster.get_node_from_key(key).name == node) is want:
             return key
+
+
+def test_wait_replicas_on_a_cluster_after_a_slot_moved(tmp_path: Path) -> None:
+    """A slot handed to the other primary after the client read the slot map: the grant
+    sent to the old owner is answered MOVED (nothing ran there), a BackendError, and the
+    slot map is read again, so the next attempt goes to the new owner and is granted."""
+    with cluster_with_replicas(tmp_path, 2) as (url, primaries, _replicas):
+        provider = RedisLockProvider(url + "?ce_wait_replicas=1&ce_wait_timeout=0.5")
+        cluster = cast(RedisCluster, provider._client)
+        try:
+            first = f"127.0.0.1:{primaries[0].connection_pool.connection_kwargs['port']}"
+            key = _key_on(cluster, first)
+            slot = cluster.keyslot(key)
+            target = primaries[1].execute_command("CLUSTER", "MYID")
+            for node in (primaries[1], primaries[0]):  # an empty slot: no keys to migrate
+                node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target)
+            with pytest.raises(BackendError, match=r"MOVED \d+ 127.0.0.1:\d+: the slot is served elsewhere"):
+                provider.acquire(key, "tok", 10.0, 60.0, "{}")
+            grant = provider.acquire(key, "tok", 10.0, 60.0, "{}")
+            assert isinstance(grant, Grant)
+            assert primaries[1].hget(key, "token") == "tok"
+            assert provider.release(key, "tok") is True
+        finally:
+            provider.close()
