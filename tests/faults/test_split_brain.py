@@ -31,7 +31,8 @@ lease LOST, or a split key granted to both sides. Measured and asserted:
 * Redis Sentinel without ``ce_wait_replicas``: the isolated master keeps acknowledging
   writes: the old side keeps its leases and is granted the split keys while the rival
   holds them on the new master (double holders), until the heal turns it into a replica;
-* with ``ce_wait_replicas=1`` every such write fails as BackendError: 0 double holders.
+* with ``ce_wait_replicas=1`` every such write fails as BackendError: 0 double holders
+  (and with a second replica the new master keeps granting meanwhile).
 
 Short mode (CI): Redis with ``ce_wait_replicas``, one partition of 5 s (about 25 s in all).
 ``CE_LONG=1``: partitions of 30 s, PostgreSQL, and the baselines (Redis without WAIT;
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,7 @@ PARTITION = 30.0 if LONG else 5.0  # longer than the ttl: the old side's leases 
 OLD_SIDE_TIMEOUT = 3.0  # call_timeout of the old side and of the client after the heal
 #: Long mode only: the baselines (what goes wrong, measured), and PostgreSQL's case, whose
 #: two servers take 30-40 s to set up and run here (CI's budget has room for one case).
-LONG_ONLY = pytest.mark.skipif(not LONG, reason="a baseline, measured in long mode (CE_LONG=1)")
+LONG_ONLY = pytest.mark.skipif(not LONG, reason="long mode only (CE_LONG=1): a baseline, or slow")
 
 
 @pytest.fixture
@@ -209,7 +210,7 @@ def play(
     *,
     majority_url: str,
     old_url: str,
-    final_url: str,
+    final_url: str | Callable[[], str],
     promote: Any,
     demoted: Any = None,
 ) -> Tally:
@@ -248,7 +249,7 @@ def play(
                 tally.old_side_lost_s = max(old.lost_at.values()) - healed
         doubles(holder, {k: competitors[k].first_grant for k in holder.leases}, tally, "job")
         doubles(old, {k: competitors[k].first_grant for k in old.leases}, tally, "old")
-        final = service(final_url)
+        final = service(final_url if isinstance(final_url, str) else final_url())
         settle(holder, final, tally, "job", healed)
         settle(old, final, tally, "old", healed)
         return tally
@@ -302,25 +303,29 @@ def test_postgres_isolated_primary_grants_nothing(
 
 
 @pytest.mark.parametrize(
-    "wait", [pytest.param(False, marks=LONG_ONLY, id="async"), pytest.param(True, id="ce_wait_replicas")]
+    ("wait", "replicas"),
+    [
+        pytest.param(False, 1, marks=LONG_ONLY, id="async"),
+        pytest.param(True, 1, id="ce_wait_replicas"),
+        pytest.param(True, 2, marks=LONG_ONLY, id="ce_wait_replicas-two-replicas"),
+    ],
 )
 def test_redis_isolated_master_under_sentinel(
-    faults: Faults, isolation: list[PortIsolation], wait: bool
+    faults: Faults, isolation: list[PortIsolation], wait: bool, replicas: int
 ) -> None:
     """Without WAIT the isolated master acknowledges what it cannot replicate: its side keeps
     its leases and is granted the split keys while the rival holds them (double holders),
     lost on heal. With ce_wait_replicas=1 each such write is a BackendError: none."""
-    with sentinel_set(unix_socket=True) as (primary, replica, _proxy, sentinel):
+    with sentinel_set(unix_socket=True, second=replicas == 2) as (primary, _replica, _proxy, sentinel):
         options = "socket_timeout=2&socket_connect_timeout=1"
         if wait:
             options += "&ce_wait_replicas=1&ce_wait_timeout=0.2"
         majority = f"{sentinel.url}?{options}"
         old_side = f"unix://{primary.root / 'redis.sock'}?db=0&{options}"
-        final = f"redis://127.0.0.1:{replica.port}/0"
         cut = isolate(isolation, primary.port)
 
         def promote() -> float:
-            assert wait_until(lambda: sentinel.primary() == replica.port, 30, 0.02), "no failover"
+            assert wait_until(lambda: sentinel.primary() not in (None, primary.port), 30, 0.02), "no failover"
             return time.monotonic()
 
         def demoted() -> bool:  # the sentinel turns the old master into a replica once it sees it
@@ -332,23 +337,27 @@ def test_redis_isolated_master_under_sentinel(
             cut,
             majority_url=majority,
             old_url=old_side,
-            final_url=final,
+            final_url=lambda: f"redis://127.0.0.1:{sentinel.primary()}/0",
             promote=promote,
             demoted=demoted,
         )
         faults.record(
             store="redis-sentinel",
             wait_replicas=int(wait),
+            replicas=replicas,
             partition_s=PARTITION,
             **vars(tally),
         )
         assert tally.double["job"] == 0, tally
         if wait:
-            # Every write the isolated master could not replicate failed; the new master has
-            # no replica left to acknowledge either, so it grants and confirms nothing until
-            # the old master rejoins as its replica (the price of one replica, measured).
+            # Every write the isolated master could not replicate failed. With one replica the
+            # new master has none left to acknowledge either, so it grants and confirms nothing
+            # until the old master rejoins as its replica (the price, measured); with two, the
+            # sentinel points the other one at it.
             assert tally.old_side_split_refused == SPLIT, tally
             assert sum(tally.double.values()) == 0, tally
+            if replicas == 2:
+                assert tally.rival_split_granted == SPLIT, tally
         else:
             # The isolated master acknowledged both the split grants and the old side's
             # refreshes: double holders, until the heal makes it a replica.
