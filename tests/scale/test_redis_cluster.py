@@ -671,40 +671,13 @@ def _keys_on_every_primary(cluster: RedisCluster) -> list[str]:
     return list(found.values())
 
 
-def test_wait_replicas_on_a_cluster_waits_on_the_connection_that_wrote(
-    primary_and_replica: tuple[str, redis.Redis, redis.Redis],
-) -> None:
-    """WAIT counts the replicas that have its own connection's writes: with the replica
-    frozen (SIGSTOP: still connected, acknowledging nothing) a grant and a refresh fail
-    within ce_wait_timeout; thawed, both work again and a grant is acknowledged."""
-    url, _primary, replica = primary_and_replica
-    provider = RedisLockProvider(url + "?ce_wait_replicas=1&ce_wait_timeout=0.2")
-    pid = int(replica.info("server")["process_id"])
-    try:
-        grant = provider.acquire("acked", "tok", 10.0, 60.0, "{}")
-        assert isinstance(grant, Grant)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(BackendError, match=r"grant reached 0 of 1 replica\(s\)"):
-                provider.acquire("frozen", "tok", 10.0, 60.0, "{}")
-            with pytest.raises(BackendError, match=r"refresh reached 0 of 1 replica\(s\)"):
-                provider.refresh([RefreshRequest("acked", "tok", 10.0)])
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert provider.refresh([RefreshRequest("acked", "tok", 10.0)]) == [pytest.approx(10.0, abs=0.1)]
-        assert isinstance(provider.acquire("thawed", "tok", 10.0, 60.0, "{}"), Grant)
-        for key in ("acked", "frozen", "thawed"):
-            provider.release(key, "tok")
-    finally:
-        provider.close()
-
-
 def test_wait_replicas_on_a_cluster_counts_each_node_written(tmp_path: Path) -> None:
-    """Two primaries, one replica each; one replica frozen (SIGSTOP). Grants on the other
-    primary are acknowledged; grants on the frozen one's primary fail; a refresh spanning
-    both primaries fails (the fewest acknowledgements count), one of the healthy primary's
-    keys alone is confirmed. Thawed, everything works again."""
-    with cluster_with_replicas(tmp_path, 2) as (url, _primaries, replicas):
+    """Two primaries, one replica each; one replica frozen (SIGSTOP: still connected,
+    acknowledging nothing). Grants on the other primary are acknowledged; grants on the
+    frozen one's primary fail; a refresh spanning both primaries fails (the fewest
+    acknowledgements count), one of the healthy primary's keys alone is confirmed. Thawed,
+    everything works again. Then a slot moves (MOVED, see :func:`_moved_slot`)."""
+    with cluster_with_replicas(tmp_path, 2) as (url, primaries, replicas):
         provider = RedisLockProvider(url + "?ce_wait_replicas=1&ce_wait_timeout=0.2")
         cluster = cast(RedisCluster, provider._client)
         stuck = f"127.0.0.1:{replicas[1].info('replication')['master_port']}"  # frozen replica's primary
@@ -726,8 +699,26 @@ def test_wait_replicas_on_a_cluster_counts_each_node_written(tmp_path: Path) -> 
             finally:
                 os.kill(pid, signal.SIGCONT)
             assert provider.refresh(both) == [pytest.approx(10.0, abs=0.1)] * 2
+            _moved_slot(provider, cluster, primaries)
         finally:
             provider.close()
+
+
+def _moved_slot(provider: RedisLockProvider, cluster: RedisCluster, primaries: list[redis.Redis]) -> None:
+    """A slot handed to the other primary after the client read the slot map: the grant
+    sent to the old owner is answered MOVED (nothing ran there), a BackendError, and the
+    slot map is read again, so the next attempt goes to the new owner and is granted."""
+    first = f"127.0.0.1:{primaries[0].connection_pool.connection_kwargs['port']}"
+    key = _key_on(cluster, first)
+    slot = cluster.keyslot(key)
+    target = primaries[1].execute_command("CLUSTER", "MYID")
+    for node in (primaries[1], primaries[0]):  # an empty slot: no keys to migrate
+        node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target)
+    with pytest.raises(BackendError, match=r"MOVED \d+ 127.0.0.1:\d+: the slot is served elsewhere"):
+        provider.acquire(key, "tok", 10.0, 60.0, "{}")
+    assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, "{}"), Grant)
+    assert primaries[1].hget(key, "token") == "tok"
+    assert provider.release(key, "tok") is True
 
 
 def _key_on(cluster: RedisCluster, node: str, *, want: bool = True) -> str:
@@ -736,27 +727,3 @@ def _key_on(cluster: RedisCluster, node: str, *, want: bool = True) -> str:
         key = f"w{uuid.uuid4().hex[:10]}"
         if (cluster.get_node_from_key(key).name == node) is want:
             return key
-
-
-def test_wait_replicas_on_a_cluster_after_a_slot_moved(tmp_path: Path) -> None:
-    """A slot handed to the other primary after the client read the slot map: the grant
-    sent to the old owner is answered MOVED (nothing ran there), a BackendError, and the
-    slot map is read again, so the next attempt goes to the new owner and is granted."""
-    with cluster_with_replicas(tmp_path, 2) as (url, primaries, _replicas):
-        provider = RedisLockProvider(url + "?ce_wait_replicas=1&ce_wait_timeout=0.5")
-        cluster = cast(RedisCluster, provider._client)
-        try:
-            first = f"127.0.0.1:{primaries[0].connection_pool.connection_kwargs['port']}"
-            key = _key_on(cluster, first)
-            slot = cluster.keyslot(key)
-            target = primaries[1].execute_command("CLUSTER", "MYID")
-            for node in (primaries[1], primaries[0]):  # an empty slot: no keys to migrate
-                node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target)
-            with pytest.raises(BackendError, match=r"MOVED \d+ 127.0.0.1:\d+: the slot is served elsewhere"):
-                provider.acquire(key, "tok", 10.0, 60.0, "{}")
-            grant = provider.acquire(key, "tok", 10.0, 60.0, "{}")
-            assert isinstance(grant, Grant)
-            assert primaries[1].hget(key, "token") == "tok"
-            assert provider.release(key, "tok") is True
-        finally:
-            provider.close()
