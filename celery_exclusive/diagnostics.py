@@ -7,7 +7,11 @@ provider's ``diagnose()``) runs under a deadline of :class:`~celery_exclusive._s
 (the service's ``call_timeout``, 10 s by default): a store that accepts connections and
 never answers (a hung server, a silent network) is a failed check after the deadline, not a
 command that hangs for the driver's own timeouts. The service's own deadline is not enough
-for that: a SQL store's first call sets up its schema, connecting with the driver's timeout.
+for that (measured on a silent server with ``call_timeout=1``, tests/test_cli.py):
+PostgreSQL's first call sets up the schema within libpq's 2 s ``connect_timeout`` floor;
+PyMySQL's ``connect_timeout`` covers the TCP connect only, so MariaDB's first call waits for
+the server's greeting without a timeout (over 60 s); and a provider's ``diagnose()`` takes
+no timeout at all (10 s on Redis and PostgreSQL).
 """
 
 from __future__ import annotations
@@ -84,7 +88,11 @@ def _url_checks(url: str, prefix: str) -> list[Diagnosis]:
 
 class _Bounded:
     """Calls that take no ``timeout`` themselves, each run by :class:`StoreCalls` in a worker
-    thread that the caller stops waiting for after ``timeout`` seconds (BackendError)."""
+    thread that the caller stops waiting for after ``timeout`` seconds (BackendError).
+
+    The service's ``peek`` and ``locks`` are bounded by its ``call_timeout`` already, but not
+    tightly enough for a doctor (see the module docs: libpq's 2 s floor, PyMySQL's unbounded
+    greeting), so they are wrapped here too; ``diagnose()`` has no deadline of its own."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
