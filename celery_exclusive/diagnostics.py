@@ -7,11 +7,11 @@ provider's ``diagnose()``) runs under a deadline of :class:`~celery_exclusive._s
 (the service's ``call_timeout``, 10 s by default): a store that accepts connections and
 never answers (a hung server, a silent network) is a failed check after the deadline, not a
 command that hangs for the driver's own timeouts. The service's own deadline is not enough
-for that (measured on a silent server with ``call_timeout=1``, tests/test_cli.py):
-PostgreSQL's first call sets up the schema within libpq's 2 s ``connect_timeout`` floor;
-PyMySQL's ``connect_timeout`` covers the TCP connect only, so MariaDB's first call waits for
-the server's greeting without a timeout (over 60 s); and a provider's ``diagnose()`` takes
-no timeout at all (10 s on Redis and PostgreSQL).
+for that (measured on a silent server with ``call_timeout=1``, tests/test_cli.py): the
+service's peek ends by its deadline on Redis (1.0 s) and MariaDB (1.1 s), but PostgreSQL's
+first call sets up the schema within libpq's 2 s ``connect_timeout`` floor (2.0-2.2 s),
+and a provider's ``diagnose()`` takes no timeout at all (10 s on Redis and PostgreSQL,
+over 60 s on MariaDB).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class _Bounded:
     thread that the caller stops waiting for after ``timeout`` seconds (BackendError).
 
     The service's ``peek`` and ``locks`` are bounded by its ``call_timeout`` already, but not
-    tightly enough for a doctor (see the module docs: libpq's 2 s floor, PyMySQL's unbounded
-    greeting), so they are wrapped here too; ``diagnose()`` has no deadline of its own."""
+    tightly enough for a doctor on PostgreSQL (libpq's 2 s connect floor, see the module
+    docs), so they are wrapped here too; ``diagnose()`` has no deadline of its own."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout

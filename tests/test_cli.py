@@ -495,8 +495,7 @@ def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> Non
     checks = {d.check: d for d in report.checks}
     assert checks["connect"].status == "fail"
     # doctor's deadline (StoreCalls'), not the service's: PostgreSQL's first call ends at
-    # libpq's 2 s connect_timeout floor setting up its schema, and MariaDB's waits for the
-    # server's greeting with no timeout (PyMySQL's connect_timeout covers the TCP connect).
+    # libpq's 2 s connect_timeout floor setting up its schema.
     assert checks["connect"].detail == "lock store gave no answer during peek within 1 s"
     assert took < 3.0, took
     assert SECRET not in repr(report)

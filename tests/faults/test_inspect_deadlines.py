@@ -109,6 +109,37 @@ def test_mariadb_calls_end_by_call_timeout_on_a_silent_store(
     _works_again(service, call)
 
 
+def test_mariadb_first_call_on_a_store_silent_from_the_start_ends_by_its_deadline(
+    faults: Faults, mariadb_table: str
+) -> None:
+    """MariaDB behind a relay silent from the start: the TCP connect succeeds and the server's
+    greeting never comes. PyMySQL's connect_timeout covers only the TCP connect, so the
+    greeting and authentication must be bounded by the call's deadline too (they were not:
+    the first peek waited over 60 s); the call ends by it, no thread left waiting."""
+    proxy = faults.proxy(3306)
+    proxy.stall()
+    try:
+        url = with_option(MYSQL_URL.replace(":3306/", f":{proxy.port}/"), "table", mariadb_table)
+        service = faults.service(url, call_timeout=CALL_TIMEOUT)
+        started = time.monotonic()
+        with pytest.raises(BackendError):
+            service.peek("k")
+        took = time.monotonic() - started
+        assert took <= max(CALL_TIMEOUT, CONNECT_FLOOR) + SLACK, f"first peek() took {took:.3f} s"
+        assert service._calls.stuck == 0, "the first peek() was abandoned in a thread"
+    finally:
+        proxy.resume()
+    _works_again(service, CALLS["peek"])
+    pooled = service.provider._engine.raw_connection()  # type: ignore[attr-defined]
+    try:  # the connect's bounds were given back: statements have only the watchdog's
+        assert (pooled.driver_connection._read_timeout, pooled.driver_connection._write_timeout) == (
+            None,
+            None,
+        )
+    finally:
+        pooled.close()
+
+
 @pytest.mark.parametrize("name", list(SQL_CALLS))
 def test_sqlite_calls_end_by_call_timeout_while_the_database_is_locked(
     faults: Faults, tmp_path: Path, name: str
