@@ -61,6 +61,14 @@ def in_slots(self: Any, n: str, wait: bool = False) -> dict[str, Any]:
     return {"real": True}
 
 
+@exclusive_task(app=app, key="retries:{n}", max_retries=1, bind=True)
+def retries_once(self: Any, n: str) -> dict[str, Any]:
+    count(self.request.id)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1.5)
+    return {"real": True, "retries": self.request.retries}
+
+
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
     yield from embedded_worker(app, 4)
@@ -156,6 +164,26 @@ def test_a_copy_during_a_semaphore_run_ends_as_redelivered_and_a_later_one_as_al
     assert _runs[task_id] == 1
     assert in_slots.AsyncResult(task_id).get(timeout=5) == {"real": True}
     assert service.peek(f"slots:{n}") is None
+
+
+def test_a_copy_of_an_attempt_that_retried_does_not_run_but_the_retry_does(
+    worker: Any, skipped: list[dict[str, Any]]
+) -> None:
+    """Attempt 0 retried (record ``retried``, attempt 0); a copy of attempt 0 arriving before
+    the retry's own message ends as already_done; the retry (retries=1) runs and returns."""
+    task_id, n = uuid.uuid4().hex, uuid.uuid4().hex
+    first = retries_once.apply_async((n,), task_id=task_id)
+    service = get_lock_service(app)
+    _until(lambda: service.completion(f"retries:{n}", task_id) is not None)
+    record = service.completion(f"retries:{n}", task_id)
+    assert record is not None
+    assert (record.outcome, record.attempt) == ("retried", 0)
+    retries_once.apply_async((n,), task_id=task_id)  # a copy of attempt 0 (retries=0)
+    _until(lambda: any(s["reason"] == ALREADY_DONE for s in skipped))
+    (signal,) = [s for s in skipped if s["reason"] == ALREADY_DONE]
+    assert signal["record"].outcome == "retried"
+    assert first.get(timeout=10) == {"real": True, "retries": 1}
+    assert _runs[task_id] == 2  # attempt 0 and its retry, not the copy
 
 
 def test_an_other_task_id_on_a_held_key_is_skipped_with_reason_locked(
