@@ -69,6 +69,12 @@ def retries_once(self: Any, n: str) -> dict[str, Any]:
     return {"real": True, "retries": self.request.retries}
 
 
+@exclusive_task(app=app, key="fails:{n}", bind=True)
+def fails(self: Any, n: str) -> None:
+    count(self.request.id)
+    raise ValueError("the real failure")
+
+
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Any]:
     yield from embedded_worker(app, 4)
@@ -184,6 +190,20 @@ def test_a_copy_of_an_attempt_that_retried_does_not_run_but_the_retry_does(
     assert signal["record"].outcome == "retried"
     assert first.get(timeout=10) == {"real": True, "retries": 1}
     assert _runs[task_id] == 2  # attempt 0 and its retry, not the copy
+
+
+def test_a_copy_after_a_final_failure_does_not_run(worker: Any, skipped: list[dict[str, Any]]) -> None:
+    """A failure Celery will not retry is recorded too: the copy ends as already_done and
+    the stored state stays the real FAILURE."""
+    task_id, n = uuid.uuid4().hex, uuid.uuid4().hex
+    with pytest.raises(ValueError, match="the real failure"):
+        fails.apply_async((n,), task_id=task_id).get(timeout=10)
+    fails.apply_async((n,), task_id=task_id)
+    _until(lambda: any(s["reason"] == ALREADY_DONE for s in skipped))
+    (signal,) = [s for s in skipped if s["reason"] == ALREADY_DONE]
+    assert signal["record"].outcome == "failure"
+    assert _runs[task_id] == 1
+    assert fails.AsyncResult(task_id).state == "FAILURE"
 
 
 def test_an_other_task_id_on_a_held_key_is_skipped_with_reason_locked(
