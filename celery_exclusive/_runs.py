@@ -1,9 +1,10 @@
 """The exclusive runs in progress in this thread, and the release of a run's leases.
 
 :mod:`celery_exclusive.task` pushes each run's lease (a :class:`LeaseSet` for a run holding
-several keys) while its body runs, and pops and releases it through :func:`finish`;
-``self.lock``, ``self.locks`` and ``self.retry()`` find it with :func:`current`. A run holding
-several keys releases its first key (canonical order) last: it carries the completion record.
+several keys, a :class:`Guarded` for a semaphore's) while its body runs, and pops and
+releases it through :func:`finish`; ``self.lock``, ``self.locks`` and ``self.retry()`` find it
+with :func:`current`. A run holding several keys releases its first key (canonical order)
+last, a semaphore run its task id's lease: that lease carries the completion record.
 """
 
 from __future__ import annotations
@@ -24,6 +25,21 @@ class _Running(threading.local):
 
 
 _running = _Running()
+
+
+class Guarded(LeaseSet):
+    """A semaphore run's leases: its slot, then the lease on its own task id's key
+    (:func:`celery_exclusive.redelivery.guard_key`), which carries the completion record and
+    is released last (a copy of the message finds it held until the slot is free)."""
+
+
+def _carrier(leases: LeaseSet) -> tuple[Lease, list[Lease]]:
+    """The lease that carries the record, and the others in the order they are released."""
+    if isinstance(leases, Guarded):
+        *rest, guard = leases.leases
+        return guard, rest[::-1]
+    first, *rest = leases.leases
+    return first, rest[::-1]
 
 
 def push(task: object, lease: Lease | LeaseSet) -> None:
@@ -66,11 +82,11 @@ def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
     same store call. The lease that had been lost (the first in canonical order), or None."""
     _pop(lease)
     if isinstance(lease, LeaseSet):
-        lost = None
-        first, *rest = lease.leases
-        for each in reversed(rest):  # the first key last: it carries the record
-            lost = each if release(each, None) else lost
-        return first if release(first, done) else lost
+        carrier, others = _carrier(lease)
+        lost = {id(each) for each in others if release(each, None)}  # the carrier last
+        if release(carrier, done):
+            lost.add(id(carrier))
+        return next((each for each in lease.leases if id(each) in lost), None)
     state = lease.state  # release() inlined: the single-key path makes no extra call
     gone = state is LeaseState.LOST
     if state is not LeaseState.RELEASED:
@@ -79,12 +95,12 @@ def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
 
 
 def release_all(lease: Lease | LeaseSet, done: Completion | None) -> None:
-    """Release every lease of a run (before ``self.retry()``), ``done`` on the first key, last."""
+    """Release every lease of a run (before ``self.retry()``), ``done`` on the carrier, last."""
     if isinstance(lease, LeaseSet):
-        first, *rest = lease.leases
-        for each in reversed(rest):
+        carrier, others = _carrier(lease)
+        for each in others:
             each.release()
-        first.release(done)
+        carrier.release(done)
     else:
         lease.release(done)
 

@@ -7,7 +7,11 @@ provider's ``diagnose()``) runs under a deadline of :class:`~celery_exclusive._s
 (the service's ``call_timeout``, 10 s by default): a store that accepts connections and
 never answers (a hung server, a silent network) is a failed check after the deadline, not a
 command that hangs for the driver's own timeouts. The service's own deadline is not enough
-for that: a SQL store's first call sets up its schema, connecting with the driver's timeout.
+for that (measured on a silent server with ``call_timeout=1``, tests/test_cli.py): the
+service's peek ends by its deadline on Redis (1.0 s) and MariaDB (1.1 s), but PostgreSQL's
+first call sets up the schema within libpq's 2 s ``connect_timeout`` floor (2.0-2.2 s),
+and a provider's ``diagnose()`` takes no timeout at all (10 s on Redis and PostgreSQL,
+over 60 s on MariaDB).
 """
 
 from __future__ import annotations
@@ -84,7 +88,11 @@ def _url_checks(url: str, prefix: str) -> list[Diagnosis]:
 
 class _Bounded:
     """Calls that take no ``timeout`` themselves, each run by :class:`StoreCalls` in a worker
-    thread that the caller stops waiting for after ``timeout`` seconds (BackendError)."""
+    thread that the caller stops waiting for after ``timeout`` seconds (BackendError).
+
+    The service's ``peek`` and ``locks`` are bounded by its ``call_timeout`` already, but not
+    tightly enough for a doctor on PostgreSQL (libpq's 2 s connect floor, see the module
+    docs), so they are wrapped here too; ``diagnose()`` has no deadline of its own."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout

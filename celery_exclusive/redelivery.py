@@ -30,6 +30,12 @@ again), or died and its lease expired (the copy takes the key and runs the work,
 With records turned off there is nothing that would end the deferred copy, so the copy is
 only dropped.
 
+A semaphore's run (``limit > 1``) takes any free slot, so its slot cannot tell a copy: such
+a run also holds a lease on its own task id's key, ``<key>#id:<task id>`` (:func:`guard_key`),
+taken before the slot and released after it, and that lease plays the single lock's part
+(the copy finds it held; its release writes the record). One acquire and one release more
+per semaphore run; an id too long for the store's keys gets no such lease (nor records).
+
 ``self.retry()`` is told from a redelivery by the attempt: the release before a retry
 records ``retried`` with the request's ``retries``; a message of a later attempt (the
 retry's own) runs, a copy of that attempt or an earlier one does not. Eager runs and
@@ -46,7 +52,9 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
 from celery_exclusive import signals
+from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, Completion, CompletionInfo, LockInfo
+from celery_exclusive.validation import check_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView
@@ -60,6 +68,8 @@ REDELIVERED = "redelivered"
 ALREADY_DONE = "already_done"
 #: Records are kept this long when neither the task nor Celery's ``result_expires`` says.
 DEFAULT_RETENTION = 24 * 60 * 60.0
+#: Between a semaphore's key and a task id in the key of that run's own lease (guard_key).
+GUARD_INFIX = "#id:"
 #: Message header counting how often a copy during the run deferred itself.
 DEFERRED_HEADER = "celery_exclusive_deferred"
 
@@ -92,10 +102,31 @@ def once_id(task: TaskView, request: Any = None) -> str | None:
     request = task.request if request is None else request
     if request.called_directly or request.is_eager or retention(task) is None:
         return None
-    task_id = request.id
+    return _usable(request.id)
+
+
+def _usable(task_id: object) -> str | None:
     if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID_LENGTH or "\x00" in task_id:
         return None
     return task_id
+
+
+def guard_key(task: TaskView, key: str, request: Any) -> str | None:
+    """The key of the lease a semaphore's worker run (``limit > 1``) holds on its own task
+    id besides its slot (see the module docs); None for a single lock (its key does that),
+    an inline run, or an id that no key of the store can hold."""
+    if task.lock_settings.limit == 1 or request.called_directly or request.is_eager:
+        return None
+    task_id = _usable(request.id)
+    if task_id is None:
+        return None
+    guard = f"{key}{GUARD_INFIX}{task_id}"
+    service = task.lock_service
+    try:
+        check_key(guard, prefix=service.prefix, max_length=service.provider.max_key_length)
+    except InvalidArgumentError:
+        return None
+    return guard
 
 
 def completion(
@@ -143,6 +174,13 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
     if request.called_directly or request.is_eager or holder is None or not request.id:
         return False
     return bool(holder.holder.get("task_id") == request.id)
+
+
+def is_guard(task: TaskView, key: str) -> bool:
+    """Whether ``key`` is the :func:`guard_key` of ``task``'s current run: whoever holds it
+    (even one not yet known) is a run of this very task id."""
+    request = task.request
+    return bool(request.id) and task.lock_settings.limit > 1 and key.endswith(f"{GUARD_INFIX}{request.id}")
 
 
 def settle(

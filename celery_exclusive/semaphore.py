@@ -26,8 +26,10 @@
   hears slot 1's, and a higher slot's release is seen by its polling (within
   :data:`~celery_exclusive.waiting.POLL_MAX`).
 * A user key of the form ``{K}#i`` is slot ``i`` of ``K``: do not name plain locks that way.
-* Completion records (``task_id``) are not checked or written for ``limit > 1``: a record
-  lives on one store key, and a semaphore's runs are spread over several.
+* Completion records (``task_id``) are not checked or written by ``lock(limit > 1)``: a
+  record lives on one store key, and a semaphore's runs are spread over several. A Celery
+  run of a semaphore task also holds a lease on its own task id's key (``<key>#id:<task
+  id>``, :func:`celery_exclusive.redelivery.guard_key`), which does that job.
 """
 
 from __future__ import annotations

@@ -372,7 +372,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         try:
             settings = self.lock_settings
             durations = _durations(self, settings, service)
-            return _lock(service, settings, key, policies.holder_of(self, request), once, durations=durations)
+            guard = None
+            if settings.limit > 1 and isinstance(key, str):  # a semaphore: see guard_key()
+                guard = redelivery.guard_key(self, key, request)
+            holder = policies.holder_of(self, request)
+            return _lock(service, settings, key, holder, once, durations=durations, guard=guard)
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
 
@@ -431,12 +435,17 @@ def _lock(
     once: str | None,
     *,
     durations: Mapping[str, float | None],
+    guard: str | None = None,
 ) -> Lease | LeaseSet:
     """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
     the first through ``lock(task_id=once)``, which checks (and at release records) the
     completion record of the task id on it, the rest through ``lock_many``. A semaphore
-    (``limit > 1``) of several keys is refused (at the first run, before the store is touched)."""
+    (``limit > 1``) of several keys is refused (at the first run, before the store is touched);
+    one of a single key with a ``guard`` key holds that first (:func:`_lock_slot`)."""
     options: dict[str, Any] = {**durations, "holder": holder}
+    if guard is not None:
+        assert isinstance(key, str)  # guard_key() is asked for single keys only
+        return _lock_slot(service, settings, (key, guard), holder, once, durations=durations)
     if isinstance(key, str):
         return service.lock(
             key, task_id=once, hold_at_least=settings.cooldown, limit=settings.limit, **options
@@ -451,6 +460,28 @@ def _lock(
         first.release()
         raise
     return LeaseSet([first, *rest])
+
+
+def _lock_slot(
+    service: LockService,
+    settings: ExclusiveSettings,
+    keys: tuple[str, str],
+    holder: dict[str, Any],
+    once: str | None,
+    *,
+    durations: Mapping[str, float | None],
+) -> _runs.Guarded:
+    """A semaphore run's slot of ``key``, behind the lease on its task id's ``guard`` key
+    (``keys``), which checks (and at release records) the completion record of ``once``."""
+    key, guard = keys
+    options: dict[str, Any] = {**durations, "holder": holder}
+    first = service.lock(guard, task_id=once, **options)
+    try:
+        slot = service.lock(key, hold_at_least=settings.cooldown, limit=settings.limit, **options)
+    except BaseException:
+        first.release()
+        raise
+    return _runs.Guarded([slot, first])
 
 
 def _check_several(name: str, on_locked: object, cooldown: object, dedupe: object) -> None:

@@ -477,7 +477,7 @@ def test_configuration_and_input_errors_exit_2_masked() -> None:
     assert "must not be empty" in empty_key.stderr
 
 
-@pytest.mark.parametrize("scheme", ["redis", "postgresql+psycopg"])
+@pytest.mark.parametrize("scheme", ["redis", "postgresql+psycopg", "mysql+pymysql"])
 def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> None:
     """A store that accepts connections and never answers is a failed connect check once the
     call deadline passes (the service's call_timeout), not a doctor that waits out the driver."""
@@ -494,8 +494,8 @@ def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> Non
     assert report.round_trip is None
     checks = {d.check: d for d in report.checks}
     assert checks["connect"].status == "fail"
-    # doctor's deadline (StoreCalls'), not the store's: PostgreSQL's first call would wait
-    # out the driver's 10 s connect timeout setting up its schema.
+    # doctor's deadline (StoreCalls'), not the service's: PostgreSQL's first call ends at
+    # libpq's 2 s connect_timeout floor setting up its schema.
     assert checks["connect"].detail == "lock store gave no answer during peek within 1 s"
     assert took < 3.0, took
     assert SECRET not in repr(report)

@@ -30,8 +30,10 @@ Examples are few by default, so CI stays quick; ``CE_LONG=1`` runs ten times as 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -67,6 +69,7 @@ from tests.conftest import (
     drop_lock_table,
     require_server,
 )
+from tests.faults.servers import PrivateRedis, ServerUnavailable
 
 #: Long mode (``CE_LONG=1``): ten times the examples of every model.
 LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
@@ -140,25 +143,50 @@ def _sql_harness(name: str, url: str, run: str) -> Iterator[Harness]:
         drop_lock_table(url, table)
 
 
+@contextlib.contextmanager
+def _own_redis() -> Iterator[str]:
+    """The URL of a Redis whose keyspace holds only this test's keys: a private redis-server
+    when one can start (else the suite's shared Redis, whose other keys only cost time).
+
+    ``store_agrees`` lists the example's prefix with the provider's ``scan`` after every step;
+    SCAN MATCH still walks the whole keyspace, so on the shared server (tens of thousands
+    of other sessions' keys) each listing was ~60 SCAN calls and the test took 100-160 s.
+    """
+    binary = shutil.which("redis-server")
+    server = None
+    if binary is not None:
+        with contextlib.suppress(ServerUnavailable):
+            server = PrivateRedis(binary).start()
+    try:
+        if server is None:
+            require_server(REDIS_URL)
+        yield REDIS_URL if server is None else server.url
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def _redis_harness(run: str) -> Iterator[Harness]:
     import redis
 
     from celery_exclusive.providers.redis import RedisLockProvider
 
-    shared = RedisLockProvider(REDIS_URL)
-    other = redis.Redis.from_url(REDIS_URL)
-    try:
-        yield Harness(
-            "redis",
-            run,
-            provider=lambda _clock: shared,
-            forget=lambda _provider, key: other.delete(key),  # a separate client, as an operator would
-            fake_clock=False,
-        )
-    finally:
-        shared.close()
-        other.close()
-        delete_redis_keys(f"m{run}:")
+    with _own_redis() as url:
+        shared = RedisLockProvider(url)
+        other = redis.Redis.from_url(url)
+        try:
+            yield Harness(
+                "redis",
+                run,
+                provider=lambda _clock: shared,
+                forget=lambda _provider, key: other.delete(key),  # a separate client, as an operator would
+                fake_clock=False,
+            )
+        finally:
+            shared.close()
+            other.close()
+            if url == REDIS_URL:
+                delete_redis_keys(f"m{run}:")
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres", "mariadb", "redis"])
@@ -177,7 +205,6 @@ def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]
         require_server(MYSQL_URL)
         yield from _sql_harness(name, MYSQL_URL, run)
     else:
-        require_server(REDIS_URL)
         yield from _redis_harness(run)
 
 

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 #: Seconds without any armed deadline after which the watchdog thread exits.
 IDLE_EXIT = 10.0
@@ -168,9 +169,25 @@ def connect_timeout(configured: object) -> int | None:
     return int(left if current <= 0 else min(left, current))
 
 
-def bounded_connect(_dialect: object, _record: object, _cargs: object, cparams: dict[str, object]) -> None:
+def bounded_connect(dialect: Any, _record: object, cargs: Any, cparams: dict[str, Any]) -> Any:
     """SQLAlchemy ``do_connect`` listener: a connection opened inside :func:`connect_budget`
-    gives up connecting by then (``connect_timeout``, libpq's and PyMySQL's keyword)."""
+    gives up connecting by then (``connect_timeout``, libpq's and PyMySQL's keyword).
+
+    PyMySQL's ``connect_timeout`` covers the TCP connect only: the server's greeting, the
+    authentication and the session set-up are read with ``read_timeout`` (none by default),
+    so a server that accepts and never greets held the call forever. PyMySQL connections
+    are therefore opened here with read and write timeouts of what is left, which are then
+    given back their configured values (the statements have the watchdog's deadlines)."""
     timeout = connect_timeout(cparams.get("connect_timeout"))
-    if timeout is not None:
-        cparams["connect_timeout"] = timeout
+    if timeout is None:
+        return None
+    cparams["connect_timeout"] = timeout
+    if getattr(dialect, "driver", None) != "pymysql":
+        return None
+    left = max(_budget.deadline - time.monotonic(), 0.001)
+    read, write = cparams.get("read_timeout"), cparams.get("write_timeout")
+    connection = dialect.loaded_dbapi.connect(
+        *cargs, **{**cparams, "read_timeout": left, "write_timeout": left}
+    )
+    connection._read_timeout, connection._write_timeout = read, write  # PyMySQL's own fields
+    return connection

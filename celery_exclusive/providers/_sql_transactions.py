@@ -79,7 +79,8 @@ class Transactions:
         With ``timeout`` (seconds) the call ends by about then. SQLite: its busy timeout
         (waiting for another connection's write lock, the one way a SQLite call blocks) is
         lowered to what is left; disk I/O is not bounded. MariaDB/MySQL: connecting is
-        bounded by ``connect_timeout`` (whole seconds, at least 2; engines this store built)
+        bounded by ``connect_timeout`` (whole seconds, at least 2; engines this store built;
+        PyMySQL's greeting and login by the time left, see ``_deadline.bounded_connect``)
         and the statements by :mod:`._deadline`'s watchdog, which shuts the socket down at
         the deadline: the connection is dropped and the call raises BackendError. Deadlock
         retries stop at the deadline.

@@ -122,7 +122,7 @@ POLICIES: dict[str, Any] = {
 }
 
 
-def _policy_task(name: str, policy: Any) -> Any:
+def _policy_task(name: str, policy: Any, **options: Any) -> Any:
     def run(self: Any, key_id: str, duration: float = 0.0, kill: str | None = None) -> dict[str, Any]:
         return _body(self, duration, kill)
 
@@ -137,10 +137,21 @@ def _policy_task(name: str, policy: Any) -> Any:
         lock_retry_backoff_max=0.2,
         lock_max_retries=1000,
         bind=True,
+        **options,
     )(run)
 
 
 ONCE = {name: _policy_task(name, policy) for name, policy in POLICIES.items()}
+#: The same body under the options added after issue #10: ``on_locked="wait"`` (#13), a
+#: semaphore's slots (``limit``), and queued markers (``dedupe``, #12), each of which must
+#: leave a copy of the running message as the single lock does.
+VARIANTS = {
+    "wait": _policy_task("wait", "wait", lock_wait=10),
+    "limit2": _policy_task("limit2", "skip", limit=2),
+    "limit2_wait": _policy_task("limit2_wait", "wait", limit=2, lock_wait=10),
+    "dedupe": _policy_task("dedupe", "skip", dedupe="until_done"),
+    "dedupe_start": _policy_task("dedupe_start", "skip", dedupe="until_start"),
+}
 
 
 @exclusive_task(app=app, name="rd.once_long", key="rdl:{key_id}", ttl=LONG_TTL, bind=True)

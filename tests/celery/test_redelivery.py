@@ -150,7 +150,23 @@ def test_visibility_timeout_copies_never_run_again_under_any_policy(
     """kombu restores each 3 s run's message after 1 s; for every policy the copy ends
     without a trace: one body run per id, and the stored result is the body's own."""
     dump.append(redis_vt)
-    sent = {name: redis_vt.send(task, f"vt-{name}", 3.0) for name, task in rd.ONCE.items()}
+    _copies_end_without_a_trace(redis_vt, rd.ONCE)
+
+
+def test_visibility_timeout_copies_with_wait_slots_and_dedupe(redis_vt: Group, dump: list[Group]) -> None:
+    """The same under on_locked="wait", a limit=2 semaphore (a free slot must not take the
+    copy), both together, and dedupe markers (until_done, until_start): one body run per
+    id, the real result, the copy redelivered and then already_done."""
+    dump.append(redis_vt)
+    conf = rd.app.conf
+    conf.update(exclusive_url=REDIS_URL, exclusive_prefix=f"cerd{SESSION}vt:")  # the markers' store
+    _copies_end_without_a_trace(redis_vt, rd.VARIANTS)
+
+
+def _copies_end_without_a_trace(redis_vt: Group, tasks: dict[str, Any]) -> None:
+    sent = {
+        name: redis_vt.send(task, f"vt-{name}-{uuid.uuid4().hex[:6]}", 3.0) for name, task in tasks.items()
+    }
     for name, result in sent.items():
         assert result.get(timeout=30)["real"] is True, name
     for name, result in sent.items():

@@ -10,10 +10,11 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from celery_exclusive import signals
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
-from celery_exclusive.redelivery import ALREADY_DONE, LOCKED, REDELIVERED
+from celery_exclusive.redelivery import ALREADY_DONE, DEFAULT_RETENTION, LOCKED, REDELIVERED, retention
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task, is_skipped
 from celery_exclusive.worker import get_lock_service
@@ -50,6 +51,28 @@ def kept_30s(self: Any, n: str) -> dict[str, Any]:
 def no_records(self: Any, n: str) -> dict[str, Any]:
     count(self.request.id)
     return {"real": True}
+
+
+@exclusive_task(app=app, key="slots:{n}", limit=2, bind=True)
+def in_slots(self: Any, n: str, wait: bool = False) -> dict[str, Any]:
+    count(self.request.id)
+    if wait:
+        _release.wait(10)
+    return {"real": True}
+
+
+@exclusive_task(app=app, key="retries:{n}", max_retries=1, bind=True)
+def retries_once(self: Any, n: str) -> dict[str, Any]:
+    count(self.request.id)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1.5)
+    return {"real": True, "retries": self.request.retries}
+
+
+@exclusive_task(app=app, key="fails:{n}", bind=True)
+def fails(self: Any, n: str) -> None:
+    count(self.request.id)
+    raise ValueError("the real failure")
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +139,73 @@ def test_a_copy_during_the_run_ends_as_redelivered(worker: Any, skipped: list[di
     assert _runs[task_id] == 1
 
 
+def _until(predicate: Any, seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if predicate():
+            return
+        threading.Event().wait(0.02)
+
+
+def test_a_copy_during_a_semaphore_run_ends_as_redelivered_and_a_later_one_as_already_done(
+    worker: Any, skipped: list[dict[str, Any]]
+) -> None:
+    """limit=2, one slot free: the copy of the running message takes no slot and runs nothing
+    (its run's task id is held on the task id's own lease); a copy after the run finds the
+    record that lease's release wrote."""
+    task_id, n = uuid.uuid4().hex, uuid.uuid4().hex
+    _release.clear()
+    first = in_slots.apply_async((n, True), task_id=task_id)
+    service = get_lock_service(app)
+    _until(lambda: service.peek(f"slots:{n}") is not None)
+    in_slots.apply_async((n, True), task_id=task_id)
+    _until(lambda: any(s["reason"] == REDELIVERED for s in skipped))
+    assert service.peek(f"{{slots:{n}}}#2") is None  # the copy took no slot
+    _release.set()
+    assert first.get(timeout=10) == {"real": True}
+    (signal,) = [s for s in skipped if s["reason"] == REDELIVERED]
+    assert signal["holder"].holder["task_id"] == task_id
+    in_slots.apply_async((n,), task_id=task_id)
+    _until(lambda: any(s["reason"] == ALREADY_DONE for s in skipped))
+    assert [s["reason"] for s in skipped] == [REDELIVERED, ALREADY_DONE]
+    assert _runs[task_id] == 1
+    assert in_slots.AsyncResult(task_id).get(timeout=5) == {"real": True}
+    assert service.peek(f"slots:{n}") is None
+
+
+def test_a_copy_of_an_attempt_that_retried_does_not_run_but_the_retry_does(
+    worker: Any, skipped: list[dict[str, Any]]
+) -> None:
+    """Attempt 0 retried (record ``retried``, attempt 0); a copy of attempt 0 arriving before
+    the retry's own message ends as already_done; the retry (retries=1) runs and returns."""
+    task_id, n = uuid.uuid4().hex, uuid.uuid4().hex
+    first = retries_once.apply_async((n,), task_id=task_id)
+    service = get_lock_service(app)
+    _until(lambda: service.completion(f"retries:{n}", task_id) is not None)
+    record = service.completion(f"retries:{n}", task_id)
+    assert record is not None
+    assert (record.outcome, record.attempt) == ("retried", 0)
+    retries_once.apply_async((n,), task_id=task_id)  # a copy of attempt 0 (retries=0)
+    _until(lambda: any(s["reason"] == ALREADY_DONE for s in skipped))
+    (signal,) = [s for s in skipped if s["reason"] == ALREADY_DONE]
+    assert signal["record"].outcome == "retried"
+    assert first.get(timeout=10) == {"real": True, "retries": 1}
+    assert _runs[task_id] == 2  # attempt 0 and its retry, not the copy
+
+
+def test_a_copy_after_a_final_failure_does_not_run(worker: Any, skipped: list[dict[str, Any]]) -> None:
+    """A failure Celery will not retry is recorded too: the copy ends as already_done and
+    the stored state stays the real FAILURE."""
+    task_id, n = uuid.uuid4().hex, uuid.uuid4().hex
+    with pytest.raises(ValueError, match="the real failure"):
+        fails.apply_async((n,), task_id=task_id).get(timeout=10)
+    fails.apply_async((n,), task_id=task_id)
+    _until(lambda: any(s["reason"] == ALREADY_DONE for s in skipped))
+    (signal,) = [s for s in skipped if s["reason"] == ALREADY_DONE]
+    assert signal["record"].outcome == "failure"
+    assert _runs[task_id] == 1
+    assert fails.AsyncResult(task_id).state == "FAILURE"
+
+
 def test_an_other_task_id_on_a_held_key_is_skipped_with_reason_locked(
     worker: Any, skipped: list[dict[str, Any]]
 ) -> None:
@@ -156,6 +246,33 @@ def test_eager_and_direct_calls_are_unchanged() -> None:
     assert once(n) == {"real": True}
     assert _runs["eager-id"] == 3
     assert get_lock_service(app).completions(f"once:{n}") == []
+
+
+@pytest.mark.parametrize(
+    ("expires", "kept"),
+    [
+        ("unset", 86400.0),
+        (timedelta(hours=2), 7200.0),
+        (600, 600.0),
+        (None, DEFAULT_RETENTION),
+        (0, DEFAULT_RETENTION),
+    ],
+)
+def test_retention_defaults_to_result_expires_else_24_hours(expires: object, kept: float) -> None:
+    """done_retention unset: Celery's result_expires (its own default is 1 day), or 24 h when
+    that is off (None, 0); a task's own done_retention wins."""
+    other = Celery(f"ce-retention-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    if expires != "unset":
+        other.conf.result_expires = expires
+
+    def body() -> None:
+        return None
+
+    task = exclusive_task(app=other, name="ret", shared=False)(body)
+    own = exclusive_task(app=other, name="ret30", done_retention=30, shared=False)(body)
+    other.finalize()
+    assert retention(other.tasks[task.name]) == kept
+    assert retention(other.tasks[own.name]) == 30.0
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "1h", True, timedelta(0), None.__class__])

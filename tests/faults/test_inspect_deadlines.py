@@ -65,9 +65,15 @@ def test_the_first_call_on_a_store_silent_from_the_start_ends_by_its_deadline(
     schema then, on a connection of their own) still ends near ``call_timeout``, not at the
     driver's 10 s connect timeout, and leaves no thread waiting for the store."""
     proxy = faults.proxy(backend.port)
+    _first_peek_ends_in_time(faults, proxy, backend.url)
+
+
+def _first_peek_ends_in_time(faults: Faults, proxy: TcpProxy, url: Callable[[int], str]) -> LockService:
+    """A service on ``url(proxy.port)`` whose first peek meets the stalled ``proxy``: it raises
+    BackendError by its deadline, not abandoned in a thread. The proxy resumes after."""
     proxy.stall()
     try:
-        service = faults.service(backend.url(proxy.port), call_timeout=CALL_TIMEOUT)
+        service = faults.service(url(proxy.port), call_timeout=CALL_TIMEOUT)
         started = time.monotonic()
         with pytest.raises(BackendError):
             service.peek("k")
@@ -76,6 +82,7 @@ def test_the_first_call_on_a_store_silent_from_the_start_ends_by_its_deadline(
         assert service._calls.stuck == 0, "the first peek() was abandoned in a thread"
     finally:
         proxy.resume()
+    return service
 
 
 #: The SQL stores' acquire and release take the same deadline.
@@ -107,6 +114,25 @@ def test_mariadb_calls_end_by_call_timeout_on_a_silent_store(
     _stalled_call_fails_in_time(service, name, call, proxy)
     proxy.cut()
     _works_again(service, call)
+
+
+def test_mariadb_first_call_on_a_store_silent_from_the_start_ends_by_its_deadline(
+    faults: Faults, mariadb_table: str
+) -> None:
+    """MariaDB behind a relay silent from the start: the TCP connect succeeds and the server's
+    greeting never comes. PyMySQL's connect_timeout covers only the TCP connect, so the
+    greeting and authentication must be bounded by the call's deadline too (they were not:
+    the first peek waited over 60 s); the call ends by it, no thread left waiting."""
+    proxy = faults.proxy(3306)
+    url = with_option(MYSQL_URL, "table", mariadb_table)
+    service = _first_peek_ends_in_time(faults, proxy, lambda port: url.replace(":3306/", f":{port}/"))
+    _works_again(service, CALLS["peek"])
+    pooled = service.provider._engine.raw_connection()  # type: ignore[attr-defined]
+    try:  # the connect's bounds were given back: statements have only the watchdog's
+        driver = pooled.driver_connection
+        assert (driver._read_timeout, driver._write_timeout) == (None, None)
+    finally:
+        pooled.close()
 
 
 @pytest.mark.parametrize("name", list(SQL_CALLS))
