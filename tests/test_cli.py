@@ -30,6 +30,7 @@ from celery_exclusive.diagnostics import doctor
 from tests.conftest import (
     POSTGRES_URL,
     REDIS_URL,
+    TIME_SLACK,
     delete_redis_keys,
     drop_lock_table,
     require_server,
@@ -497,7 +498,8 @@ def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> Non
     # doctor's deadline (StoreCalls'), not the service's: PostgreSQL's first call ends at
     # libpq's 2 s connect_timeout floor setting up its schema.
     assert checks["connect"].detail == "lock store gave no answer during peek within 1 s"
-    assert took < 3.0, took
+    # Well under the drivers' own 10 s, with room for a loaded machine's scheduling.
+    assert took < 1.0 + 2.0 * TIME_SLACK, took
     assert SECRET not in repr(report)
 
 
