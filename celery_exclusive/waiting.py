@@ -15,7 +15,8 @@ out), cut short by a release signal where the store gives one. Guarantees:
   would without ``wait`` (no "not acquired" after a wait spent failing);
 * ``AlreadyDone`` (``task_id``) ends the wait at once;
 * each refused attempt is one refused acquisition: with ``lock_contended`` receivers (the
-  metrics) connected, each sends the signal, so contention counts attempts, not waits;
+  metrics) connected, each sends the signal, so contention counts attempts, not waits (a
+  SQLite probe that finds the key held is a read, not an attempt, and sends none);
 * fairness: a holder that releases a key others wait for gives way to them. Where the
   store tells the releaser someone waited (:class:`~celery_exclusive.providers.base.KnowsWaiters`:
   Redis, from the count of subscribers its release signal reached; SQLite, from the
@@ -25,9 +26,12 @@ out), cut short by a release signal where the store gives one. Guarantees:
   like the others; it gives way once per release, so it is never starved itself. A call
   without ``wait`` never gives way. There is no queue: among the waiters the first to
   attempt wins, so the order is not FIFO and under heavy CPU load the processes the
-  scheduler runs first can win most turns (measured shares in README, *Limitations*).
+  scheduler runs first win more turns (measured shares in README, *Limitations*).
   PostgreSQL, MariaDB/MySQL and memory do not tell, and their releasers do not give way
-  (MariaDB's attempts queue in order on the fence row's lock).
+  (MariaDB's attempts queue in order on the fence row's lock). Chosen over a ticket queue
+  per key: a queue costs writes per waiter, tickets of dead waiters that stall the key
+  until they expire, and a rule for callers without ``wait``; giving way costs nothing
+  while nobody waits (one reply value on Redis, two ``fcntl`` calls per SQLite release).
 * SQLite waiters mark themselves (a shared ``fcntl`` lock on ``<database>-waiters``,
   dropped by the kernel when the process dies; see ``providers/_sqlite.py``), and poll
   by a deferred read (``peek``, ``waiters_peek``) before each retry, so a refused retry
