@@ -67,10 +67,23 @@ class Leasing:
                 self._service.prefix + key,
                 waiting.check_wait(wait),
                 more=[self._service.prefix + slot for slot in semaphore.slot_keys(key, limit)[1:]],
+                turns=self._releasing.turns,
+                key=key,
+                probe=self._probe(key, limit),
             )
         if cooldown is not None and isinstance(taken, Lease):
             self._releasing.cool(taken, cooldown)
         return taken
+
+    def _probe(self, key: str, limit: int) -> Callable[[], bool] | None:
+        """Whether ``key`` looks free, by a peek, on stores whose refused acquire is a write
+        (``waiters_peek``: SQLite's takes the database's write lock); None elsewhere."""
+        service = self._service
+        provider = service.provider
+        if limit != 1 or getattr(provider, "waiters_peek", False) is not True:
+            return None
+        store_key = service.prefix + key
+        return lambda: service._call("peek", provider.peek, store_key) is None
 
     def try_lock(
         self,

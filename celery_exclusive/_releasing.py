@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from celery_exclusive import signals
+from celery_exclusive import signals, waiting
 from celery_exclusive._core import Service
 from celery_exclusive.errors import BackendError, InvalidArgumentError
 from celery_exclusive.lease import Lease, ReleaseOutcome
@@ -32,6 +32,8 @@ class Releasing:
         #: Leases taken with ``hold_at_least``: (seconds, when the grant arrived on the clock).
         #: Popped at release (or loss), so a lease never outlives its use here.
         self._cooldowns: dict[Lease, tuple[float, float]] = {}
+        #: The keys whose next wait gives way to their waiters (noted at each release).
+        self.turns = waiting.Turns(service.provider)
 
     def check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
         cooldown = seconds("hold_at_least", hold_at_least)
@@ -108,6 +110,8 @@ class Releasing:
             if left > 0.001:
                 return self._release_cooling(lease, left, completion)
         outcome = self._delete(lease, completion, warn_not_owned=not was_lost)
+        if self.turns.told and outcome is ReleaseOutcome.RELEASED:
+            self.turns.released(lease.key, lease.store_key)
         if signals.lock_released.receivers:  # signals.send's test, before reading the clock
             held_for = service.clock() - lease.acquired_at
             signals.lock_released.send(

@@ -6,19 +6,37 @@ attempts it pauses for a jittered, doubling interval (:data:`POLL_MIN` to :data:
 seconds, each pause a random 50-100 % of the step, so waiters that started together spread
 out), cut short by a release signal where the store gives one. Guarantees:
 
-* never past the timeout by more than one store round trip: a pause never runs beyond the
-  deadline, and the last attempt is made at the deadline;
+* never past the timeout by more than one store round trip (two on SQLite: a probe and
+  the attempt): a pause never runs beyond the deadline, and the last attempt is made at
+  the deadline;
 * a lost signal only costs latency: with or without signals, a release is seen within
   :data:`POLL_MAX` seconds (plus one attempt);
 * an outage is an error: an attempt that cannot reach the store raises BackendError as it
   would without ``wait`` (no "not acquired" after a wait spent failing);
 * ``AlreadyDone`` (``task_id``) ends the wait at once;
 * each refused attempt is one refused acquisition: with ``lock_contended`` receivers (the
-  metrics) connected, each sends the signal, so contention counts attempts, not waits;
-* fairness is statistical: no queue, but jitter and the wake-all signal give every waiter
-  the same chance at each release (measured by ``benchmarks/waiting.py``, asserted by
-  ``tests/contract/test_waiting.py``); except on SQLite, where waiting processes can starve:
-  each attempt is a ``BEGIN IMMEDIATE`` whose busy handler backs off while others write.
+  metrics) connected, each sends the signal, so contention counts attempts, not waits (a
+  SQLite probe that finds the key held is a read, not an attempt, and sends none);
+* fairness: a holder that releases a key others wait for gives way to them. Where the
+  store tells the releaser someone waited (:class:`~celery_exclusive.providers.base.KnowsWaiters`:
+  Redis, from the count of subscribers its release signal reached; SQLite, from the
+  waiters' marks), the same service's next ``lock(key, wait=)`` within
+  :data:`YIELD_WINDOW` of that release first pauses :data:`GIVE_WAY` seconds (cut short
+  by a release signal), long enough for every polling waiter to look once, then waits
+  like the others; it gives way once per release, so it is never starved itself. A call
+  without ``wait`` never gives way. There is no queue: among the waiters the first to
+  attempt wins, so the order is not FIFO and under heavy CPU load the processes the
+  scheduler runs first win more turns (measured shares in README, *Limitations*).
+  PostgreSQL, MariaDB/MySQL and memory do not tell, and their releasers do not give way
+  (MariaDB's attempts queue in order on the fence row's lock). Chosen over a ticket queue
+  per key: a queue costs writes per waiter, tickets of dead waiters that stall the key
+  until they expire, and a rule for callers without ``wait``; giving way costs nothing
+  while nobody waits (one reply value on Redis, two ``fcntl`` calls per SQLite release).
+* SQLite waiters mark themselves (a shared ``fcntl`` lock on ``<database>-waiters``,
+  dropped by the kernel when the process dies; see ``providers/_sqlite.py``), and poll
+  by a deferred read (``peek``, ``waiters_peek``) before each retry, so a refused retry
+  takes no write lock: each attempt used to be a ``BEGIN IMMEDIATE``, and 8 waiters
+  starved each other in SQLite's busy handler (3 of 8 processes got no turn in 3 s).
 
 Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` protocol):
 
@@ -60,15 +78,23 @@ Nothing here holds the store while waiting: the waiter owns no lease between att
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from celery_exclusive.errors import InvalidArgumentError
-from celery_exclusive.providers.base import Held, ReleaseSubscription, WakesOnAny, WakesWaiters
+from celery_exclusive.providers.base import (
+    Held,
+    KnowsWaiters,
+    MarksWaiters,
+    ReleaseSubscription,
+    WakesOnAny,
+    WakesWaiters,
+)
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -80,6 +106,12 @@ POLL_MIN = 0.01
 #: gave 8 processes on one key shares of 1.7-28 % (Redis), 0.04 s 4.6-23 %: a shorter bound
 #: is fairer (see benchmarks/waiting.py) at up to 20 attempts/s per polling waiter.
 POLL_MAX = 0.05
+#: About how long a service gives way to a key's waiters, in seconds (see :meth:`Waiter.give_way`).
+GIVE_WAY = 1.5 * POLL_MAX
+#: How soon after a service released a key its next wait on it gives way, in seconds.
+YIELD_WINDOW = 0.5
+#: Most keys one service remembers to give way on.
+YIELD_KEYS = 1024
 #: Longest ``wait`` accepted, in seconds (the hard cap on a lease's lifetime: 24 h).
 MAX_WAIT = 24 * 60 * 60.0
 
@@ -116,6 +148,9 @@ class Waiter:
         self.step = POLL_MIN if step is None else step
         self._watching: tuple[str, ...] | None = None
         self._subscription: ReleaseSubscription | None = None
+        # (not isinstance(): a runtime Protocol check costs ~15 µs, here on every wait)
+        self._marks = cast("MarksWaiters", provider) if hasattr(provider, "mark_waiting") else None
+        self._marked: contextlib.ExitStack | None = None
 
     def remaining(self) -> float:
         return self.deadline - self._clock()
@@ -124,6 +159,13 @@ class Waiter:
         """Listen for releases of ``store_key`` and of the keys ``more`` (a semaphore's other
         slots, where the store offers ``subscribe_any``; else their releases are polled for),
         dropping any other key listened to."""
+        if self._marks is not None and self._watching != (store_key, *more):
+            self.close()
+            self._marked = contextlib.ExitStack()
+            for key in (store_key, *more):
+                self._marked.enter_context(self._marks.mark_waiting(key))
+            self._watching = (store_key, *more)
+            return
         if self._provider is None or self._watching == (store_key, *more):
             return
         self.close()
@@ -143,24 +185,74 @@ class Waiter:
             return False
         pause = min(remaining, self.step * random.uniform(0.5, 1.0))
         self.step = min(self.step * 2, POLL_MAX)
-        if self._subscription is not None:
-            try:
-                if self._subscription.wait(pause):
-                    self.step = POLL_MIN  # the key changed hands: watch closely again
-                return True
-            except Exception as exc:
-                logger.debug("release signal failed (%s); polling", type(exc).__name__)
-                self.close()
-        time.sleep(max(0.0, min(pause, self.remaining())))
+        if self._sleep(pause):
+            self.step = POLL_MIN  # the key changed hands: watch closely again
         return True
 
+    def give_way(self) -> None:
+        """Pause :data:`GIVE_WAY` seconds (less if the time is up; until a release is
+        signalled, where the store signals): every polling waiter, pausing at most
+        :data:`POLL_MAX`, looks at least once meanwhile. Then poll at :data:`POLL_MAX`."""
+        self._sleep(min(GIVE_WAY, max(0.0, self.remaining())))
+        self.step = POLL_MAX
+
+    def _sleep(self, pause: float) -> bool:
+        """Sleep ``pause`` seconds or until a release is signalled (then True)."""
+        if self._subscription is not None:
+            try:
+                return self._subscription.wait(pause)
+            except Exception as exc:
+                logger.debug("release signal failed (%s); polling", type(exc).__name__)
+                self._unsubscribe()
+        time.sleep(max(0.0, min(pause, self.remaining())))
+        return False
+
     def close(self) -> None:
+        if self._marked is not None:
+            marked, self._marked, self._watching = self._marked, None, None
+            marked.close()
+        self._unsubscribe()
+
+    def _unsubscribe(self) -> None:
         if self._subscription is not None:
             subscription, self._subscription, self._watching = self._subscription, None, None
             try:
                 subscription.close()
             except Exception as exc:
                 logger.debug("closing a release subscription failed (%s)", type(exc).__name__)
+
+
+class Turns:
+    """One service's memory of the keys it should give way on (fairness, see the module
+    docstring), keyed by the unprefixed key: after each release the store is asked
+    whether someone waited (:class:`~celery_exclusive.providers.base.KnowsWaiters`); if so
+    the service's next wait on that key within :data:`YIELD_WINDOW` gives way. At most
+    :data:`YIELD_KEYS` keys are remembered. Not locked: a race between threads of one
+    service only changes who gives way once."""
+
+    __slots__ = ("_clock", "_knows", "_released", "told")
+
+    def __init__(self, provider: object, clock: Callable[[], float] = time.monotonic) -> None:
+        self._knows = provider if isinstance(provider, KnowsWaiters) else None
+        #: Whether the store tells about waiters at all (else :meth:`released` is never needed).
+        self.told = self._knows is not None
+        self._clock = clock
+        self._released: dict[str, float] = {}  # key -> when released with waiters
+
+    def released(self, key: str, store_key: str) -> None:
+        """A lease on ``key`` (``store_key`` in the store) was released."""
+        if self._knows is not None and self._knows.had_waiters(store_key):
+            self._released.pop(key, None)  # re-inserted last: the newest
+            self._released[key] = self._clock()
+            if len(self._released) > YIELD_KEYS:
+                del self._released[next(iter(self._released))]
+
+    def gives_way(self, key: str) -> bool:
+        """Whether a wait on ``key`` starting now should let the waiters go first (once)."""
+        if not self._released:
+            return False
+        when = self._released.pop(key, None)
+        return when is not None and self._clock() - when < YIELD_WINDOW
 
 
 def take_waiting(
@@ -170,14 +262,23 @@ def take_waiting(
     wait: float,
     *,
     more: Sequence[str] = (),
+    turns: Turns | None = None,
+    key: str = "",
+    probe: Callable[[], bool] | None = None,
 ) -> T | Held:
     """Call ``attempt(final)`` until it returns something other than :class:`Held` or ``wait``
     seconds pass; ``final`` is True for the last attempt (made at the deadline), whose answer
     is returned whatever it is. Woken by releases of ``store_key`` and ``more`` (see
-    :meth:`Waiter.watch`). Exceptions (an outage, AlreadyDone) propagate at once."""
+    :meth:`Waiter.watch`). With ``turns``, gives way on ``key`` when :class:`Turns` says so
+    (:meth:`Waiter.give_way` before the first attempt). With ``probe`` (a read: may an
+    attempt win now?), a retry is made only once it says yes, or at the deadline.
+    Exceptions (an outage, AlreadyDone) propagate at once."""
     waiter = Waiter(provider, wait)
+    gave_way = turns is not None and turns.gives_way(key)
     try:
         waiter.watch(store_key, more)  # before the first attempt: a release right after it still wakes us
+        if gave_way:
+            waiter.give_way()
         while True:
             if waiter.remaining() <= 0:
                 return attempt(True)
@@ -186,5 +287,8 @@ def take_waiting(
                 return answer
             if not waiter.pause():
                 return attempt(True)
+            while probe is not None and not probe():
+                if not waiter.pause():
+                    return attempt(True)
     finally:
         waiter.close()

@@ -358,7 +358,7 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         raise _missing_driver(backend, driver) from exc
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_connect)
-        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+        event.listen(engine, "begin", _sqlite_begin)
     return engine
 
 
@@ -370,6 +370,12 @@ def _missing_driver(backend: str, driver: str) -> MissingDriverError:
     package = _PIP_NAMES.get(driver, driver)
     alternative = f"{backend}+{module}:// (pip install 'celery-exclusive[{extra}]')"
     return MissingDriverError(extra, driver, f"pip install {package}, or use {alternative}")
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    """Writes begin ``IMMEDIATE`` (the write lock first, so no upgrade can fail midway);
+    reads (``ce_read``) deferred: in WAL mode they neither wait for a writer nor block one."""
+    conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("ce_read") else "BEGIN IMMEDIATE")
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:

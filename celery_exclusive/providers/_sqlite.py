@@ -13,6 +13,8 @@ import os
 import threading
 import time
 import uuid
+import zlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -20,7 +22,12 @@ from sqlalchemy.engine import Connection
 
 from celery_exclusive.providers._sql_common import logger
 
-__all__ = ["FORK_GATE", "ForkGate", "LeaseClock", "busy_timeout"]
+try:
+    import fcntl as _fcntl
+except ImportError:  # pragma: no cover - not POSIX: only this process's waiters are seen
+    _fcntl = None  # type: ignore[assignment]
+
+__all__ = ["FORK_GATE", "ForkGate", "LeaseClock", "LocalWaiters", "WaiterMarks", "busy_timeout"]
 
 _UNIX_EPOCH_JD = 2440587.5
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -165,3 +172,125 @@ def busy_timeout(conn: Connection, timeout: float | None) -> None:
     if info["ce_busy"] != wanted:
         cast(Any, conn.connection.driver_connection).execute(f"PRAGMA busy_timeout = {wanted}")
         info["ce_busy"] = wanted
+
+
+class WaiterMarks:
+    """Which keys of one SQLite database have waiters, across the machine's processes.
+
+    SQLite is embedded: every waiter runs on this machine. A waiting process holds a
+    shared ``fcntl`` lock on one byte of the side file ``<database>-waiters`` (the byte is
+    a CRC-32 of the key: a collision only makes a releaser give way once for nothing);
+    the kernel drops it when the process dies, so a dead waiter never counts. A releaser
+    asks by trying an exclusive lock on that byte, released at once: refused means another
+    process waits. Waiters of this process are counted here (POSIX locks do not conflict
+    within a process). One instance per database file and process (:meth:`of`), never
+    closed: closing any descriptor of the file would drop all of this process's locks on
+    it. Without ``fcntl`` (not POSIX) or when the side file cannot be opened, only this
+    process's waiters are seen.
+    """
+
+    _instances: dict[str, WaiterMarks] = {}  # the process-wide registry
+    _instances_lock = threading.Lock()
+
+    def __init__(self, path: str | None) -> None:
+        self._path = path  # None: an in-memory database, this process's waiters only
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._fd: int | None = None
+        self._counts: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, database: str | None) -> WaiterMarks:
+        """The marks of the database file ``database`` (None: an in-memory one, unshared)."""
+        if database in (None, "", ":memory:"):
+            return cls(None)
+        path = os.path.realpath(str(database)) + "-waiters"
+        with cls._instances_lock:
+            found = cls._instances.get(path)
+            if found is None:
+                found = cls._instances[path] = cls(path)
+            return found
+
+    def _file(self) -> int | None:
+        """The side file (holding the lock); a forked child starts with no marks."""
+        if self._pid != os.getpid():
+            self._pid, self._counts = os.getpid(), {}  # locks are not inherited; the fd is
+            if self._fd is None and _fcntl is not None and self._path is not None:
+                with contextlib.suppress(OSError):
+                    self._fd = os.open(
+                        self._path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666
+                    )
+        return self._fd
+
+    @contextlib.contextmanager
+    def waiting(self, key: str) -> Iterator[None]:
+        """This process waits for ``key`` while inside."""
+        byte = zlib.crc32(key.encode()) & 0x7FFFFFFF
+        with self._lock:
+            fd = self._file()
+            count = self._counts.get(byte, 0)
+            if not count and fd is not None:
+                _share(fd, byte)
+            self._counts[byte] = count + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._pid == os.getpid():  # else the marks were a parent's
+                    left = self._counts.pop(byte, 1) - 1
+                    if left:
+                        self._counts[byte] = left
+                    elif fd is not None and _fcntl is not None:
+                        with contextlib.suppress(OSError):
+                            _fcntl.lockf(fd, _fcntl.LOCK_UN, 1, byte)
+
+    def anyone(self, key: str) -> bool:
+        """Whether any process (this one included) waits for ``key`` now."""
+        byte = zlib.crc32(key.encode()) & 0x7FFFFFFF
+        with self._lock:
+            fd = self._file()
+            if self._counts.get(byte) or fd is None or _fcntl is None:
+                return bool(self._counts.get(byte))
+            try:
+                _fcntl.lockf(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB, 1, byte)
+            except OSError:
+                return True  # another process holds a shared mark there
+            with contextlib.suppress(OSError):
+                _fcntl.lockf(fd, _fcntl.LOCK_UN, 1, byte)
+            return False
+
+
+class LocalWaiters:
+    """The SQL store's waiter methods: on SQLite (``_marks`` set) every waiter is on this
+    machine, marked in :class:`WaiterMarks`; MariaDB/MySQL (``_marks`` None) has none."""
+
+    _marks: WaiterMarks | None = None
+
+    def mark_waiting(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """SQLite: this process waits for ``key`` while inside (``MarksWaiters``)."""
+        return contextlib.nullcontext() if self._marks is None else self._marks.waiting(key)
+
+    def had_waiters(self, key: str) -> bool:
+        """SQLite: whether any process waits for ``key`` now (``KnowsWaiters``, asked right
+        after a release; two fcntl calls). MariaDB/MySQL: False."""
+        return self._marks is not None and self._marks.anyone(key)
+
+    @property
+    def waiters_peek(self) -> bool:
+        """True on SQLite: a waiter peeks (a deferred read) before each retry, as a refused
+        acquire takes the database's write lock (``BEGIN IMMEDIATE``), and 8 waiters doing
+        so starved each other in SQLite's busy handler. False on MariaDB/MySQL, whose
+        refused acquires queue in order on the fence row's lock."""
+        return self._marks is not None
+
+
+def _share(fd: int, byte: int) -> None:
+    """A shared lock on ``byte``: refused only while a releaser tests it (microseconds), so
+    a few quick retries; never blocking (a stopped releaser must not stall a wait)."""
+    for _ in range(10):
+        try:
+            _fcntl.lockf(fd, _fcntl.LOCK_SH | _fcntl.LOCK_NB, 1, byte)
+            return
+        except OSError:
+            time.sleep(0.0005)
+    logger.debug("could not mark a SQLite waiter; its waits are not seen by releasers")

@@ -24,6 +24,7 @@ thread that it stops waiting for at the deadline (the heartbeat does the same fo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -287,6 +288,34 @@ class WakesOnAny(Protocol):
     def subscribe_any(self, keys: Sequence[str]) -> ReleaseSubscription:
         """Start listening for releases of every one of ``keys`` (already prefixed): the
         subscription's ``wait`` returns True after a release of any of them."""
+        ...
+
+
+@runtime_checkable
+class KnowsWaiters(Protocol):
+    """Optional: a store that tells a releaser whether someone waited for the key it freed.
+
+    The lock service asks right after each release of a lease; a yes makes its next
+    ``lock(key, wait=)`` on that key within :data:`~celery_exclusive.waiting.YIELD_WINDOW`
+    give way to those waiters (:mod:`celery_exclusive.waiting`, fairness). A hint only:
+    a wrong answer costs one pause or one turn, never a lock's safety.
+    """
+
+    def had_waiters(self, key: str) -> bool:
+        """Whether this process's latest release of ``key`` (prefixed) freed it while
+        another waiter waited for it (Redis: its release signal reached a subscriber).
+        Cheap: no store round trip."""
+        ...
+
+
+@runtime_checkable
+class MarksWaiters(KnowsWaiters, Protocol):
+    """Optional, with :class:`KnowsWaiters`: a store whose waiters say they wait (SQLite:
+    nobody subscribes to anything there). The waiter holds the mark from before its first
+    attempt until its wait ends."""
+
+    def mark_waiting(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Mark this process as waiting for ``key`` (prefixed) while inside."""
         ...
 
 

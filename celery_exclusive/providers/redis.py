@@ -101,7 +101,7 @@ from celery_exclusive.providers._redis_scripts import (
 )
 from celery_exclusive.providers._redis_server import RedisServer
 from celery_exclusive.providers._redis_urls import target_of_client, target_of_url, whole_ms
-from celery_exclusive.providers._redis_wake import ReleaseSignals, Subscription
+from celery_exclusive.providers._redis_wake import ReleaseSignals, Subscription, Woken
 from celery_exclusive.providers._redis_wire import Wire, as_text, left
 from celery_exclusive.providers.base import (
     Completion,
@@ -224,6 +224,10 @@ class RedisLockProvider:
         self._wait_replicas = server.wait_replicas
         self._connecting = threading.Lock()
         self._signals: ReleaseSignals | None = None
+        self._woken = Woken()
+        #: ``KnowsWaiters``: whether this process's latest release of a key reached a
+        #: waiter's subscription (release.lua counts its SPUBLISH's receivers); told once.
+        self.had_waiters = self._woken.told
 
     def __repr__(self) -> str:
         return f"RedisLockProvider({self._server.display!r})"
@@ -342,11 +346,10 @@ class RedisLockProvider:
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
-        if completion is None:
-            return bool(self._scripts.run(RELEASE, 1, key, token, timeout=timeout))
-        value = f"{completion.attempt}|{completion.outcome}"
-        record = (completion.task_id, value, whole_ms(completion.retain))
-        return bool(self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout))
+        record = () if completion is None else _record_args(completion)
+        reply = self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout)
+        self._woken.note(key, reply == 2)  # 2: its release signal reached a waiter (release.lua)
+        return bool(reply)
 
     def subscribe(self, key: str) -> Subscription:
         """Listen for releases of ``key`` (``WakesWaiters``): sharded pub/sub on the key,
@@ -432,3 +435,8 @@ class RedisLockProvider:
         if signals is not None and signals.pid == os.getpid():
             signals.close()
         self._server.close()
+
+
+def _record_args(completion: Completion) -> tuple[str, str, int]:
+    """release.lua's ARGV[2:4] for a completion record: task id, 'attempt|outcome', retain ms."""
+    return (completion.task_id, f"{completion.attempt}|{completion.outcome}", whole_ms(completion.retain))

@@ -45,7 +45,14 @@ from celery_exclusive.providers._sql_common import (
 )
 from celery_exclusive.providers._sql_statements import generic_statements, generic_sweep_statements
 from celery_exclusive.providers._sql_transactions import Transactions, error_code
-from celery_exclusive.providers._sqlite import FORK_GATE, ForkGate, LeaseClock, busy_timeout
+from celery_exclusive.providers._sqlite import (
+    FORK_GATE,
+    ForkGate,
+    LeaseClock,
+    LocalWaiters,
+    WaiterMarks,
+    busy_timeout,
+)
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
     Completion,
@@ -81,7 +88,7 @@ def _is_postgres(engine_or_url: object) -> bool:
     return isinstance(engine_or_url, Engine) and engine_or_url.dialect.name == "postgresql"
 
 
-class SqlLockProvider(SqlStore):
+class SqlLockProvider(LocalWaiters, SqlStore):
     """Leases in an SQL table; see the module docstring. Thread-safe and fork-safe.
 
     ``SqlLockProvider(url_or_engine)`` of a PostgreSQL URL or engine returns a
@@ -125,6 +132,8 @@ class SqlLockProvider(SqlStore):
         if self._owns_engine and self._engine.dialect.name != "sqlite":
             event.listen(self._engine, "do_connect", _deadline.bounded_connect)
         self._clock = self._tx.clock
+        sqlite = self._engine.dialect.name == "sqlite"
+        self._marks = WaiterMarks.of(self._engine.url.database) if sqlite else None
 
     # -- the LockProvider operations -------------------------------------------------
 
@@ -315,9 +324,12 @@ class SqlLockProvider(SqlStore):
     def _read(self, op: str, statement: str, params: dict[str, Any], timeout: float | None) -> list[Any]:
         """The rows of one read-only statement."""
         sql = self._sql[statement]
-        return self._transact(
-            op, lambda conn: list(conn.execute(sql, {**params, **self._tx.now(conn)})), timeout
-        )
+
+        def read(conn: Connection) -> list[Any]:
+            conn.execution_options(ce_read=True)  # SQLite: a deferred transaction (_sqlite_begin)
+            return list(conn.execute(sql, {**params, **self._tx.now(conn)}))
+
+        return self._transact(op, read, timeout)
 
     def _transact(self, op: str, work: Callable[[Connection], _T], timeout: float | None = None) -> _T:
         """Run ``work`` in a transaction (it commits; otherwise rolled back), retrying

@@ -84,3 +84,14 @@ def take_turns(url: str, prefix: str, key: str, *, seconds: float, start: Any, r
     finally:
         service.close()
     results.put((os.getpid(), count))
+
+
+def mark_waiting_until_killed(url: str, key: str, ready: Any) -> None:
+    """Mark this process as a waiter for ``key`` on the SQLite store ``url``, say so, then
+    hang (the test SIGKILLs this process)."""
+    from celery_exclusive.providers.sql import SqlLockProvider
+
+    provider = SqlLockProvider(url)
+    with provider.mark_waiting(key):
+        ready.put(True)
+        time.sleep(600)

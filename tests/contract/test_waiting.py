@@ -29,7 +29,7 @@ from celery_exclusive import (
     waiting,
 )
 from celery_exclusive.many import MAX_KEYS, LeaseSet
-from celery_exclusive.providers.base import WakesOnAny, WakesWaiters
+from celery_exclusive.providers.base import KnowsWaiters, WakesOnAny, WakesWaiters
 from celery_exclusive.semaphore import slot_key
 from celery_exclusive.testing.contract import Store
 from celery_exclusive.waiting import POLL_MAX
@@ -318,16 +318,12 @@ def jain_index(counts: list[int]) -> float:
 def test_no_waiting_process_is_starved(store: Store) -> None:
     """8 processes loop lock(wait=) / hold 5 ms / release on one key for 3 s (20 s with
     CE_LONG=1): each gets at least 1 % of the acquisitions (12.5 % being even); the shares
-    and Jain's index are printed (issue #13 item 1). The bar is low on purpose: under CPU
-    load a releaser that locks again at once often wins before its woken waiters (on Redis
-    one process took 51-90 % in 3 of about 15 runs at load 7-12; the smallest share was 0 %
-    once, with Celery workers running alongside, else 2.6 % or more)."""
+    and Jain's index are printed (issue #13 item 1). The bar is low on purpose: there is
+    no queue, and under CPU load the processes the scheduler runs first win more turns
+    (README, *Limitations*, has the measured shares). SQLite, whose waiters starved each
+    other (3 of 8 got no turn), is held to the same bar since its releasers give way."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
-    if store.name == "sqlite":
-        # Known, measured: 3 of 8 processes got no turn in 3 s (Jain 0.36). Waiters poll, and
-        # each attempt is a BEGIN IMMEDIATE whose busy handler backs off while the others write.
-        pytest.skip("SQLite starves polling waiters across processes (see waiting.py)")
     ctx = multiprocessing.get_context("spawn")
     processes = 8
     results, start = ctx.Queue(), ctx.Barrier(processes)
@@ -353,8 +349,54 @@ def test_no_waiting_process_is_starved(store: Store) -> None:
         f"{store.name}: {total} acquisitions by {processes} processes in {seconds:.0f} s, shares"
         f" {' '.join(f'{100 * share:.1f}%' for share in shares)}, Jain {jain_index(counts):.3f}"
     )
-    assert total >= 10 * processes, counts  # enough turns for shares to mean something
+    # Enough turns for the shares to mean something (SQLite, which hands over by polling,
+    # made 98-194 in 3 s at load 7-16).
+    assert total >= 5 * processes, counts
     assert min(shares) >= 0.01, (counts, jain_index(counts))
+
+
+def test_a_releaser_gives_way_to_a_waiter(store: Store) -> None:
+    """A service that releases a key another one waits for, and at once waits for it again,
+    lets the waiter in first (the store said someone waited: KnowsWaiters, on SQLite and
+    Redis). Before, the releaser took the key back at once nearly every time."""
+    if not isinstance(store.service().provider, KnowsWaiters) or store.name == "mariadb":
+        # MariaDB/MySQL share SQLite's provider class, whose had_waiters says False there.
+        pytest.skip(f"store {store.name!r} does not tell a releaser about waiters")
+    holder, waiter = store.service(), store.service()
+    first = []
+    for _ in range(10):
+        lease = holder.lock("turn", ttl=30)
+        order: list[str] = []
+
+        def wait_then_hold(order: list[str] = order) -> None:
+            got = waiter.lock("turn", ttl=30, wait=10)
+            order.append("waiter")
+            time.sleep(0.01)
+            got.release()
+
+        thread = threading.Thread(target=wait_then_hold)
+        thread.start()
+        time.sleep(0.1)  # the waiter was refused and waits (marked or subscribed)
+        lease.release()
+        again = holder.lock("turn", ttl=30, wait=10)
+        order.append("holder")
+        again.release()
+        thread.join(15)
+        first.append(order[0])
+    assert first.count("waiter") >= 8, first
+
+
+def test_a_releaser_nobody_waits_for_does_not_give_way(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without waiters, a release followed by lock(wait=) takes the key again at once."""
+    service = store.service()
+    service.lock("alone", ttl=30).release()
+
+    def no_giving_way(self: waiting.Waiter) -> None:
+        raise AssertionError("gave way to nobody")
+
+    monkeypatch.setattr(waiting.Waiter, "give_way", no_giving_way)
+    for _ in range(3):
+        service.lock("alone", ttl=30, wait=5).release()
 
 
 class FailsOnKey:

@@ -221,3 +221,27 @@ def test_a_store_outage_is_an_error_for_the_waiter() -> None:
             service.try_lock("x", wait=0.3)
     finally:
         service.close()
+
+
+def test_a_release_tells_whether_its_signal_reached_a_waiter(prefix: str) -> None:
+    """``had_waiters`` (KnowsWaiters, from release.lua's SPUBLISH count): True once after a
+    release another provider's subscription received; False after one nobody listened to,
+    and after a release that freed nothing."""
+    releaser, listener = RedisLockProvider(REDIS_URL), RedisLockProvider(REDIS_URL)
+    key = prefix + "told"
+    try:
+        take(releaser, key, "t1")
+        assert releaser.release(key, "t1") is True
+        assert releaser.had_waiters(key) is False
+        subscription = listener.subscribe(key)
+        take(releaser, key, "t2")
+        assert releaser.release(key, "t2") is True
+        assert releaser.had_waiters(key) is True
+        assert releaser.had_waiters(key) is False  # told once
+        assert subscription.wait(2.0)
+        assert releaser.release(key, "t2") is False
+        assert releaser.had_waiters(key) is False
+        subscription.close()
+    finally:
+        releaser.close()
+        listener.close()

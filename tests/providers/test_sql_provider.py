@@ -878,3 +878,30 @@ def test_a_slow_first_set_up_does_not_shorten_the_first_lease(tmp_path: Path) ->
             assert lease.expires_in > 0.6, lease.expires_in
         finally:
             lease.release()
+
+
+def test_sqlite_waiter_marks_are_seen_across_processes_and_die_with_them(tmp_path: Path) -> None:
+    """A SQLite waiter's mark (a shared fcntl lock on ``<db>-waiters``) is seen by a
+    releaser in another process, and gone once that process is SIGKILLed: a dead waiter
+    never makes anyone give way."""
+    from tests.contract import _wait_workers
+
+    url = f"sqlite:///{tmp_path / 'locks.sqlite3'}"
+    provider = SqlLockProvider(url)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    proc = ctx.Process(target=_wait_workers.mark_waiting_until_killed, args=(url, "p:k", ready))
+    proc.start()
+    try:
+        assert ready.get(timeout=60)
+        assert provider.had_waiters("p:k") is True
+        assert provider.had_waiters("p:other") is False
+        with provider.mark_waiting("p:mine"):  # this process's own waiters count too
+            assert provider.had_waiters("p:mine") is True
+        assert provider.had_waiters("p:mine") is False
+    finally:
+        assert proc.pid is not None
+        os.kill(proc.pid, 9)
+        proc.join(30)
+    assert provider.had_waiters("p:k") is False
+    provider.close()

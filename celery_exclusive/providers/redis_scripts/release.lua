@@ -1,7 +1,8 @@
 -- KEYS[1]  the lock hash
 -- ARGV[1]  token; optionally a completion record: ARGV[2] task id, ARGV[3] its stored
 --          value 'expires|recorded|attempt|outcome' without the times, ARGV[4] retain ms
--- returns  1 if ARGV[1] held a live lease and it was deleted, else 0 (a dead lease is
+-- returns  1 if ARGV[1] held a live lease and it was deleted (2 when its release signal
+--          reached a waiter's subscription), else 0 (a dead lease is
 --          cleared either way); clearing deletes the hash, unless completion records keep
 --          it (as long as the longest-kept one, field 'done_max'): the key's next fence
 --          comes from the high-water key (acquire.lua)
@@ -21,7 +22,11 @@ if r[1] then
 end
 -- A live lease freed wakes its waiters (providers/_redis_wake.py): SPUBLISH on channel
 -- KEYS[1], in this script's slot on Cluster; pcall: Redis < 7 has none (waiters poll).
-if owned == 1 then redis.pcall('SPUBLISH', KEYS[1], '') end
+-- The count of subscribers it reached tells the releaser that someone waits (fairness).
+if owned == 1 then
+  local reached = redis.pcall('SPUBLISH', KEYS[1], '')
+  if type(reached) == 'number' and reached > 0 then owned = 2 end
+end
 local keep = (tonumber(r[3]) or 0) - now
 if ARGV[2] then
   local until_ms = now + tonumber(ARGV[4])
