@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from celery_exclusive import BackendError, Lease, LockService, signals
-from tests.conftest import TIME_SLACK
+from tests.conftest import POSTGRES_URL, TIME_SLACK, drop_lock_table, require_server
 from tests.faults.servers import PrivatePostgres, PrivateRedis, ServerUnavailable, TcpProxy, postgres_bindir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,24 @@ def pg_server() -> Iterator[PrivatePostgres]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def pg_table() -> Iterator[str]:
+    """A fresh lock table name on the shared PostgreSQL (dropped, with its stall function
+    from tests/faults/_pg_stall.py, after)."""
+    import sqlalchemy as sa
+
+    require_server(POSTGRES_URL)
+    table = f"ce_fault_{uuid.uuid4().hex[:10]}"
+    yield table
+    drop_lock_table(POSTGRES_URL, table)
+    engine = sa.create_engine(POSTGRES_URL)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {table}_stall() CASCADE"))
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ or a delayed statement), the server's ``synchronous_commit``, SQLite across fork
 across wall-clock steps.
 
 Stalls are injected deterministically: a PostgreSQL trigger on the test's own table waits
-on an advisory lock the test holds; a SQLAlchemy event delays one statement of the
+on an advisory lock the test holds (tests/faults/_pg_stall.py; the table fixture ``pg_table``
+is in conftest.py); a SQLAlchemy event delays one statement of the
 SQLite / MariaDB refresh. Tables are per test and dropped afterwards.
 """
 
@@ -25,66 +26,14 @@ import sqlalchemy as sa
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
 from tests.conftest import MYSQL_URL, POSTGRES_URL, drop_lock_table, require_server
+from tests.faults._pg_stall import install_stall, psycopg_dsn, waiting_on
 from tests.faults.conftest import wait_until
 from tests.faults.servers import PrivatePostgres
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _psycopg_dsn(url: str) -> str:
-    return sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-@pytest.fixture
-def pg_table() -> Iterator[str]:
-    """A fresh lock table name on the shared PostgreSQL (dropped, with its functions, after)."""
-    require_server(POSTGRES_URL)
-    table = f"ce_fault_{uuid.uuid4().hex[:10]}"
-    yield table
-    drop_lock_table(POSTGRES_URL, table)
-    engine = sa.create_engine(POSTGRES_URL)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {table}_stall() CASCADE"))
-    finally:
-        engine.dispose()
-
-
 # -- item 1: PostgreSQL fences never go backwards ------------------------------------------------
-
-
-def _install_stall(dsn: str, table: str, token: str, lock_id: int) -> None:
-    """A BEFORE INSERT trigger that, for ``token``'s row only, waits for advisory lock ``lock_id``:
-    the insert stalls after its values (the fence included) were computed."""
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            f"""CREATE FUNCTION {table}_stall() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  IF NEW.value = '{token}' THEN
-    PERFORM pg_advisory_lock({lock_id});
-    PERFORM pg_advisory_unlock({lock_id});
-  END IF;
-  RETURN NEW;
-END $$"""
-        )
-        conn.execute(
-            f"CREATE TRIGGER {table}_stall BEFORE INSERT ON {table} "
-            f"FOR EACH ROW EXECUTE FUNCTION {table}_stall()"
-        )
-
-
-def _waiting_on(dsn: str, lock_id: int) -> bool:
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-            "AND classid = 0 AND objid = %s AND objsubid = 1",
-            (lock_id,),
-        ).fetchone()
-    return bool(row and row[0])
 
 
 @pytest.mark.parametrize("case", ["free-key", "dead-row-vanishes", "marker"])
@@ -100,7 +49,7 @@ def test_pg_fence_grows_when_an_acquire_stalls_before_its_insert(pg_table: str, 
 
     dead_row = case == "dead-row-vanishes"
 
-    dsn = _psycopg_dsn(POSTGRES_URL)
+    dsn = psycopg_dsn(POSTGRES_URL)
     lock_id = random.randrange(1, 2**31)
     stalled = SqlLockProvider(POSTGRES_URL, table=pg_table)
     rival = SqlLockProvider(POSTGRES_URL, table=pg_table)
@@ -111,7 +60,7 @@ def test_pg_fence_grows_when_an_acquire_stalls_before_its_insert(pg_table: str, 
         if dead_row:
             assert isinstance(rival.acquire("k", "old", 0.05, 600, "{}"), Grant)
             time.sleep(0.1)
-        _install_stall(dsn, pg_table, "stalled", lock_id)
+        install_stall(dsn, pg_table, "stalled", lock_id)
         if dead_row:
             # The row vanishes (its holder's late release) between the acquire statement,
             # which saw it dead, and the take-over, which then inserts.
@@ -148,7 +97,7 @@ def test_pg_fence_grows_when_an_acquire_stalls_before_its_insert(pg_table: str, 
 
             first = threading.Thread(target=run_stalled, daemon=True)
             first.start()
-            assert wait_until(lambda: _waiting_on(dsn, lock_id), 10), "the insert never stalled"
+            assert wait_until(lambda: waiting_on(dsn, lock_id), 10), "the insert never stalled"
             second = threading.Thread(target=run_rival, daemon=True)
             second.start()
             second.join(1.0)  # a correct store makes the rival wait (or refuses it)
@@ -184,7 +133,7 @@ def _key_lock_holder(dsn: str, table: str, key: str) -> Any:
 
 def test_pg_contended_acquire_takes_no_key_lock(pg_table: str) -> None:
     """A refused acquire of a live key neither waits for the fence's key lock nor takes it."""
-    dsn = _psycopg_dsn(POSTGRES_URL)
+    dsn = psycopg_dsn(POSTGRES_URL)
     provider = SqlLockProvider(POSTGRES_URL, table=pg_table)
     try:
         assert isinstance(provider.acquire("k", "holder", 60, 600, "{}"), Grant)
@@ -234,7 +183,7 @@ def test_pg_acquire_and_refresh_commit_durably_on_a_server_without_synchronous_c
 
     assert pg_server.admin("SHOW synchronous_commit") == [("off",)]
     table = f"ce_fault_{uuid.uuid4().hex[:10]}"
-    dsn = _psycopg_dsn(pg_server.url)
+    dsn = psycopg_dsn(pg_server.url)
     if path == "sqlalchemy":
         engine = sa.create_engine(pg_server.url, isolation_level="AUTOCOMMIT")
         provider = SqlLockProvider(engine, table=table)
