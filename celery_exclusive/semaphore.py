@@ -15,6 +15,14 @@
   of statements and the commit). A third-party store without ``acquire_any`` is tried slot
   by slot, one acquire each.
 * A dead holder's slot is reclaimed after its ttl, as any lease's is: the slot's lease expires.
+* Two acquirers picking the same free slot: on PostgreSQL the statement reads the slots in
+  its snapshot, so a racer can take the picked slot before the write; the loser waits for
+  the racer's commit (the slot's key lock), writes nothing (no row, fence or xid), and the
+  provider tries again, at most once per slot (tests/faults/test_pg_semaphore_races.py).
+  Redis has no such window (``acquire_any.lua`` runs atomically, nothing else runs between
+  its reads and writes), nor do SQLite and MariaDB (the transaction first bumps the fence
+  counter row, which serialises acquirers before the slots are read, and only acquirers
+  create or revive a lease row).
 * Changing ``limit`` while the key is held: new acquires use only slots ``1..limit``; leases
   on slots above it keep running until released or expired (nothing revokes them). Lowering
   N therefore takes effect as the higher slots' holders finish; raising it is immediate.

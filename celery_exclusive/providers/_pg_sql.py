@@ -207,7 +207,7 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
     expires_in, hard_expires_in, holder``: one ``g`` row (granted: only the index and fence
     are set) if it took a slot, and one row per slot as read (``l`` live, ``f`` absent or
     dead; key and times NULL if absent). No ``g`` row: ``:token`` already holds a live slot
-    (a retried call), or every slot was live, or the picked slot was taken by a racing
+    (a retried call), or every slot was live, or the picked slot was being taken by a racing
     acquirer between the statement's read and its write (the caller tries again).
 
     The single lock's guarantees, per slot key: one snapshot read of every slot picks the
@@ -222,9 +222,22 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
     with synchronous_commit on (``durable``). Time is ``statement_timestamp()`` throughout,
     as in ``acquire``. Each slot's row is read by its own primary-key lookup (the LATERAL
     subquery, kept apart by ``OFFSET 0``): joined plainly, the planner hashed the slot list
-    and scanned the whole table (a refused attempt 80 µs against 49 µs with 300 rows)."""
+    and scanned the whole table (a refused attempt 80 µs against 49 µs with 300 rows).
+
+    A racing acquirer of the picked slot holds its key lock until it commits. The lock is
+    first tried without waiting (``won``); when that fails the statement still waits for
+    the lock, so that the caller's retry sees the racer's commit, but then writes nothing:
+    its snapshot predates the racer's write, and the INSERT's conflict check or the
+    UPDATE's re-check would only refuse it after drawing a fence (and, for the UPDATE,
+    taking a transaction id whose commit writes and flushes WAL: tests/faults/
+    test_pg_semaphore_races.py). Those checks stay for a racer that committed before the
+    try (lock already free again)."""
     ts = "statement_timestamp()"
-    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(p.key))"
+    key_lock = f"(hashtext('{name}'), hashtext(p.key))"
+    won = (
+        f"CASE WHEN pg_try_advisory_xact_lock{key_lock} THEN true "
+        f"WHEN pg_advisory_xact_lock{key_lock} IS NULL THEN NULL ELSE false END"
+    )
     fence = f"(SELECT nextval('{seq}') FROM lk)"
     fields = "key, value, expires_at, created_at, deadline, fence, holder"
     live = (
@@ -244,19 +257,19 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
 p AS MATERIALIZED (
   SELECT slot AS key, i, present FROM cur
   WHERE NOT live AND NOT EXISTS (SELECT 1 FROM cur AS m WHERE m.live AND m.mine) ORDER BY i LIMIT 1),
-lk AS MATERIALIZED (SELECT {lock}, {durable} FROM p),
+lk AS MATERIALIZED (SELECT {won} AS won, {durable} FROM p),
 upd AS (
   UPDATE {t} AS t SET value = :token, expires_at = {ts} + make_interval(secs => :ttl), created_at = {ts},
     deadline = {ts} + make_interval(secs => :life), fence = {fence}, holder = :holder
   FROM p
-  WHERE p.present AND t.key = p.key
+  WHERE (SELECT won FROM lk) AND p.present AND t.key = p.key
     AND (t.expires_at <= {ts} OR t.deadline <= {ts} OR t.created_at <= {ts} - make_interval(secs => {STALE}))
   RETURNING t.fence),
 ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT p.key, :token, {ts} + make_interval(secs => :ttl), {ts}, {ts} + make_interval(secs => :life),
          {fence}, :holder
-  FROM p WHERE NOT p.present
+  FROM p WHERE (SELECT won FROM lk) AND NOT p.present
   ON CONFLICT (key) DO NOTHING
   RETURNING t.fence)
 SELECT 'g'::text, p.i, {granted}

@@ -274,9 +274,9 @@ class PostgresLockProvider(SqlStore):
         timeout: float | None = None,
     ) -> tuple[int, Grant] | Held:
         """A semaphore's first free slot in one statement (:func:`_acquire_any_statement`);
-        a contended attempt (every slot live) writes nothing. A slot lost to a racing
-        acquirer between the statement's read and its write is tried again, at most once
-        per slot."""
+        a contended attempt (every slot live) writes nothing, nor does one whose slot a racing
+        acquirer took between the statement's read and its write: that attempt is tried
+        again, at most once per slot."""
         granted = float(min(ttl, max_lifetime))
         params = _grant_params(token, granted, max_lifetime, holder, keys=_text_array(keys))
         call = functools.partial(self._call, "acquire_any", params)
