@@ -75,10 +75,9 @@ class Acquiring:
         if limit == 1:
             answer = self.acquire_one(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)
         else:
-            slot, answer = self.acquire_slot(
-                key, limit, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded
-            )
-            store_key = service.prefix + semaphore.slot_key(key, slot)
+            keys = semaphore.store_slot_keys(service.prefix, key, limit)
+            slot, answer = self.acquire_slot(keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded)
+            store_key = keys[slot - 1]
         if isinstance(answer, Done):
             raise AlreadyDone(key, self._records.unprefixed(answer.record))
         if not isinstance(answer, Grant):
@@ -146,27 +145,26 @@ class Acquiring:
         )
 
     def acquire_slot(
-        self, key: str, limit: int, token: str, *, ttl: float, max_lifetime: float, holder: str
+        self, keys: Sequence[str], token: str, *, ttl: float, max_lifetime: float, holder: str
     ) -> tuple[int, Grant | Held]:
-        """The first free slot (1-based) of semaphore ``key`` and its Grant, or ``(1, Held)``:
-        one store call where the provider has ``acquire_any``, else one acquire per slot in order;
-        either way a retried attempt releases the token's other slots, which its lost reply may hold."""
+        """The first free slot (1-based) of the semaphore whose slots' store keys are ``keys``
+        and its Grant, or ``(1, Held)``: one store call where the provider has ``acquire_any``,
+        else one acquire per slot in order; either way a retried attempt releases the token's
+        other slots, which its lost reply may hold."""
         service = self._service
         provider = service.provider
-        keys = [service.prefix + slot for slot in semaphore.slot_keys(key, limit)]
         life = min(ttl, max_lifetime)
         attempts: list[float] = []
         if self._any:
-            any_store = cast("AcquiresAny", provider)  # self._any says so
+            acquire_any = cast("AcquiresAny", provider).acquire_any  # self._any says so
+            call = service._calls.call
 
             def in_one_call(timeout: float) -> tuple[int, Grant] | Held:
                 attempts.append(service.clock())
-                got = service._call(
-                    "acquire", any_store.acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout
-                )
+                got = call("acquire", acquire_any, keys, token, ttl, max_lifetime, holder, timeout=timeout)
                 if len(attempts) > 1 and not isinstance(got, Held):
                     # On a cluster one call per hash slot: the lost reply may hold another slot.
-                    for other in keys[: got[0]] + keys[got[0] + 1 :]:
+                    for other in [*keys[: got[0]], *keys[got[0] + 1 :]]:
                         service.heartbeat.retry_release(other, token, until=attempts[0] + life)
                 return got
 
@@ -184,7 +182,7 @@ class Acquiring:
                 )
                 if isinstance(got, Grant):
                     if len(attempts) > 1:
-                        for other in keys[:i] + keys[i + 1 :]:
+                        for other in [*keys[:i], *keys[i + 1 :]]:
                             service.heartbeat.retry_release(other, token, until=attempts[0] + life)
                     return i, got
                 first = got if first is None else first

@@ -42,6 +42,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from celery_exclusive.errors import InvalidArgumentError
@@ -69,6 +70,13 @@ def slot_key(key: str, slot: int) -> str:
 def slot_keys(key: str, limit: int) -> list[str]:
     """The keys of slots ``1..limit`` of ``key``."""
     return [slot_key(key, slot) for slot in range(1, limit + 1)]
+
+
+@functools.lru_cache(maxsize=4096)
+def store_slot_keys(prefix: str, key: str, limit: int) -> tuple[str, ...]:
+    """The store keys (``prefix`` + slot key) of slots ``1..limit`` of ``key``, cached: every
+    acquire of the semaphore needs them (building them costs more than the cache lookup)."""
+    return tuple(prefix + slot for slot in slot_keys(key, limit))
 
 
 def slot_of(listed: str) -> tuple[str, int]:

@@ -204,9 +204,9 @@ RETURNING r.i, extract(epoch FROM t.expires_at - n.ts)::float8""",
 def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
     """A semaphore's first free slot of ``:keys`` (a text array literal, slot order) in one
     statement (``AcquiresAny``); rows ``kind, slot index (1-based), key, value, fence, age,
-    expires_in, hard_expires_in, holder``: one ``g`` row (granted: only the index and fence
-    are set) if it took a slot, and one row per slot as read (``l`` live, ``f`` absent or
-    dead; key and times NULL if absent). No ``g`` row: ``:token`` already holds a live slot
+    expires_in, hard_expires_in, holder``: the one ``g`` row (granted: only the index and
+    fence are set) if it took a slot, else one row per slot as read (``l`` live, ``f`` absent
+    or dead; key and times NULL if absent). No ``g`` row: ``:token`` already holds a live slot
     (a retried call), or every slot was live, or the picked slot was being taken by a racing
     acquirer between the statement's read and its write (the caller tries again).
 
@@ -244,14 +244,14 @@ def _acquire_any_statement(t: str, seq: str, name: str, durable: str) -> str:
         f"c.expires_at > {ts} AND c.deadline > {ts} AND c.created_at > {ts} - make_interval(secs => {STALE})"
     )
     row = (
-        f"c.key, c.value, c.fence, extract(epoch FROM {ts} - c.created_at)::float8 AS age, "
-        f"extract(epoch FROM c.expires_at - {ts})::float8 AS expires_in, "
-        f"extract(epoch FROM c.deadline - {ts})::float8 AS hard_in, c.holder"
+        f"key, value, fence, extract(epoch FROM {ts} - created_at)::float8, "
+        f"extract(epoch FROM expires_at - {ts})::float8, extract(epoch FROM deadline - {ts})::float8, holder"
     )
     granted = "NULL::varchar, NULL::text, g.fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
     return f"""WITH cur AS MATERIALIZED (
   SELECT s.i, s.key AS slot, c.key IS NOT NULL AS present, COALESCE({live}, false) AS live,
-         COALESCE(c.value = :token, false) AS mine, {row}
+         COALESCE(c.value = :token, false) AS mine,
+         c.key, c.value, c.fence, c.created_at, c.expires_at, c.deadline, c.holder
   FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS s(key, i)
   LEFT JOIN LATERAL (SELECT * FROM {t} AS c WHERE c.key = s.key OFFSET 0) AS c ON true),
 p AS MATERIALIZED (
@@ -271,12 +271,11 @@ ins AS (
          {fence}, :holder
   FROM p WHERE (SELECT won FROM lk) AND NOT p.present
   ON CONFLICT (key) DO NOTHING
-  RETURNING t.fence)
-SELECT 'g'::text, p.i, {granted}
-FROM (SELECT fence FROM upd UNION ALL SELECT fence FROM ins) AS g CROSS JOIN p
+  RETURNING t.fence),
+g AS (SELECT fence FROM upd UNION ALL SELECT fence FROM ins)
+SELECT 'g'::text, p.i, {granted} FROM g CROSS JOIN p
 UNION ALL
-SELECT CASE WHEN live THEN 'l' ELSE 'f' END, i, key, value, fence, age, expires_in, hard_in, holder
-FROM cur"""
+SELECT CASE WHEN live THEN 'l' ELSE 'f' END, i, {row} FROM cur WHERE NOT EXISTS (SELECT 1 FROM g)"""
 
 
 def _acquire_unless_statement(t: str, seq: str, name: str, durable: str) -> str:

@@ -89,6 +89,8 @@ def _grant_params(token: str, granted: float, life: float, holder: str, **keys: 
 def _slot_answer(rows: Rows, token: str, granted: float) -> tuple[int, Grant] | Held | None:
     """What an ``acquire_any`` statement's rows mean (0-based slot index); None when the
     picked slot was lost to a racing acquirer (the caller tries again)."""
+    if rows and rows[0][0] == "g":  # a grant: the statement's one row (the common case)
+        return int(rows[0][1]) - 1, Grant(int(rows[0][4]), granted)
     slots: list[tuple[int, LockInfo]] = []
     raced = False
     for kind, index, *row in rows:
@@ -134,8 +136,10 @@ def _asked(
     return found
 
 
-def _text_array(values: Sequence[str]) -> str:
-    """``values`` as a PostgreSQL array literal (every element quoted), for ``CAST(... AS varchar[])``."""
+@functools.lru_cache(maxsize=4096)
+def _text_array(values: tuple[str, ...]) -> str:
+    """``values`` as a PostgreSQL array literal (every element quoted), for ``CAST(... AS
+    varchar[])``; cached, as a semaphore's slot keys are sent on each of its acquires."""
     quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
     return "{" + ",".join(quoted) + "}"
 
@@ -278,7 +282,7 @@ class PostgresLockProvider(SqlStore):
         acquirer took between the statement's read and its write: that attempt is tried
         again, at most once per slot."""
         granted = float(min(ttl, max_lifetime))
-        params = _grant_params(token, granted, max_lifetime, holder, keys=_text_array(keys))
+        params = _grant_params(token, granted, max_lifetime, holder, keys=_text_array(tuple(keys)))
         call = functools.partial(self._call, "acquire_any", params)
         answer = functools.partial(_slot_answer, token=token, granted=granted)
         found = _asked(call, answer, len(keys), timeout)

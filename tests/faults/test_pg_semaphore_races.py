@@ -250,7 +250,13 @@ def test_pg_the_losing_statement_writes_nothing(race: Race) -> None:
     import psycopg
 
     late = psycopg.connect(race.dsn)
-    params = {"keys": _text_array(race.keys), "token": "late", "ttl": 60.0, "life": 600.0, "holder": "{}"}
+    params = {
+        "keys": _text_array(tuple(race.keys)),
+        "token": "late",
+        "ttl": 60.0,
+        "life": 600.0,
+        "holder": "{}",
+    }
     seen: dict[str, Any] = {}
 
     def lose() -> list[tuple[Any, ...]]:

@@ -508,6 +508,28 @@ def test_pg_contention_takes_no_transaction_id_and_writes_no_wal(pg: Db) -> None
         provider.close()
 
 
+def test_pg_semaphore_grant_answers_with_its_one_row(pg: Db) -> None:
+    """A granting acquire_any statement returns only its grant row (slot index and fence),
+    not every slot as read: the rows a grant does not need cost the client their parsing."""
+    provider = pg.provider()
+    keys = ("one", "{one}#2", "{one}#3")
+    sent: list[Any] = []
+    run = provider._run_pg
+
+    def recorded(op: str, params: dict[str, Any], timeout: float | None = None) -> Any:
+        sent.append(rows := run(op, params, timeout))
+        return rows
+
+    provider._run_pg = recorded  # type: ignore[method-assign]
+    try:
+        assert provider.acquire_any(keys, "a", 60, 600, "{}") == (0, Grant(1, 60.0))
+        assert provider.acquire_any(keys, "b", 60, 600, "{}") == (1, Grant(2, 60.0))
+        assert [[row[:2] for row in rows] for rows in sent] == [[("g", 1)], [("g", 2)]]
+        assert [rows[0][4] for rows in sent] == [1, 2]
+    finally:
+        provider.close()
+
+
 def test_pg_contended_semaphore_takes_no_lock_or_transaction_id_and_writes_no_wal(pg: Db) -> None:
     """A limit=3 acquire_any on three live slots (and a retry by a holder) takes no advisory
     lock, assigns no xid and writes no WAL: the single lock's contended guarantee."""
@@ -522,7 +544,13 @@ def test_pg_contended_semaphore_takes_no_lock_or_transaction_id_and_writes_no_wa
             assert provider.acquire_any(keys, f"holder{i}", 60, 600, "{}") == (i, Grant(i + 1, 60.0))
         with psycopg.connect(_psycopg_dsn(pg)) as conn:
             for token in ("other", "holder1"):
-                params = {"keys": _text_array(keys), "token": token, "ttl": 5.0, "life": 60.0, "holder": "{}"}
+                params = {
+                    "keys": _text_array(tuple(keys)),
+                    "token": token,
+                    "ttl": 5.0,
+                    "life": 60.0,
+                    "holder": "{}",
+                }
                 rows = conn.execute(provider._psycopg_sql["acquire_any"], params).fetchall()
                 assert sorted(row[:2] for row in rows) == [("l", 1), ("l", 2), ("l", 3)]  # no grant
                 assert conn.execute("SELECT txid_current_if_assigned()").fetchone() == (None,)
