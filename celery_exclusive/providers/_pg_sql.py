@@ -74,8 +74,10 @@ SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
     # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
     # matches it while it is dead; if the row was deleted meanwhile, an INSERT ... DO
     # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
-    # a winner wait for its commit and then write nothing (ON CONFLICT DO UPDATE ... WHERE
+    # a winner wait for its commit and then write no row (ON CONFLICT DO UPDATE ... WHERE
     # would lock the row, take an xid and flush a commit, delaying the winner's release).
+    # They still draw a fence, and a losing UPDATE takes an xid, whose commit writes a
+    # commit record (as acquire_any's did before it tried the key lock first: see there).
     take_over = f"""{now}, {key_lock},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {STALE})) AS live
