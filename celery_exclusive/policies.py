@@ -214,7 +214,7 @@ class Rerun(OnLocked):
         if token is None:
             return skipped(task, key, holder, coalesced=True)
         try:
-            lease = task._acquire(service, key, None, request)
+            lease = task._acquire(key, None, request)
         except LockedError as locked:
             return skipped(task, key, locked.holder, coalesced=True)
         if service.force_release(marker_key, token):
@@ -373,9 +373,14 @@ def holder_of(task: Task, request: Any = None) -> dict[str, Any]:
     rerun-policy holder hands on reruns; ``list`` shows "cooling"). The service adds this
     process's ``host`` and ``pid`` in front (the store's JSON is the same as with them here)."""
     request = task.request if request is None else request
-    holder = {"task_name": task.name, "task_id": request.id}
-    if request.hostname:
-        holder["worker"] = request.hostname
+    return {**holder_fields(task, request.hostname), "task_id": request.id}
+
+
+def holder_fields(task: Task, hostname: str | None) -> dict[str, Any]:
+    """:func:`holder_of` but the task id: the same for every run of ``task`` on ``hostname``."""
+    holder: dict[str, Any] = {"task_name": task.name}
+    if hostname:
+        holder["worker"] = hostname
     if of(task).hands_on_reruns:
         holder[HANDS_ON_RERUNS] = True
     if task.lock_settings.cooldown:

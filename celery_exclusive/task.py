@@ -78,6 +78,7 @@ from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
+from celery_exclusive._process import HolderTemplate
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
@@ -104,7 +105,7 @@ from celery_exclusive.settings import (
     keyword_attributes,
 )
 from celery_exclusive.validation import lease_durations
-from celery_exclusive.worker import app_settings, get_lock_service
+from celery_exclusive.worker import app_settings, lock_service_of
 
 if TYPE_CHECKING:
     from celery.canvas import Signature
@@ -266,7 +267,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     @property
     def lock_service(self) -> LockService:
         """This process's lock service for this task's app."""
-        return get_lock_service(self.app)
+        return lock_service_of(self)
 
     def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock key of a call with ``args`` and ``kwargs`` (without the service prefix).
@@ -305,26 +306,28 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         def si(self, *args: _P.args, **kwargs: _P.kwargs) -> Signature[_R]: ...
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        dedupe.run_started(self)
+        request = self.request
+        if dedupe.marker_of(request) is None:  # most messages: no queued marker to end
+            return cast("_R", self._call(args, kwargs, request))
+        dedupe.run_started(self, request)
         try:
-            return cast("_R", self._call(args, kwargs))
+            return cast("_R", self._call(args, kwargs, request))
         finally:
-            dedupe.release_for(self, "run ended")
+            dedupe.release_for(self, "run ended", request)
 
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any) -> Any:
+        """The run of the current ``request``."""
         observe.begin()
         settings = self.lock_settings
         key = _key_builder_of(self).build(self.name, args, kwargs)
         if not isinstance(key, str):
             _check_several(self.name, settings.on_locked, settings.cooldown, None)
-        service = self.lock_service
-        request = self.request
         call = policies.Call(args, kwargs, inline=bool(request.called_directly or request.is_eager))
         record = None if call.inline else redelivery.once_id(self, request)
         once, asked_again = record, call.inline
         while True:
             try:
-                lease = self._acquire(service, key, once, request)
+                lease = self._acquire(key, once, request)
             except AlreadyDone as done:
                 redelivery.settle(self, done.key, done.record, args, kwargs)  # ends a copy of a finished run
                 once = None  # a retry's own attempt: take the key as usual
@@ -364,19 +367,15 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     # -- internals ------------------------------------------------------------------------
 
-    def _acquire(
-        self, service: LockService, key: str | list[str], once: str | None, request: Any
-    ) -> Lease | LeaseSet:
+    def _acquire(self, key: str | list[str], once: str | None, request: Any) -> Lease | LeaseSet:
         """The run's lease(s) on ``key`` (LockedError if held; AlreadyDone if ``once`` is done)."""
         started = time.perf_counter()
         try:
-            settings = self.lock_settings
-            durations = _durations(self, settings, service)
+            plan = _plan_of(self)
             guard = None
-            if settings.limit > 1 and isinstance(key, str):  # a semaphore: see guard_key()
+            if plan.settings.limit > 1 and isinstance(key, str):  # a semaphore: see guard_key()
                 guard = redelivery.guard_key(self, key, request)
-            holder = policies.holder_of(self, request)
-            return _lock(service, settings, key, holder, once, durations=durations, guard=guard)
+            return _lock(plan, key, plan.holder(self, request), once, guard=guard)
         finally:
             observe.spent_acquiring(time.perf_counter() - started)
 
@@ -386,10 +385,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Run the body holding ``lease``, then release it, writing the completion record of
         ``record`` (:func:`redelivery.once_id` of ``request``, the current request)."""
         args, kwargs = call.args, call.kwargs
-        dedupe.acquired(self)
+        plan = _plan_of(self)
+        if dedupe.marker_of(request) is not None:
+            dedupe.acquired(self, request)
         leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
         report = observe.holding(self, leases, request)
-        interrupter = _interrupt.arm(*leases) if self.lock_settings.on_lost == "terminate" else None
+        interrupter = _interrupt.arm(*leases) if plan.terminate else None
         traced = _traced(self, request)
         _runs.push(self, lease)
         try:
@@ -400,41 +401,39 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     interrupter.disarm()
         except _interrupt.LeaseLostInterrupt as exc:
             done = redelivery.completion(self, exc, interrupted=True, task_id=record, request=request)
-            lost = self._finish(lease, retrying=False, done=done)
+            lost = self._finish(plan, lease, retrying=False, done=done)
             which = lost or _runs.first_lost(leases)
             raise LockLost(which.key, which.fence, _INTERRUPTED) from None
         except BaseException as exc:
             done = redelivery.completion(self, exc, task_id=record, request=request)
-            lost = self._finish(lease, retrying=isinstance(exc, Retry), done=done)
+            lost = self._finish(plan, lease, retrying=isinstance(exc, Retry), done=done)
             report.finished(lost or leases[0], lost is not None)
             raise
-        lost = self._finish(
-            lease, retrying=False, done=redelivery.completion(self, None, task_id=record, request=request)
-        )
+        done = redelivery.completion(self, None, task_id=record, request=request)
+        lost = self._finish(plan, lease, retrying=False, done=done)
         if lost is not None:
             report.finished(lost, True)
-            if self.lock_settings.on_lost == "raise":
+            if plan.settings.on_lost == "raise":
                 raise LockLost(lost.key, lost.fence, _DISCARDED)
         return result
 
     def _finish(
-        self, lease: Lease | LeaseSet, *, retrying: bool, done: Completion | None = None
+        self, plan: _Plan, lease: Lease | LeaseSet, *, retrying: bool, done: Completion | None
     ) -> Lease | None:
         """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
         ``finished`` hook (the rerun hand-on). The lease that had been lost, or None."""
         lost = _runs.finish(lease, done)
-        policies.of(self).finished(self, _runs.first_key(lease), retrying=retrying)
+        if plan.finishes:
+            plan.policy.finished(self, _runs.first_key(lease), retrying=retrying)
         return lost
 
 
 def _lock(
-    service: LockService,
-    settings: ExclusiveSettings,
+    plan: _Plan,
     key: str | list[str],
-    holder: dict[str, Any],
+    holder: Mapping[str, Any],
     once: str | None,
     *,
-    durations: Mapping[str, float | None],
     guard: str | None = None,
 ) -> Lease | LeaseSet:
     """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
@@ -442,10 +441,11 @@ def _lock(
     completion record of the task id on it, the rest through ``lock_many``. A semaphore
     (``limit > 1``) of several keys is refused (at the first run, before the store is touched);
     one of a single key with a ``guard`` key holds that first (:func:`_lock_slot`)."""
-    options: dict[str, Any] = {**durations, "holder": holder}
+    service, settings = plan.service, plan.settings
+    options: dict[str, Any] = {**plan.durations, "holder": holder}
     if guard is not None:
         assert isinstance(key, str)  # guard_key() is asked for single keys only
-        return _lock_slot(service, settings, (key, guard), holder, once, durations=durations)
+        return _lock_slot(service, settings, (key, guard), holder, once, durations=plan.durations)
     if isinstance(key, str):
         return service.lock(
             key, task_id=once, hold_at_least=settings.cooldown, limit=settings.limit, **options
@@ -466,7 +466,7 @@ def _lock_slot(
     service: LockService,
     settings: ExclusiveSettings,
     keys: tuple[str, str],
-    holder: dict[str, Any],
+    holder: Mapping[str, Any],
     once: str | None,
     *,
     durations: Mapping[str, float | None],
@@ -509,26 +509,56 @@ _DISCARDED = (
 )
 
 
-def _durations(
-    task: ExclusiveTask[..., Any], settings: ExclusiveSettings, service: LockService
-) -> Mapping[str, float | None]:
-    """The durations ``service.lock`` is given for ``task``'s runs: none when the settings'
-    resolve to the service's own (which it then takes unchecked), else the settings'.
-    Cached per settings and service object (a new service after a fork or close is another)."""
-    cached = task.__dict__.get("_lock_durations_cache")
-    if cached is None or cached[0] is not settings or cached[1] is not service:
-        own = (settings.lease_ttl, settings.refresh_interval, settings.max_lifetime)
-        try:
-            same = lease_durations(*own, ttl_explicit=True) == (
-                service.ttl,
-                service.refresh_interval,
-                service.max_lifetime,
-            )
-        except InvalidArgumentError:  # the call itself then says so
-            same = False
-        durations = {} if same else dict(zip(("ttl", "refresh_interval", "max_lifetime"), own, strict=True))
-        cached = task.__dict__["_lock_durations_cache"] = (settings, service, durations)
-    return cached[2]
+class _Plan:
+    """What every run of a task reads the same way: made once per settings and service
+    object (a new service after a fork or close is another), see :func:`_plan_of`."""
+
+    __slots__ = ("_templates", "durations", "finishes", "policy", "service", "settings", "terminate")
+
+    def __init__(
+        self, task: ExclusiveTask[..., Any], settings: ExclusiveSettings, service: LockService
+    ) -> None:
+        self.settings = settings
+        self.service = service
+        self.durations = _durations(settings, service)
+        self.policy = policies.of(task)
+        #: Whether the policy has a ``finished`` hook (the rerun hand-on); the others' is a no-op.
+        self.finishes = type(self.policy).finished is not policies.OnLocked.finished
+        self.terminate = settings.on_lost == "terminate"
+        self._templates: dict[str | None, HolderTemplate] = {}  # per worker hostname
+
+    def holder(self, task: ExclusiveTask[..., Any], request: Any) -> Mapping[str, Any]:
+        """:func:`policies.holder_of` ``request``, its JSON encoded around the task id."""
+        hostname = request.hostname
+        template = self._templates.get(hostname)
+        if template is None:
+            template = HolderTemplate(policies.holder_fields(task, hostname), "task_id")
+            self._templates = {**self._templates, hostname: template}
+        return template.holder(request.id)
+
+
+def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
+    """The task's :class:`_Plan` for its current settings and service."""
+    settings, service = task.lock_settings, task.lock_service
+    plan: _Plan | None = task.__dict__.get("_lock_plan_cache")
+    if plan is None or plan.settings is not settings or plan.service is not service:
+        plan = task.__dict__["_lock_plan_cache"] = _Plan(task, settings, service)
+    return plan
+
+
+def _durations(settings: ExclusiveSettings, service: LockService) -> dict[str, float | None]:
+    """The durations ``service.lock`` is given for a task's runs: none when the settings'
+    resolve to the service's own (which it then takes unchecked), else the settings'."""
+    own = (settings.lease_ttl, settings.refresh_interval, settings.max_lifetime)
+    try:
+        same = lease_durations(*own, ttl_explicit=True) == (
+            service.ttl,
+            service.refresh_interval,
+            service.max_lifetime,
+        )
+    except InvalidArgumentError:  # the call itself then says so
+        same = False
+    return {} if same else dict(zip(("ttl", "refresh_interval", "max_lifetime"), own, strict=True))
 
 
 def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:

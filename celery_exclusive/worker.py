@@ -152,6 +152,18 @@ def get_lock_service(app: Any = None) -> LockService:
         return service
 
 
+def lock_service_of(task: Any) -> LockService:
+    """``get_lock_service(task.app)``, remembered on ``task`` until that service is closed,
+    the task's app changes or the process forks (an exclusive run's lookup: one dict read)."""
+    app = task.app
+    cached = task.__dict__.get("_lock_service_cache")
+    if cached is not None and cached[0] is _state and cached[1] is app and not cached[2]._closed:
+        return cached[2]  # type: ignore[no-any-return]
+    service = get_lock_service(app)
+    task.__dict__["_lock_service_cache"] = (_current(), app, service)
+    return service
+
+
 def close_lock_services(*, release: bool = True) -> None:
     """Close this process's services (releasing held leases unless ``release=False``)."""
     state = _current()
