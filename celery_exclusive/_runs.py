@@ -57,7 +57,8 @@ def current(task: object) -> Lease | LeaseSet | None:
 
 def inside(task: object) -> bool:
     """Whether a run of ``task`` is in progress in this thread (a call from its own body)."""
-    return any(running is task for running, _ in _running.stack)
+    stack = _running.stack
+    return bool(stack) and any(running is task for running, _ in stack)
 
 
 def _pop(lease: Lease | LeaseSet) -> None:

@@ -259,10 +259,15 @@ class _Plain:
 
     def __init__(self, pieces: list[tuple[str, str | None]], signature: inspect.Signature) -> None:
         params = signature.parameters.values()
-        self.pieces = pieces
         self.names = tuple(p.name for p in params)
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
         self.required = tuple(p.name for p in params if p.default is p.empty)
+        #: The pieces, each field as its position among the parameters (-1: the task name,
+        #: which :meth:`_fill` finds after them).
+        self.pieces = [
+            (literal, None if field is None else self.names.index(field) if field in self.names else -1)
+            for literal, field in pieces
+        ]
 
     @classmethod
     def of(cls, template: str, signature: inspect.Signature) -> _Plain | None:
@@ -278,24 +283,26 @@ class _Plain:
 
     def build(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
         names = self.names
+        if not kwargs and len(args) == len(names):  # every parameter by position: Celery's usual
+            return self._fill([*args, task_name])
         if len(args) > len(names):
             return None
-        values: dict[str, Any] = {
-            TASK_NAME_FIELD: task_name,
-            **self.defaults,
-            **dict(zip(names, args, strict=False)),
-        }
+        values: dict[str, Any] = {**self.defaults, **dict(zip(names, args, strict=False))}
         for name, value in kwargs.items():
             if name not in names or name in names[: len(args)]:
                 return None
             values[name] = value
         if any(name not in values for name in self.required):
             return None
+        return self._fill([*(values[name] for name in names), task_name])
+
+    def _fill(self, values: list[Any]) -> str | None:
+        """The key from ``values``: the parameters' in order, then the task name."""
         parts = []
-        for literal, field in self.pieces:
+        for literal, index in self.pieces:
             parts.append(literal)
-            if field is not None:
-                value = values[field]
+            if index is not None:
+                value = values[index]
                 kind = type(value)
                 if kind is str:
                     parts.append(value)

@@ -109,11 +109,6 @@ def _task_span(task: Any, request: Any = None) -> Any:
     return span if span.is_recording() else None
 
 
-def _ids(task: Any, request: Any = None) -> tuple[str, str | None, str | None]:
-    request = task.request if request is None else request
-    return task.name, request.id, request.hostname
-
-
 def _wants_events(task: Any, hostname: str | None = None) -> bool:
     if not events.enabled:
         return False
@@ -161,26 +156,33 @@ def not_acquired(
 class Run:
     """Reporting for one run that holds its lease: made in the task's thread by :func:`holding`."""
 
+    __slots__ = ("_unreported", "app", "events", "hostname", "span", "task_id", "task_name")
+
     def __init__(self, task: Any, lease: Lease, request: Any = None) -> None:
         request = task.request if request is None else request
-        self.task_name, self.task_id, self.hostname = _ids(task, request)
+        self.task_name, self.task_id, self.hostname = task.name, request.id, request.hostname
         self.app = task.app
-        self.events = _wants_events(task, self.hostname)
-        self.span = _task_span(task, request)
-        self._reported = False
-        self._mutex = threading.Lock()
+        self.events = events.enabled and _wants_events(task, self.hostname)
+        # _task_span's first test inline: without OpenTelemetry a run makes no call for it.
+        self.span = None if "opentelemetry.trace" not in sys.modules else _task_span(task, request)
+        #: Popped by the first report of a loss (list.pop is atomic): one report per run.
+        self._unreported = [True]
         if self.span is not None:
             self.span.set_attribute(KEY, lease.key)
             self.span.set_attribute(FENCE, lease.fence)
             self.span.set_attribute(OUTCOME, ACQUIRED)
             self.span.set_attribute(ACQUIRE_DURATION, _local.acquiring)
 
+    def _first_report(self) -> bool:
+        try:
+            return self._unreported.pop()
+        except IndexError:
+            return False
+
     def lost(self, lease: Lease, reason: str) -> None:
         """The ``lease.on_lost`` callback (usually on the heartbeat thread): log, span, event."""
-        with self._mutex:
-            if self._reported:
-                return
-            self._reported = True
+        if not self._first_report():
+            return
         logger.warning(
             "lock %r (fence %d) was lost while the task ran (%s); another run may now hold it",
             lease.key,
@@ -192,13 +194,8 @@ class Run:
 
     def finished(self, lease: Lease, lost: bool) -> None:
         """The run ended; ``lost`` if the release found the lease gone (already logged there)."""
-        if not lost:
-            return
-        with self._mutex:
-            if self._reported:
-                return
-            self._reported = True
-        self._mark_lost(lease, "the lease was no longer held at release")
+        if lost and self._first_report():
+            self._mark_lost(lease, "the lease was no longer held at release")
 
     def _mark_lost(self, lease: Lease, reason: str) -> None:
         if self.span is not None:

@@ -218,7 +218,9 @@ class Rerun(OnLocked):
         except LockedError as locked:
             return skipped(task, key, locked.holder, coalesced=True)
         if service.force_release(marker_key, token):
-            return task._run_holding(lease, call, request, redelivery.once_id(task, request))
+            return task._run_holding(
+                lease, call.args, call.kwargs, request, redelivery.once_id(task, request)
+            )
         # The previous holder took our marker and has sent the rerun already. A request that
         # found the key held by us meanwhile recorded a new rerun: hand it on like a holder.
         lease.release()

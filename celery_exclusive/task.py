@@ -322,9 +322,10 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         key = _key_builder_of(self).build(self.name, args, kwargs)
         if not isinstance(key, str):
             _check_several(self.name, settings.on_locked, settings.cooldown, None)
-        call = policies.Call(args, kwargs, inline=bool(request.called_directly or request.is_eager))
-        record = None if call.inline else redelivery.once_id(self, request)
-        once, asked_again = record, call.inline
+        inline = bool(request.called_directly or request.is_eager)
+        record = None if inline else redelivery.once_id(self, request)
+        once, asked_again = record, inline
+        call: policies.Call | None = None  # made once the key is found held (its waits' state)
         while True:
             try:
                 lease = self._acquire(key, once, request)
@@ -338,11 +339,13 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
                     # learn who it is (it may be this very message's original).
                     asked_again = True
                     continue
+                if call is None:
+                    call = policies.Call(args, kwargs, inline=inline)
                 result = policies.held(self, locked.key, locked.holder, call)
                 if result is policies.AGAIN:
                     continue
                 return result
-            return self._run_holding(lease, call, request, record)
+            return self._run_holding(lease, args, kwargs, request, record)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -380,11 +383,15 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             observe.spent_acquiring(time.perf_counter() - started)
 
     def _run_holding(
-        self, lease: Lease | LeaseSet, call: policies.Call, request: Any, record: str | None
+        self,
+        lease: Lease | LeaseSet,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        request: Any,
+        record: str | None,
     ) -> Any:
         """Run the body holding ``lease``, then release it, writing the completion record of
         ``record`` (:func:`redelivery.once_id` of ``request``, the current request)."""
-        args, kwargs = call.args, call.kwargs
         plan = _plan_of(self)
         if dedupe.marker_of(request) is not None:
             dedupe.acquired(self, request)
