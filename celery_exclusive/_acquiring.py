@@ -84,6 +84,7 @@ class Acquiring:
             if not name_holder and not signals.lock_contended.receivers:
                 return answer  # a failed try_lock, the hot path under contention
             return self._contended(key, store_key, answer)
+        heartbeat = service.heartbeat
         lease = Lease(
             service,
             key=key,
@@ -95,9 +96,9 @@ class Acquiring:
             max_lifetime=lifetime_s,
             sent_at=sent,
             granted=answer.ttl,
-            mutex=service.heartbeat.mutex,
+            mutex=heartbeat.mutex,
         )
-        service.heartbeat.add(lease)
+        heartbeat.add(lease)
         if signals.lock_acquired.receivers:  # signals.send's test, without its call
             signals.lock_acquired.send(sender=service, key=key, lease=lease)
         return lease

@@ -99,12 +99,13 @@ class Releasing:
     def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:
         """See :meth:`LockService.release` (``completion`` already checked)."""
         service = self._service
-        with service.heartbeat.mutex:
+        heartbeat = service.heartbeat
+        with heartbeat.mutex:
             was_lost = lease._mark_released()
             if was_lost is None:
                 return ReleaseOutcome.NOT_OWNED
-            service.heartbeat.discard(lease)
-        cooling = self._cooldowns.pop(lease, None)
+            heartbeat.discard(lease)
+        cooling = self._cooldowns.pop(lease, None) if self._cooldowns else None
         if cooling is not None and not was_lost:
             left = cooling[0] - (service.clock() - cooling[1])
             if left > 0.001:

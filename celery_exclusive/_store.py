@@ -118,7 +118,8 @@ class StoreCalls:
             if timeout is None:
                 return method(*args, **kwargs)
             timeout = max(timeout, 0.001)
-            if self._accepts_timeout(method):
+            takes = self._takes_timeout.get(getattr(method, "__name__", ""))  # _accepts_timeout's cache
+            if takes or (takes is None and self._accepts_timeout(method)):
                 return method(*args, timeout=timeout, **kwargs)
             return self._in_thread(what, timeout, method, *args, **kwargs)
         except BackendError:

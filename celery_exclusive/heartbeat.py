@@ -158,7 +158,9 @@ class Heartbeat:
         due = lease._wake_at()
         with self.mutex:
             self._leases[id(lease)] = lease
-            wake = not self._start_thread() and due < self._wake_at
+            thread = self._thread  # _start_thread's test inline: it runs, the usual case
+            started = thread is None or not thread.is_alive()
+            wake = not (started and self._start_thread()) and due < self._wake_at
         if wake:
             self._wake.set()
 

@@ -46,7 +46,7 @@ from celery_exclusive.providers.base import (
     LockProvider,
 )
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import MAX_LIFETIME_CAP
+from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key
 
 T = TypeVar("T")
 
@@ -305,7 +305,7 @@ class LockService(PrefixedStore):
         """Check the service is open and ``key`` is a valid key for it."""
         if self._closed:
             raise InvalidArgumentError("this LockService is closed")
-        super()._check_key(key)
+        check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)  # PrefixedStore's
 
     def _lose(self, lease: Lease, reason: str) -> None:
         """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""
