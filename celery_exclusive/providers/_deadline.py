@@ -43,7 +43,10 @@ class Watch:
 
 class _Watchdog:
     def __init__(self) -> None:
-        self._lock = threading.Condition(threading.Lock())
+        #: arm and disarm take the mutex itself (a C-level ``with``, not the Condition's
+        #: Python one: two per statement); the thread waits on the Condition over it.
+        self._mutex = threading.Lock()
+        self._lock = threading.Condition(self._mutex)
         self._armed: dict[int, Watch] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -53,7 +56,7 @@ class _Watchdog:
     def arm(self, fd: int, timeout: float) -> tuple[int, Watch]:
         watch = Watch(fd, timeout)
         ticket = next(self._ids)
-        with self._lock:
+        with self._mutex:
             if self._pid != os.getpid():  # forked: the parent's thread and calls are not ours
                 self._armed, self._thread, self._pid = {}, None, os.getpid()
                 self._wake_at = math.inf
@@ -69,7 +72,7 @@ class _Watchdog:
         return ticket, watch
 
     def disarm(self, ticket: int) -> None:
-        with self._lock:
+        with self._mutex:
             self._armed.pop(ticket, None)
 
     def _run(self) -> None:

@@ -89,15 +89,27 @@ class Runner:
         # Per live connection: its client encoding and the names it has prepared.
         self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, set[bytes]]] = weakref.WeakKeyDictionary()
         self._converters: dict[tuple[str, str], tuple[Callable[[bytes], Any], ...]] = {}
+        #: The connection of the last statement and its session, as one tuple (swapped
+        #: atomically between threads): the hot path skips the weak dictionary's lookup.
+        self._last: tuple[Any, tuple[str, set[bytes]]] | None = None
 
-    def run(self, connection: Any, statement: Statement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """The statement's rows, converted; raises the psycopg error for a failure."""
+    def _session(self, connection: Any) -> tuple[str, set[bytes]]:
+        """``connection``'s client encoding and the names it has prepared."""
+        last = self._last
+        if last is not None and last[0] is connection:
+            return last[1]
         session = self._sessions.get(connection)
         if session is None:
             session = self._sessions[connection] = (connection.info.encoding, set())
-        encoding, prepared = session
+        self._last = (connection, session)
+        return session
+
+    def run(self, connection: Any, statement: Statement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """The statement's rows, converted; raises the psycopg error for a failure."""
+        encoding, prepared = self._session(connection)
         values = [
-            None if (v := params[name]) is None else str(v).encode(encoding) for name in statement.params
+            None if (v := params[name]) is None else (v if type(v) is str else str(v)).encode(encoding)
+            for name in statement.params
         ]
         pgconn = connection.pgconn
         result = self._execute(pgconn, statement, values, prepared)
