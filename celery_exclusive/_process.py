@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -44,7 +43,8 @@ this = _ThisProcess()
 
 def new_token() -> str:
     """A fresh owner token: host, pid, wall time (for people) and 64 random bits."""
-    return f"{this.token_prefix}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
+    # os.urandom(8).hex() is secrets.token_hex(8) (the same source) without its three calls.
+    return f"{this.token_prefix}{int(time.time() * 1000)}:{os.urandom(8).hex()}"
 
 
 def holder_json(holder: Mapping[str, Any] | None) -> str:
