@@ -94,10 +94,8 @@ class Runner:
         self._last: tuple[Any, tuple[str, set[bytes]]] | None = None
 
     def _session(self, connection: Any) -> tuple[str, set[bytes]]:
-        """``connection``'s client encoding and the names it has prepared."""
-        last = self._last
-        if last is not None and last[0] is connection:
-            return last[1]
+        """``connection``'s client encoding and the names it has prepared (remembered as
+        the last statement's, which :meth:`run` looks at first)."""
         session = self._sessions.get(connection)
         if session is None:
             session = self._sessions[connection] = (connection.info.encoding, set())
@@ -106,7 +104,9 @@ class Runner:
 
     def run(self, connection: Any, statement: Statement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """The statement's rows, converted; raises the psycopg error for a failure."""
-        encoding, prepared = self._session(connection)
+        last = self._last
+        session = last[1] if last is not None and last[0] is connection else self._session(connection)
+        encoding, prepared = session
         values = [
             None if (v := params[name]) is None else (v if type(v) is str else str(v)).encode(encoding)
             for name in statement.params

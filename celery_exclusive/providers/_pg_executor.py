@@ -98,7 +98,9 @@ class DirectExecutor:
         ``connect_timeout`` (whole seconds, at least 2), the statement by :mod:`._deadline`'s
         watchdog, which shuts the socket down; the connection is dropped."""
         end = None if timeout is None else time.monotonic() + timeout
-        fairy, dbapi = self._connection(timeout)
+        kept = self.kept
+        taken = None if kept is None else kept.take()  # _connection's first step inline
+        fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
         # Armed and disarmed directly, not through _deadline.watch's context manager: one
         # generator fewer per statement; disarmed before a failure is handled, so the
         # watchdog never shuts down a descriptor the handling closed and the OS reused.
@@ -117,6 +119,8 @@ class DirectExecutor:
         except BaseException:
             self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
             raise
+        if fairy is None and (watch is None or not watch.fired) and kept is not None and kept.give(dbapi):
+            return rows  # _done's usual case inline: a kept connection goes back
         self._done(fairy, dbapi, op, watch)
         return rows
 
