@@ -103,8 +103,9 @@ class Translating:
 
 class ScriptRunner:
     """Runs the scripts on one client: through ``wire`` (a client the provider built; a
-    per-call ``timeout`` is then enforced on the socket) or the client's own commands (a
-    client you passed keeps its own socket timeouts)."""
+    per-call ``timeout`` is then enforced on the socket), on a cluster the provider built
+    through ``wire_of`` (the Wire of the key's node) when a call has a ``timeout``, or the
+    client's own commands (a client you passed keeps its own socket timeouts)."""
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class ScriptRunner:
         wait: tuple[int, int],
         node_of: Callable[[str], tuple[str, Any]] | None = None,
         moved: tuple[tuple[type[Exception], ...], Callable[[], None]] = ((), lambda: None),
+        wire_of: Callable[[str], tuple[str, Wire]] | None = None,
     ) -> None:
         self._client = client
         self._execute = execute
@@ -130,6 +132,9 @@ class ScriptRunner:
         self._node_of = node_of
         #: The MOVED/ASK error replies, and what to call on one (the slot map is stale).
         self._redirects, self._moved = moved
+        #: On a cluster the provider built: the node owning a key, as (name, its Wire), for
+        #: calls with a ``timeout`` (enforced on that node's socket, as on one server).
+        self._wire_of = wire_of
 
     def run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
@@ -144,12 +149,35 @@ class ScriptRunner:
                     return self._wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=timeout)
                 except self._noscript:
                     return self._wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
+            if timeout is not None and self._wire_of is not None:
+                return self._run_on_node(script, numkeys, args, timeout)
             try:
                 return self._execute("EVALSHA", SHA[script], numkeys, *args)
             except self._noscript:
                 return self._execute("EVAL", script, numkeys, *args)
         except self._errors as exc:
             raise self._fail(exc) from exc
+
+    def _run_on_node(self, script: str, numkeys: int, args: tuple[Any, ...], timeout: float) -> Any:
+        """``script`` on the Wire of its first key's cluster node, within ``timeout`` s.
+
+        A cluster node answering MOVED or ASK ran nothing: the slot map is read again and the
+        call made through the cluster client, which follows the redirection (with its own
+        socket timeout: a slot being moved is the one case without a per-call deadline)."""
+        assert self._wire_of is not None
+        deadline = time.monotonic() + timeout
+        wire = self._wire_of(args[0])[1]
+        try:
+            try:
+                return wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=timeout)
+            except self._noscript:
+                return wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
+        except self._redirects:
+            self._moved()
+        try:
+            return self._execute("EVALSHA", SHA[script], numkeys, *args)
+        except self._noscript:
+            return self._execute("EVAL", script, numkeys, *args)
 
     def _pipelined(self, commands: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Any]:
         """Every command's reply, error replies in their place, in one round trip.
@@ -158,10 +186,30 @@ class ScriptRunner:
         read; replies come back in ``commands`` order either way."""
         if self._wire is not None:
             return self._wire.send_many(commands, timeout)
+        if self._wire_of is not None and timeout is not None:
+            return self._per_node(commands, time.monotonic() + timeout)
         pipe = self._client().pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
         replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
+
+    def _per_node(self, commands: Sequence[tuple[Any, ...]], deadline: float) -> list[Any]:
+        """Each node's share of ``commands`` (scripts: the first key is ``command[3]``)
+        pipelined on that node's Wire, node after node, all within ``deadline``."""
+        assert self._wire_of is not None
+        by_node: dict[str, tuple[Wire, list[int]]] = {}
+        for i, command in enumerate(commands):
+            name, wire = self._wire_of(command[3])
+            by_node.setdefault(name, (wire, []))[1].append(i)
+        replies: list[Any] = [None] * len(commands)
+        for wire, indices in by_node.values():
+            try:
+                got = wire.send_many([commands[i] for i in indices], left(deadline))
+            except (self._noscript, *self._redirects) as exc:  # one command's error is raised
+                got = [exc]
+            for i, reply in zip(indices, got, strict=True):
+                replies[i] = reply
         return replies
 
     def run_many(
@@ -174,7 +222,9 @@ class ScriptRunner:
         with self._translated:
             replies = self._pipelined([("EVALSHA", SHA[script], *args) for args in calls], timeout)
         for i, reply in enumerate(replies):
-            if isinstance(reply, self._noscript):
+            if isinstance(reply, self._redirects):
+                self._moved()  # nothing ran there: run it on the slot's new owner
+            if isinstance(reply, (self._noscript, *self._redirects)):
                 replies[i] = self.run(script, *calls[i], timeout=None if deadline is None else left(deadline))
             elif isinstance(reply, Exception):
                 raise self._fail(reply) from reply
@@ -195,20 +245,32 @@ class ScriptRunner:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._node_of is None:
             return self._acked(script, calls, lambda batch: self._pipelined(batch, _left(deadline)))
-        by_node: dict[str, tuple[Any, list[int]]] = {}
+        by_node: dict[str, tuple[Callable[[list[tuple[Any, ...]]], list[Any]], list[int]]] = {}
         for i, args in enumerate(calls):
             with self._translated:
-                name, node = self._node_of(args[1])  # args: numkeys, then the first key
-            by_node.setdefault(name, (node, []))[1].append(i)
+                name, send = self._sender(args[1], deadline)  # args: numkeys, then the first key
+            by_node.setdefault(name, (send, []))[1].append(i)
         replies: list[Any] = [None] * len(calls)
         fewest: int | None = None
-        for node, indices in by_node.values():
-            got, acks = self._acked(script, [calls[i] for i in indices], functools.partial(_on_node, node))
+        for send, indices in by_node.values():
+            got, acks = self._acked(script, [calls[i] for i in indices], send)
             for i, reply in zip(indices, got, strict=True):
                 replies[i] = reply
             fewest = acks if fewest is None else min(fewest, acks)
         assert fewest is not None  # calls is never empty
         return replies, fewest
+
+    def _sender(
+        self, key: str, deadline: float | None
+    ) -> tuple[str, Callable[[list[tuple[Any, ...]]], list[Any]]]:
+        """The cluster node owning ``key`` and a function pipelining commands on one of its
+        connections: its Wire within ``deadline`` if there is one, else its own client."""
+        if self._wire_of is not None and deadline is not None:
+            name, wire = self._wire_of(key)
+            return name, lambda batch: wire.send_many(batch, left(deadline))
+        assert self._node_of is not None
+        name, node = self._node_of(key)
+        return name, functools.partial(_on_node, node)
 
     def _acked(
         self,

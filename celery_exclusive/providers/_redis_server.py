@@ -3,7 +3,8 @@
 :class:`RedisServer` is built once per provider from its :class:`~._redis_urls.Target`. It
 owns what every operation needs and none decides: the redis-py client (a cluster client
 from a URL built on first use), the fast-path :class:`~._redis_wire.Wire` (a one-server
-client the provider built), the translation of driver errors into a BackendError that
+client the provider built; on a cluster the provider built, one Wire per node, for calls
+with a per-call timeout), the translation of driver errors into a BackendError that
 names the server without its password, the :class:`~._redis_scripts.ScriptRunner`, and the
 cluster's routing (hash slots, fence keys, script groups, the node owning a key, SCAN on
 every primary). The provider (providers/redis.py) keeps the lock operations.
@@ -49,6 +50,8 @@ class RedisServer:
         self.redirects = (redis.exceptions.MovedError, redis.exceptions.AskError)
         self.translated = Translating(self.errors, self.fail)
         self.wire: Wire | None = None
+        #: On a cluster the provider built: one Wire per node name, made on first use.
+        self._node_wires: dict[str, Wire] = {}
         execute: Callable[..., Any]
         if target.built and not self.cluster:
             self.wire = Wire(target.pool, redis.ResponseError, (*self.errors, OSError))
@@ -66,6 +69,7 @@ class RedisServer:
             wait=(self.wait_replicas, self.wait_ms),
             node_of=self._node_client if self.cluster else None,
             moved=(self.redirects, self._remap),
+            wire_of=self._node_wire if self.cluster and target.built else None,
         )
 
     @property
@@ -84,6 +88,19 @@ class RedisServer:
         """The cluster node owning ``key``: its name and its own one-node client."""
         node = self.client.get_node_from_key(key)
         return node.name, node.redis_connection
+
+    def _node_wire(self, key: str) -> tuple[str, Wire]:
+        """The cluster node owning ``key``: its name and the Wire to it (its kept
+        connections, a per-call timeout enforced on their sockets)."""
+        name, node = self._node_client(key)
+        wire = self._node_wires.get(name)
+        if wire is None:
+            with self._connecting:
+                wire = self._node_wires.get(name)
+                if wire is None:
+                    wire = Wire(node.connection_pool, self.response_error, (*self.errors, OSError))
+                    self._node_wires[name] = wire
+        return name, wire
 
     def _remap(self) -> None:
         """Ask the cluster for its slot map again (a node answered MOVED or ASK)."""
@@ -156,8 +173,9 @@ class RedisServer:
 
     def close(self) -> None:
         """Close the wire and a client the provider built (a client you passed stays open)."""
-        if self.wire is not None:
-            self.wire.close()
+        for wire in (self.wire, *self._node_wires.values()):
+            if wire is not None:
+                wire.close()
         if self.target.built and self.target.client is not None:
             self.target.client.close()
 

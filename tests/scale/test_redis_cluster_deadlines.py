@@ -1,0 +1,104 @@
+"""Per-call deadlines on the private Redis Cluster: a call with ``timeout=`` ends on the
+socket at its deadline with a BackendError when the key's node is silent (SIGSTOP: its
+TCP connections stay open and nothing answers), however long the client's own socket
+timeout (10 s by default; 30 s here, so the old behaviour could not pass by accident).
+
+Each call freezes the node for about 1 s only: under the fixture's cluster node timeout
+(5 s), so the other nodes never mark it failed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from celery_exclusive.errors import BackendError
+from celery_exclusive.providers.base import Grant, RefreshRequest
+from celery_exclusive.providers.redis import RedisLockProvider
+from tests.conftest import TIME_SLACK
+
+
+@pytest.fixture
+def provider(redis_cluster: str) -> Iterator[RedisLockProvider]:
+    """A provider on the private cluster whose client's socket timeout is 30 s."""
+    p = RedisLockProvider(redis_cluster + "?socket_timeout=30")
+    yield p
+    p.close()
+
+
+@contextlib.contextmanager
+def _silent(pid: int, at_most: float) -> Iterator[None]:
+    """Node ``pid`` frozen for the block, and never longer than ``at_most`` s (a timer thaws
+    it: a call that does not time out then completes, and the cluster never fails it)."""
+    thaw = threading.Timer(at_most, os.kill, (pid, signal.SIGCONT))
+    os.kill(pid, signal.SIGSTOP)
+    thaw.start()
+    try:
+        yield
+    finally:
+        thaw.cancel()
+        os.kill(pid, signal.SIGCONT)
+
+
+def _node_pid(cluster: RedisCluster, key: str) -> int:
+    node = cluster.get_node_from_key(key)
+    one = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+    try:
+        return int(cast(dict[str, Any], one.info("server"))["process_id"])
+    finally:
+        one.close()
+
+
+def test_every_call_ends_at_its_deadline_on_a_silent_node(provider: RedisLockProvider) -> None:
+    """acquire, refresh, peek and release with ``timeout=1`` on a key whose node is frozen:
+    each a BackendError within 1 s plus slack; thawed, the next calls work."""
+    key = f"clusterdl-{uuid.uuid4().hex[:10]}"
+    other = f"clusterdl-{uuid.uuid4().hex[:10]}"
+    cluster = cast(RedisCluster, provider._client)
+    elsewhere = _key_not_on(cluster, cluster.get_node_from_key(key).name)
+    for k in (key, elsewhere):
+        assert isinstance(provider.acquire(k, "tok", 30.0, 60.0, "{}"), Grant)
+    both = [RefreshRequest(key, "tok", 30.0), RefreshRequest(elsewhere, "tok", 30.0)]
+    pid = _node_pid(cluster, other)
+    calls: dict[str, Callable[[], object]] = {
+        "acquire": lambda: provider.acquire(other, "tok", 30.0, 60.0, "{}", timeout=1.0),
+        "refresh": lambda: provider.refresh([RefreshRequest(key, "tok", 30.0)], timeout=1.0),
+        "refresh on two nodes": lambda: provider.refresh(both, timeout=1.0),
+        "peek": lambda: provider.peek(key, timeout=1.0),
+        "release": lambda: provider.release(key, "tok", timeout=1.0),
+    }
+    key_pid = _node_pid(cluster, key)
+    bound = 1.0 + 0.5 * TIME_SLACK
+    try:
+        for name, call in calls.items():
+            with _silent(pid if name == "acquire" else key_pid, bound + 0.5):
+                started = time.monotonic()
+                with pytest.raises(BackendError):
+                    call()
+                elapsed = time.monotonic() - started
+            print(f"{name}: BackendError after {elapsed:.3f} s")
+            assert 0.9 <= elapsed <= bound, (name, elapsed)
+        # Thawed: the abandoned connections are gone and the next calls work (the frozen
+        # node may still have run what it had read: the release, say).
+        provider.peek(key, timeout=1.0)
+        assert isinstance(provider.acquire(key, "tok", 30.0, 60.0, "{}", timeout=1.0), Grant)
+        assert provider.refresh(both, timeout=1.0) == [pytest.approx(30.0, abs=0.5)] * 2
+    finally:
+        for k in (key, other, elsewhere):
+            provider.release(k, "tok")
+
+
+def _key_not_on(cluster: RedisCluster, node: str) -> str:
+    while True:
+        key = f"clusterdl-{uuid.uuid4().hex[:10]}"
+        if cluster.get_node_from_key(key).name != node:
+            return key
