@@ -102,3 +102,46 @@ def _key_not_on(cluster: RedisCluster, node: str) -> str:
         key = f"clusterdl-{uuid.uuid4().hex[:10]}"
         if cluster.get_node_from_key(key).name != node:
             return key
+
+
+def test_a_moved_slot_is_followed_by_calls_with_a_deadline(provider: RedisLockProvider) -> None:
+    """Two empty slots handed to another primary after the provider read the slot map: a
+    call with ``timeout=`` sent to the old owner is answered MOVED (nothing ran there), the
+    map is read again and the call made on the new owner: an acquire is granted there, a
+    refresh pipelined over two nodes answers both keys."""
+    cluster = cast(RedisCluster, provider._client)
+    held = f"clusterdl-{uuid.uuid4().hex[:10]}"
+    assert isinstance(provider.acquire(held, "tok", 30.0, 60.0, "{}", timeout=1.0), Grant)
+    owner = cluster.get_node_from_key(held).name
+    fresh, absent = _empty_slot_key(cluster, owner), _empty_slot_key(cluster, owner)
+    try:
+        _hand_slot(cluster, absent, owner)
+        both = [RefreshRequest(held, "tok", 30.0), RefreshRequest(absent, "tok", 30.0)]
+        assert provider.refresh(both, timeout=1.0) == [pytest.approx(30.0, abs=0.5), None]
+        assert cluster.get_node_from_key(absent).name == owner  # the map was read again
+        source = cluster.get_node_from_key(fresh).name
+        _hand_slot(cluster, fresh, owner)
+        assert isinstance(provider.acquire(fresh, "tok", 30.0, 60.0, "{}", timeout=1.0), Grant)
+        assert cluster.get_node_from_key(fresh).name == owner != source
+    finally:
+        for key in (held, fresh):
+            provider.release(key, "tok", timeout=1.0)
+
+
+def _empty_slot_key(cluster: RedisCluster, not_on: str) -> str:
+    """A fresh key of a slot holding no keys, owned by a primary other than ``not_on``."""
+    while True:
+        key = _key_not_on(cluster, not_on)
+        node = cluster.get_node_from_key(key)
+        if node.redis_connection.execute_command("CLUSTER", "COUNTKEYSINSLOT", cluster.keyslot(key)) == 0:
+            return key
+
+
+def _hand_slot(cluster: RedisCluster, key: str, to: str) -> None:
+    """``key``'s (empty) slot handed to primary ``to`` (host:port), the provider's map left stale."""
+    slot = cluster.keyslot(key)
+    source = cluster.get_node_from_key(key).redis_connection
+    target = cluster.get_node(node_name=to).redis_connection
+    target_id = target.execute_command("CLUSTER", "MYID")
+    for node in (target, source):
+        node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
