@@ -12,6 +12,7 @@ lock (the one way a SQLite call blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 import uuid
@@ -135,12 +136,17 @@ def test_mariadb_first_call_on_a_store_silent_from_the_start_ends_by_its_deadlin
         pooled.close()
 
 
-@pytest.mark.parametrize("name", list(SQL_CALLS))
+#: The calls that only read: on SQLite they begin a deferred transaction (WAL mode), so a
+#: writer elsewhere does not hold them up at all.
+READS = ("peek", "locks", "completion", "completions")
+
+
+@pytest.mark.parametrize("name", [name for name in SQL_CALLS if name not in READS])
 def test_sqlite_calls_end_by_call_timeout_while_the_database_is_locked(
     faults: Faults, tmp_path: Path, name: str
 ) -> None:
-    """SQLite: with the write lock held elsewhere each call fails by call_timeout (its busy
-    timeout lowered to the deadline), not SQLite's 30 s busy timeout."""
+    """SQLite: with the write lock held elsewhere each writing call fails by call_timeout (its
+    busy timeout lowered to the deadline), not SQLite's 30 s busy timeout."""
     path = tmp_path / "locks.db"
     service = faults.service(f"sqlite:///{path}", call_timeout=CALL_TIMEOUT)
     call = SQL_CALLS[name]
@@ -152,6 +158,41 @@ def test_sqlite_calls_end_by_call_timeout_while_the_database_is_locked(
     finally:
         rival.close()  # ends its transaction: the lock is free again
     _works_again(service, call)
+
+
+@pytest.mark.parametrize("name", READS)
+def test_sqlite_reads_answer_while_the_write_lock_is_held_elsewhere(
+    faults: Faults, tmp_path: Path, name: str
+) -> None:
+    """SQLite: a read takes no write lock and waits for none (a deferred transaction on a WAL
+    database), so a writer holding the database answers it at once, well inside its deadline,
+    with what was committed before the writer began."""
+    path = tmp_path / "locks.db"
+    service = faults.service(f"sqlite:///{path}", call_timeout=CALL_TIMEOUT)
+    lease = service.lock("k", ttl=30)
+    call = SQL_CALLS[name]
+    before = call(service)
+    rival = sqlite3.connect(path, isolation_level=None)
+    try:
+        rival.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        answer = call(service)
+        took = time.monotonic() - started
+    finally:
+        rival.close()
+        lease.release()
+    assert took < CALL_TIMEOUT / 2, f"{name}() waited {took:.3f} s for the writer"
+    assert _settled(answer) == _settled(before)
+
+
+def _settled(answer: object) -> object:
+    """An answer without its clock readings (age, time left), which move between two calls."""
+    if isinstance(answer, list):
+        return [_settled(item) for item in answer]
+    if answer is None:
+        return None
+    fields = dataclasses.asdict(answer)  # type: ignore[call-overload]
+    return {k: v for k, v in fields.items() if k not in ("age", "expires_in", "hard_expires_in")}
 
 
 def _stalled_call_fails_in_time(
