@@ -35,14 +35,14 @@ TIME_SLACK = time_slack()
 collect_ignore = ["plugin_example"]
 
 
-#: Files whose tests measure time (deadlines, wake-up latency, benchmarks) or inject faults
-#: with private servers and network namespaces: scripts/test runs them after the rest, one
-#: at a time, so a neighbour's load cannot stretch what they time. Paths under tests/.
+#: Files whose tests measure time (deadlines, wake-up latency) or inject faults with private
+#: servers and network namespaces: scripts/test runs them after the rest, one at a time, so
+#: a neighbour's load cannot stretch what they time. Paths under tests/. Not the quick
+#: benchmark (test_benchmarks_quick.py): it asserts no speed, so it runs in the parallel part.
 SERIAL = (
     "faults/",
     "scale/",
     "stress/",
-    "test_benchmarks_quick.py",
     "test_deadlines.py",
     "contract/test_waiting.py",
 )

@@ -8,6 +8,8 @@ values) before anything imports this module:
 * ``CE_CELERY_QUEUE``      the queue a worker consumes (one per lock-store group)
 * ``CELERY_EXCLUSIVE_URL`` / ``CELERY_EXCLUSIVE_PREFIX``  the lock store, read by the package
 * ``CE_BEAT_INTERVAL`` / ``CE_BEAT_DURATION`` / ``CE_BEAT_TAG``  the beat schedule, if set
+* ``CE_CELERY_BACKEND_RETRIES``  how often the result backend reconnects before it gives up
+  (Celery's default, 20 retries about 1 s apart, if unset)
 
 Every task body records its run (start/end wall time, key, fence, pid) in a Redis list.
 """
@@ -33,11 +35,15 @@ KEYPREFIX = os.environ.get("CE_CELERY_KEYPREFIX", "cetest:")
 QUEUE = os.environ.get("CE_CELERY_QUEUE", "cetest")
 RECORDS = KEYPREFIX + "records"
 
+BACKEND_OPTIONS: dict[str, object] = {"global_keyprefix": KEYPREFIX}
+if os.environ.get("CE_CELERY_BACKEND_RETRIES"):
+    BACKEND_OPTIONS["retry_policy"] = {"max_retries": int(os.environ["CE_CELERY_BACKEND_RETRIES"])}
+
 app = Celery("cetest", broker=BROKER, backend=BROKER)
 app.conf.update(
     broker_connection_retry_on_startup=True,
     broker_transport_options={"global_keyprefix": KEYPREFIX, "visibility_timeout": 3600},
-    result_backend_transport_options={"global_keyprefix": KEYPREFIX},
+    result_backend_transport_options=BACKEND_OPTIONS,
     task_default_queue=QUEUE,
     worker_prefetch_multiplier=1,
     result_expires=600,

@@ -3,7 +3,6 @@ SQLite, PostgreSQL, MariaDB, Redis), issue #13 item 2."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ from celery_exclusive.providers.base import AcquiresAny, Grant
 from celery_exclusive.semaphore import MAX_LIMIT, slot_key, slot_keys, slot_of
 from celery_exclusive.testing.contract import Store, wait_until
 from tests.contract import _semaphore_workers
+from tests.contract._processes import process_context
 
 LONG = os.environ.get("CE_LONG") == "1"
 CI = os.environ.get("CI") == "true"
@@ -144,7 +144,7 @@ def test_semaphore_oracle_never_more_than_limit_holders(store: Store) -> None:
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
     procs_n, iterations = (16, 200) if LONG else ((6, 25) if CI else (16, 40))
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     counters = ctx.Array("i", 2)
     start, results = ctx.Barrier(procs_n), ctx.Queue()
     prefix = store.service().prefix
@@ -185,7 +185,7 @@ def test_sigkilled_holders_slots_free_after_the_ttl_only(store: Store) -> None:
     """Two holders SIGKILLed: their slots stay taken until their ttl (2 s), then free."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     ready = ctx.Queue()
     prefix = store.service().prefix
     procs = [

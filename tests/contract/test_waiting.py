@@ -9,7 +9,6 @@ bound.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import signal
 import statistics
@@ -34,6 +33,7 @@ from celery_exclusive.semaphore import slot_key
 from celery_exclusive.testing.contract import Store
 from celery_exclusive.waiting import POLL_MAX
 from tests.contract import _wait_workers
+from tests.contract._processes import process_context
 
 LONG = os.environ.get("CE_LONG") == "1"
 #: How late past its timeout a wait may return (the issue's bound).
@@ -140,7 +140,7 @@ def test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl(store: Store
     not before, with a greater fence."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     ready = ctx.Queue()
     service = store.service()
     ttl = 1.0
@@ -277,7 +277,7 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
     external oracle: O_EXCL marker files), no wait times out (no deadlock)."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     results, start = ctx.Queue(), ctx.Barrier(8)
     prefix = store.service().prefix
     keys = [f"res{i}" for i in range(6)]
@@ -324,7 +324,7 @@ def test_no_waiting_process_is_starved(store: Store) -> None:
     other (3 of 8 got no turn), is held to the same bar since its releasers give way."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     processes = 8
     results, start = ctx.Queue(), ctx.Barrier(processes)
     prefix = store.service().prefix
