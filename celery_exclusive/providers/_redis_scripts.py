@@ -162,18 +162,21 @@ class ScriptRunner:
         """``script`` on the Wire of its first key's cluster node, within ``timeout`` s.
 
         A cluster node answering MOVED or ASK ran nothing: the slot map is read again and the
-        call made through the cluster client, which follows the redirection (with its own
-        socket timeout: a slot being moved is the one case without a per-call deadline)."""
+        call sent once more on the new owner's Wire, within what is left of the deadline. A
+        second redirection (ASK: the slot is being migrated) goes through the cluster client,
+        which follows it with its own socket timeout: the one case without a per-call deadline."""
         assert self._wire_of is not None
         deadline = time.monotonic() + timeout
-        wire = self._wire_of(args[0])[1]
-        try:
+        for attempt in range(2):
+            wire = self._wire_of(args[0])[1]
             try:
-                return wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=timeout)
-            except self._noscript:
-                return wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
-        except self._redirects:
-            self._moved()
+                try:
+                    return wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=left(deadline))
+                except self._noscript:
+                    return wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
+            except self._redirects:
+                if not attempt:
+                    self._moved()
         try:
             return self._execute("EVALSHA", SHA[script], numkeys, *args)
         except self._noscript:

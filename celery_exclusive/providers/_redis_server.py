@@ -93,6 +93,10 @@ class RedisServer:
         """The cluster node owning ``key``: its name and the Wire to it (its kept
         connections, a per-call timeout enforced on their sockets)."""
         name, node = self._node_client(key)
+        return name, self._wire_to(name, node)
+
+    def _wire_to(self, name: str, node: Any) -> Wire:
+        """The Wire to the cluster node ``name`` (``node``: its one-node client), made once."""
         wire = self._node_wires.get(name)
         if wire is None:
             with self._connecting:
@@ -100,7 +104,7 @@ class RedisServer:
                 if wire is None:
                     wire = Wire(node.connection_pool, self.response_error, (*self.errors, OSError))
                     self._node_wires[name] = wire
-        return name, wire
+        return wire
 
     def _remap(self) -> None:
         """Ask the cluster for its slot map again (a node answered MOVED or ASK)."""
@@ -157,12 +161,16 @@ class RedisServer:
 
     def hashes(self, prefix: str, deadline: float | None) -> tuple[list[str], list[range | list[int]]]:
         """The hash keys starting with ``prefix``, sorted, and their groups for script calls;
-        with a ``deadline`` (monotonic) on the fast path's connection, each SCAN round trip
-        within what is left of it."""
+        with a ``deadline`` (monotonic) on the fast path's connection (on a cluster the
+        provider built, each primary's Wire), each SCAN round trip within what is left of it."""
         pattern = prefix.translate(_GLOB) + "*"
         with self.translated:
             if deadline is not None and self.wire is not None:
                 names = _scan_wire(self.wire, pattern, deadline)
+            elif deadline is not None and self.cluster and self.target.built:
+                names = set()  # each primary in turn, on its Wire, all within the deadline
+                for node in self.client.get_primaries():
+                    names |= _scan_wire(self._wire_to(node.name, node.redis_connection), pattern, deadline)
             else:
                 client = self.client
                 where = {"target_nodes": client.PRIMARIES} if self.cluster else {}

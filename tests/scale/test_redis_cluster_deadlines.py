@@ -74,6 +74,7 @@ def test_every_call_ends_at_its_deadline_on_a_silent_node(provider: RedisLockPro
         "refresh": lambda: provider.refresh([RefreshRequest(key, "tok", 30.0)], timeout=1.0),
         "refresh on two nodes": lambda: provider.refresh(both, timeout=1.0),
         "peek": lambda: provider.peek(key, timeout=1.0),
+        "scan": lambda: provider.scan("clusterdl-", timeout=1.0),
         "release": lambda: provider.release(key, "tok", timeout=1.0),
     }
     key_pid = _node_pid(cluster, key)
