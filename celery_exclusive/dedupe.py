@@ -33,9 +33,10 @@ On Redis the marker's request goes out before Celery builds the message and its 
 read once the message is built (``LockService.begin_mark``), before the result backend's
 ``on_task_call``, ``before_task_publish`` or the publish see it: the round trip overlaps
 the message's construction instead of adding to it. A duplicate has then built its message
-for nothing (and sends nothing, calls none of those hooks); a send with Celery's
-``connection=`` or ``publisher=`` reads the answer before building the message, as every
-send does on the other stores (they answer at once).
+for nothing (and sends nothing, calls none of those hooks), so after a send that found a
+duplicate the task's next send reads the answer before building its message (duplicates
+come in runs, and so do new keys). A send with Celery's ``connection=`` or ``publisher=``
+reads it before too, as every send does on the other stores (they answer at once).
 
 What no one releases expires: the marker lives ``dedupe_ttl`` (default
 :data:`DEFAULT_DEDUPE_TTL`) after the message is due (its ``countdown``/``eta``), and
@@ -113,6 +114,8 @@ DEFAULT_DEDUPE_TTL = 3600.0
 _ATTEMPTS = 3
 #: Celery's ``apply_async`` parameters after ``args`` and ``kwargs``, in order.
 POSITIONAL = ("task_id", "producer", "link", "link_error", "shadow")
+#: Task instance attribute: whether its last send found a duplicate (see ``_refusing``).
+_REFUSED = "_celery_exclusive_last_refused"
 #: Request attribute set once this run's marker was released (it is released once).
 _RELEASED = "_celery_exclusive_marker_released"
 
@@ -135,10 +138,13 @@ def apply_async(
     headers = dict(options.get("headers") or {})
     headers[HEADER] = {"key": key, "token": marking.token, "mode": settings.dedupe}
     marked = {**options, "task_id": task_id, "headers": headers}
-    if marking.pending.ready or options.get("connection") or options.get("publisher"):
-        # Answered already, or Celery would publish with a producer of its own making.
+    if marking.pending.ready or options.get("connection") or options.get("publisher") or _refusing(task):
+        # Answered already, Celery would publish with a producer of its own making, or the
+        # task's last send found a duplicate: the next one then builds no message for one.
         found = marking.settle()
-        if found is not None and found is not _KEPT_CHANGING:
+        refused = found is not None and found is not _KEPT_CHANGING
+        task.__dict__[_REFUSED] = refused
+        if found is not None and refused:
             return _duplicate(task, key, found.task_id, settings.on_duplicate)
         return marking.publish(send, args, kwargs, options, marked)
     try:
@@ -146,11 +152,18 @@ def apply_async(
             return send(args, kwargs, **{**marked, "producer": _MarkingProducer(producer, marking)})
     except _Refused as refused:
         if refused.found is not None:
+            task.__dict__[_REFUSED] = True
             return _duplicate(task, key, refused.found.task_id, settings.on_duplicate)
         return marking.publish(send, args, kwargs, options, marked)
     except BaseException:
         marking.give_back()
         raise
+
+
+def _refusing(task: Task) -> bool:
+    """Whether the last send of ``task`` in this process found a duplicate (duplicates come in
+    runs, and so do new keys): the next send then reads the answer before building a message."""
+    return bool(task.__dict__.get(_REFUSED, False))
 
 
 class _Refused(Exception):

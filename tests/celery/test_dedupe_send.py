@@ -1,7 +1,8 @@
 """The producer's side of ``dedupe`` in one process (no worker): on Redis the marker's
 request goes out before Celery builds the message and its answer is read after, before
-anything is done with the message; a duplicate sends nothing and calls no publish hook; a
-send failing before the answer was read gives the marker back."""
+anything is done with the message (after a send that found a duplicate: before the message
+is built); a duplicate sends nothing and calls no publish hook; a send failing before the
+answer was read gives the marker back."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def _queued(app: Any) -> int:
         client.close()
 
 
-def test_the_answer_is_read_after_the_message_is_built_and_before_its_publish(
+def test_the_answer_is_read_after_the_message_is_built_and_before_its_publish_but_first_after_a_duplicate(
     sending: tuple[Any, Any, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app, task, events = sending
@@ -89,7 +90,16 @@ def test_the_answer_is_read_after_the_message_is_built_and_before_its_publish(
     again = task.delay(1)  # a duplicate: no before_task_publish, nothing published
     assert events == ["route", "answer"]
     assert again.id == first.id
-    assert _queued(app) == 1
+    events.clear()
+    assert task.delay(1).id == first.id  # duplicates come in runs: the next reads it first
+    assert events == ["answer"]
+    events.clear()
+    task.delay(4)  # so do new keys: this one was read first (the last send was refused)...
+    assert events == ["answer", "route", "publish"]
+    events.clear()
+    task.delay(5)  # ...and the next overlaps again
+    assert events == ["route", "answer", "publish"]
+    assert _queued(app) == 3
 
 
 def test_a_send_failing_before_the_answer_was_read_gives_the_marker_back(
@@ -108,12 +118,13 @@ def test_a_send_failing_before_the_answer_was_read_gives_the_marker_back(
     assert task.delay(2).id == sent.id
 
 
-def test_pool_producers_and_a_given_connection_dedupe_alike(sending: tuple[Any, Any, list[str]]) -> None:
+def test_given_producers_pool_producers_and_a_given_connection_dedupe_alike(
+    sending: tuple[Any, Any, list[str]],
+) -> None:
     app, task, _ = sending
-    first = task.apply_async((3,))  # a producer from the app's pool
-    with app.connection_for_write() as connection:
+    with app.connection_for_write() as connection, connection.Producer() as producer:
+        first = task.apply_async((3,), producer=producer)
+        assert task.apply_async((3,)).id == first.id  # a producer from the app's pool
         assert task.apply_async((3,), connection=connection).id == first.id
-        with connection.Producer() as producer:
-            assert task.apply_async((3,), publisher=producer).id == first.id
-            assert task.apply_async((3,), producer=producer).id == first.id
+        assert task.apply_async((3,), publisher=producer).id == first.id
     assert _queued(app) == 1
