@@ -148,13 +148,12 @@ def apply_async(
             return _duplicate(task, key, found.task_id, settings.on_duplicate)
         return marking.publish(send, args, kwargs, options, marked)
     try:
-        with task.app.producer_or_acquire(options.get("producer")) as producer:
-            return send(args, kwargs, **{**marked, "producer": _MarkingProducer(producer, marking)})
+        return marking.send_reading(send, args, kwargs, marked)
     except _Refused as refused:
-        if refused.found is not None:
-            task.__dict__[_REFUSED] = True
-            return _duplicate(task, key, refused.found.task_id, settings.on_duplicate)
-        return marking.publish(send, args, kwargs, options, marked)
+        if refused.found is None:
+            return marking.publish(send, args, kwargs, options, marked)
+        task.__dict__[_REFUSED] = True
+        return _duplicate(task, key, refused.found.task_id, settings.on_duplicate)
     except BaseException:
         marking.give_back()
         raise
@@ -230,6 +229,14 @@ class _Marking:
         found = self.settle()
         if found is not None:
             raise _Refused(None if found is _KEPT_CHANGING else found)
+
+    def send_reading(self, send: Callable[..., Any], args: Any, kwargs: Any, marked: Any) -> Any:
+        """``send`` with a producer that reads the marker's answer before it is used."""
+        given = marked.get("producer")
+        if given is not None:  # not through producer_or_acquire: it reads two settings
+            return send(args, kwargs, **{**marked, "producer": _MarkingProducer(given, self)})
+        with self.task.app.producer_or_acquire(None) as producer:
+            return send(args, kwargs, **{**marked, "producer": _MarkingProducer(producer, self)})
 
     def publish(
         self,
