@@ -230,6 +230,8 @@ def test_try_mark_unless_is_one_store_call_naming_the_task_that_refused_it(
     assert calls == {"acquire_unless": 1}
     assert other.peek("job#queued") is None  # refused: nothing taken
     run.release()
+
+
 def test_begin_mark_sends_at_once_and_answers_as_try_mark(store: Store) -> None:
     """``begin_mark``'s request is in the store before its answer is read (Redis: not read
     yet, ``ready`` False; the others answer at once); the answers are try_mark's, with the
