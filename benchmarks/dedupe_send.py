@@ -161,6 +161,7 @@ def measure_rounds(store: str, url: str, sends: int, rounds: int) -> dict[str, l
     app, plain, deduped, done = make_app(store, url)
     stepping_app, _, _, stepping = make_app(store, url, "-steps")
     stepping.lock_service._checks_unless = False  # try_mark(unless=) as for a store without it
+    stepping.lock_service._marks_later = False  # nor its two-half form (Redis: begin_mark)
     rates: dict[str, list[float]] = {kind: [] for kind in ("plain", "dedupe", "duplicate")}
     rates.update({kind: [] for kind, _ in UNTIL_DONE})
     with app.connection_for_write() as connection, connection.Producer() as producer:

@@ -27,6 +27,7 @@ from celery_exclusive.providers.base import (
     Held,
     LockInfo,
     LockProvider,
+    MarksLater,
     Sweeps,
 )
 from celery_exclusive.validation import check_key, seconds
@@ -51,6 +52,7 @@ class PrefixedStore:
         self._calls = StoreCalls()
         self._records = Records(self)
         self._checks_unless = isinstance(provider, AcquiresUnless)
+        self._marks_later = isinstance(provider, MarksLater)
 
     # -- inspecting -----------------------------------------------------------------------
 
@@ -109,6 +111,23 @@ class PrefixedStore:
         slot), else two or three (take, look, give back)."""
         lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
         return _marking.take(self, key, lifetime, holder, unless)
+
+    def begin_mark(
+        self,
+        key: str,
+        *,
+        ttl: float | timedelta | None = None,
+        holder: Mapping[str, Any] | None = None,
+        unless: str | None = None,
+        token: str,
+    ) -> _marking.PendingMark:
+        """:meth:`try_mark` in two halves, with the marker's ``token`` chosen by the caller (a
+        fresh one per marker, e.g. ``new_token()``): the request goes out now and
+        ``answer()`` of what this returns reads its answer (exactly once: until then it
+        holds a connection), so the caller can work during the round trip. Stores that cannot
+        split a call (all but Redis) answer now: then ``ready`` is True."""
+        lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
+        return _marking.take_later(self, key, lifetime, holder, unless, token=token)
 
     # -- completion records -----------------------------------------------------------
 

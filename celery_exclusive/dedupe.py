@@ -26,7 +26,17 @@ whoever ends the message releases exactly that marker, by token:
 * the worker, when it discards the message as revoked or expired (``task_revoked``), or
   rejects it (``task_rejected``, ``task_unknown``): revokes from elsewhere (``celery
   control revoke``, Flower, another language) free the key only then;
-* the sender, when the publish raises (broker down): no marker is left behind.
+* the sender, when the send raises (broker down, a router or serializer failing): no marker
+  is left behind.
+
+On Redis the marker's request goes out before Celery builds the message and its answer is
+read once the message is built (``LockService.begin_mark``), before the result backend's
+``on_task_call``, ``before_task_publish`` or the publish see it: the round trip overlaps
+the message's construction instead of adding to it. A duplicate has then built its message
+for nothing (and sends nothing, calls none of those hooks), so after a send that found a
+duplicate the task's next send reads the answer before building its message (duplicates
+come in runs, and so do new keys). A send with Celery's ``connection=`` or ``publisher=``
+reads it before too, as every send does on the other stores (they answer at once).
 
 What no one releases expires: the marker lives ``dedupe_ttl`` (default
 :data:`DEFAULT_DEDUPE_TTL`) after the message is due (its ``countdown``/``eta``), and
@@ -79,7 +89,9 @@ from typing import TYPE_CHECKING, Any
 from celery import signals as celery_signals
 from celery.app.control import Control
 
+from celery_exclusive._process import new_token
 from celery_exclusive.errors import AlreadyQueued, BackendError
+from celery_exclusive.providers.base import Held
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 if TYPE_CHECKING:
@@ -102,6 +114,8 @@ DEFAULT_DEDUPE_TTL = 3600.0
 _ATTEMPTS = 3
 #: Celery's ``apply_async`` parameters after ``args`` and ``kwargs``, in order.
 POSITIONAL = ("task_id", "producer", "link", "link_error", "shadow")
+#: Task instance attribute: whether its last send found a duplicate (see ``_refusing``).
+_REFUSED = "_celery_exclusive_last_refused"
 #: Request attribute set once this run's marker was released (it is released once).
 _RELEASED = "_celery_exclusive_marker_released"
 
@@ -109,29 +123,151 @@ _RELEASED = "_celery_exclusive_marker_released"
 def apply_async(
     task: Task, args: Any, kwargs: Any, options: dict[str, Any], send: Callable[..., AsyncResult[Any]]
 ) -> Any:
-    """``task.apply_async(args, kwargs, **options)`` through the queued marker; ``send`` publishes."""
+    """``task.apply_async(args, kwargs, **options)`` through the queued marker; ``send`` publishes.
+
+    The marker's request goes out first; where the store can answer later (Redis), Celery
+    builds the message during its round trip and the answer is read just before anything
+    is done with the message (:class:`_MarkingProducer`), else it is read now."""
     settings = task.lock_settings
     ttl = _ttl_if_deduped(task, settings, options)
     if ttl is None:
         return send(args, kwargs, **options)
     key = task.lock_key_for(args or (), kwargs or {})
     task_id = options.get("task_id") or str(uuid.uuid4())
-    taken = _take(task.lock_service, key, settings.dedupe, ttl, {"task_id": task_id, "task_name": task.name})
-    if isinstance(taken, _Found):
-        return _duplicate(task, key, taken.task_id, settings.on_duplicate)
-    if taken is None:
-        logger.warning(
-            "%s: the queued marker of %r kept changing hands; sending without dedupe", task.name, key
-        )
-        return send(args, kwargs, **options)
+    marking = _Marking(task, key, settings.dedupe, ttl, {"task_id": task_id, "task_name": task.name})
     headers = dict(options.get("headers") or {})
-    headers[HEADER] = {"key": key, "token": taken, "mode": settings.dedupe}
+    headers[HEADER] = {"key": key, "token": marking.token, "mode": settings.dedupe}
+    marked = {**options, "task_id": task_id, "headers": headers}
+    if marking.pending.ready or options.get("connection") or options.get("publisher") or _refusing(task):
+        # Answered already, Celery would publish with a producer of its own making, or the
+        # task's last send found a duplicate: the next one then builds no message for one.
+        found = marking.settle()
+        refused = found is not None and found is not _KEPT_CHANGING
+        task.__dict__[_REFUSED] = refused
+        if found is not None and refused:
+            return _duplicate(task, key, found.task_id, settings.on_duplicate)
+        return marking.publish(send, args, kwargs, options, marked)
     try:
-        return send(args, kwargs, **{**options, "task_id": task_id, "headers": headers})
+        return marking.send_reading(send, args, kwargs, marked)
+    except _Refused as refused:
+        if refused.found is None:
+            return marking.publish(send, args, kwargs, options, marked)
+        task.__dict__[_REFUSED] = True
+        return _duplicate(task, key, refused.found.task_id, settings.on_duplicate)
     except BaseException:
-        with contextlib.suppress(BackendError):  # the ttl bounds it if the store is down too
-            task.lock_service.force_release(key + QUEUED_SUFFIX, taken)
+        marking.give_back()
         raise
+
+
+def _refusing(task: Task) -> bool:
+    """Whether the last send of ``task`` in this process found a duplicate (duplicates come in
+    runs, and so do new keys): the next send then reads the answer before building a message."""
+    return bool(task.__dict__.get(_REFUSED, False))
+
+
+class _Refused(Exception):
+    """Raised out of Celery's ``send_task`` when the marker was refused: nothing is published."""
+
+    def __init__(self, found: _Found | None) -> None:
+        super().__init__()
+        self.found = found
+
+
+class _MarkingProducer:
+    """The producer Celery sends with: the marker's answer is read before the producer is
+    used (``send_task`` takes ``.connection`` after building the message and before the
+    result backend's ``on_task_call``, the ``before_task_publish`` signal and ``publish``);
+    a refusal raises :class:`_Refused` there, so a duplicate sends nothing and calls no hook."""
+
+    __slots__ = ("_marking", "_producer")
+
+    def __init__(self, producer: Any, marking: _Marking) -> None:
+        self._producer, self._marking = producer, marking
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    @property
+    def connection(self) -> Any:
+        self._marking.require()
+        return self._producer.connection
+
+    def publish(self, *args: Any, **kwargs: Any) -> Any:
+        self._marking.require()
+        return self._producer.publish(*args, **kwargs)
+
+
+class _Marking:
+    """One send's marker: asked for at once, its answer read once (:meth:`settle`)."""
+
+    __slots__ = ("_outcome", "_read", "holder", "key", "mode", "pending", "service", "task", "token", "ttl")
+
+    def __init__(self, task: Task, key: str, mode: str, ttl: float, holder: dict[str, Any]) -> None:
+        self.task, self.key, self.mode, self.ttl, self.holder = task, key, mode, ttl, holder
+        self.service: LockService = task.lock_service
+        self.token = new_token()
+        self._read = False
+        self._outcome: str | _Found | None = None
+        unless = key if self.mode == "until_done" else None
+        self.pending = self.service.begin_mark(
+            key + QUEUED_SUFFIX, ttl=ttl, holder=holder, unless=unless, token=self.token
+        )
+
+    def settle(self) -> _Found | None:
+        """None once the marker is taken (``self.token``), else the duplicate found
+        (``_Found(None)`` when it kept changing hands: the caller sends without dedupe)."""
+        if not self._read:
+            self._read = True  # read once, even if the read raises
+            self._outcome = _take(self, self.pending.answer())
+        outcome = self._outcome
+        if isinstance(outcome, str):
+            return None
+        return outcome if outcome is not None else _KEPT_CHANGING
+
+    def require(self) -> None:
+        """Return once the marker is taken; raise :class:`_Refused` otherwise."""
+        found = self.settle()
+        if found is not None:
+            raise _Refused(None if found is _KEPT_CHANGING else found)
+
+    def send_reading(self, send: Callable[..., Any], args: Any, kwargs: Any, marked: Any) -> Any:
+        """``send`` with a producer that reads the marker's answer before it is used."""
+        given = marked.get("producer")
+        if given is not None:  # not through producer_or_acquire: it reads two settings
+            return send(args, kwargs, **{**marked, "producer": _MarkingProducer(given, self)})
+        with self.task.app.producer_or_acquire(None) as producer:
+            return send(args, kwargs, **{**marked, "producer": _MarkingProducer(producer, self)})
+
+    def publish(
+        self,
+        send: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        options: dict[str, Any],
+        marked: dict[str, Any],
+    ) -> Any:
+        """Send with the marker taken (``marked``), or without one if it kept changing hands;
+        a send that raises gives the marker back."""
+        if not isinstance(self._outcome, str):
+            logger.warning(
+                "%s: the queued marker of %r kept changing hands; sending without dedupe",
+                self.task.name,
+                self.key,
+            )
+            return send(args, kwargs, **options)
+        try:
+            return send(args, kwargs, **marked)
+        except BaseException:
+            self.give_back()
+            raise
+
+    def give_back(self) -> None:
+        """The send failed: release the marker if it was taken (its answer read first if not yet)."""
+        with contextlib.suppress(BackendError):  # the ttl bounds it if the store is down too
+            self.settle()
+        if isinstance(self._outcome, str):
+            with contextlib.suppress(BackendError):
+                self.service.force_release(self.key + QUEUED_SUFFIX, self._outcome)
 
 
 def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> float | None:
@@ -149,24 +285,34 @@ class _Found:
     task_id: str | None
 
 
-def _take(
-    service: LockService, key: str, mode: str, ttl: float, holder: dict[str, Any]
-) -> str | _Found | None:
+#: The outcome of a marker that kept changing hands (settle's answer: send without dedupe).
+_KEPT_CHANGING = _Found("")
+
+
+def _take(marking: _Marking, answer: str | Held) -> str | _Found | None:
     """The new marker's token, the duplicate found, or None when the marker kept changing hands.
 
-    One store call: the mark answers who refused it (under until_done the store checks the
-    execution key in the same operation, ``LockService.try_mark(unless=)``)."""
-    marker = key + QUEUED_SUFFIX
-    unless = key if mode == "until_done" else None
-    for _ in range(_ATTEMPTS):
-        taken = service.try_mark(marker, ttl=ttl, holder=holder, unless=unless)
-        if isinstance(taken, str):
-            return taken
-        if taken.holder is None:
+    ``answer`` is the first attempt's (one store call: under until_done the store checks the
+    execution key in the same operation, ``LockService.try_mark(unless=)``); a marker that
+    changed hands within the call is asked for again, with the same token."""
+    key = marking.key
+    unless = key if marking.mode == "until_done" else None
+    for attempt in range(_ATTEMPTS):
+        if attempt:
+            answer = marking.service.begin_mark(
+                key + QUEUED_SUFFIX,
+                ttl=marking.ttl,
+                holder=marking.holder,
+                unless=unless,
+                token=marking.token,
+            ).answer()
+        if isinstance(answer, str):
+            return answer
+        if answer.holder is None:
             continue  # changed hands within the call: take it again
-        task_id = taken.holder.holder.get("task_id")
+        task_id = answer.holder.holder.get("task_id")
         known = task_id if isinstance(task_id, str) and task_id else None
-        if taken.holder.key == key and known is None:
+        if answer.holder.key == key and known is None:
             unless = None  # the key is held, but by no task's run: only the marker decides
             continue
         return _Found(known)

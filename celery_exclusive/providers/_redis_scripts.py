@@ -182,6 +182,27 @@ class ScriptRunner:
         except self._noscript:
             return self._execute("EVAL", script, numkeys, *args)
 
+    def run_later(self, script: str, numkeys: int, *args: Any, timeout: float) -> Callable[[], Any]:
+        """:meth:`run` in two halves on the wire (the provider built the client): sent now,
+        the reply read by the call returned (exactly once); ``timeout`` bounds both."""
+        assert self._wire is not None
+        wire, deadline = self._wire, time.monotonic() + timeout
+        try:
+            read = wire.send_later(("EVALSHA", SHA[script], numkeys, *args), timeout)
+        except self._errors as exc:
+            raise self._fail(exc) from exc
+
+        def reply() -> Any:
+            try:
+                try:
+                    return read()
+                except self._noscript:  # nothing ran: send the source, now in one go
+                    return wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
+            except self._errors as exc:
+                raise self._fail(exc) from exc
+
+        return reply
+
     def _pipelined(self, commands: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Any]:
         """Every command's reply, error replies in their place, in one round trip.
 

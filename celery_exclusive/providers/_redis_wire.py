@@ -78,10 +78,7 @@ class Wire:
         )
         try:
             self._ready(conn, now - used, deadline)
-            if self._pack is None:
-                conn.send_packed_command(conn.pack_commands(commands))
-            else:
-                conn.send_packed_command([self._pack(command) for command in commands])
+            self._send(conn, commands)
             if len(commands) == 1:
                 return [conn.read_response()]
             return self._replies(conn, len(commands))
@@ -92,6 +89,45 @@ class Wire:
             raise
         finally:
             self.kept.give(conn, now)
+
+    def send_later(self, command: tuple[Any, ...], timeout: float | None) -> Callable[[], Any]:
+        """Send one command now; the call returned reads its reply (an error reply is raised),
+        exactly once, the connection this caller's alone until then. ``timeout`` bounds both
+        halves, counted from now."""
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        taken = self.kept.take()
+        conn, used = (
+            taken if taken is not None else (self._pool.connection_class(**self._pool.connection_kwargs), 0.0)
+        )
+        try:
+            self._ready(conn, now - used, deadline)
+            self._send(conn, (command,))
+        except BaseException:
+            conn.disconnect()
+            self.kept.give(conn, now)
+            raise
+
+        def reply() -> Any:
+            try:
+                if deadline is not None:
+                    conn._sock.settimeout(left(deadline))
+                return conn.read_response()
+            except self._response_error:
+                raise
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                self.kept.give(conn, now)
+
+        return reply
+
+    def _send(self, conn: Any, commands: Sequence[tuple[Any, ...]]) -> None:
+        if self._pack is None:
+            conn.send_packed_command(conn.pack_commands(commands))
+        else:
+            conn.send_packed_command([self._pack(command) for command in commands])
 
     def _replies(self, conn: Any, count: int) -> list[Any]:
         replies: list[Any] = []

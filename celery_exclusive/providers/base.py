@@ -390,6 +390,30 @@ class AcquiresUnless(Protocol):
         ...
 
 
+@runtime_checkable
+class MarksLater(Protocol):
+    """Optional: an acquire sent now whose answer is read later, so the caller works during
+    the round trip (a deduplicated send builds its message meanwhile, see
+    ``celery_exclusive.dedupe``). Redis has it (on the connections it keeps itself).
+    """
+
+    def acquire_later(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str | None = None,
+        timeout: float | None = None,
+    ) -> Callable[[], Grant | Held]:
+        """Send ``acquire(key, token, ttl, ttl, holder)`` (``acquire_unless`` with ``blocker``)
+        and return the call that reads its answer: call it exactly once (until then the
+        request holds a connection of its own). ``timeout`` bounds both halves together,
+        counted from now; a store failure may be raised by either half."""
+        ...
+
+
 def acquire_unless_in_steps(
     acquire: Callable[[], Grant | Held | Done],
     peek_blocker: Callable[[], LockInfo | None],

@@ -83,7 +83,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError, MissingDriverError
@@ -297,6 +297,51 @@ class RedisLockProvider:
         if reply[0] == 1:
             return Grant(reply[1], reply[2] / 1e6)
         return Held(self._info(blocker if reply[0] == 3 else key, reply[1:7], reply[7]))
+
+    def acquire_later(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        holder: str,
+        *,
+        blocker: str | None = None,
+        timeout: float | None = None,
+    ) -> Callable[[], Grant | Held]:
+        """``acquire`` (``acquire_unless`` with ``blocker``) sent now, read by the call returned
+        (``MarksLater``); in one call, answered already, where the script cannot be split
+        off: a client you passed, replica acknowledgement, two hash slots, no timeout."""
+        _check_key(key)
+        if (
+            self._wire is None
+            or timeout is None
+            or self._wait_replicas
+            or (blocker is not None and not self._server.same_slot(key, blocker))
+        ):
+            answer = (
+                self.acquire_unless(key, token, ttl, holder, blocker=blocker, timeout=timeout)
+                if blocker is not None
+                else self.acquire(key, token, ttl, ttl, holder, timeout=timeout)
+            )
+            return lambda: Held(None) if isinstance(answer, Done) else answer
+        ms = whole_ms(ttl)
+        fences = self._server.fences_of(key)
+        if blocker is None:
+            reply = self._scripts.run_later(ACQUIRE, 2, key, fences, token, ms, ms, holder, timeout=timeout)
+        else:
+            reply = self._scripts.run_later(
+                ACQUIRE_UNLESS, 3, key, fences, blocker, token, ms, ms, holder, timeout=timeout
+            )
+
+        def answer_of() -> Grant | Held:
+            found = reply()
+            if found[0] == 1:
+                return Grant(found[1], found[2] / 1e6)
+            return Held(
+                self._info(key if found[0] != 3 or blocker is None else blocker, found[1:7], found[7])
+            )
+
+        return answer_of
 
     def acquire_any(
         self,

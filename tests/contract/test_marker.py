@@ -11,13 +11,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
 from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService
 from celery_exclusive.providers.base import AcquiresUnless, Held
 from celery_exclusive.testing.contract import OUTAGE_SECRET
-from tests.conftest import Store
+from tests.conftest import TIME_SLACK, Store
 
 
 def test_mark_takes_the_key_once_with_its_holder_and_no_heartbeat(store: Store) -> None:
@@ -229,3 +230,61 @@ def test_try_mark_unless_is_one_store_call_naming_the_task_that_refused_it(
     assert calls == {"acquire_unless": 1}
     assert other.peek("job#queued") is None  # refused: nothing taken
     run.release()
+
+
+def test_begin_mark_sends_at_once_and_answers_as_try_mark(store: Store) -> None:
+    """``begin_mark``'s request is in the store before its answer is read (Redis: not read
+    yet, ``ready`` False; the others answer at once); the answers are try_mark's, with the
+    caller's token, ``unless`` included."""
+    service, other = store.service(), store.service()
+    pending = service.begin_mark("b", ttl=60, holder={"task_id": "t1"}, token="tok-1")
+    assert pending.ready is (store.name != "redis")
+    deadline = time.monotonic() + 5 * store.slack
+    while other.peek("b") is None:  # the request went out without waiting for its answer
+        assert time.monotonic() < deadline, "the marker never appeared before answer()"
+        time.sleep(0.005)
+    assert pending.answer() == "tok-1"
+    refused = other.begin_mark("b", ttl=60, token="tok-2").answer()
+    assert isinstance(refused, Held)
+    assert refused.holder is not None
+    assert (refused.holder.key, refused.holder.token, refused.holder.holder["task_id"]) == (
+        "b",
+        "tok-1",
+        "t1",
+    )
+    with other.lock("run"):
+        blocked = service.begin_mark("c", ttl=60, unless="run", token="tok-3").answer()
+        assert isinstance(blocked, Held)
+        assert blocked.holder is not None
+        assert blocked.holder.key == "run"
+    assert other.peek("c") is None
+    assert service.begin_mark("c", ttl=60, unless="run", token="tok-4").answer() == "tok-4"
+    with pytest.raises(InvalidArgumentError, match="hard cap"):
+        service.begin_mark("d", ttl=2 * 86400, token="tok-5")
+
+
+def test_begin_mark_answer_within_the_call_timeout_when_redis_goes_silent() -> None:
+    """Redis stalls after the request went out: ``answer()`` raises BackendError by the
+    call's deadline (counted from the send), and the next call works once it answers again."""
+    from tests.conftest import REDIS_URL, delete_redis_keys, require_server
+    from tests.faults.servers import TcpProxy
+
+    require_server(REDIS_URL)
+    proxy = TcpProxy(urlsplit(REDIS_URL).port or 6379)
+    prefix = f"tbm{os.getpid()}-{time.monotonic_ns()}:"
+    service = LockService(f"redis://127.0.0.1:{proxy.port}/0", prefix=prefix, call_timeout=0.5)
+    try:
+        assert service.begin_mark("warm", ttl=5, token="w").answer() == "w"  # connected
+        proxy.stall()
+        pending = service.begin_mark("k", ttl=5, token="t")
+        started = time.monotonic()
+        with pytest.raises(BackendError):
+            pending.answer()
+        assert time.monotonic() - started < 0.5 * TIME_SLACK + 0.5
+        proxy.resume()
+        assert service.peek("warm") is not None
+    finally:
+        proxy.resume()
+        service.close()
+        proxy.close()
+        delete_redis_keys(prefix)
