@@ -101,6 +101,10 @@ class Translating:
             raise self.fail(exc) from exc
 
 
+#: What :meth:`ScriptRunner._asked` answers when the redirection was not an ASK it could follow.
+_NOT_ASKED = object()
+
+
 class ScriptRunner:
     """Runs the scripts on one client: through ``wire`` (a client the provider built; a
     per-call ``timeout`` is then enforced on the socket), on a cluster the provider built
@@ -119,6 +123,7 @@ class ScriptRunner:
         node_of: Callable[[str], tuple[str, Any]] | None = None,
         moved: tuple[tuple[type[Exception], ...], Callable[[], None]] = ((), lambda: None),
         wire_of: Callable[[str], tuple[str, Wire]] | None = None,
+        wire_at: Callable[[str, int], Wire | None] | None = None,
     ) -> None:
         self._client = client
         self._execute = execute
@@ -135,6 +140,8 @@ class ScriptRunner:
         #: On a cluster the provider built: the node owning a key, as (name, its Wire), for
         #: calls with a ``timeout`` (enforced on that node's socket, as on one server).
         self._wire_of = wire_of
+        #: The same, for the node at (host, port) (an ASK redirection's target; None: unknown).
+        self._wire_at = wire_at
 
     def run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
@@ -161,10 +168,11 @@ class ScriptRunner:
     def _run_on_node(self, script: str, numkeys: int, args: tuple[Any, ...], timeout: float) -> Any:
         """``script`` on the Wire of its first key's cluster node, within ``timeout`` s.
 
-        A cluster node answering MOVED or ASK ran nothing: the slot map is read again and the
-        call sent once more on the new owner's Wire, within what is left of the deadline. A
-        second redirection (ASK: the slot is being migrated) goes through the cluster client,
-        which follows it with its own socket timeout: the one case without a per-call deadline."""
+        A cluster node answering MOVED or ASK ran nothing. MOVED: the slot map is read again
+        and the call sent once more on the new owner's Wire. ASK (the slot is being migrated
+        and its keys are not on the old owner): the call goes to the migration's target on its
+        Wire, after ``ASKING``. Both within what is left of the deadline; only a redirection
+        after that goes through the cluster client, with its own socket timeout."""
         assert self._wire_of is not None
         deadline = time.monotonic() + timeout
         for attempt in range(2):
@@ -174,7 +182,10 @@ class ScriptRunner:
                     return wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=left(deadline))
                 except self._noscript:
                     return wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
-            except self._redirects:
+            except self._redirects as redirected:
+                asked = self._asked(redirected, script, numkeys, args, deadline)
+                if asked is not _NOT_ASKED:
+                    return asked
                 if not attempt:
                     self._moved()
         try:
@@ -201,6 +212,25 @@ class ScriptRunner:
             except self._errors as exc:
                 raise self._fail(exc) from exc
 
+        return reply
+
+    def _asked(
+        self, redirected: Exception, script: str, numkeys: int, args: tuple[Any, ...], deadline: float
+    ) -> Any:
+        """``script`` run on an ASK redirection's target after ``ASKING`` (one round trip),
+        within ``deadline``; :data:`_NOT_ASKED` for a MOVED or a target without a Wire."""
+        # redis-py's MovedError is an AskError: the first of the redirects is MOVED.
+        moved = isinstance(redirected, self._redirects[0])
+        address = None if moved else getattr(redirected, "node_addr", None)
+        wire = None if address is None or self._wire_at is None else self._wire_at(*address)
+        if wire is None:
+            return _NOT_ASKED
+        for command in (("EVALSHA", SHA[script]), ("EVAL", script)):
+            reply = wire.send_many([("ASKING",), (*command, numkeys, *args)], left(deadline))[1]
+            if not isinstance(reply, self._noscript):
+                break
+        if isinstance(reply, Exception):
+            raise reply
         return reply
 
     def _pipelined(self, commands: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Any]:

@@ -70,6 +70,7 @@ class RedisServer:
             node_of=self._node_client if self.cluster else None,
             moved=(self.redirects, self._remap),
             wire_of=self._node_wire if self.cluster and target.built else None,
+            wire_at=self._wire_at if self.cluster and target.built else None,
         )
 
     @property
@@ -94,6 +95,13 @@ class RedisServer:
         connections, a per-call timeout enforced on their sockets)."""
         name, node = self._node_client(key)
         return name, self._wire_to(name, node)
+
+    def _wire_at(self, host: str, port: int) -> Wire | None:
+        """The Wire to the cluster node at ``host:port`` (None: not a node the client knows)."""
+        node = self.client.get_node(host=host, port=port)
+        if node is None or node.redis_connection is None:
+            return None
+        return self._wire_to(node.name, node.redis_connection)
 
     def _wire_to(self, name: str, node: Any) -> Wire:
         """The Wire to the cluster node ``name`` (``node``: its one-node client), made once."""

@@ -146,3 +146,46 @@ def _hand_slot(cluster: RedisCluster, key: str, to: str) -> None:
     target_id = target.execute_command("CLUSTER", "MYID")
     for node in (target, source):
         node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_a_slot_being_migrated_is_followed_by_asking_within_the_deadline(
+    provider: RedisLockProvider,
+) -> None:
+    """A slot MIGRATING from its owner to another primary, its keys already moved there (as
+    a resharding moves them): the owner answers ASK and the call goes to the migration's
+    target after ``ASKING``, on the provider's own connection. While the target is silent
+    the call raises by its deadline (before, the cluster client followed the ASK with its
+    own 30 s socket timeout); while it answers, a lease moved there is refreshed and
+    released on it."""
+    cluster = cast(RedisCluster, provider._client)
+    target = cluster.get_primaries()[0]
+    key = _empty_slot_key(cluster, target.name)
+    held = f"{{{key}}}-held"  # the same slot, by its hash tag
+    slot = cluster.keyslot(key)
+    assert cluster.keyslot(held) == slot
+    assert isinstance(provider.acquire(held, "tok", 30.0, 60.0, "{}", timeout=1.0), Grant)
+    source = cluster.get_node_from_key(key).redis_connection
+    importing = target.redis_connection
+    source_id, target_id = (n.execute_command("CLUSTER", "MYID") for n in (source, importing))
+    importing.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    bound = 1.0 + 0.5 * TIME_SLACK
+    try:
+        moving = source.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        assert len(moving) == 2  # the lease and the slot's fence high-water
+        source.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *moving)
+        pid = int(cast(dict[str, Any], importing.info("server"))["process_id"])
+        with _silent(pid, bound + 0.5):
+            started = time.monotonic()
+            with pytest.raises(BackendError):
+                provider.refresh([RefreshRequest(held, "tok", 30.0)], timeout=1.0)
+            elapsed = time.monotonic() - started
+        assert 0.9 <= elapsed <= bound, elapsed
+        assert provider.refresh([RefreshRequest(held, "tok", 30.0)], timeout=1.0) == [
+            pytest.approx(30.0, abs=0.5)
+        ]
+        assert provider.release(held, "tok", timeout=1.0)
+    finally:
+        for node in (importing, source):  # the migration finished: the target owns the slot
+            node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        provider.release(held, "tok", timeout=1.0)
