@@ -72,10 +72,7 @@ class Wire:
         reply is raised for one command, returned in its place for several."""
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        taken = self.kept.take()
-        conn, used = (
-            taken if taken is not None else (self._pool.connection_class(**self._pool.connection_kwargs), 0.0)
-        )
+        conn, used = self._taken()
         try:
             self._ready(conn, now - used, deadline)
             self._send(conn, commands)
@@ -96,10 +93,7 @@ class Wire:
         halves, counted from now."""
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        taken = self.kept.take()
-        conn, used = (
-            taken if taken is not None else (self._pool.connection_class(**self._pool.connection_kwargs), 0.0)
-        )
+        conn, used = self._taken()
         try:
             self._ready(conn, now - used, deadline)
             self._send(conn, (command,))
@@ -122,6 +116,13 @@ class Wire:
                 self.kept.give(conn, now)
 
         return reply
+
+    def _taken(self) -> tuple[Any, float]:
+        """A kept connection and when it was last used, or a new unconnected one (0.0)."""
+        taken = self.kept.take()
+        return (
+            taken if taken is not None else (self._pool.connection_class(**self._pool.connection_kwargs), 0.0)
+        )
 
     def _send(self, conn: Any, commands: Sequence[tuple[Any, ...]]) -> None:
         if self._pack is None:

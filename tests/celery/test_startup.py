@@ -5,7 +5,6 @@ Real ``celery worker`` subprocesses of the integration app, real Redis broker, r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from celery_exclusive.worker import (
 )
 from tests.celery.conftest import BROKER_URL, Process, spawn, wait_for, wait_ready
 from tests.conftest import POSTGRES_URL, drop_lock_table, require_server, with_option
+from tests.faults.servers import _children
 from tests.silent import silent_server
 
 WORKER = ["worker", "-P", "prefork", "-c", "1", "-l", "INFO", "--without-gossip", "--without-mingle"]
@@ -146,17 +146,6 @@ def test_a_solo_worker_on_a_silent_store_starts_after_the_warm_up_deadline(celer
     assert len(warned) == 1, log[-3000:]
     assert f"gave no answer during warm-up within {WARM_UP_TIMEOUT:g} s" in warned[0]
     assert log.index(warned[0]) < log.index(" ready.")
-
-
-def _children(pid: int) -> list[int]:
-    """The pids of ``pid``'s direct children (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-    return found
 
 
 def test_a_prefork_child_on_a_silent_store_is_not_killed_for_a_late_up(celery_logdir: Path) -> None:
