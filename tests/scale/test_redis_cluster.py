@@ -709,8 +709,11 @@ def _moved_slot(provider: RedisLockProvider, cluster: RedisCluster, primaries: l
     sent to the old owner is answered MOVED (nothing ran there), a BackendError, and the
     slot map is read again, so the next attempt goes to the new owner and is granted."""
     first = f"127.0.0.1:{primaries[0].connection_pool.connection_kwargs['port']}"
-    key = _key_on(cluster, first)
-    slot = cluster.keyslot(key)
+    while True:  # a slot that holds no key (the test's earlier leases and their fences)
+        key = _key_on(cluster, first)
+        slot = cluster.keyslot(key)
+        if primaries[0].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0:
+            break
     target = primaries[1].execute_command("CLUSTER", "MYID")
     for node in (primaries[1], primaries[0]):  # an empty slot: no keys to migrate
         node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target)
