@@ -44,7 +44,9 @@ from benchmarks.harness import (
 
 SECTION = "celery"
 STORES = ("redis", "postgres")
-BOUNDS = {"redis": 0.85, "postgres": 0.75}
+#: Exclusive/plain throughput bounds: issue #16 raised Redis from 0.85x to 0.95x (to hold in 3 of
+#: 3 quiet runs); PostgreSQL pays a durable commit per task (measured beside it) and keeps 0.75x.
+BOUNDS = {"redis": 0.95, "postgres": 0.75}
 ROOT = Path(__file__).resolve().parents[1]
 KEYPREFIX = f"cebench-{RUN_ID}:"
 HOLD = 0.25  # the holder's run, seconds
