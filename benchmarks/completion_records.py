@@ -94,6 +94,7 @@ def _drop() -> None:
                     conn.execute(sa.text(f"DROP TABLE IF EXISTS {TABLE}{suffix}"))
                 if engine.dialect.name == "postgresql":
                     conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {TABLE}_fence_seq"))
+                    conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {TABLE}_unless(varchar, varchar)"))
         finally:
             engine.dispose()
     client = redis.Redis.from_url(REDIS_URL)

@@ -317,7 +317,7 @@ class Cleanup:
 
 
 def drop_pg_tables(*tables: str) -> None:
-    """Drop benchmark tables, their completion-record tables and their fence sequences."""
+    """Drop benchmark tables, their completion-record tables, fence sequences and marker functions."""
     import psycopg
 
     with psycopg.connect(psycopg_dsn(), autocommit=True, connect_timeout=10) as conn:
@@ -326,6 +326,7 @@ def drop_pg_tables(*tables: str) -> None:
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
             conn.execute(f'DROP TABLE IF EXISTS "{table}_fence"')
             conn.execute(f'DROP SEQUENCE IF EXISTS "{table}_fence_seq"')
+            conn.execute(f'DROP FUNCTION IF EXISTS "{table}_unless"(varchar, varchar)')
 
 
 def delete_redis_keys(url: str, pattern: str) -> int:

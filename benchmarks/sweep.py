@@ -37,6 +37,7 @@ def _drop(url: str, table: str) -> None:
             conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
         if engine.dialect.name == "postgresql":
             conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {table}_unless(varchar, varchar)"))
     engine.dispose()
 
 

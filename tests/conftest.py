@@ -95,6 +95,7 @@ def drop_lock_table(url: str, table: str) -> None:
             conn.execute(text(f"DROP TABLE IF EXISTS {table}_done"))
             if engine.dialect.name == "postgresql":
                 conn.execute(text(f"DROP SEQUENCE IF EXISTS {table}_fence_seq"))
+                conn.execute(text(f"DROP FUNCTION IF EXISTS {table}_unless(varchar, varchar)"))
     finally:
         engine.dispose()
 

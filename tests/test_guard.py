@@ -63,6 +63,7 @@ def pg() -> Iterator[Pg]:
             for name in (pg.table, data):
                 conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
             conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {pg.table}_fence_seq"))
+            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {pg.table}_unless(varchar, varchar)"))
         engine.dispose()
 
 

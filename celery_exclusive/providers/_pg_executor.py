@@ -28,6 +28,7 @@ LIBPQ_COLUMNS = {
     "acquire_once": "bttiffft",
     "acquire_any": "tittiffft",
     "acquire_unless": "tttiffft",
+    "acquire_unless_snapshot": "tttiffft",
     "take_over": "bttiffft",
     "release": "b",
     "release_done": "b",

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect, Engine
 
 from celery_exclusive.providers import _pg_listen
-from celery_exclusive.providers._sql_common import PRUNE_BATCH, STALE, create_fence
+from celery_exclusive.providers._sql_common import PRUNE_BATCH, STALE, create_fence, unless_function
 from celery_exclusive.providers.base import Diagnosis
 
 
@@ -158,7 +158,10 @@ rec AS (
         "acquire": acquire,
         "acquire_once": acquire_once,
         "acquire_any": _acquire_any_statement(t, seq, name, durable),
-        "acquire_unless": _acquire_unless_statement(t, seq, name, durable),
+        "acquire_unless": _acquire_unless_statement(t, seq, name, durable, q(unless_function(name))),
+        # The same without the fresh re-read, for a schema that lacks the function (made by an
+        # earlier version, create_table off): the window described there stays open.
+        "acquire_unless_snapshot": _acquire_unless_statement(t, seq, name, durable, None),
         # release and the completion record in one statement (data-modifying CTEs all run).
         "release_done": release_done + f"\nSELECT {wake('live')} FROM rel",
         # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
@@ -280,7 +283,7 @@ UNION ALL
 SELECT CASE WHEN live THEN 'l' ELSE 'f' END, i, {row} FROM cur WHERE NOT EXISTS (SELECT 1 FROM g)"""
 
 
-def _acquire_unless_statement(t: str, seq: str, name: str, durable: str) -> str:
+def _acquire_unless_statement(t: str, seq: str, name: str, durable: str, fresh: str | None) -> str:
     """``:key`` unless ``:blocker`` has a live lease, in one statement (``AcquiresUnless``: a
     dedupe queued marker, refused while a run holds the execution key); rows ``kind, key,
     value, fence, age, expires_in, hard_expires_in, holder``: one ``g`` row (granted: only the
@@ -295,9 +298,22 @@ def _acquire_unless_statement(t: str, seq: str, name: str, durable: str) -> str:
     The lock is tried first: if another grant of ``:key`` holds it, the statement waits for
     that grant to commit and then writes nothing (no row comes back), because its snapshot
     is older than that grant and than whatever followed it (the run that took the execution
-    key and released the marker): the caller's next statement sees them. The write is an
-    INSERT ... ON CONFLICT DO NOTHING for an absent key, an UPDATE re-checking the row is
-    still dead for a dead one. Time is ``statement_timestamp()``, as in ``acquire``."""
+    key and released the marker): the caller's next statement sees them.
+
+    When the try succeeds the snapshot may still be that old: a backend descheduled between
+    its snapshot and the try can wake after another sender's marker committed and its run
+    took the execution key and released the marker, all unseen, with the lock free again.
+    So once it holds the lock the statement re-reads both keys with a new snapshot, through
+    ``fresh`` (the table's ``<table>_unless(key, blocker)`` function: a VOLATILE PL/pgSQL
+    function takes a snapshot per query under READ COMMITTED, see
+    ``_sql_common.unless_function_ddl``), and writes only if neither is live *now*; else it
+    writes nothing and the caller asks again. Every later grant of ``:key`` waits for the
+    lock, and a run takes the execution key only while its message's marker is live, so
+    what the re-read found free stays so until this grant commits. Refused on its snapshot,
+    the statement never calls it (``fresh`` None: the statement without the re-read).
+    The write is an INSERT ... ON CONFLICT DO NOTHING for an absent key, an UPDATE
+    re-checking the row is still dead for a dead one. Time is ``statement_timestamp()``, as
+    in ``acquire`` (and in the function)."""
     ts = "statement_timestamp()"
     key = "CAST(:key AS varchar)"
     lock = f"hashtext('{name}'), hashtext({key})"
@@ -312,6 +328,7 @@ def _acquire_unless_statement(t: str, seq: str, name: str, durable: str) -> str:
     )
     cols = "key, value, fence, age, expires_in, hard_in, holder"
     granted = "NULL::varchar, NULL::text, g.fence, NULL::float8, NULL::float8, NULL::float8, NULL::text"
+    now_free = "true" if fresh is None else f"{fresh}({key}, CAST(:blocker AS varchar))"
     return f"""WITH b AS MATERIALIZED (
   SELECT {row} FROM {t} AS c WHERE c.key = CAST(:blocker AS varchar) AND {live}),
 cur AS MATERIALIZED (SELECT {row}, {live} AS live FROM {t} AS c WHERE c.key = {key}),
@@ -319,7 +336,7 @@ p AS MATERIALIZED (
   SELECT EXISTS (SELECT 1 FROM cur) AS present
   WHERE NOT EXISTS (SELECT 1 FROM b) AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.live)),
 lk AS MATERIALIZED (
-  SELECT p.present, CASE WHEN pg_try_advisory_xact_lock({lock}) THEN true
+  SELECT p.present, CASE WHEN pg_try_advisory_xact_lock({lock}) THEN {now_free}
                          ELSE pg_advisory_xact_lock({lock}) IS NULL END AS got, {durable}
   FROM p),
 f AS MATERIALIZED (SELECT lk.present, nextval('{seq}') AS fence FROM lk WHERE lk.got),
@@ -383,7 +400,9 @@ forgotten AS (
 
 
 def create_schema(engine: Engine, table: sa.Table) -> None:
-    """Create the lock table and its fence sequence if missing, safe against concurrent creators."""
+    """Create the lock table, its fence sequence and its marker function if missing (on an
+    existing table too: how a schema of an earlier version gets the function), safe against
+    concurrent creators."""
     # CREATE ... IF NOT EXISTS still races in the catalog (a unique violation on pg_class),
     # so creators queue on a transaction-scoped lock (PgBouncer-safe), in a real
     # transaction rather than autocommit.

@@ -260,11 +260,13 @@ def create_fence(table: sa.Table, connection: Connection, **_: Any) -> None:
 
 
 def create_counter(table: sa.Table, connection: Connection) -> None:
-    """The fence counter of ``table``: a sequence on PostgreSQL, a one-row table elsewhere."""
+    """The fence counter of ``table``: a sequence on PostgreSQL (with the marker statement's
+    function, :func:`unless_function_ddl`), a one-row table elsewhere."""
     dialect = connection.dialect
     q = dialect.identifier_preparer.quote
     if dialect.name == "postgresql":
         connection.exec_driver_sql(f"CREATE SEQUENCE IF NOT EXISTS {q(table.name + '_fence_seq')} CACHE 1")
+        connection.exec_driver_sql(unless_function_ddl(dialect, table.name))
         return
     counter = q(table.name + "_fence")
     sqlite = dialect.name == "sqlite"
@@ -276,6 +278,57 @@ def create_counter(table: sa.Table, connection: Connection) -> None:
     connection.exec_driver_sql(
         f"INSERT {ignore} INTO {counter} (id, n) SELECT 1, COALESCE(MAX(fence), 0) FROM {q(table.name)}"
     )
+
+
+def unless_function(name: str) -> str:
+    """The name of lock table ``name``'s marker function on PostgreSQL (see below)."""
+    return name + "_unless"
+
+
+def unless_function_ddl(dialect: Dialect, name: str) -> str:
+    """PostgreSQL: create (or bring up to date) ``<name>_unless(key, blocker)``, whether
+    neither key has a live lease in ``name`` *now*: the ``acquire_unless`` statement calls
+    it once it holds ``key``'s lock, to re-read both rows with a snapshot taken after the
+    lock (a VOLATILE PL/pgSQL function takes a new snapshot for each query under READ
+    COMMITTED), as the statement's own snapshot may predate a whole marker-and-run cycle
+    (providers/_pg_sql.py). Idempotent; writes the catalog only when the function is missing
+    or its body differs (no plan invalidation on every start, no CREATE privilege needed
+    once it is there). Times are ``statement_timestamp()``, the calling statement's."""
+    q = dialect.identifier_preparer.quote
+    now = "statement_timestamp()"
+
+    def held(param: str) -> str:
+        # One primary-key lookup per key: with "key IN ($1, $2)" the plan PL/pgSQL cached
+        # while the table was small scanned it all (each grant slower as the table grew).
+        return (
+            f"EXISTS (SELECT 1 FROM {q(name)} AS c WHERE c.key = {param}\n"
+            f"    AND c.expires_at > {now} AND c.deadline > {now}\n"
+            f"    AND c.created_at > {now} - make_interval(secs => {STALE}))"
+        )
+
+    body = (
+        "\nBEGIN\n  -- celery-exclusive: acquire_unless re-reads both keys after taking the key lock\n"
+        f"  RETURN NOT {held('$1')}\n  AND NOT {held('$2')};\nEND\n"
+    )
+    fn = q(unless_function(name))
+    signature = f"{fn}(varchar,varchar)".replace("'", "''")
+    return f"""DO $ce_do$ BEGIN
+IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc
+               WHERE oid = to_regprocedure('{signature}') AND prosrc = $ce_fn${body}$ce_fn$) THEN
+  CREATE OR REPLACE FUNCTION {fn}(varchar, varchar) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE AS $ce_fn${body}$ce_fn$;
+END IF;
+END $ce_do$"""
+
+
+def has_unless_function(connection: Connection, name: str) -> bool:
+    """PostgreSQL: whether ``<name>_unless(varchar, varchar)`` is on the search path."""
+    q = connection.dialect.identifier_preparer.quote
+    signature = f"{q(unless_function(name))}(varchar,varchar)"
+    found = connection.execute(
+        sa.text("SELECT to_regprocedure(:s) IS NOT NULL"), {"s": signature}
+    ).scalar_one()
+    return bool(found)
 
 
 def _host_list_as_query(rest: str) -> str:

@@ -27,6 +27,7 @@ by later releases.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -43,11 +44,13 @@ from celery_exclusive.providers._sql_common import (
     Rows,
     SqlStore,
     check_sweep,
+    has_unless_function,
     info_of,
     like_pattern,
     live,
     prune_suffix,
     record_params,
+    unless_function,
 )
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
@@ -62,6 +65,7 @@ from celery_exclusive.providers.base import (
 )
 
 _bounded_connect = _deadline.bounded_connect  # its old name here
+logger = logging.getLogger("celery_exclusive.providers.postgres")
 T = TypeVar("T")
 
 
@@ -200,6 +204,9 @@ class PostgresLockProvider(SqlStore):
     _kind = "PostgreSQL "
 
     def _setup(self, *, pgbouncer: bool) -> None:
+        # Whether the table's marker function exists (_unless_op): made with the schema when
+        # create_table is on; else looked up on first use.
+        self._fresh: bool | None = None
         if self._owns_engine:
             event.listen(self._engine, "do_connect", _bounded_connect)
         self._pg_sql = _pg_sql.pg_statements(self._engine.dialect, self.table.name)
@@ -292,10 +299,11 @@ class PostgresLockProvider(SqlStore):
         self, key: str, token: str, ttl: float, holder: str, *, blocker: str, timeout: float | None = None
     ) -> Grant | Held:
         """``key`` unless ``blocker`` is live (``AcquiresUnless``) in one statement (see
-        :func:`._pg_sql._acquire_unless_statement`); one that waited for a grant in flight
-        wrote nothing and is sent once more (its answer names the new holder)."""
+        :func:`._pg_sql._acquire_unless_statement`); one that waited for a grant in flight,
+        or whose re-read under the key's lock found a key taken since its snapshot, wrote
+        nothing and is sent once more (its answer names the new holder)."""
         params = _grant_params(token, float(ttl), ttl, holder, key=key, blocker=blocker)
-        call = functools.partial(self._call, "acquire_unless", params)
+        call = functools.partial(self._call, self._unless_op(timeout), params)
         answer = functools.partial(_unless_answer, token=token, granted=float(ttl))
         found = _asked(call, answer, 2, timeout)
         return Held(None) if found is None else found
@@ -404,12 +412,19 @@ class PostgresLockProvider(SqlStore):
             self._engine.dispose()
 
     def diagnose(self) -> list[Diagnosis]:
-        """Schema presence, server clock vs this machine's, a read-only server, and the
-        server's ``synchronous_commit`` (which acquire and refresh override)."""
+        """Schema presence (the table's marker function too), server clock vs this machine's,
+        a read-only server, and the server's ``synchronous_commit`` (which acquire and
+        refresh override)."""
         findings: list[Diagnosis] = []
         try:
             with self._engine.connect() as conn:
-                self._schema_findings(conn, findings)
+                if self._schema_findings(conn, findings) and not has_unless_function(conn, self.table.name):
+                    name = unless_function(self.table.name)
+                    detail = (
+                        f"function {name!r} is missing: until_done dedupe markers are judged on "
+                        "one snapshot (a provider with create_table on makes it)"
+                    )
+                    findings.append(Diagnosis("marker_function", "warn", detail))
                 findings += _pg_sql.server_findings(conn)
         except sa_exc.SQLAlchemyError as exc:
             findings.append(Diagnosis("connect", "fail", str(self._error("connect", exc))))
@@ -417,8 +432,32 @@ class PostgresLockProvider(SqlStore):
 
     # -- plumbing --------------------------------------------------------------------
 
+    def _unless_op(self, timeout: float | None) -> str:
+        """``acquire_unless``, or its form without the re-read when the schema lacks the
+        table's marker function (made by an earlier version, with create_table off: looked
+        up once, and warned about)."""
+        self._ensure_schema(timeout)  # with create_table on, this makes the function
+        fresh = self._fresh
+        if fresh is None:
+            with self._translated("look for the marker function"), self._engine.connect() as conn:
+                fresh = has_unless_function(conn, self.table.name)
+            if not fresh:
+                logger.warning(
+                    "PostgreSQL lock store %s: function %r is missing, so an until_done dedupe "
+                    "marker is judged on its statement's snapshot alone (a sender descheduled "
+                    "there can queue one extra message); a provider with create_table on makes "
+                    "it (its first call, or set_up()), as do lock_table(metadata, %r) with "
+                    "metadata.create_all() and the Django migrations",
+                    self._masked,
+                    unless_function(self.table.name) + "(varchar, varchar)",
+                    self.table.name,
+                )
+            self._fresh = fresh
+        return "acquire_unless" if fresh else "acquire_unless_snapshot"
+
     def _create_schema(self) -> None:
         _pg_sql.create_schema(self._engine, self.table)
+        self._fresh = True
 
     def _call(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
         """``_run_pg``, passing ``timeout`` only when there is one."""

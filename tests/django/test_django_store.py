@@ -123,7 +123,18 @@ def schema_of(engine: sa.Engine, table: str) -> dict[str, Any]:
             ),
             {"s": f"{table}_fence_seq"},
         ).all()
-        return {"columns": columns, "done columns": done_columns, "primary key": key, "sequence": sequence}
+        function = conn.execute(
+            sa.text("SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(:f)"),
+            {"f": f'"{table}_unless"(varchar,varchar)'},
+        ).scalar()
+        return {
+            "columns": columns,
+            "done columns": done_columns,
+            "primary key": key,
+            "sequence": sequence,
+            # the marker function's body, which names its table
+            "function": None if function is None else function.replace(table, "<table>"),
+        }
 
 
 @pytest.mark.parametrize("alias", ALIASES)
@@ -139,6 +150,7 @@ def test_the_migration_creates_exactly_the_schema_the_store_creates(
         migrated, created = schema_of(engine, project["CE_DJANGO_TABLE"]), schema_of(engine, own)
         assert migrated == created
         assert migrated["sequence" if alias == "default" else "counter"]  # the fence counter is there
+        assert (migrated.get("function") is not None) == (alias == "default")  # PostgreSQL's marker function
     finally:
         provider.close()
         with engine.begin() as conn:
@@ -147,6 +159,7 @@ def test_the_migration_creates_exactly_the_schema_the_store_creates(
             conn.execute(sa.text(f"DROP TABLE IF EXISTS {own}_fence"))
             if alias == "default":
                 conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {own}_fence_seq"))
+                conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {own}_unless(varchar, varchar)"))
         engine.dispose()
 
 

@@ -222,6 +222,7 @@ def test_pg_acquire_and_refresh_commit_durably_on_a_server_without_synchronous_c
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_probe")
             conn.execute(f"DROP FUNCTION IF EXISTS {table}_probe()")
+            conn.execute(f"DROP FUNCTION IF EXISTS {table}_unless(varchar, varchar)")
             conn.execute(f"DROP SEQUENCE IF EXISTS {table}_fence_seq")
 
 

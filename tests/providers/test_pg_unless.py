@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from celery_exclusive.providers.base import Grant, Held
+from tests.faults._pg_stall import waiting_on
 from tests.faults.conftest import wait_until
 from tests.providers.test_sql_provider import (
     Db,
@@ -139,5 +140,177 @@ def test_pg_marker_takes_a_dead_marker_row_over_and_ignores_a_dead_execution_row
         info = provider.peek("job#queued")
         assert info is not None
         assert (info.token, info.fence) == ("new", again.fence)
+    finally:
+        provider.close()
+
+
+@contextlib.contextmanager
+def _stalled_before_lock_try(pg: Db, key: str) -> Iterator[tuple[str, int]]:
+    """A schema whose ``pg_try_advisory_xact_lock(int, int)`` shadows the built-in on a search
+    path that puts it before ``pg_catalog``; for ``key``'s lock in ``pg.table`` it first waits
+    on advisory lock ``gate`` (which the test holds), then tries the real one. A statement sent
+    with that search path stalls after its snapshot and before its try of the key's lock:
+    the point where a descheduled backend would be. Yields ``(URL with that search path,
+    gate)``; the schema is dropped after."""
+    import random
+    from urllib.parse import quote
+
+    import psycopg
+
+    dsn = _psycopg_dsn(pg)
+    schema, gate = f"ce_stall_{pg.table}", random.randrange(1, 2**31)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(
+            f"""CREATE FUNCTION {schema}.pg_try_advisory_xact_lock(integer, integer) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+  IF $1 = pg_catalog.hashtext('{pg.table}') AND $2 = pg_catalog.hashtext('{key}') THEN
+    PERFORM pg_catalog.pg_advisory_lock({gate});
+    PERFORM pg_catalog.pg_advisory_unlock({gate});
+  END IF;
+  RETURN pg_catalog.pg_try_advisory_xact_lock($1, $2);
+END $$"""
+        )
+    try:
+        options = quote(f"-csearch_path={schema},pg_catalog,public")
+        yield f"{pg.url}{'&' if '?' in pg.url else '?'}options={options}", gate
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.mark.parametrize(
+    ("execution_row", "pgbouncer"), [("absent", False), ("dead", False), ("absent", True)]
+)
+def test_pg_marker_descheduled_before_its_lock_try_queues_nothing_after_a_whole_cycle(
+    pg: Db, execution_row: str, pgbouncer: bool
+) -> None:
+    """The window between the statement's snapshot and its try of the marker key's lock: the
+    statement reads both keys free and is descheduled there (stalled on a gate); meanwhile
+    another sender takes the marker and commits, and a run takes the execution key and ends
+    that marker. The statement then finds the marker key's lock free. It must not queue a
+    marker while the run holds the key (one extra message, breaking until_done); asked again,
+    it answers the run. With the execution key's row absent (never taken) and dead (a run
+    that crashed: the new run takes it over); prepared (libpq) and unprepared (PgBouncer)."""
+    import psycopg
+
+    from celery_exclusive.providers.sql import SqlLockProvider
+
+    rival = pg.provider()
+    answers: list[Any] = []
+    sent: list[list[tuple[Any, ...]]] = []
+    try:
+        assert isinstance(rival.acquire("warm", "w", 60, 600, "{}"), Grant)  # creates the schema
+        if execution_row == "dead":
+            assert isinstance(rival.acquire("job", "crashed", 0.05, 600, "{}"), Grant)
+            wait_until(lambda: rival.peek("job") is None, 5)
+            assert "job" in pg.rows()
+        with _stalled_before_lock_try(pg, "job#queued") as (url, gate):
+            late = SqlLockProvider(url, table=pg.table, create_table=False, pgbouncer=pgbouncer)
+            run_pg = late._run_pg
+
+            def recorded(op: str, params: dict[str, Any], timeout: float | None = None) -> Any:
+                rows = run_pg(op, params, timeout)
+                sent.append(rows)
+                return rows
+
+            late._run_pg = recorded  # type: ignore[method-assign]
+            try:
+                with psycopg.connect(_psycopg_dsn(pg), autocommit=True) as holder:
+                    holder.execute("SELECT pg_advisory_lock(%s)", (gate,))
+                    sender = threading.Thread(
+                        target=lambda: answers.append(
+                            late.acquire_unless(
+                                "job#queued", "late", 60, '{"task_id": "late"}', blocker="job"
+                            )
+                        ),
+                        daemon=True,
+                    )
+                    sender.start()
+                    assert wait_until(lambda: waiting_on(_psycopg_dsn(pg), gate), 10), (
+                        "the marker never stalled"
+                    )
+                    # A whole cycle while the statement is descheduled: a marker sent and
+                    # committed, its run takes the execution key and only then ends the marker.
+                    first = rival.acquire_unless(
+                        "job#queued", "first", 60, '{"task_id": "first"}', blocker="job"
+                    )
+                    assert isinstance(first, Grant)
+                    run = rival.acquire("job", "run", 60, 600, '{"task_id": "first"}')
+                    assert isinstance(run, Grant)
+                    assert rival.release("job#queued", "first")
+                    assert not answers
+                    holder.execute("SELECT pg_advisory_unlock(%s)", (gate,))
+                    sender.join(15)
+                assert not sender.is_alive()
+            finally:
+                late.close()
+        assert len(answers) == 1
+        answer = answers[0]
+        assert rival.peek("job#queued") is None, f"a marker was queued while the run held the key: {answer}"
+        assert isinstance(answer, Held), answer
+        assert answer.holder is not None
+        assert (answer.holder.key, answer.holder.holder) == ("job", {"task_id": "first"})
+        # The descheduled statement wrote nothing and returned nothing; the retry saw the run.
+        assert [len(rows) for rows in sent] == [0, 1], sent
+    finally:
+        rival.close()
+
+
+def _has_function(pg: Db) -> bool:
+    import psycopg
+
+    with psycopg.connect(_psycopg_dsn(pg), autocommit=True) as conn:
+        row = conn.execute("SELECT to_regprocedure(%s) IS NOT NULL", (f"{pg.table}_unless(varchar,varchar)",))
+        return bool(row.fetchone() == (True,))
+
+
+def _drop_function(pg: Db) -> None:
+    pg.execute(f"DROP FUNCTION {pg.table}_unless(varchar, varchar)")
+
+
+def test_pg_a_table_of_an_earlier_version_gets_the_marker_function_when_set_up(pg: Db) -> None:
+    """A lock table made before the marker function existed (here: the function dropped) gets
+    it from the next provider that sets the schema up (create_table on), which then marks
+    with the re-read."""
+    first = pg.provider()
+    try:
+        assert isinstance(first.acquire("warm", "w", 60, 600, "{}"), Grant)
+        assert _has_function(pg)
+        _drop_function(pg)
+    finally:
+        first.close()
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire_unless("job#queued", "q", 60, "{}", blocker="job"), Grant)
+        assert _has_function(pg)
+        assert provider._unless_op(None) == "acquire_unless"
+    finally:
+        provider.close()
+
+
+def test_pg_a_schema_without_the_marker_function_still_marks_and_says_so(
+    pg: Db, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With create_table off on a schema that lacks the function, acquire_unless still works
+    (on its snapshot alone), the store warns once, and diagnose() reports it."""
+    first = pg.provider()
+    try:
+        assert isinstance(first.acquire("warm", "w", 60, 600, "{}"), Grant)
+        _drop_function(pg)
+    finally:
+        first.close()
+    provider = pg.provider(create_table=False)
+    try:
+        with caplog.at_level("WARNING", logger="celery_exclusive.providers.postgres"):
+            assert isinstance(provider.acquire_unless("job#queued", "q", 60, "{}", blocker="job"), Grant)
+            assert isinstance(provider.acquire_unless("job#queued", "r", 60, "{}", blocker="job"), Held)
+        warned = [r for r in caplog.records if "_unless" in r.getMessage()]
+        assert len(warned) == 1, caplog.records
+        assert "until_done" in warned[0].getMessage()
+        assert not _has_function(pg)  # create_table off: nothing made
+        findings = {d.check: d for d in provider.diagnose()}
+        assert findings["marker_function"].status == "warn"
     finally:
         provider.close()

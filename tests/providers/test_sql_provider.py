@@ -842,6 +842,7 @@ def test_mixed_case_table_name_is_quoted_consistently(db: Db) -> None:
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {q(name + '_fence')}")
             if db.name == "postgresql":
                 conn.exec_driver_sql(f"DROP SEQUENCE IF EXISTS {q(name + '_fence_seq')}")
+                conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {q(name + '_unless')}(varchar, varchar)")
         provider.close()
 
 

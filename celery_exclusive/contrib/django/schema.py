@@ -15,7 +15,12 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
 from celery_exclusive.errors import ConfigurationError
-from celery_exclusive.providers._sql_common import create_counter, lock_table
+from celery_exclusive.providers._sql_common import (
+    create_counter,
+    lock_table,
+    unless_function,
+    unless_function_ddl,
+)
 
 from .store import DEFAULT_TABLE, TABLE_SETTING
 
@@ -79,5 +84,24 @@ def drop(schema_editor: Any, name: str) -> None:
     schema_editor.execute(f"DROP TABLE IF EXISTS {q(name)}", params=None)
     if dialect.name == "postgresql":
         schema_editor.execute(f"DROP SEQUENCE IF EXISTS {q(name + '_fence_seq')}", params=None)
+        drop_unless_function(schema_editor, name)
     else:
         schema_editor.execute(f"DROP TABLE IF EXISTS {q(name + '_fence')}", params=None)
+
+
+def create_unless_function(schema_editor: Any, name: str) -> None:
+    """PostgreSQL: create (or bring up to date) lock table ``name``'s marker function, which
+    ``create`` makes with the table (migration 0002: for tables migrated before it existed)."""
+    dialect = dialect_for(schema_editor.connection)
+    if dialect.name == "postgresql":
+        schema_editor.execute(unless_function_ddl(dialect, name), params=None)
+
+
+def drop_unless_function(schema_editor: Any, name: str) -> None:
+    """PostgreSQL: drop lock table ``name``'s marker function, if there."""
+    dialect = dialect_for(schema_editor.connection)
+    if dialect.name == "postgresql":
+        q = dialect.identifier_preparer.quote
+        schema_editor.execute(
+            f"DROP FUNCTION IF EXISTS {q(unless_function(name))}(varchar, varchar)", params=None
+        )
