@@ -64,6 +64,41 @@ def test_pg_refused_marker_takes_no_lock_or_transaction_id_and_writes_no_wal(pg:
         provider.close()
 
 
+@pytest.mark.parametrize("held", ["blocker", "marker"])
+def test_pg_marker_calls_its_fresh_read_only_once_it_holds_the_lock(pg: Db, held: str) -> None:
+    """The re-read function runs only on the way to a grant (the key lock taken): a statement
+    refused on its snapshot never calls it; one that grants calls it once (counted by the
+    server's per-transaction function statistics, track_functions)."""
+    import psycopg
+
+    provider = pg.provider()
+    try:
+        taken = provider.acquire("job", "run", 60, 600, "{}") if held == "blocker" else None
+        marked = provider.acquire_unless("job#queued", "queued", 60, "{}", blocker="job")
+        assert taken is None or isinstance(taken, Grant)
+        assert isinstance(marked, Held if held == "blocker" else Grant)
+        calls = (
+            f"SELECT pg_stat_get_xact_function_calls(to_regprocedure('{pg.table}_unless(varchar,varchar)'))"
+        )
+        with psycopg.connect(_psycopg_dsn(pg), autocommit=True) as conn:
+            try:  # outside a transaction: a rollback would undo it
+                conn.execute("SET track_functions = 'pl'")
+            except psycopg.errors.InsufficientPrivilege:
+                pytest.skip("track_functions needs a superuser")
+            conn.autocommit = False
+            statement = provider._psycopg_sql["acquire_unless"]
+            rows = conn.execute(statement, _params("job#queued", "job", "other")).fetchall()
+            assert [row[0] for row in rows] == ["b" if held == "blocker" else "q"]
+            assert conn.execute(calls).fetchone() in ((None,), (0,))
+            conn.rollback()
+            rows = conn.execute(statement, _params("free#queued", "free", "other")).fetchall()
+            assert [row[0] for row in rows] == ["g"]
+            assert conn.execute(calls).fetchone() == (1,)
+            conn.rollback()
+    finally:
+        provider.close()
+
+
 def _waiting_for_key_lock(dsn: str, table: str, key: str) -> bool:
     """Whether a session waits for the provider's key lock on ``key`` (the two-int advisory
     lock ``(hashtext(table), hashtext(key))``, shown as unsigned oids)."""
