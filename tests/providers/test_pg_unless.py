@@ -216,10 +216,11 @@ END $$"""
 
 
 @pytest.mark.parametrize(
-    ("execution_row", "pgbouncer"), [("absent", False), ("dead", False), ("absent", True)]
+    ("execution_row", "path"),
+    [("absent", "libpq"), ("dead", "libpq"), ("absent", "pgbouncer"), ("absent", "engine")],
 )
 def test_pg_marker_descheduled_before_its_lock_try_queues_nothing_after_a_whole_cycle(
-    pg: Db, execution_row: str, pgbouncer: bool
+    pg: Db, execution_row: str, path: str
 ) -> None:
     """The window between the statement's snapshot and its try of the marker key's lock: the
     statement reads both keys free and is descheduled there (stalled on a gate); meanwhile
@@ -227,8 +228,10 @@ def test_pg_marker_descheduled_before_its_lock_try_queues_nothing_after_a_whole_
     that marker. The statement then finds the marker key's lock free. It must not queue a
     marker while the run holds the key (one extra message, breaking until_done); asked again,
     it answers the run. With the execution key's row absent (never taken) and dead (a run
-    that crashed: the new run takes it over); prepared (libpq) and unprepared (PgBouncer)."""
+    that crashed: the new run takes it over); prepared (libpq), unprepared (PgBouncer), and
+    on the caller's SQLAlchemy engine."""
     import psycopg
+    import sqlalchemy as sa
 
     from celery_exclusive.providers.sql import SqlLockProvider
 
@@ -242,7 +245,8 @@ def test_pg_marker_descheduled_before_its_lock_try_queues_nothing_after_a_whole_
             wait_until(lambda: rival.peek("job") is None, 5)
             assert "job" in pg.rows()
         with _stalled_before_lock_try(pg, "job#queued") as (url, gate):
-            late = SqlLockProvider(url, table=pg.table, create_table=False, pgbouncer=pgbouncer)
+            store: Any = sa.create_engine(url, isolation_level="AUTOCOMMIT") if path == "engine" else url
+            late = SqlLockProvider(store, table=pg.table, create_table=False, pgbouncer=path == "pgbouncer")
             run_pg = late._run_pg
 
             def recorded(op: str, params: dict[str, Any], timeout: float | None = None) -> Any:
@@ -281,6 +285,8 @@ def test_pg_marker_descheduled_before_its_lock_try_queues_nothing_after_a_whole_
                 assert not sender.is_alive()
             finally:
                 late.close()
+                if path == "engine":
+                    store.dispose()
         assert len(answers) == 1
         answer = answers[0]
         assert rival.peek("job#queued") is None, f"a marker was queued while the run held the key: {answer}"
