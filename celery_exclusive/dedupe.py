@@ -65,14 +65,16 @@ Lifetimes and the race between "marker taken" and "a run holds the execution key
   back if a run holds it: more round trips, and a concurrent sender may be told the id of
   a marker about to be given back.
 
-Which producers dedupe: ``delay``, ``apply_async`` and signatures (``.s()``/``.si()``, chains,
-groups, chords, links: they call the task's ``apply_async``) in a process where the task is
-registered, and beat entries whose task is registered in the beat process (beat then calls
-the task's ``apply_async``). ``app.send_task`` by name, beat entries of tasks beat does not
-import (beat then calls ``send_task``), other languages' clients and raw publishes do not
-dedupe: they are still excluded at execution, like every producer.
-Eager calls (``task_always_eager``, ``apply()``) and re-sends of the running task's own id
-(``self.retry()``, ``on_locked="retry"``) do not take markers.
+Which producers dedupe: ``delay``, ``apply_async`` and signatures sent alone (``.s()``/
+``.si()`` then ``delay``/``apply_async``: they call the task's ``apply_async``) in a process
+where the task is registered, and beat entries whose task is registered in the beat process
+(beat then calls the task's ``apply_async``). ``app.send_task`` by name, beat entries of
+tasks beat does not import (beat then calls ``send_task``), other languages' clients and raw
+publishes do not dedupe: they are still excluded at execution, like every producer. Nor do
+the members of chains, groups and chords, link callbacks and chord bodies
+(:data:`CANVAS_OPTIONS`): Celery waits for the ids it froze for them, which a refused send
+would never complete. Eager calls (``task_always_eager``, ``apply()``) and re-sends of the
+running task's own id (``self.retry()``, ``on_locked="retry"``) do not take markers.
 """
 
 from __future__ import annotations
@@ -272,10 +274,24 @@ class _Marking:
 
 def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> float | None:
     """The new marker's ttl, or None when this send takes none (no dedupe, eager, a re-send
-    of the running task, or a message expired already: it will never run nor block anything)."""
+    of the running task, a member of a canvas (:data:`CANVAS_OPTIONS`), or a message expired
+    already: it will never run nor block anything)."""
     if not settings.dedupe or task.app.conf.task_always_eager or _resending(task, options):
         return None
+    if any(options.get(name) for name in CANVAS_OPTIONS):
+        return None
     return marker_ttl(task, settings.dedupe_ttl, options)
+
+
+#: ``apply_async`` options with which Celery's canvas sends a member whose id it froze and
+#: waits for: a chain's head and later steps (``chain``; a step the worker sends, and a
+#: link callback, with ``parent_id``/``root_id``), a group's or chord header's members
+#: (``group_id``, ``chord``), a chord body (``root_id``). Celery ignores what such a send
+#: returns (the chain, group or chord result holds the frozen ids, a chord counts them), so
+#: a refused member's id would never complete, a refused chain head would drop the rest of
+#: the chain and a chord would never fire: these sends take no marker (they are excluded at
+#: execution, like every producer). A signature sent alone (``sig.delay()``) dedupes.
+CANVAS_OPTIONS = ("chain", "group_id", "chord", "parent_id", "root_id")
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,3 +128,114 @@ def test_given_producers_pool_producers_and_a_given_connection_dedupe_alike(
         assert task.apply_async((3,), connection=connection).id == first.id
         assert task.apply_async((3,), publisher=producer).id == first.id
     assert _queued(app) == 1
+
+
+def test_a_callable_on_duplicate_decides_what_a_duplicate_send_returns(
+    sending: tuple[Any, Any, list[str]],
+) -> None:
+    """on_duplicate=callable: called with (task, key, existing AsyncResult) for a duplicate
+    only; its return value is what the send returns, and nothing is published."""
+    app, _, _ = sending
+    calls: list[tuple[Any, str, str]] = []
+
+    def decide(task: Any, key: str, existing: Any) -> str:
+        calls.append((task, key, existing.id))
+        return f"duplicate of {existing.id}"
+
+    def job(n: int) -> int:
+        return n
+
+    task = exclusive_task(
+        app=app, key="cb:{n}", dedupe=True, on_duplicate=decide, shared=False, name=f"send.callable.{uid()}"
+    )(job)
+    first = task.delay(1)
+    assert calls == []
+    assert task.delay(1) == f"duplicate of {first.id}"
+    assert calls == [(task, "cb:1", first.id)]
+    assert _queued(app) == 1
+
+
+def test_the_apps_exclusive_dedupe_setting_dedupes_tasks_that_do_not_say(
+    sending: tuple[Any, Any, list[str]],
+) -> None:
+    """app.conf.exclusive_dedupe=True: an exclusive task without a dedupe option dedupes."""
+    app, _, _ = sending
+    app.conf.exclusive_dedupe = True
+
+    def job(n: int) -> int:
+        return n
+
+    task = exclusive_task(app=app, key="conf:{n}", shared=False, name=f"send.by_conf.{uid()}")(job)
+    first = task.delay(1)
+    assert task.delay(1).id == first.id
+    assert _queued(app) == 1
+
+
+def test_send_task_by_name_is_not_deduplicated(sending: tuple[Any, Any, list[str]]) -> None:
+    """app.send_task by name never runs the task's apply_async: it publishes while the key is
+    queued (its run is then excluded by the execution lock, like any producer's)."""
+    app, task, _ = sending
+    first = task.delay(7)
+    assert get_lock_service(app).peek("k:7" + QUEUED_SUFFIX) is not None
+    other = app.send_task(task.name, (7,))
+    assert other.id != first.id
+    assert _queued(app) == 2
+
+
+def test_beat_dedupes_the_entries_of_tasks_it_has_registered_and_not_others(
+    sending: tuple[Any, Any, list[str]],
+) -> None:
+    """celery beat calls a registered task's apply_async (deduplicated) and send_task for a
+    name it does not know (not deduplicated): beat's own Scheduler.apply_async, no beat process."""
+    from celery.beat import ScheduleEntry, Scheduler
+
+    app, task, _ = sending
+    scheduler = Scheduler(app, lazy=True)
+
+    def entry(name: str) -> ScheduleEntry:
+        return ScheduleEntry(name="every", task=name, args=(8,), schedule=60.0, app=app)
+
+    first = scheduler.apply_async(entry(task.name), advance=False)
+    assert scheduler.apply_async(entry(task.name), advance=False).id == first.id
+    assert _queued(app) == 1
+    del app.tasks[task.name]  # a beat process that does not import the task
+    unknown = scheduler.apply_async(entry(task.name), advance=False)
+    assert unknown.id != first.id
+    assert _queued(app) == 2
+
+
+def _queued_ids(app: Any) -> list[str]:
+    """The task ids of the messages in the app's default queue."""
+    import json
+
+    client = redis.Redis.from_url(BROKER_URL)
+    try:
+        prefix = app.conf.broker_transport_options["global_keyprefix"]
+        raw = client.lrange(prefix + app.conf.task_default_queue, 0, -1)
+    finally:
+        client.close()
+    return sorted(json.loads(message)["headers"]["id"] for message in raw)
+
+
+def test_canvas_members_take_no_marker_and_a_signature_sent_alone_dedupes(
+    sending: tuple[Any, Any, list[str]],
+) -> None:
+    """Celery returns, and a chord counts, the ids it froze for a group's or chain's members and
+    ignores what their sends return: a refused member would never complete (its group's or
+    chain's get() would wait forever, a chain would lose its later steps). So they are
+    published whatever is queued (their runs are excluded at execution); a signature sent
+    alone returns its send's result and dedupes."""
+    from celery import chain, group
+
+    app, task, _ = sending
+    first = task.s(9).delay()
+    assert task.s(9).apply_async().id == first.id
+    assert _queued_ids(app) == [first.id]
+    grouped = group(task.s(9), task.s(9)).apply_async()
+    chained = chain(task.s(9), task.si(10)).apply_async()
+    members = [result.id for result in grouped.results]
+    head = chained.parent.id
+    assert _queued_ids(app) == sorted([first.id, *members, head])
+    info = get_lock_service(app).peek("k:9" + QUEUED_SUFFIX)
+    assert info is not None
+    assert info.holder["task_id"] == first.id  # no member took or replaced the marker
