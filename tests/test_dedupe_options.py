@@ -85,6 +85,32 @@ def test_marker_ttl_covers_the_countdown_and_stops_at_expires() -> None:
     assert marker_ttl(task, None, {"expires": -1}) is None
 
 
+def test_marker_ttl_covers_an_eta_takes_the_tasks_expires_and_stops_at_the_ceiling() -> None:
+    """An eta (aware, naive as UTC as Celery reads it, or ISO text) counts like a countdown; the
+    task's own ``expires`` bounds the marker; no marker outlives the 24 h ceiling."""
+    from datetime import datetime, timedelta, timezone
+
+    from celery_exclusive.validation import MAX_LIFETIME_CAP
+
+    app = Celery("ttl-eta", set_as_current=False)
+
+    def job() -> None: ...
+
+    task = exclusive_task(app=app, key="k", dedupe=True, shared=False, name="ttl-eta.job")(job)
+    eta = datetime.now(timezone.utc) + timedelta(seconds=100)
+    for given in (eta, eta.replace(tzinfo=None), eta.isoformat()):
+        ttl = marker_ttl(task, 4.0, {"eta": given})
+        assert ttl is not None
+        assert 103.0 < ttl <= 104.0, given
+    assert marker_ttl(task, None, {"countdown": 2 * 86400}) == MAX_LIFETIME_CAP == 86400
+    assert marker_ttl(task, None, {"countdown": 23.5 * 3600}) == MAX_LIFETIME_CAP
+    expiring = exclusive_task(
+        app=app, key="k", dedupe=True, expires=30, shared=False, name="ttl-eta.expiring"
+    )(job)
+    assert marker_ttl(expiring, None, {}) == 30.0
+    assert marker_ttl(expiring, None, {"expires": 10}) == 10.0  # the send's own wins
+
+
 def test_already_queued_survives_a_result_backend_round_trip() -> None:
     error = AlreadyQueued("k", "id-1")
     again = type(error)(*error.args)
