@@ -251,6 +251,30 @@ def test_list_shows_queued_and_rerun_markers_and_release_frees_them(store: Store
         assert service.force_release("job#rerun", rerun)  # the module's store is shared by its tests
 
 
+def test_list_shows_a_cooling_key_and_release_frees_it(store: Store) -> None:
+    """A run's lease kept past the run by a cooldown (its holder says ``cooldown``, the release
+    wrote the run's completion record) lists as ``cooling``, not ``held``; ``release`` frees
+    it at once, not at the cooldown's end."""
+    from celery_exclusive.providers.base import Completion
+
+    key = f"cool-{uuid.uuid4().hex[:8]}"
+    with store.service() as service:
+        lease = service.lock(key, hold_at_least=60, task_id="t1", holder={"task_id": "t1", "cooldown": 60})
+        states = [lock["state"] for lock in json.loads(invoke(store, "list", key, "--json").stdout)["locks"]]
+        assert states == ["held"]  # the run is in progress
+        lease.release(Completion("t1", "success", 0, 60.0))
+        (listed,) = json.loads(invoke(store, "list", key, "--json").stdout)["locks"]
+        assert (listed["key"], listed["state"]) == (key, "cooling")
+        text = invoke(store, "list", key).stdout.splitlines()
+        assert [line.split()[:2] for line in text[1:]] == [[key, "cooling"]]
+        released = invoke(store, "release", key, "--yes")
+        assert released.exit_code == 0, released.output
+        assert service.peek(key) is None
+        again = service.try_lock(key)
+        assert again is not None
+        again.release()
+
+
 def test_list_json_is_machine_readable_and_complete(store: Store, hold: Callable[..., Holder]) -> None:
     """``list --json`` gives prefix, filter and each lease's documented fields, tokens included."""
     holder = hold("alpha", "beta")
