@@ -278,8 +278,9 @@ def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> fl
     already: it will never run nor block anything)."""
     if not settings.dedupe or task.app.conf.task_always_eager or _resending(task, options):
         return None
-    if any(options.get(name) for name in CANVAS_OPTIONS):
-        return None
+    for name in CANVAS_OPTIONS:  # a loop, not any(genexpr): 2.3 K instructions, not 5.5 K
+        if options.get(name):
+            return None
     return marker_ttl(task, settings.dedupe_ttl, options)
 
 
