@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from celery_exclusive import LockService
-from tests.conftest import POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
+from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY_BIN = str(Path(sys.executable).with_name("celery"))
@@ -186,7 +186,23 @@ class WorkerGroup:
             self._service.close()
 
 
-def start_group(
+def _store_url(store: str, logdir: Path, tag: str) -> str:
+    """The lock store URL of a new worker group on ``store`` (its server checked first)."""
+    if store == "redis":
+        require_server(REDIS_URL)
+        return REDIS_URL
+    if store == "postgres":
+        require_server(POSTGRES_URL)
+        return with_option(POSTGRES_URL, "table", f"ce_celery_{SESSION}")
+    if store == "mariadb":
+        require_server(MYSQL_URL)
+        return with_option(MYSQL_URL, "table", f"ce_celery_{SESSION}")
+    if store == "sqlite":  # a file every process of the group opens (workers, producers, tests)
+        return f"sqlite:///{logdir / f'locks-{tag}.sqlite3'}"
+    raise ValueError(store)
+
+
+def spawn_group(
     store: str,
     logdir: Path,
     *,
@@ -195,17 +211,11 @@ def start_group(
     pool: str = "prefork",
     extra: tuple[str, ...] = (),
 ) -> WorkerGroup:
-    """Start ``workers`` celery workers of ``concurrency`` processes on a fresh queue and prefix."""
+    """Spawn ``workers`` celery workers of ``concurrency`` processes on a fresh queue and
+    prefix, without waiting for them to be ready (:func:`wait_ready` their ``workers``)."""
     require_server(BROKER_URL)
-    if store == "redis":
-        require_server(REDIS_URL)
-        url = REDIS_URL
-    elif store == "postgres":
-        require_server(POSTGRES_URL)
-        url = with_option(POSTGRES_URL, "table", f"ce_celery_{SESSION}")
-    else:
-        raise ValueError(store)
     tag = uuid.uuid4().hex[:6]
+    url = _store_url(store, logdir, tag)
     group = WorkerGroup(
         store=store,
         url=url,
@@ -245,6 +255,12 @@ def start_group(
                 logdir,
             )
         )
+    return group
+
+
+def start_group(store: str, logdir: Path, **options: Any) -> WorkerGroup:
+    """:func:`spawn_group`, returned once its workers are ready."""
+    group = spawn_group(store, logdir, **options)
     try:
         wait_ready(group.workers)
     except BaseException:
@@ -254,11 +270,17 @@ def start_group(
 
 
 def cleanup_group(group: WorkerGroup) -> None:
-    """Delete the group's lock keys (Redis) or table (PostgreSQL)."""
+    """Delete the group's lock keys (Redis), table (PostgreSQL, MariaDB) or file (SQLite)."""
     if group.store == "redis":
         delete_redis_prefix(REDIS_URL, group.prefix)
     elif group.store == "postgres":
         drop_sql_table(POSTGRES_URL, f"ce_celery_{SESSION}")
+    elif group.store == "mariadb":
+        drop_sql_table(MYSQL_URL, f"ce_celery_{SESSION}")
+    elif group.store == "sqlite":
+        path = Path(urlsplit(group.url).path[1:])
+        for leftover in path.parent.glob(path.name + "*"):  # -wal, -shm, -waiters
+            leftover.unlink(missing_ok=True)
 
 
 def module_group(store: str, logdir: Path, **options: Any) -> Iterator[WorkerGroup]:
@@ -270,6 +292,24 @@ def module_group(store: str, logdir: Path, **options: Any) -> Iterator[WorkerGro
     finally:
         workers.close()
         cleanup_group(workers)
+
+
+def module_groups(stores: list[str], logdir: Path, **options: Any) -> Iterator[dict[str, WorkerGroup]]:
+    """:func:`module_group` for several stores at once: their workers start together (their
+    start-ups overlap) and stop together; yields the groups by store (none for a store
+    whose server is unreachable, which skips locally and fails in CI)."""
+    groups: dict[str, WorkerGroup] = {}
+    try:
+        for store in stores:
+            with contextlib.suppress(pytest.skip.Exception):  # its server is down (not in CI)
+                groups[store] = spawn_group(store, logdir, **options)
+        wait_ready([worker for group in groups.values() for worker in group.workers])
+        yield groups
+    finally:
+        stop_all([worker for group in groups.values() for worker in group.workers])
+        for group in groups.values():
+            group.close()
+            cleanup_group(group)
 
 
 @pytest.fixture

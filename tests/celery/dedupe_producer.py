@@ -8,6 +8,12 @@ first send, holding its marker, is about to publish), ``revoke`` (then revoke ev
 with ``AsyncResult.revoke()``, appending ``{"revoke_seconds": ...}``, the time that took)
 and ``then_send`` (then send once more, appending its answer). Prints one JSON list, one
 entry per send: ``{"id": ...}`` or ``{"error": class name, "task_id": ...}``.
+
+``python -m tests.celery.dedupe_producer --serve`` answers specs read from stdin, one JSON
+line each, with one JSON line each, until stdin closes: a producer started once per store
+and module, so that tests do not wait for a new interpreter's start-up at every send (the
+specs that kill or reconfigure the process still get a process of their own). A spec's
+``revoke_ids`` (a list of ids, no sends) are revoked with ``AsyncResult.revoke()``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,13 @@ from celery.app.task import Task
 from tests.celery import app as tasks
 
 
-def main(spec: dict[str, Any]) -> None:
+def answer(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one spec; its answers."""
+    if "revoke_ids" in spec:
+        began = time.monotonic()
+        for task_id in spec["revoke_ids"]:
+            tasks.app.AsyncResult(task_id).revoke()
+        return [{"revoke_seconds": time.monotonic() - began}]
     task = getattr(tasks, spec["task"])
     if spec.get("kill_before_publish"):
 
@@ -49,13 +61,19 @@ def main(spec: dict[str, Any]) -> None:
         thread.join()
     if spec.get("revoke"):
         began = time.monotonic()
-        for answer in list(answers):
-            if "id" in answer:
-                task.AsyncResult(answer["id"]).revoke()
+        for sent in list(answers):
+            if "id" in sent:
+                task.AsyncResult(sent["id"]).revoke()
         answers.append({"revoke_seconds": time.monotonic() - began})
     if spec.get("then_send"):
         answers.append(_send(task, spec))
-    print(json.dumps(answers))
+    return answers
+
+
+def serve() -> None:
+    """Answer each spec line of stdin with one JSON line on stdout."""
+    while line := sys.stdin.readline():
+        print(json.dumps(answer(json.loads(line))), flush=True)
 
 
 def _send(task: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -68,4 +86,7 @@ def _send(task: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        print(json.dumps(answer(json.loads(sys.argv[1]))))

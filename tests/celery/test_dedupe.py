@@ -1,7 +1,13 @@
 """Deduplication at enqueue (``dedupe``) with real producer processes, workers and broker.
 
-Producers are subprocesses (tests/celery/dedupe_producer.py) configured like the workers;
-the broker is the suite's Redis, whose queue lists the tests read to count the messages a
+On every lock store that can serve workers in other processes: Redis, PostgreSQL, SQLite (a
+file database) and MariaDB; not memory://, whose store lives inside one process. The
+stores' workers start together once for the module (one prefork worker of two processes
+each), and each store gets four producer processes (tests/celery/dedupe_producer.py
+``--serve``) configured like its worker, started once and sent one spec at a time; the
+specs that kill or reconfigure a producer run in a process of their own. The tests that
+check only the Celery side, not the store, run on Redis alone (:data:`ONE_STORE`). The
+broker is the suite's Redis, whose queue lists the tests read to count the messages a
 deduplicated send published. A queue no worker consumes ("held") keeps messages waiting
 until a test adds a consumer for it.
 """
@@ -11,13 +17,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import redis
@@ -26,7 +33,7 @@ from tests.celery.conftest import (
     BROKER_URL,
     ROOT,
     WorkerGroup,
-    module_group,
+    module_groups,
     records,
     uid,
     wait_for,
@@ -34,15 +41,111 @@ from tests.celery.conftest import (
 from tests.conftest import TIME_SLACK
 
 QUEUED = "#queued"
+#: The stores whose workers and producers share a lock store across processes.
+STORES = ["redis", "postgres", "sqlite", "mariadb"]
+#: For tests of the Celery side only (what a worker does with the marker header of a message
+#: it rejects; the cooldown's `held` label without records or while the run is in progress):
+#: the store calls under them are those the other tests here, and
+#: tests/contract/test_cooldown.py, make on every store.
+ONE_STORE = pytest.mark.parametrize("group", ["redis"], indirect=True)
+#: Producer processes per store: the concurrent-send test sends from four at once.
+PRODUCERS = 4
 
 
 pytestmark = pytest.mark.usefixtures("logs_on_failure")
 
 
-@pytest.fixture(scope="module", params=["redis", "postgres"])
-def group(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[WorkerGroup]:
-    """One prefork worker of two processes on one lock store, for the whole module."""
-    yield from module_group(request.param, celery_logdir, workers=1)
+def _stores_used(request: pytest.FixtureRequest) -> list[str]:
+    """The stores the selected tests of this module run on."""
+    used = {
+        item.callspec.params.get("group")
+        for item in request.session.items
+        if item.path == request.path and hasattr(item, "callspec")
+    }
+    return [store for store in STORES if store in used]
+
+
+@pytest.fixture(scope="module")
+def groups(request: pytest.FixtureRequest, celery_logdir: Path) -> Iterator[dict[str, WorkerGroup]]:
+    """One prefork worker of two processes per store, all started at once, for the module."""
+    yield from module_groups(_stores_used(request), celery_logdir, workers=1)
+
+
+@pytest.fixture(scope="module", params=STORES)
+def group(request: pytest.FixtureRequest, groups: dict[str, WorkerGroup]) -> WorkerGroup:
+    """The module's worker group on one store."""
+    if request.param not in groups:
+        pytest.skip(f"no worker group on {request.param} (its server is unreachable)")
+    return groups[request.param]
+
+
+class Producers:
+    """Producer processes serving specs (``dedupe_producer --serve``) for one worker group."""
+
+    def __init__(self, group: WorkerGroup, count: int) -> None:
+        self.log = group.logdir / f"producers-{group.store}-{uid()}.log"
+        with self.log.open("wb") as log:
+            self.processes = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.celery.dedupe_producer", "--serve"],
+                    cwd=ROOT,
+                    env=_env(group),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                )
+                for _ in range(count)
+            ]
+
+    def ask(self, index: int, spec: dict[str, Any]) -> None:
+        """Hand producer ``index`` one spec (read its answers with :meth:`answers`)."""
+        stdin = self.processes[index].stdin
+        assert stdin is not None
+        stdin.write(json.dumps(spec).encode() + b"\n")
+        stdin.flush()
+
+    def answers(self, index: int, timeout: float = 90.0) -> list[dict[str, Any]]:
+        """The answers of producer ``index`` to the spec it was handed last."""
+        stdout: IO[bytes] | None = self.processes[index].stdout
+        assert stdout is not None
+        readable, _, _ = select.select([stdout], [], [], timeout)
+        line = stdout.readline() if readable else b""
+        assert line, f"producer {index} gave no answer; its log:\n{self.log.read_text()[-3000:]}"
+        answers: list[dict[str, Any]] = json.loads(line)
+        return answers
+
+    def run(self, spec: dict[str, Any], index: int = 0) -> list[dict[str, Any]]:
+        """One spec on producer ``index``; its answers."""
+        self.ask(index, spec)
+        return self.answers(index)
+
+    def close(self) -> None:
+        """End every producer (stdin closed), killed if it does not exit."""
+        for process in self.processes:
+            if process.stdin is not None:
+                process.stdin.close()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def producers(group: WorkerGroup) -> Iterator[Producers]:
+    """The group's producer processes, ready (each answered a spec that sends nothing)."""
+    started = Producers(group, PRODUCERS)
+    try:
+        for index in range(PRODUCERS):
+            started.ask(index, {"revoke_ids": []})
+        for index in range(PRODUCERS):
+            started.answers(index)
+        yield started
+    finally:
+        started.close()
 
 
 def _command(spec: dict[str, Any]) -> list[str]:
@@ -53,10 +156,10 @@ def _env(group: WorkerGroup, extra: dict[str, str] | None = None) -> dict[str, s
     return {**os.environ, "PYTHONPATH": str(ROOT), **group.env, **(extra or {})}
 
 
-def produce(
+def produce_alone(
     group: WorkerGroup, spec: dict[str, Any], env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
-    """Run one producer process to its end; its answers."""
+    """Run one producer process of its own to its end (``env`` on top); its answers."""
     done = subprocess.run(
         _command(spec), check=False, cwd=ROOT, env=_env(group, env), capture_output=True, timeout=90
     )
@@ -77,15 +180,23 @@ def consume(group: WorkerGroup, queue: str) -> None:
     """Have the group's worker consume ``queue`` from now on."""
     from tests.celery.app import app
 
-    replies = app.control.add_consumer(queue, reply=True, timeout=5)
+    worker = group.workers[0].name
+    replies = app.control.add_consumer(queue, reply=True, timeout=5, destination=[f"{worker}@{_host()}"])
     assert replies, "the worker did not answer add_consumer"
 
 
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
 def test_twenty_sends_from_four_processes_publish_one_message_and_share_its_result(
-    group: WorkerGroup,
+    group: WorkerGroup, producers: Producers
 ) -> None:
     """20 delay() calls for one key, from 4 processes at once: one message on the broker, one
-    task id for all 20 callers, and its real result for every one of them."""
+    task id for all 20 callers, and its real result for every one of them; `list` shows the
+    marker `queued` meanwhile."""
     from tests.celery.app import app
 
     key_id, tag = uid(), uid()
@@ -95,29 +206,21 @@ def test_twenty_sends_from_four_processes_publish_one_message_and_share_its_resu
         "args": [key_id, tag, 0.2],
         "options": {"queue": held},
         "calls": 5,
-        "start_at": time.time() + 4,
+        "start_at": time.time() + 1.0,  # the four get their spec first
     }
-    producers = [
-        subprocess.Popen(
-            _command(spec), cwd=ROOT, env=_env(group), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for _ in range(4)
-    ]
-    answers: list[dict[str, Any]] = []
-    errors = ""
-    for producer in producers:
-        out, err = producer.communicate(timeout=90)
-        errors += err.decode(errors="replace")[-3000:]
-        assert producer.returncode == 0, errors
-        answers += json.loads(out.decode().strip().splitlines()[-1])
+    for index in range(PRODUCERS):
+        producers.ask(index, spec)
+    answers = [answer for index in range(PRODUCERS) for answer in producers.answers(index)]
     assert len(answers) == 20
     ids = {answer.get("id") for answer in answers}
-    assert None not in ids, errors
+    assert None not in ids, answers
     assert len(ids) == 1
     assert queue_length(held) == 1
     marker = group.service.peek(f"dedupe:{key_id}{QUEUED}")
     assert marker is not None
     assert marker.holder["task_id"] in ids
+    (listed,) = cli_list(group, f"dedupe:{key_id}")
+    assert (listed["key"], listed["state"]) == (f"dedupe:{key_id}{QUEUED}", "queued")
     consume(group, held)
     (task_id,) = ids
     results = [app.AsyncResult(task_id).get(timeout=30) for _ in answers]
@@ -126,46 +229,65 @@ def test_twenty_sends_from_four_processes_publish_one_message_and_share_its_resu
     assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is None
 
 
-def test_until_start_a_send_during_the_run_publishes_exactly_one_more_message(group: WorkerGroup) -> None:
+def cli_list(group: WorkerGroup, key: str) -> list[dict[str, Any]]:
+    """``celery-exclusive list --json KEY`` on the group's store: its leases."""
+    from click.testing import CliRunner
+
+    from celery_exclusive.cli import cli
+
+    listed = CliRunner().invoke(
+        cli,
+        ["--url", group.url, "--prefix", group.prefix, "list", "--json", key],
+        env={"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None},
+    )
+    assert listed.exit_code == 0, listed.output
+    locks: list[dict[str, Any]] = json.loads(listed.output)["locks"]
+    return locks
+
+
+def test_until_start_a_send_during_the_run_publishes_exactly_one_more_message(
+    group: WorkerGroup, producers: Producers
+) -> None:
     """ "until_start": the marker ends when the run starts, so sends during the run publish one
     more message, and only one (they all get its id)."""
     key_id, tag = uid(), uid()
-    (first,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag, 8.0]})
+    (first,) = producers.run({"task": "dedupe_start", "args": [key_id, tag, 1.5 * TIME_SLACK]})
     wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the first run to start")
     held = f"{group.queue}-held-{uid()}"
-    later = produce(
-        group, {"task": "dedupe_start", "args": [key_id, tag, 0.0], "options": {"queue": held}, "calls": 4}
+    later = producers.run(
+        {"task": "dedupe_start", "args": [key_id, tag, 0.0], "options": {"queue": held}, "calls": 4}
     )
     ids = {answer["id"] for answer in later}
     assert len(ids) == 1
     assert first["id"] not in ids
     assert queue_length(held) == 1
+    assert [r for r in records(tag) if r["kind"] == "run"] == [], "(the run ended before the sends)"
 
 
-def test_until_done_nothing_is_queued_while_one_runs(group: WorkerGroup) -> None:
+def test_until_done_nothing_is_queued_while_one_runs(group: WorkerGroup, producers: Producers) -> None:
     """ "until_done": sends while the run is in progress get the running task's id; once it
     has finished, a send publishes a new message."""
     from tests.celery.app import app
 
     key_id, tag = uid(), uid()
-    (first,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 12.0]})
+    (first,) = producers.run({"task": "dedupe_done", "args": [key_id, tag, 1.5 * TIME_SLACK]})
     wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the run to start")
     assert group.service.peek(f"dedupe-done:{key_id}{QUEUED}") is None  # the execution lock took over
-    during = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 0.0], "calls": 4})
-    assert {answer["id"] for answer in during} == {first["id"]}, "(a 12 s run outlasts the producer?)"
+    during = producers.run({"task": "dedupe_done", "args": [key_id, tag, 0.0], "calls": 4})
+    assert [r for r in records(tag) if r["kind"] == "run"] == [], "(the run ended before the sends)"
+    assert {answer["id"] for answer in during} == {first["id"]}
     app.AsyncResult(first["id"]).get(timeout=30)
     wait_for(lambda: group.service.peek(f"dedupe-done:{key_id}") is None, 10, what="the lock's release")
-    (after,) = produce(group, {"task": "dedupe_done", "args": [key_id, tag, 0.0]})
+    (after,) = producers.run({"task": "dedupe_done", "args": [key_id, tag, 0.0]})
     assert after["id"] != first["id"]
     assert app.AsyncResult(after["id"]).get(timeout=30)["ran"] is True
 
 
-def test_on_duplicate_raise_names_the_queued_task(group: WorkerGroup) -> None:
+def test_on_duplicate_raise_names_the_queued_task(group: WorkerGroup, producers: Producers) -> None:
     """on_duplicate="raise": the duplicate send raises AlreadyQueued carrying the queued id."""
     key_id, held = uid(), f"{group.queue}-held-{uid()}"
-    # One producer, two sends at once (its marker lives 4 s: two producers' start-ups may not fit).
-    answers = produce(
-        group, {"task": "dedupe_raise", "args": [key_id, "t"], "options": {"queue": held}, "calls": 2}
+    answers = producers.run(
+        {"task": "dedupe_raise", "args": [key_id, "t"], "options": {"queue": held}, "calls": 2}
     )
     (first,) = [answer for answer in answers if "id" in answer]
     assert [answer for answer in answers if "id" not in answer] == [
@@ -174,12 +296,14 @@ def test_on_duplicate_raise_names_the_queued_task(group: WorkerGroup) -> None:
     assert queue_length(held) == 1
 
 
-def test_revoke_frees_the_key_at_once_while_the_message_is_still_queued(group: WorkerGroup) -> None:
+def test_revoke_frees_the_key_at_once_while_the_message_is_still_queued(
+    group: WorkerGroup, producers: Producers
+) -> None:
     """AsyncResult.revoke() in a producer frees the queued marker before it returns, while the
     message still sits in a queue no worker consumes: a send right after publishes anew."""
     key_id, tag, held = uid(), uid(), f"{group.queue}-held-{uid()}"
     spec = {"task": "dedupe_start", "args": [key_id, tag], "options": {"queue": held}}
-    first, revoked, again = produce(group, {**spec, "revoke": True, "then_send": True})
+    first, revoked, again = producers.run({**spec, "revoke": True, "then_send": True})
     assert revoked["revoke_seconds"] < 5.0, revoked  # one broadcast and one scan (typically ~0.01 s)
     assert "id" in again
     assert again["id"] != first["id"]
@@ -188,51 +312,48 @@ def test_revoke_frees_the_key_at_once_while_the_message_is_still_queued(group: W
     assert marker is not None
     assert marker.holder["task_id"] == again["id"]
     # Revoked from another process (not the sender): the marker is gone when that returns.
-    produce(group, {**spec, "revoke": True, "calls": 0})  # sends nothing: revokes nothing
+    producers.run({"revoke_ids": [str(uuid.uuid4())]}, index=1)  # no such task: frees nothing
     assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is not None
-    (third,) = produce(group, spec)
+    (third,) = producers.run(spec)
     assert third["id"] == again["id"]  # still queued: a duplicate
-    revoke_only = [
-        sys.executable,
-        "-c",
-        f"from tests.celery.app import app; app.AsyncResult({again['id']!r}).revoke()",
-    ]
-    subprocess.run(revoke_only, check=True, cwd=ROOT, env=_env(group), timeout=60)
+    producers.run({"revoke_ids": [again["id"]]}, index=1)
     assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is None
     assert queue_length(held) == 2
 
 
-def test_a_revoked_queued_task_frees_its_key_when_the_worker_discards_it(group: WorkerGroup) -> None:
+def test_a_revoked_queued_task_frees_its_key_when_the_worker_discards_it(
+    group: WorkerGroup, producers: Producers
+) -> None:
     """Revoked by a bare broadcast (as `celery control revoke` or Flower send it, which skip
     the producer's hook): the marker is released (task_revoked) when a worker meets the
     message; a new send then publishes."""
     from tests.celery.app import app
 
     key_id, tag, held = uid(), uid(), f"{group.queue}-held-{uid()}"
-    (first,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag], "options": {"queue": held}})
+    (first,) = producers.run({"task": "dedupe_start", "args": [key_id, tag], "options": {"queue": held}})
     app.control.broadcast("revoke", arguments={"task_id": first["id"]})
     assert group.service.peek(f"dedupe:{key_id}{QUEUED}") is not None
     time.sleep(0.5)  # the broadcast reaches the worker
     consume(group, held)
     wait_for(lambda: group.service.peek(f"dedupe:{key_id}{QUEUED}") is None, 15, what="the marker's release")
-    (again,) = produce(group, {"task": "dedupe_start", "args": [key_id, tag]})
+    (again,) = producers.run({"task": "dedupe_start", "args": [key_id, tag]})
     assert again["id"] != first["id"]
     assert records(tag) == [] or all(r["task_id"] != first["id"] for r in records(tag))
 
 
-def test_an_expiring_message_frees_its_key_by_its_expiry(group: WorkerGroup) -> None:
+def test_an_expiring_message_frees_its_key_by_its_expiry(group: WorkerGroup, producers: Producers) -> None:
     """expires=2 on a message no worker takes: its marker is gone 2 s later."""
     key_id, held = uid(), f"{group.queue}-held-{uid()}"
     sent = time.monotonic()
-    (first,) = produce(
-        group, {"task": "dedupe_start", "args": [key_id, "t"], "options": {"queue": held, "expires": 2}}
+    (first,) = producers.run(
+        {"task": "dedupe_start", "args": [key_id, "t"], "options": {"queue": held, "expires": 2}}
     )
     marker = group.service.peek(f"dedupe:{key_id}{QUEUED}")
-    if marker is not None:  # the producer's start-up may have used up the 2 s already
-        assert marker.expires_in <= 2.0
+    assert marker is not None
+    assert marker.expires_in <= 2.0
     wait_for(lambda: group.service.peek(f"dedupe:{key_id}{QUEUED}") is None, 3, what="the marker's expiry")
-    assert time.monotonic() - sent < 2.0 + 30  # (the producer's start-up counts here too)
-    (again,) = produce(group, {"task": "dedupe_start", "args": [key_id, "t"], "options": {"queue": held}})
+    assert time.monotonic() - sent < 2.0 + 0.5 * TIME_SLACK
+    (again,) = producers.run({"task": "dedupe_start", "args": [key_id, "t"], "options": {"queue": held}})
     assert again["id"] != first["id"]
     assert queue_length(held) == 2
 
@@ -242,7 +363,7 @@ def test_a_failed_publish_leaves_no_marker(group: WorkerGroup) -> None:
     result backend, the same dead server, gives up after 1 retry, not Celery's 20 of ~1 s:
     the same RuntimeError, ~19 s sooner.)"""
     key_id = uid()
-    answers = produce(
+    answers = produce_alone(
         group,
         {"task": "dedupe_start", "args": [key_id, "t"], "options": {"retry": False}},
         env={"CE_CELERY_BROKER": "redis://127.0.0.1:1/11", "CE_CELERY_BACKEND_RETRIES": "1"},
@@ -253,7 +374,7 @@ def test_a_failed_publish_leaves_no_marker(group: WorkerGroup) -> None:
 
 
 def test_a_producer_killed_between_marker_and_publish_blocks_the_key_at_most_dedupe_ttl(
-    group: WorkerGroup,
+    group: WorkerGroup, producers: Producers
 ) -> None:
     """SIGKILL right before the publish: the marker stays, at most dedupe_ttl (4 s)."""
     key_id, held = uid(), f"{group.queue}-held-{uid()}"
@@ -268,27 +389,26 @@ def test_a_producer_killed_between_marker_and_publish_blocks_the_key_at_most_ded
     wait_for(
         lambda: group.service.peek(f"dedupe-raise:{key_id}{QUEUED}") is None, 4.5, what="the marker's ttl"
     )
-    (sent,) = produce(group, spec)
+    (sent,) = producers.run(spec)
     assert "id" in sent
     assert queue_length(held) == 1
 
 
-def test_a_countdown_marker_lasts_past_the_eta(group: WorkerGroup) -> None:
-    """A countdown with dedupe_ttl=4: the marker is still there after 6.5 s, past the 4 s ttl,
+def test_a_countdown_marker_lasts_past_the_eta(group: WorkerGroup, producers: Producers) -> None:
+    """A countdown with dedupe_ttl=4: the marker is still there after 5 s, past the 4 s ttl,
     so a send then is a duplicate, and it ends once the run has started. (The countdown,
-    6.5 s + 4.75 s x TIME_SLACK, 16 s by default, leaves the second producer's start-up,
-    several seconds on a loaded machine, inside it.)"""
+    5 s + 1.5 s x TIME_SLACK, 8 s by default, leaves the second send inside it.)"""
     from tests.celery.app import app
 
-    countdown = round(6.5 + 4.75 * TIME_SLACK)
+    countdown = 5.0 + 1.5 * TIME_SLACK
     key_id, tag = uid(), uid()
     spec = {"task": "dedupe_raise", "args": [key_id, tag], "options": {"countdown": countdown}}
-    (first,) = produce(group, spec)
+    (first,) = producers.run(spec)
     marker = group.service.peek(f"dedupe-raise:{key_id}{QUEUED}")
     assert marker is not None
-    assert marker.expires_in > countdown - 2
-    time.sleep(max(0.0, 6.5 - marker.age))
-    (second,) = produce(group, spec)
+    assert marker.expires_in > countdown - 1
+    time.sleep(max(0.0, 5.0 - marker.age))
+    (second,) = producers.run(spec)
     assert second == {"error": "AlreadyQueued", "task_id": first["id"]}
     assert app.AsyncResult(first["id"]).get(timeout=30)["ran"] is True
     assert group.service.peek(f"dedupe-raise:{key_id}{QUEUED}") is None
@@ -300,10 +420,11 @@ def test_rerun_args_latest_runs_the_follow_up_with_the_last_requests_arguments(g
     from tests.celery.app import rerun_latest
 
     key_id, tag = uid(), uid()
-    group.send(rerun_latest, key_id, tag, 0, 3.0)
+    group.send(rerun_latest, key_id, tag, 0, 1.5 * TIME_SLACK)
     wait_for(lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the first run to start")
     for n in (1, 2, 3):
         group.send(rerun_latest, key_id, tag, n).get(timeout=20)  # each is coalesced at once
+    assert [r for r in records(tag) if r["kind"] == "run"] == [], "(the first run ended before them)"
     wait_for(lambda: len([r for r in records(tag) if r["kind"] == "run"]) == 2, 30, what="the follow-up run")
     time.sleep(1.0)  # a wrong third run would show up by now
     assert [r["n"] for r in records(tag) if r["kind"] == "arg"] == [0, 3]
@@ -337,6 +458,7 @@ def _planted_marker(group: WorkerGroup, key: str) -> tuple[str, dict[str, Any]]:
     return task_id, {HEADER: {"key": key, "token": token, "mode": "until_start"}}
 
 
+@ONE_STORE
 def test_a_message_for_an_unregistered_task_frees_its_marker(group: WorkerGroup) -> None:
     """The worker rejects a message naming a task it does not know (task_unknown): the marker
     its header names is released then, not at its 120 s ttl."""
@@ -351,6 +473,7 @@ def test_a_message_for_an_unregistered_task_frees_its_marker(group: WorkerGroup)
     wait_for(lambda: "no_such_task" in group.dump(), 10, what="the worker's log of the unknown task")
 
 
+@ONE_STORE
 def test_a_message_the_worker_cannot_read_as_a_task_frees_its_marker(group: WorkerGroup) -> None:
     """A message without a task name (a foreign publish) is rejected (task_rejected): the
     marker its header names is released then."""
@@ -378,22 +501,13 @@ def test_a_worker_killed_during_the_cooldown_does_not_extend_it_and_list_shows_c
     """cooldown=3: once the run has ended, `list` shows its key `cooling`; SIGKILL of the
     worker process that ran it changes nothing: the key is free 3 s after the run started
     (no heartbeat keeps a cooling lease), not at the lease's ttl."""
-    from click.testing import CliRunner
-
-    from celery_exclusive.cli import cli
     from tests.celery.app import cooled
 
     key_id, tag = uid(), uid()
     key = f"cool:{key_id}"
     group.send(cooled, key_id, tag, 0.0).get(timeout=30)
     (run,) = [r for r in records(tag) if r["kind"] == "run"]
-    listed = CliRunner().invoke(
-        cli,
-        ["--url", group.url, "--prefix", group.prefix, "list", "--json", key],
-        env={"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None},
-    )
-    assert listed.exit_code == 0, listed.output
-    (lease,) = json.loads(listed.output)["locks"]
+    (lease,) = cli_list(group, key)
     assert lease["state"] == "cooling", lease
     assert lease["holder"]["cooldown"] == 3
     assert lease["expires_in"] <= 3.0
@@ -403,6 +517,7 @@ def test_a_worker_killed_during_the_cooldown_does_not_extend_it_and_list_shows_c
     assert time.time() - run["start"] > 2.9
 
 
+@ONE_STORE
 def test_the_cooldown_holds_without_completion_records(group: WorkerGroup) -> None:
     """cooldown=3 with done_retention=False: the ended run's key stays held until 3 s after
     it started (no record is written; `list` can only say `held`), then it is free."""
@@ -422,6 +537,7 @@ def test_the_cooldown_holds_without_completion_records(group: WorkerGroup) -> No
     assert 2.9 < time.time() - run["start"] < 3.0 + 1.5
 
 
+@ONE_STORE
 def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
     """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a
     run longer than its cooldown frees the key when it ends."""
