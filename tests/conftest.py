@@ -22,6 +22,7 @@ import pytest
 
 from celery_exclusive import LockService
 from celery_exclusive.testing.contract import OUTAGE_SECRET, Store, time_slack
+from tests.contract._processes import process_context
 
 POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -181,6 +182,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, sql_tables: dict[str, 
         outage=None if name == "memory" else lambda: LockService(DEAD_URLS[name]),
         guard=postgres_transaction if name == "postgres" else None,
         slack=TIME_SLACK,
+        mp_context=process_context(),
     )
     for service in services:
         service.close(release=True)

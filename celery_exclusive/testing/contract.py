@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,11 @@ SLACK_ENV = "CE_TIME_SLACK"
 #: The slack factor when :data:`SLACK_ENV` is unset: what a shared 2-core CI machine running
 #: two test processes at once needs (1 is enough on a quiet machine).
 DEFAULT_SLACK = 2.0
+
+
+def _spawn_context() -> BaseContext:
+    """``multiprocessing``'s ``spawn`` context: :class:`ContractStore`'s default ``mp_context``."""
+    return multiprocessing.get_context("spawn")
 
 
 def time_slack() -> float:
@@ -105,6 +111,10 @@ class ContractStore:
       a transaction with the caller's data, and ``lease.guard`` must then refuse clearly.
 
     ``slack`` multiplies the durations of the timing-sensitive tests (:func:`time_slack`).
+    ``mp_context`` is the ``multiprocessing`` context the cross-process tests start their
+    processes from: ``spawn`` by default (fresh interpreters, each with the environment as it
+    is then); a ``forkserver`` context with the drivers preloaded starts them faster, its
+    children seeing the environment of when the forkserver started.
     """
 
     name: str
@@ -116,6 +126,7 @@ class ContractStore:
     fencing: bool = True
     guard: Callable[[], AbstractContextManager[Any]] | None = None
     slack: float = field(default_factory=time_slack)
+    mp_context: BaseContext = field(default_factory=_spawn_context)
 
     def service(self, **kwargs: Any) -> LockService:
         """A LockService on this store with this test's unique prefix."""
@@ -247,7 +258,7 @@ def test_process_contention_exactly_one_wins(store: Store) -> None:
     """Of six processes racing for one key, exactly one acquires it."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
-    ctx = multiprocessing.get_context("spawn")
+    ctx: Any = store.mp_context  # typeshed's BaseContext lacks Process; every context has it
     racers = 6
     start, done, results = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
     prefix = store.service().prefix
@@ -270,7 +281,7 @@ def test_processes_lose_no_update_under_the_lock(store: Store, tmp_path: Path) -
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
     counter = tmp_path / "counter"
     counter.write_text("0")
-    ctx = multiprocessing.get_context("spawn")
+    ctx: Any = store.mp_context
     prefix = store.service().prefix
     procs = [
         ctx.Process(

@@ -7,8 +7,10 @@ from multiprocessing.context import ForkServerContext
 
 #: What the forkserver imports once, before it forks any child.
 PRELOAD = [
+    "celery_exclusive.testing._workers",
     "tests.contract._wait_workers",
     "tests.contract._semaphore_workers",
+    "tests.providers._sql_workers",
     "sqlalchemy",
     "psycopg",
     "pymysql",

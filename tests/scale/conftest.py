@@ -20,6 +20,7 @@ import redis
 
 from celery_exclusive import LockService
 from tests.conftest import POSTGRES_URL, Store, drop_lock_table, require_server
+from tests.contract._processes import process_context
 from tests.scale._servers import (
     binary,
     cluster_ports,
@@ -42,7 +43,7 @@ def contract_store(name: str, url: str) -> Iterator[Store]:
         services.append(service)
         return service
 
-    yield Store(name=name, url=url, cross_process=True, make=make)
+    yield Store(name=name, url=url, cross_process=True, make=make, mp_context=process_context())
     for service in services:
         service.close(release=True)
 
