@@ -6,7 +6,6 @@ unreachable skips the test locally and fails it when ``CI=true``.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sqlite3
 import threading
@@ -25,6 +24,8 @@ from celery_exclusive.providers import _pg_executor
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import TIME_SLACK, drop_lock_table
+from tests.contract._processes import process_context
+from tests.providers import _sql_workers
 
 POSTGRES_URL = os.environ.get("CE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("CE_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
@@ -402,27 +403,14 @@ def test_keys_are_case_sensitive_and_exact(provider: SqlLockProvider) -> None:
     assert provider.peek(long_key) is not None
 
 
-def _race(url: str, table: str, keys: list[str], start: Any, results: Any) -> None:
-    provider = SqlLockProvider(url, table=table)
-    won: list[str] = []
-    try:
-        start.wait()
-        for key in keys:
-            if isinstance(provider.acquire(key, f"{os.getpid()}-{key}", 30, 60, "{}"), Grant):
-                won.append(key)
-        results.put(("ok", won))
-    except Exception as exc:
-        results.put(("error", repr(exc)))
-    finally:
-        provider.close()
-
-
 def test_processes_race_exactly_one_winner_per_key(db: Db) -> None:
     """Eight processes create the table together and race for each key: one winner, no errors."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     start, results = ctx.Barrier(8), ctx.Queue()
     keys = [f"race:{i}" for i in range(25)]
-    procs = [ctx.Process(target=_race, args=(db.url, db.table, keys, start, results)) for _ in range(8)]
+    procs = [
+        ctx.Process(target=_sql_workers.race, args=(db.url, db.table, keys, start, results)) for _ in range(8)
+    ]
     for proc in procs:
         proc.start()
     outcomes = [results.get(timeout=120) for _ in procs]
@@ -917,7 +905,7 @@ def test_sqlite_waiter_marks_are_seen_across_processes_and_die_with_them(tmp_pat
 
     url = f"sqlite:///{tmp_path / 'locks.sqlite3'}"
     provider = SqlLockProvider(url)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     ready = ctx.Queue()
     proc = ctx.Process(target=_wait_workers.mark_waiting_until_killed, args=(url, "p:k", ready))
     proc.start()
