@@ -127,20 +127,21 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
     clock = "clock_timestamp()"
 
     def wake(freed_live: str) -> str:
-        """``freed_live``, having notified the key's channel when it is true and someone
-        waits for the key. A waiter holds a shared session lock on the channel's advisory
-        lock (:func:`._pg_listen.waiter_lock`) from before its first attempt: when the try
-        below gets the lock exclusively, nobody waits and nothing is sent (a NOTIFY wakes
-        every listening backend of the database, so an unconditional one would cost each
-        release ~30 µs per listening process). A waiter registering meanwhile blocks on the
-        lock until this release commits, so its first attempt sees the key free. CASE
-        evaluates its branches in order: the try only for a freed live lease, the notify
-        only when the try failed."""
+        """0 unless ``freed_live``; else 1, or 2 having notified the key's channel because
+        someone waits for the key (the releaser then gives way: ``KnowsWaiters``). A waiter
+        holds a shared session lock on the channel's advisory lock
+        (:func:`._pg_listen.waiter_lock`) from before its first attempt until its wait ends:
+        when the try below gets the lock exclusively, nobody waits and nothing is sent (a
+        NOTIFY wakes every listening backend of the database, so an unconditional one would
+        cost each release ~30 µs per listening process). A waiter registering meanwhile
+        blocks on the lock until this release commits, so its first attempt sees the key
+        free. CASE evaluates its branches in order: the try only for a freed live lease, the
+        notify only when the try failed (``pg_notify`` returns void, never NULL)."""
         channel = "CAST(:channel AS text)"
         return (
-            f"CASE WHEN NOT ({freed_live}) THEN false "
-            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN true "
-            f"ELSE pg_notify({channel}, '') IS NOT NULL END"
+            f"CASE WHEN NOT ({freed_live}) THEN 0 "
+            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN 1 "
+            f"ELSE 1 + (pg_notify({channel}, '') IS NOT NULL)::int END"
         )
 
     release_done = f"""WITH rel AS (
