@@ -276,7 +276,10 @@ class PostgresLockProvider(SqlStore):
         answer = _answer(rows, token, granted)
         if answer is None:  # a dead row (its holder crashed or lost it): take it over
             left = None if end is None else max(end - time.monotonic(), 0.001)
-            answer = _answer(self._call("take_over", params, left), token, granted)
+            # No rows: it lost the key to a racing grant and wrote nothing; asked once more,
+            # it names the new holder (or takes the key, if that grant rolled back).
+            call = functools.partial(self._call, "take_over", params)
+            answer = _asked(call, lambda found: _answer(found, token, granted) if found else None, 2, left)
         return Held(None) if answer is None else answer
 
     def acquire_any(
