@@ -66,7 +66,7 @@ class Leasing:
                 self._service.provider,
                 self._service.prefix + key,
                 waiting.check_wait(wait),
-                more=[self._service.prefix + slot for slot in semaphore.slot_keys(key, limit)[1:]],
+                more=semaphore.store_slot_keys(self._service.prefix, key, limit)[1:],
                 turns=self._releasing.turns,
                 key=key,
                 probe=self._probe(key, limit),

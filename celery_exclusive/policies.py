@@ -324,7 +324,7 @@ class Wait(OnLocked):
         service = task.lock_service
         waiter = waiting.Waiter(service.provider, remaining, step=call.wait_step)
         try:
-            slots = [service.prefix + slot for slot in semaphore.slot_keys(key, settings.limit)]
+            slots = semaphore.store_slot_keys(service.prefix, key, settings.limit)
             waiter.watch(slots[0], slots[1:])
             waiter.pause()
         finally:

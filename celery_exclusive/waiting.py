@@ -19,19 +19,22 @@ out), cut short by a release signal where the store gives one. Guarantees:
   SQLite probe that finds the key held is a read, not an attempt, and sends none);
 * fairness: a holder that releases a key others wait for gives way to them. Where the
   store tells the releaser someone waited (:class:`~celery_exclusive.providers.base.KnowsWaiters`:
-  Redis, from the count of subscribers its release signal reached; SQLite, from the
-  waiters' marks), the same service's next ``lock(key, wait=)`` within
-  :data:`YIELD_WINDOW` of that release first pauses :data:`GIVE_WAY` seconds (cut short
-  by a release signal), long enough for every polling waiter to look once, then waits
-  like the others; it gives way once per release, so it is never starved itself. A call
-  without ``wait`` never gives way. There is no queue: among the waiters the first to
-  attempt wins, so the order is not FIFO and under heavy CPU load the processes the
-  scheduler runs first win more turns (measured shares in README, *Limitations*).
-  PostgreSQL, MariaDB/MySQL and memory do not tell, and their releasers do not give way
-  (MariaDB's attempts queue in order on the fence row's lock). Chosen over a ticket queue
-  per key: a queue costs writes per waiter, tickets of dead waiters that stall the key
-  until they expire, and a rule for callers without ``wait``; giving way costs nothing
-  while nobody waits (one reply value on Redis, two ``fcntl`` calls per SQLite release).
+  Redis, from the count of subscribers its release signal reached; PostgreSQL, from
+  whether its release statement notified, which it does only while a waiter's listener
+  holds the key's registration; SQLite, from the waiters' marks), the same service's
+  next ``lock(key, wait=)`` within :data:`YIELD_WINDOW` of that release first pauses
+  :data:`GIVE_WAY` seconds (cut short by a release signal), long enough for every polling
+  waiter to look once, then waits like the others; it gives way once per release, so it
+  is never starved itself. A call without ``wait`` never gives way. There is no queue:
+  among the waiters the first to attempt wins, so the order is not FIFO and under heavy
+  CPU load the processes the scheduler runs first win more turns (measured shares in
+  README, *Limitations*). MariaDB/MySQL and memory do not tell, and their releasers do
+  not give way (MariaDB's attempts queue in order on the fence row's lock), nor do
+  PostgreSQL releasers to waiters that poll (behind PgBouncer, or not on psycopg 3: they
+  register nowhere). Chosen over a ticket queue per key: a queue costs writes per waiter,
+  tickets of dead waiters that stall the key until they expire, and a rule for callers
+  without ``wait``; giving way costs nothing while nobody waits (one reply value on Redis
+  and PostgreSQL, two ``fcntl`` calls per SQLite release).
 * SQLite waiters mark themselves (a shared ``fcntl`` lock on ``<database>-waiters``,
   dropped by the kernel when the process dies; see ``providers/_sqlite.py``), and poll
   by a deferred read (``peek``, ``waiters_peek``) before each retry, so a refused retry
@@ -45,7 +48,9 @@ Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` pr
   the table and store key (``ce_`` + 24 hex of a SHA-256: channel names are identifiers of
   at most 63 bytes), and the release statement itself calls ``pg_notify(channel, '')`` when
   it frees a live lease and a waiter is registered (a shared advisory lock per channel,
-  held by the waiters' listener connection), so the releaser pays no extra round trip;
+  held by the waiters' listener connection while they wait, and dropped when the last one
+  leaves even though the channel stays LISTENed a little longer), so the releaser pays no
+  extra round trip, and its reply says whether it notified (the releaser gives way then);
   NOTIFY is delivered at commit, so a waiter woken by it sees the row gone, and a release
   rolled back sends nothing. The listener needs its own session-level connection (one per
   provider and process, shared by its waiters), so behind PgBouncer in transaction mode

@@ -30,9 +30,9 @@ LIBPQ_COLUMNS = {
     "acquire_unless": "tttiffft",
     "acquire_unless_snapshot": "tttiffft",
     "take_over": "bttiffft",
-    "release": "b",
-    "release_done": "b",
-    "release_done_prune": "b",
+    "release": "i",
+    "release_done": "i",
+    "release_done_prune": "i",
 }
 #: Connections the direct executor keeps for itself, out of the pool (more concurrent
 #: callers than this use the pool's, which then bounds them).

@@ -10,10 +10,21 @@ at most 63 bytes; a collision only wakes a waiter spuriously).
 :class:`Listener` (one per provider and process, made on the first wait) keeps one
 dedicated psycopg connection in autocommit, out of the pool, read by a daemon thread that
 waits on its socket (and on a pipe that tells it about new subscriptions). A channel is
-``LISTEN``\\ ed while someone in the process waits for its key and ``UNLISTEN``\\ ed when the
-last one leaves. :meth:`Listener.subscribe` returns once the ``LISTEN`` is in effect, or after
-:data:`SUBSCRIBE_WAIT` seconds if it is not yet (the first connection, a server away): the
-subscription then starts signalling when it is, and meanwhile the waiter polls.
+``LISTEN``\\ ed while someone in the process waits for its key and ``UNLISTEN``\\ ed
+:data:`LINGER` seconds after the last one left. While someone waits, the connection also
+holds the channel's waiter registration (a shared advisory lock, :func:`waiter_lock`): a
+release notifies only while someone is registered, and tells its releaser so
+(``KnowsWaiters``, the fairness of ``waiting.py``). The registration is dropped as soon as
+the last waiter leaves, lingering or not: a process that waited for a key and took it is
+no waiter of that key when it releases it (nor is it counted while that unlock is in
+flight: :meth:`Listener.releasing`), and its own release's notification, which comes back
+to its lingering channel, is not signalled to a wait it starts after that release.
+:meth:`Listener.subscribe` returns once the ``LISTEN`` and the registration are in effect,
+or after :data:`SUBSCRIBE_WAIT` seconds if they are not yet (the first connection, a
+server away): the subscription then starts signalling when they are, and meanwhile the
+waiter polls. On a lingering channel that is one round trip on the listener connection
+(the registration), where it used to be none: returning before it (and polling for a
+release it missed) made handovers on a loaded machine miss their wake-up.
 
 Losing the connection (a restart, a terminated backend, a failover) loses the notifications
 sent meanwhile: every subscription is then signalled spuriously (its waiter retries at
@@ -39,9 +50,9 @@ from celery_exclusive.providers._signals import SignalsLost, Subscription, Watch
 
 __all__ = ["Listener", "SignalsLost", "Subscription", "channel", "waiter_lock"]
 
-#: Seconds a channel stays LISTENed (and its waiter registration held) after its last
-#: subscriber left: back-to-back waits on one key skip an UNLISTEN and a LISTEN, at the cost
-#: of that key's releases notifying meanwhile.
+#: Seconds a channel stays LISTENed after its last subscriber left: back-to-back waits on one
+#: key skip an UNLISTEN and a LISTEN. Its waiter registration is not kept meanwhile (that
+#: would make this process a waiter of the key it holds next: see the module docstring).
 LINGER = 1.0
 #: Seconds ``subscribe`` waits for its LISTEN to be in effect before returning anyway.
 SUBSCRIBE_WAIT = 0.05
@@ -68,17 +79,21 @@ def channel(table: str, key: str) -> str:
 class _Watch(Watch):
     """A channel's watch, with the LISTEN state of the channel on the current connection."""
 
-    __slots__ = ("idle_since", "listening", "lost")
+    __slots__ = ("echoes", "idle_since", "listening", "lost")
 
     def __init__(self, changed: threading.Condition) -> None:
         super().__init__(changed)
         #: When the last subscriber left (monotonic; None while it has subscribers).
         self.idle_since: float | None = None
-        #: Whether the channel is LISTENed on the current connection.
+        #: Whether its releases reach this process: the channel is LISTENed and its waiter
+        #: registration held on the current connection.
         self.listening = False
         #: Whether releases may have gone unheard (a lost connection, a subscriber that did
         #: not wait for the LISTEN): signal once the channel is LISTENed.
         self.lost = False
+        #: Notifications still to come of this process's own releases, sent while nobody
+        #: here waited: not signalled (see :meth:`Listener.releasing`).
+        self.echoes = 0
 
 
 class Listener:
@@ -102,12 +117,17 @@ class Listener:
         #: The channels LISTENed on the current connection (the thread changes it, holding
         #: the lock; a channel leaves it before its UNLISTEN, joins it after its LISTEN).
         self._listened: set[str] = set()
+        #: The channels whose waiter registration the current connection holds (the same
+        #: rules: a channel leaves it before its unlock, joins it after its lock).
+        self._registered: set[str] = set()
+        #: The channels whose registration is being dropped (its unlock sent, not answered).
+        self._dropping: set[str] = set()
         # Owned by the thread:
         self._conn: Any = None
 
     def subscribe(self, name: str) -> Subscription:
-        """Subscribe to channel ``name``; returns once it is LISTENed, or after
-        :data:`SUBSCRIBE_WAIT` seconds (the subscription signals from when it is)."""
+        """Subscribe to channel ``name``; returns once it is LISTENed and registered, or
+        after :data:`SUBSCRIBE_WAIT` seconds (the subscription signals from when it is)."""
         return self.subscribe_any([name])
 
     def subscribe_any(self, names: Sequence[str]) -> Subscription:
@@ -122,9 +142,9 @@ class Listener:
                 watch = self._watches.get(name)
                 if watch is None:
                     watch = self._watches[name] = _Watch(self._changed)
-                    # Still LISTENed after its last subscriber left: in effect (if the thread
-                    # UNLISTENs it after all, it LISTENs again and signals, see _sync).
-                    watch.listening = name in self._listened
+                    # Still registered after its last subscriber left: in effect (if the thread
+                    # drops it after all, it registers again and signals, see _sync).
+                    watch.listening = name in self._registered
                 if name not in watches:
                     watch.subscribers += 1
                     watch.idle_since = None
@@ -147,9 +167,35 @@ class Listener:
                             watch.lost = True
         return subscription
 
+    def releasing(self, name: str) -> tuple[bool, int | None]:
+        """Called just before this process sends a release of the key of channel ``name``:
+        ``(ours, mark)``. ``ours``: our registration may still be held while nobody here
+        waits (the last waiter left, its unlock not yet done or answered), so the release
+        may be told of a waiter that is only us. ``mark``: while the channel lingers here
+        with nobody subscribed, its signal count (pass it to :meth:`released`), else None."""
+        with self._lock:
+            watch = self._watches.get(name)
+            idle = watch is None or watch.subscribers <= 0
+            ours = idle and (name in self._registered or name in self._dropping)
+            mark = watch.released if watch is not None and idle and name in self._listened else None
+            return ours, mark
+
+    def released(self, name: str, mark: int | None, notified: bool) -> None:
+        """The release :meth:`releasing` was told of returned; ``notified``: it notified.
+        Its notification comes back to this lingering channel too: unless it already did
+        (the signal count moved), it is not signalled when it does, so a wait this process
+        starts right after its release (giving way) is not woken by that release itself."""
+        if mark is None or not notified:
+            return
+        with self._lock:
+            watch = self._watches.get(name)
+            if watch is not None and watch.released == mark:
+                watch.echoes += 1
+
     def _leave(self, name: str, watch: _Watch) -> None:
         """A subscriber of ``watch`` left (holding the lock); after the last one, the
-        channel is UNLISTENed :data:`LINGER` seconds later (unless someone subscribes)."""
+        channel's registration is dropped at once and the channel UNLISTENed :data:`LINGER`
+        seconds later (unless someone subscribes)."""
         watch.subscribers -= 1
         if watch.subscribers <= 0 and self._watches.get(name) is watch:
             watch.idle_since = time.monotonic()
@@ -225,27 +271,42 @@ class Listener:
         self.backend_pid = int(conn.info.backend_pid)
 
     def _sync(self, wanted: set[str]) -> None:
-        """LISTEN the channels wanted and not yet listened to; UNLISTEN those left."""
+        """LISTEN the channels wanted and not yet listened to, UNLISTEN those left; hold the
+        waiter registration of the channels someone subscribes to, and of no other."""
         with self._lock:
+            waited = {
+                name for name, watch in self._watches.items() if watch.subscribers > 0 and name in wanted
+            }
             start, stop = sorted(wanted - self._listened), sorted(self._listened - wanted)
+            register, unregister = sorted(waited - self._registered), sorted(self._registered - waited)
             self._listened -= set(stop)
-        if not start and not stop:
+            self._registered -= set(unregister)
+            self._dropping = set(unregister)
+            for name in unregister:  # from now on its releases may not reach us
+                if (watch := self._watches.get(name)) is not None:
+                    watch.listening = False
+        if not (start or stop or register or unregister):
             return
         # LISTEN, then register as a waiter (releases notify only while someone is); a
         # release committing meanwhile holds the lock exclusively and this waits for it.
-        commands = [f"LISTEN {c}; SELECT {waiter_lock('advisory_lock_shared', repr(c))}" for c in start]
-        commands += [f"SELECT {waiter_lock('advisory_unlock_shared', repr(c))}; UNLISTEN {c}" for c in stop]
+        # Unregister before UNLISTEN, the same order backwards.
+        commands = [f"LISTEN {c}" for c in start]
+        commands += [f"SELECT {waiter_lock('advisory_lock_shared', repr(c))}" for c in register]
+        commands += [f"SELECT {waiter_lock('advisory_unlock_shared', repr(c))}" for c in unregister]
+        commands += [f"UNLISTEN {c}" for c in stop]
         conn = self._conn
         with _deadline.watch(conn.pgconn.socket, COMMAND_TIMEOUT):
             conn.execute("; ".join(commands))
         with self._lock:
             self._listened |= set(start)
-            for name in start:
+            self._registered |= set(register)
+            self._dropping = set()
+            for name in register:
                 watch = self._watches.get(name)
                 if watch is None:
                     continue
-                # A subscriber that returned before this LISTEN (it timed out waiting, or
-                # took the channel for LISTENed while it was being UNLISTENed) may have
+                # A subscriber that returned before this registration (it timed out waiting,
+                # or took the channel for registered while it was being dropped) may have
                 # missed a release: signal it, so its waiter looks again.
                 missed = watch.lost or watch.listening
                 watch.listening, watch.lost = True, False
@@ -270,7 +331,9 @@ class Listener:
     def _dispatch(self, name: str) -> None:
         with self._lock:
             watch = self._watches.get(name)
-            if watch is not None:
+            if watch is not None and watch.echoes > 0:
+                watch.echoes -= 1  # our own release's, sent before anyone here waited
+            elif watch is not None:
                 watch.signal()
 
     def _lost(self) -> None:
@@ -281,12 +344,13 @@ class Listener:
             for watch in self._watches.values():
                 if watch.listening:
                     watch.listening, watch.lost = False, True
+                watch.echoes = 0
                 watch.signal()
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         with self._lock:
-            self._listened = set()
+            self._listened, self._registered, self._dropping = set(), set(), set()
         self.backend_pid = None
         if conn is not None:
             with contextlib.suppress(Exception):  # a dead connection still closes locally
@@ -344,6 +408,19 @@ class PerProcess:
                         raise SignalsLost("the provider is closed")
                     listener = self.listener = Listener(self._connect, self._name)
         return listener.subscribe_any([channel(self._name, key) for key in keys])
+
+    def releasing(self, name: str) -> tuple[bool, int | None]:
+        """:meth:`Listener.releasing` of this process's listener (``(False, None)`` if none)."""
+        listener = self.listener
+        if listener is None or listener.pid != os.getpid():
+            return False, None
+        return listener.releasing(name)
+
+    def released(self, name: str, mark: int | None, notified: bool) -> None:
+        """:meth:`Listener.released` of this process's listener."""
+        listener = self.listener
+        if mark is not None and listener is not None and listener.pid == os.getpid():
+            listener.released(name, mark, notified)
 
     def close(self) -> None:
         """Close this process's listener; later subscriptions are refused."""

@@ -49,23 +49,35 @@ def pg_statements(dialect: Dialect, name: str) -> dict[str, str]:
         "set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
         "WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)"
     )
-    lock = f"pg_advisory_xact_lock(hashtext('{name}'), hashtext(CAST(:key AS varchar)))"
-    key_lock = f"lk AS MATERIALIZED (SELECT {lock}, {durable})"
-    fence = f"(SELECT nextval('{seq}') FROM lk)"
+    # The key lock, tried first: when a racing grant of the key holds it, the statement
+    # still waits for it (so that the caller's next statement sees that grant committed),
+    # but ``got`` is false and the statement then writes nothing: no fence drawn, no xid,
+    # no WAL (its INSERT's conflict check or its UPDATE's re-check would only refuse it
+    # after drawing a fence and, for the UPDATE, taking an xid whose commit writes a commit
+    # record: tests/faults/test_pg_takeover_races.py). Those checks stay for a racer that
+    # committed before the try (the lock already free again).
+    key_args = f"hashtext('{name}'), hashtext(CAST(:key AS varchar))"
+    key_lock = (
+        f"lk AS MATERIALIZED (SELECT CASE WHEN pg_try_advisory_xact_lock({key_args}) THEN true "
+        f"ELSE pg_advisory_xact_lock({key_args}) IS NULL END AS got, {durable} FROM p)"
+    )
     # The common case, one cheap statement: a free key (no row) is inserted; an existing row
     # is only read and returned (live or not, see _live), so a contended attempt takes no
-    # xid, takes no key lock, writes no WAL and calls no nextval. A racing inserter holds
-    # the key lock until it commits; ON CONFLICT then does nothing (no rows come back).
+    # xid, takes no key lock, writes no WAL and calls no nextval (p, the key found free in
+    # the snapshot, is empty: nothing below it runs). A racing inserter holds the key lock
+    # until it commits; this statement then writes nothing (no rows come back).
     # Its clock is statement_timestamp(), when the server received it: stable within the
     # statement without a CTE, and never later than the truth, so the lease it grants
     # expires no earlier than the holder's own deadline, which counts from before sending.
     ts = "statement_timestamp()"
-    acquire = f"""WITH {key_lock},
+    acquire = f"""WITH p AS MATERIALIZED (
+  SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)),
+{key_lock},
 ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT CAST(:key AS varchar), CAST(:token AS text), {ts} + make_interval(secs => :ttl), {ts},
-         {ts} + make_interval(secs => :life), {fence}, CAST(:holder AS text)
-  WHERE NOT EXISTS (SELECT 1 FROM {t} AS c WHERE c.key = :key)
+         {ts} + make_interval(secs => :life), nextval('{seq}'), CAST(:holder AS text)
+  FROM lk WHERE lk.got
   ON CONFLICT (key) DO NOTHING
   RETURNING t.fence)
 SELECT true, NULL::varchar, NULL::text, fence, NULL::float8, NULL::float8, NULL::float8, NULL::text FROM ins
@@ -73,36 +85,38 @@ UNION ALL
 SELECT false, {cols("c", ts)} FROM {t} AS c WHERE c.key = :key"""
     # A dead row (its holder crashed or lost it) is taken over by an UPDATE that only
     # matches it while it is dead; if the row was deleted meanwhile, an INSERT ... DO
-    # NOTHING takes the key. Neither locks a row it does not change, so contenders racing
-    # a winner wait for its commit and then write no row (ON CONFLICT DO UPDATE ... WHERE
-    # would lock the row, take an xid and flush a commit, delaying the winner's release).
-    # They still draw a fence, and a losing UPDATE takes an xid, whose commit writes a
-    # commit record (as acquire_any's did before it tried the key lock first: see there).
-    take_over = f"""{now}, {key_lock},
+    # NOTHING takes the key. Neither locks a row it does not change (ON CONFLICT DO UPDATE
+    # ... WHERE would lock the row, take an xid and flush a commit, delaying the winner's
+    # release), and with the key lock tried first (key_lock) a contender that lost to a
+    # racing take-over writes nothing at all; with a live row in its snapshot (p empty)
+    # it takes no lock either.
+    take_over = f"""{now},
 cur AS MATERIALIZED (
   SELECT c.*, ({live("c")} AND c.created_at > n.ts - make_interval(secs => {STALE})) AS live
   FROM {t} AS c CROSS JOIN n WHERE c.key = :key),
+p AS MATERIALIZED (SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live)),
+{key_lock},
+f AS MATERIALIZED (SELECT nextval('{seq}') AS fence FROM lk WHERE lk.got),
 upd AS (
   UPDATE {t} AS t SET value = :token, expires_at = n.ts + make_interval(secs => :ttl), created_at = n.ts,
-    deadline = n.ts + make_interval(secs => :life), fence = {fence}, holder = :holder
-  FROM n
-  WHERE t.key = :key AND EXISTS (SELECT 1 FROM cur WHERE NOT cur.live)
+    deadline = n.ts + make_interval(secs => :life), fence = f.fence, holder = :holder
+  FROM n, f
+  WHERE t.key = :key
     AND (t.expires_at <= n.ts OR t.deadline <= n.ts
          OR t.created_at <= n.ts - make_interval(secs => {STALE}))
   RETURNING {returning}),
 ins AS (
   INSERT INTO {t} AS t ({fields})
   SELECT :key, :token, n.ts + make_interval(secs => :ttl), n.ts, n.ts + make_interval(secs => :life),
-         {fence}, :holder
-  FROM n WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.live) AND NOT EXISTS (SELECT 1 FROM upd)
+         f.fence, :holder
+  FROM n, f WHERE NOT EXISTS (SELECT 1 FROM upd)
   ON CONFLICT (key) DO NOTHING
   RETURNING {returning})
 SELECT true, {cols("upd")} FROM upd CROSS JOIN n
 UNION ALL
 SELECT true, {cols("ins")} FROM ins CROSS JOIN n
 UNION ALL
-SELECT false, {cols("cur")} FROM cur CROSS JOIN n
-WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM ins)"""
+SELECT false, {cols("cur")} FROM cur CROSS JOIN n WHERE cur.live"""
     d = q(name + "_done")
     done_cols = (
         "outcome, attempt, extract(epoch FROM {ts} - created_at)::float8, "
@@ -127,20 +141,21 @@ WHERE cur.live AND NOT EXISTS (SELECT 1 FROM upd) AND NOT EXISTS (SELECT 1 FROM 
     clock = "clock_timestamp()"
 
     def wake(freed_live: str) -> str:
-        """``freed_live``, having notified the key's channel when it is true and someone
-        waits for the key. A waiter holds a shared session lock on the channel's advisory
-        lock (:func:`._pg_listen.waiter_lock`) from before its first attempt: when the try
-        below gets the lock exclusively, nobody waits and nothing is sent (a NOTIFY wakes
-        every listening backend of the database, so an unconditional one would cost each
-        release ~30 µs per listening process). A waiter registering meanwhile blocks on the
-        lock until this release commits, so its first attempt sees the key free. CASE
-        evaluates its branches in order: the try only for a freed live lease, the notify
-        only when the try failed."""
+        """0 unless ``freed_live``; else 1, or 2 having notified the key's channel because
+        someone waits for the key (the releaser then gives way: ``KnowsWaiters``). A waiter
+        holds a shared session lock on the channel's advisory lock
+        (:func:`._pg_listen.waiter_lock`) from before its first attempt until its wait ends:
+        when the try below gets the lock exclusively, nobody waits and nothing is sent (a
+        NOTIFY wakes every listening backend of the database, so an unconditional one would
+        cost each release ~30 µs per listening process). A waiter registering meanwhile
+        blocks on the lock until this release commits, so its first attempt sees the key
+        free. CASE evaluates its branches in order: the try only for a freed live lease, the
+        notify only when the try failed (``pg_notify`` returns void, never NULL)."""
         channel = "CAST(:channel AS text)"
         return (
-            f"CASE WHEN NOT ({freed_live}) THEN false "
-            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN true "
-            f"ELSE pg_notify({channel}, '') IS NOT NULL END"
+            f"CASE WHEN NOT ({freed_live}) THEN 0 "
+            f"WHEN {_pg_listen.waiter_lock('try_advisory_xact_lock', channel)} THEN 1 "
+            f"ELSE 1 + (pg_notify({channel}, '') IS NOT NULL)::int END"
         )
 
     release_done = f"""WITH rel AS (

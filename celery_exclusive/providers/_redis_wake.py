@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_exclusive.providers._redis_wire import _connect_within, as_text
-from celery_exclusive.providers._signals import SignalsLost, Subscription, Watch
+from celery_exclusive.providers._signals import SignalsLost, Subscription, Watch, Woken
 
 __all__ = ["CONFIRM_TIMEOUT", "STALLED_FOR", "ReleaseSignals", "SignalsLost", "Subscription", "Woken"]
 
@@ -47,30 +47,6 @@ CONFIRM_TIMEOUT = 1.0
 #: Seconds after a subscription went unconfirmed during which waiters poll without trying
 #: to subscribe (a server or proxy that swallows SSUBSCRIBE costs one wait, not every one).
 STALLED_FOR = 30.0
-
-
-class Woken:
-    """The keys whose latest release by this provider reached a waiter (``KnowsWaiters``),
-    each told once; at most 1024 (then forgotten: a hint, not a record)."""
-
-    __slots__ = ("_keys",)
-
-    def __init__(self) -> None:
-        self._keys: set[str] = set()
-
-    def note(self, key: str, reached: bool) -> None:
-        if reached:
-            if len(self._keys) > 1024:
-                self._keys.clear()
-            self._keys.add(key)
-        elif self._keys:
-            self._keys.discard(key)
-
-    def told(self, key: str) -> bool:
-        if key in self._keys:
-            self._keys.discard(key)
-            return True
-        return False
 
 
 class _Link:

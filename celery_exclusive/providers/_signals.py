@@ -8,7 +8,8 @@ the connection handling: it calls :meth:`Watch.signal` for each release heard (o
 missed) and :meth:`Watch.break_off` when a watch can signal no more; the subscription turns
 those into ``wait``'s answers. Every field of a watch is guarded by the listener's lock,
 the one its single Condition ``changed`` wraps (shared by all its watches, so that a
-subscription to several can wait for any of them).
+subscription to several can wait for any of them). :class:`Woken` is the releasing side:
+which of a provider's releases reached a waiter.
 """
 
 from __future__ import annotations
@@ -96,3 +97,28 @@ class Subscription:
             self._open = False
             for name, watch in self._watches.items():
                 self._leave(name, watch)
+
+
+class Woken:
+    """The keys whose latest release by this provider reached a waiter (``KnowsWaiters``:
+    Redis, its release signal reached a subscriber; PostgreSQL, it notified a registered
+    waiter), each told once; at most 1024 (then forgotten: a hint, not a record)."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: set[str] = set()
+
+    def note(self, key: str, reached: bool) -> None:
+        if reached:
+            if len(self._keys) > 1024:
+                self._keys.clear()
+            self._keys.add(key)
+        elif self._keys:
+            self._keys.discard(key)
+
+    def told(self, key: str) -> bool:
+        if key in self._keys:
+            self._keys.discard(key)
+            return True
+        return False

@@ -303,8 +303,9 @@ class KnowsWaiters(Protocol):
 
     def had_waiters(self, key: str) -> bool:
         """Whether this process's latest release of ``key`` (prefixed) freed it while
-        another waiter waited for it (Redis: its release signal reached a subscriber).
-        Cheap: no store round trip."""
+        another waiter waited for it (Redis: its release signal reached a subscriber;
+        PostgreSQL: its release statement notified a registered waiter; SQLite: a waiter's
+        mark). Cheap: no store round trip."""
         ...
 
 

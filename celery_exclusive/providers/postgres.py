@@ -15,9 +15,11 @@ over a dead row is the one case that needs a second statement. A semaphore's slo
 
 Waiters (``LockService.lock(key, wait=)``) are woken by LISTEN/NOTIFY: the release
 statements, when they free a live lease while a waiter is registered on the key, call
-``pg_notify`` in the same statement; :meth:`PostgresLockProvider.subscribe` LISTENs on one
-connection per provider and process (providers/_pg_listen.py). Behind PgBouncer
-(``ce_pgbouncer=true``) and with drivers other than psycopg 3, waiters poll.
+``pg_notify`` in the same statement, and say so in their reply, so the releaser gives way
+to that waiter (:meth:`PostgresLockProvider.had_waiters`); :meth:`PostgresLockProvider.subscribe`
+LISTENs on one connection per provider and process (providers/_pg_listen.py). Behind
+PgBouncer (``ce_pgbouncer=true``) and with drivers other than psycopg 3, waiters poll (and
+register nowhere, so releasers do not give way to them).
 
 Completion records live in ``<table>_done``: the record is written by the release
 statement itself and checked by the acquire statement itself; expired records are pruned
@@ -39,6 +41,7 @@ from sqlalchemy.engine import Connection
 
 from celery_exclusive.errors import InvalidArgumentError, LockLost
 from celery_exclusive.providers import _deadline, _libpq, _pg_executor, _pg_listen, _pg_sql
+from celery_exclusive.providers._signals import Woken
 from celery_exclusive.providers._sql_common import (
     INHERITED,
     Rows,
@@ -230,6 +233,8 @@ class PostgresLockProvider(SqlStore):
             pgbouncer=pgbouncer,
             driver=self._engine.dialect.driver,
         )
+        #: ``KnowsWaiters``: the keys whose latest release here notified a registered waiter.
+        self._woken = Woken()
 
     @property
     def _listener(self) -> _pg_listen.Listener | None:
@@ -271,7 +276,10 @@ class PostgresLockProvider(SqlStore):
         answer = _answer(rows, token, granted)
         if answer is None:  # a dead row (its holder crashed or lost it): take it over
             left = None if end is None else max(end - time.monotonic(), 0.001)
-            answer = _answer(self._call("take_over", params, left), token, granted)
+            # No rows: it lost the key to a racing grant and wrote nothing; asked once more,
+            # it names the new holder (or takes the key, if that grant rolled back).
+            call = functools.partial(self._call, "take_over", params)
+            answer = _asked(call, lambda found: _answer(found, token, granted) if found else None, 2, left)
         return Held(None) if answer is None else answer
 
     def acquire_any(
@@ -340,7 +348,24 @@ class PostgresLockProvider(SqlStore):
         else:
             op = "release_done" + prune_suffix(completion)
             params.update(record_params(completion))
-        return any(bool(alive) for (alive,) in self._call(op, params, timeout))
+        # Our own listener may still hold the key's registration for a wait that just ended
+        # (its unlock is sent by the listener's thread): a notify then may be ours alone,
+        # and the release does not count it (a give-way missed, never one for nobody).
+        ours, mark = self._listening.releasing(params["channel"])
+        # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
+        replies = [int(reply) for (reply,) in self._call(op, params, timeout)]
+        notified = 2 in replies
+        self._listening.released(params["channel"], mark, notified)
+        self._woken.note(key, notified and not ours)
+        return any(replies)
+
+    def had_waiters(self, key: str) -> bool:
+        """Whether this process's latest release of ``key`` (prefixed) freed it while a waiter
+        was registered on it (``KnowsWaiters``): the release statement notified, which it does
+        only while some process's listener holds the key's waiter registration, held while
+        that process waits (not while its channel only lingers, see providers/_pg_listen.py).
+        Told once; no round trip. A waiter behind PgBouncer registers nowhere: it is never counted."""
+        return self._woken.told(key)
 
     def subscribe(self, key: str) -> _pg_listen.Subscription:
         """Listen for releases of ``key`` (``WakesWaiters``): ``LISTEN`` on the key's channel,

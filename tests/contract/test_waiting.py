@@ -357,11 +357,14 @@ def test_no_waiting_process_is_starved(store: Store) -> None:
 
 def test_a_releaser_gives_way_to_a_waiter(store: Store) -> None:
     """A service that releases a key another one waits for, and at once waits for it again,
-    lets the waiter in first (the store said someone waited: KnowsWaiters, on SQLite and
-    Redis). Before, the releaser took the key back at once nearly every time."""
-    if not isinstance(store.service().provider, KnowsWaiters) or store.name == "mariadb":
-        # MariaDB/MySQL share SQLite's provider class, whose had_waiters says False there.
+    lets the waiter in first (the store said someone waited: KnowsWaiters, on SQLite,
+    PostgreSQL and Redis). Before, the releaser took the key back at once nearly every time
+    (PostgreSQL before its releases told: the waiter first 3-6 times of 10 at load 18-29)."""
+    if store.name in ("memory", "mariadb"):
+        # memory has no KnowsWaiters; MariaDB/MySQL share SQLite's provider class, whose
+        # had_waiters says False there (no waiter marks: see README, Limitations).
         pytest.skip(f"store {store.name!r} does not tell a releaser about waiters")
+    assert isinstance(store.service().provider, KnowsWaiters)
     holder, waiter = store.service(), store.service()
     first = []
     for _ in range(10):

@@ -9,14 +9,14 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
 from celery_exclusive import LockService, ReleaseOutcome
-from celery_exclusive.providers._pg_listen import LINGER, SignalsLost, channel
+from celery_exclusive.providers._pg_listen import SignalsLost, channel
 from celery_exclusive.providers.base import Grant, WakesWaiters
 from celery_exclusive.providers.postgres import PostgresLockProvider
 from celery_exclusive.waiting import POLL_MAX
@@ -44,6 +44,16 @@ def provider() -> Iterator[PostgresLockProvider]:
 
 def take(provider: PostgresLockProvider, key: str, token: str) -> None:
     assert isinstance(provider.acquire(key, token, 30.0, 60.0, "{}"), Grant)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def subscribed(provider: PostgresLockProvider, key: str) -> Any:
@@ -98,11 +108,11 @@ def test_a_rolled_back_release_sends_nothing(provider: PostgresLockProvider) -> 
     statement = provider._psycopg_sql["release"]  # the release statement's very text
     params = {"key": key, "token": "tok", "channel": channel(TABLE, key)}
     with psycopg.connect(DSN) as conn:  # not autocommit: a transaction
-        assert conn.execute(statement, params).fetchall() == [(True,)]  # freed it, notified
+        assert conn.execute(statement, params).fetchall() == [(2,)]  # freed it, notified
         conn.rollback()
         assert subscription.wait(0.5) is False
         assert provider.peek(key) is not None
-        assert conn.execute(statement, params).fetchall() == [(True,)]
+        assert conn.execute(statement, params).fetchall() == [(2,)]
         conn.commit()
     assert subscription.wait(5) is True
     assert provider.peek(key) is None
@@ -124,10 +134,91 @@ def test_a_release_notifies_only_while_a_waiter_is_registered(provider: Postgres
         assert [n.channel for n in spy.notifies(timeout=5, stop_after=1)] == [channel(TABLE, key)]
         assert subscription.wait(5) is True
         subscription.close()
-        time.sleep(LINGER + 0.5)  # the listener unregisters (UNLISTEN, unlock) after the linger
+        listener = provider._listener
+        assert listener is not None
+        # The registration goes with the last subscriber; the LISTEN lingers on.
+        assert wait_until(lambda: registrations(listener) == 0)
+        assert channel(TABLE, key) in listener._listened
         take(provider, key, "t3")
         assert provider.release(key, "t3") is True
         assert list(spy.notifies(timeout=0.3)) == []
+
+
+def registrations(listener: Any) -> int:
+    """The waiter registrations (shared advisory locks) the listener's session holds."""
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ShareLock' AND pid = %s",
+            (listener.backend_pid,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_release_tells_whether_its_notify_reached_a_waiter() -> None:
+    """``had_waiters`` (KnowsWaiters, from the release statement's reply): True once after
+    a release while another provider's waiter was registered; False after one nobody
+    waited for, after one that freed nothing, and after one whose only listener was the
+    releaser's own lingering channel (it waited for the key, took it and released it:
+    no waiter; before, its own lingering registration made every such release notify)."""
+    releaser, other = LockService(URL).provider, LockService(URL).provider
+    assert isinstance(releaser, PostgresLockProvider)
+    assert isinstance(other, PostgresLockProvider)
+    key = f"{uuid.uuid4().hex}:told"
+    try:
+        take(releaser, key, "t1")
+        assert releaser.release(key, "t1") is True
+        assert releaser.had_waiters(key) is False
+        subscription = subscribed(other, key)
+        take(releaser, key, "t2")
+        assert releaser.release(key, "t2") is True
+        assert releaser.had_waiters(key) is True
+        assert releaser.had_waiters(key) is False  # told once
+        assert subscription.wait(2.0)
+        assert releaser.release(key, "t2") is False
+        assert releaser.had_waiters(key) is False
+        subscription.close()
+        own = subscribed(releaser, key)  # the releaser waited for the key itself...
+        take(releaser, key, "t3")  # ...and took it
+        own.close()
+        assert releaser.release(key, "t3") is True  # at once: its unregistration may be in flight
+        assert releaser.had_waiters(key) is False
+        listener = releaser._listener
+        assert listener is not None
+        assert wait_until(lambda: registrations(listener) == 0)
+        assert channel(TABLE, key) in listener._listened  # lingering: LISTENed, not registered
+        take(releaser, key, "t4")
+        assert releaser.release(key, "t4") is True
+        assert releaser.had_waiters(key) is False
+    finally:
+        releaser.close()
+        other.close()
+
+
+def test_a_waiter_registers_again_on_a_lingering_channel() -> None:
+    """A new wait on a key whose channel lingers (LISTENed, registration dropped) is
+    registered again: the next release notifies and wakes it at once, and tells the
+    releaser so."""
+    waiter, releaser = LockService(URL).provider, LockService(URL).provider
+    assert isinstance(waiter, PostgresLockProvider)
+    key = f"{uuid.uuid4().hex}:again"
+    try:
+        subscribed(waiter, key).close()
+        listener = waiter._listener
+        assert listener is not None
+        assert wait_until(lambda: registrations(listener) == 0)
+        assert channel(TABLE, key) in listener._listened
+        subscription = waiter.subscribe(key)  # lingering: no new LISTEN, a new registration
+        assert registrations(listener) == 1
+        take(releaser, key, "t")
+        assert releaser.release(key, "t") is True
+        assert subscription.wait(5) is True
+        assert isinstance(releaser, PostgresLockProvider)
+        assert releaser.had_waiters(key) is True
+        subscription.close()
+    finally:
+        waiter.close()
+        releaser.close()
 
 
 def test_one_listen_connection_shared_and_released_with_the_last_waiter(
@@ -262,3 +353,32 @@ def test_a_forked_child_never_uses_the_parents_listener() -> None:
     finally:
         _inherited = None
         service.close(release=True)
+
+
+def test_a_wait_after_its_own_release_is_not_woken_by_that_release() -> None:
+    """A provider whose channel lingers (it waited for the key and took it) releases it
+    while another provider's waiter is registered, and at once waits again (giving way):
+    its own release's notification, which reaches its lingering LISTEN too, does not wake
+    that new wait; the other's release does. Before, it cut every give-way short (~1 ms)."""
+    holder, other = LockService(URL).provider, LockService(URL).provider
+    assert isinstance(holder, PostgresLockProvider)
+    assert isinstance(other, PostgresLockProvider)
+    key = f"{uuid.uuid4().hex}:echo"
+    try:
+        for round_ in range(3):
+            subscribed(holder, key).close()  # the holder waited for the key and took it
+            take(holder, key, f"h{round_}")
+            waiting = subscribed(other, key)
+            assert holder.release(key, f"h{round_}") is True
+            assert holder.had_waiters(key) is True
+            again = holder.subscribe(key)  # giving way: waits at once
+            assert waiting.wait(5) is True  # the other waiter was woken...
+            assert again.wait(0.3) is False  # ...and the holder's new wait was not
+            take(other, key, f"o{round_}")
+            waiting.close()
+            assert other.release(key, f"o{round_}") is True
+            assert again.wait(5) is True  # woken by the other's release
+            again.close()
+    finally:
+        holder.close()
+        other.close()

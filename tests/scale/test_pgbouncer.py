@@ -11,12 +11,13 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from celery_exclusive import BackendError, LockService
+from celery_exclusive import BackendError, Lease, LockService
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
 from celery_exclusive.testing import contract as _contract
@@ -93,6 +94,46 @@ def test_many_threads_cycle_without_error(url: str) -> None:
                 assert service.peek(f"k{n % 3}") is not None
     finally:
         service.close()
+
+
+def test_waiters_behind_pgbouncer_poll_and_are_not_counted_but_direct_ones_are(url: str, table: str) -> None:
+    """Through PgBouncer a waiter polls (no LISTEN) and still gets the key after its release,
+    and registers nowhere, so the releaser is not told of it (does not give way); a waiter
+    connected directly (psycopg, LISTEN) is told of by a PgBouncer releaser: the release
+    statement's transaction-scoped try of the registration lock works in transaction mode."""
+    from celery_exclusive.providers.postgres import PostgresLockProvider
+    from tests.conftest import POSTGRES_URL
+
+    prefix = f"bw{uuid.uuid4().hex[:8]}:"
+    holder, waiter = LockService(url, prefix=prefix), LockService(url, prefix=prefix)
+    direct = LockService(f"{POSTGRES_URL}?ce_table={table}", prefix=prefix)
+    releaser = holder.provider
+    assert isinstance(releaser, PostgresLockProvider)
+    try:
+        assert isinstance(releaser.acquire(prefix + "k", "h1", 30.0, 60.0, "{}"), Grant)
+        got: list[object] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.lock("k", ttl=30, wait=10)))
+        thread.start()
+        time.sleep(0.3)  # the waiter was refused and polls
+        assert releaser.release(prefix + "k", "h1") is True  # the provider's own: told, not consumed
+        assert releaser.had_waiters(prefix + "k") is False
+        thread.join(15)
+        assert len(got) == 1
+        taken = got[0]
+        assert isinstance(taken, Lease)
+        assert isinstance(releaser.acquire(prefix + "d", "h2", 30.0, 60.0, "{}"), Grant)
+        subscription = direct.provider.subscribe(prefix + "d")  # type: ignore[attr-defined]
+        while subscription.wait(0.3):  # a first subscription may signal once ("look again")
+            pass
+        assert releaser.release(prefix + "d", "h2") is True
+        assert releaser.had_waiters(prefix + "d") is True
+        assert subscription.wait(5) is True
+        subscription.close()
+        taken.release()
+    finally:
+        holder.close()
+        waiter.close()
+        direct.close()
 
 
 def test_acquire_contend_refresh_release(url: str) -> None:
