@@ -275,14 +275,16 @@ def take_waiting(
     seconds pass; ``final`` is True for the last attempt (made at the deadline), whose answer
     is returned whatever it is. Woken by releases of ``store_key`` and ``more`` (see
     :meth:`Waiter.watch`). With ``turns``, gives way on ``key`` when :class:`Turns` says so
-    (:meth:`Waiter.give_way` before the first attempt). With ``probe`` (a read: may an
-    attempt win now?), a retry is made only once it says yes, or at the deadline.
+    (:meth:`Waiter.give_way` before the first attempt). It listens for releases from the
+    first refusal on (at once when giving way), and tries again right after subscribing.
+    With ``probe`` (a read: may an attempt win now?), a retry is made only once it says yes,
+    or at the deadline.
     Exceptions (an outage, AlreadyDone) propagate at once."""
     waiter = Waiter(provider, wait)
-    gave_way = turns is not None and turns.gives_way(key)
+    watching = turns is not None and turns.gives_way(key)
     try:
-        waiter.watch(store_key, more)  # before the first attempt: a release right after it still wakes us
-        if gave_way:
+        if watching:
+            waiter.watch(store_key, more)
             waiter.give_way()
         while True:
             if waiter.remaining() <= 0:
@@ -290,6 +292,12 @@ def take_waiting(
             answer = attempt(False)
             if not isinstance(answer, Held):
                 return answer
+            if not watching:
+                # Listen only once refused (a free key costs no subscription), then look
+                # again at once: a release between the refusal and the listen is not missed.
+                waiter.watch(store_key, more)
+                watching = True
+                continue
             if not waiter.pause():
                 return attempt(True)
             while probe is not None and not probe():

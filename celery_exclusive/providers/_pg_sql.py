@@ -144,11 +144,11 @@ SELECT false, {cols("cur")} FROM cur CROSS JOIN n WHERE cur.live"""
         """0 unless ``freed_live``; else 1, or 2 having notified the key's channel because
         someone waits for the key (the releaser then gives way: ``KnowsWaiters``). A waiter
         holds a shared session lock on the channel's advisory lock
-        (:func:`._pg_listen.waiter_lock`) from before its first attempt until its wait ends:
+        (:func:`._pg_listen.waiter_lock`) from its first refusal until its wait ends:
         when the try below gets the lock exclusively, nobody waits and nothing is sent (a
         NOTIFY wakes every listening backend of the database, so an unconditional one would
         cost each release ~30 µs per listening process). A waiter registering meanwhile
-        blocks on the lock until this release commits, so its first attempt sees the key
+        blocks on the lock until this release commits, so its next attempt sees the key
         free. CASE evaluates its branches in order: the try only for a freed live lease, the
         notify only when the try failed (``pg_notify`` returns void, never NULL)."""
         channel = "CAST(:channel AS text)"

@@ -268,8 +268,9 @@ class WakesWaiters(Protocol):
     """Optional: a store that can wake a waiting acquirer when the key is released.
 
     Used by ``LockService.lock(key, wait=...)`` (:mod:`celery_exclusive.waiting`): the
-    waiter subscribes *before* its first attempt, so a release between a refused attempt
-    and the wait still wakes it. Stores without it are polled with jittered backoff, and
+    waiter subscribes after its first refused attempt and then tries again at once, so a
+    free key costs no subscription and a release between the refusal and the subscription
+    is not missed. Stores without it are polled with jittered backoff, and
     so is every store between signals: a signal only shortens the wait, never lengthens it.
     """
 

@@ -260,7 +260,7 @@ def test_a_terminated_listener_costs_only_latency_and_recovers() -> None:
     holder = LockService(URL, prefix=f"{uuid.uuid4().hex}:")
     waiter = LockService(URL, prefix=holder.prefix)
     try:
-        assert waiter.lock("warm", ttl=30, wait=1).release() is ReleaseOutcome.RELEASED
+        _handover(holder, waiter, "warm")  # a wait that was refused once listens
         listener = waiter.provider._listener  # type: ignore[attr-defined]
         assert listener is not None
         lease = holder.lock("k", ttl=30)
@@ -317,10 +317,9 @@ def _child_waits(url: str, prefix: str, parent_listener_pid: int, results: Any) 
     """In a forked child: the inherited provider waits through a listener of its own."""
     service = _inherited
     assert service is not None
-    lease = service.lock("child-key", ttl=30, wait=5)
+    _handover(service, service, "child-key")
     listener = service.provider._listener  # type: ignore[attr-defined]
     results.put((os.getpid(), listener.pid, listener.backend_pid != parent_listener_pid))
-    lease.release()
     service.close()
 
 
@@ -332,7 +331,7 @@ def test_a_forked_child_never_uses_the_parents_listener() -> None:
     service = LockService(URL, prefix=f"{uuid.uuid4().hex}:")
     _inherited = service
     try:
-        assert service.lock("parent-key", ttl=30, wait=1).release() is ReleaseOutcome.RELEASED
+        _handover(service, service, "parent-key")  # a wait that was refused once listens
         listener = service.provider._listener  # type: ignore[attr-defined]
         ctx = multiprocessing.get_context("fork")
         results = ctx.Queue()
@@ -382,3 +381,18 @@ def test_a_wait_after_its_own_release_is_not_woken_by_that_release() -> None:
     finally:
         holder.close()
         other.close()
+
+
+def test_a_wait_on_a_free_key_does_not_listen() -> None:
+    """A ``lock(wait=)`` whose first attempt wins subscribes to nothing (no listener
+    connection, no registration round trip); the first refused attempt subscribes, and the
+    wait is still woken by the release."""
+    service = LockService(URL, prefix=f"{uuid.uuid4().hex}:")
+    try:
+        for _ in range(3):
+            assert service.lock("free", ttl=30, wait=5).release() is ReleaseOutcome.RELEASED
+        assert service.provider._listener is None  # type: ignore[attr-defined]
+        assert _handover(service, service, "held") < POLL_MAX
+        assert service.provider._listener is not None  # type: ignore[attr-defined]
+    finally:
+        service.close()
