@@ -22,6 +22,7 @@ import pytest
 from celery_exclusive import (
     BackendError,
     InvalidArgumentError,
+    Lease,
     LockedError,
     LockService,
     ReleaseOutcome,
@@ -40,32 +41,99 @@ LONG = os.environ.get("CE_LONG") == "1"
 OVERSHOOT = 0.1
 
 
-def handover_latency(store: Store, hold: float) -> float:
-    """Seconds from a release to a waiting caller (another service) holding the key."""
+#: How long the holder holds before each release of the handover trials: 20 trials (the
+#: issue's count), each long enough for the waiter to be refused and waiting first.
+HOLDS = (0.05, 0.08, 0.12, 0.15) * 5
+
+
+class Polled:
+    """The store's own provider seen without its release signals (no ``subscribe``): its
+    waiters poll, as on a store that has none (the ``polled`` handover rows of
+    benchmarks/waiting.py are measured the same way)."""
+
+    def __init__(self, provider: Any) -> None:
+        self._provider = provider
+        self.max_key_length = provider.max_key_length
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("subscribe", "subscribe_any"):
+            raise AttributeError(name)
+        return getattr(self._provider, name)
+
+
+def subscribes(service: LockService) -> bool:
+    """Whether waiters on ``service``'s store are woken by releases: its provider signals
+    (WakesWaiters) and a subscription can be made now (not behind PgBouncer in transaction
+    mode, for one). The subscription made here also opens the provider's listener connection
+    once, before anything is timed."""
+    provider = service.provider
+    if not isinstance(provider, WakesWaiters):
+        return False
+    try:
+        provider.subscribe(service.prefix + "warm-up").close()
+    except Exception:
+        return False
+    return True
+
+
+def handover_latencies(holder: LockService, waiter: LockService, holds: tuple[float, ...]) -> list[float]:
+    """Seconds from each release to ``waiter`` (waiting in ``lock(wait=)``) holding the key."""
+    for service in (holder, waiter):  # connected before anything is timed
+        assert service.peek("handover") is None
+    latencies = []
+    for hold in holds:
+        lease = holder.lock("handover", ttl=30)
+        released_at: list[float] = []
+
+        def release_later(
+            lease: Lease = lease, hold: float = hold, released_at: list[float] = released_at
+        ) -> None:
+            time.sleep(hold)
+            released_at.append(time.monotonic())
+            assert lease.release() is ReleaseOutcome.RELEASED
+
+        thread = threading.Thread(target=release_later)
+        thread.start()
+        got = waiter.lock("handover", ttl=30, wait=10)
+        acquired_at = time.monotonic()
+        thread.join()
+        got.release()
+        latencies.append(acquired_at - released_at[0])
+    return latencies
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+@pytest.mark.parametrize("signals", ["as-is", "hidden"])
+def test_a_waiter_acquires_soon_after_the_release(
+    store: Store, monkeypatch: pytest.MonkeyPatch, signals: str
+) -> None:
+    """20 handovers. Where releases wake waiters, the waiter holds the key within 50 ms of the
+    release (p50; p99 within the poll bound, plus 0.3 s for a loaded machine's round trips)
+    with its polling slowed to pauses of 1-2 s, so that only the signal can be that quick
+    (at the real bound, polling alone hands over in ~15-20 ms, under the 50 ms asked).
+    Where they do not, or with the signals hidden (``hidden``: the waiter's provider has no
+    ``subscribe``), it polls and hands over within the poll bound (p50 within POLL_MAX plus
+    50 ms, p99 as above)."""
     holder, waiter = store.service(), store.service()
-    lease = holder.lock("handover", ttl=30)
-    released_at: list[float] = []
-
-    def release_later() -> None:
-        time.sleep(hold)
-        released_at.append(time.monotonic())
-        assert lease.release() is ReleaseOutcome.RELEASED
-
-    thread = threading.Thread(target=release_later)
-    thread.start()
-    got = waiter.lock("handover", ttl=30, wait=10)
-    acquired_at = time.monotonic()
-    thread.join()
-    got.release()
-    return acquired_at - released_at[0]
-
-
-def test_a_waiter_acquires_soon_after_the_release(store: Store) -> None:
-    """Woken stores hand over within 50 ms (p50 of 10); polled ones within the poll bound
-    (p50; the slowest within it plus 0.3 s for a loaded machine's round trips)."""
-    latencies = [handover_latency(store, hold) for hold in (0.05, 0.3, 0.12, 0.4, 0.2) * 2]
-    woken = isinstance(store.service().provider, WakesWaiters)
-    assert max(latencies) <= POLL_MAX + 0.3, latencies
+    woken = subscribes(waiter)
+    if signals == "hidden":
+        if not woken:
+            pytest.skip(f"store {store.name!r} does not wake waiters: the as-is case polls already")
+        polled = LockService(Polled(waiter.provider), prefix=waiter.prefix)
+        try:
+            latencies = handover_latencies(holder, polled, HOLDS[:10])
+        finally:
+            polled.close(release=True)
+        woken = False
+    else:
+        if woken:
+            monkeypatch.setattr(waiting, "POLL_MIN", 2.0)
+            monkeypatch.setattr(waiting, "POLL_MAX", 2.0)
+        latencies = handover_latencies(holder, waiter, HOLDS)
+    assert p99(latencies) <= POLL_MAX + 0.3, latencies
     assert statistics.median(latencies) <= (0.05 if woken else POLL_MAX + 0.05), latencies
 
 
