@@ -265,6 +265,58 @@ def test_a_bad_wait_is_refused_before_the_store_is_touched(store: Store, wait: o
         service.close()
 
 
+class Recording:
+    """The store's own provider, recording the name of every method called through it."""
+
+    def __init__(self, provider: Any) -> None:
+        self._provider = provider
+        self.max_key_length = provider.max_key_length
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._provider, name)
+        if not callable(found):
+            return found
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return found(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize(
+    ("key", "options"),
+    [
+        ("", {}),
+        ("nul\x00", {}),
+        ("k", {"ttl": -1}),
+        ("k", {"ttl": math.nan}),
+        ("k", {"ttl": 5, "refresh_interval": 5}),
+        ("k", {"holder": ["not", "a", "mapping"]}),
+        ("k", {"holder": {1: "int key"}}),
+        ("k", {"limit": 2, "ttl": 0}),
+    ],
+)
+def test_bad_arguments_with_wait_are_refused_before_the_store_is_touched(
+    store: Store, key: str, options: dict[str, Any]
+) -> None:
+    """A bad key, duration or holder with ``wait=``: InvalidArgumentError, and not one call
+    reached the store (a waiter subscribes to releases, or on SQLite marks itself, before
+    its first attempt; the arguments must be checked before that)."""
+    plain = store.service()
+    recording = Recording(plain.provider)
+    service = LockService(recording, prefix=plain.prefix)
+    try:
+        for call in (service.lock, service.try_lock):
+            recording.calls.clear()
+            with pytest.raises(InvalidArgumentError):
+                call(key, wait=0.2, **options)
+            assert recording.calls == [], recording.calls
+    finally:
+        service.close(release=False)
+
+
 @pytest.mark.parametrize(
     "keys",
     [
