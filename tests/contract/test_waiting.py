@@ -29,7 +29,7 @@ from celery_exclusive import (
     waiting,
 )
 from celery_exclusive.many import MAX_KEYS, LeaseSet
-from celery_exclusive.providers.base import KnowsWaiters, WakesOnAny, WakesWaiters
+from celery_exclusive.providers.base import Held, KnowsWaiters, WakesOnAny, WakesWaiters
 from celery_exclusive.semaphore import slot_key
 from celery_exclusive.testing.contract import Store
 from celery_exclusive.waiting import POLL_MAX
@@ -201,6 +201,36 @@ def test_wait_ends_at_its_timeout_and_answers_as_without_wait(store: Store) -> N
     assert refused.value.holder.token == lease.token
     assert refused.value.holder.holder["task_name"] == "demo.stays"
     lease.release()
+
+
+def test_no_probe_is_made_once_the_wait_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait with a probe (SQLite's read before each retry) makes none after its deadline,
+    only the last attempt, so it ends one store round trip past its timeout, not two."""
+    waiters: list[waiting.Waiter] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> waiting.Waiter:
+        waiters.append(original(*args, **kwargs))
+        return waiters[-1]
+
+    original = waiting.Waiter
+    monkeypatch.setattr(waiting, "Waiter", recorded)
+    finals: list[bool] = []
+    probed_with: list[float] = []
+
+    def attempt(final: bool) -> Held:
+        finals.append(final)
+        return Held(None)
+
+    def probe() -> bool:
+        probed_with.append(waiters[0].remaining())
+        return False
+
+    assert isinstance(waiting.take_waiting(attempt, object(), "k", 0.3, probe=probe), Held)
+    assert finals[0] is False
+    assert finals[-1] is True
+    assert finals.count(True) == 1
+    assert probed_with
+    assert min(probed_with) > 0, probed_with
 
 
 def test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl(store: Store) -> None:
