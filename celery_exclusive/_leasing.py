@@ -59,13 +59,17 @@ class Leasing:
         if wait is None:  # the hot path: no extra call
             taken = take(key, *durations, holder, name_holder=name_holder, task_id=task_id, limit=limit)
         else:
+            seconds = waiting.check_wait(wait)
+            # Each attempt checks these too, but a waiter subscribes to releases (or, on
+            # SQLite, marks itself) before its first attempt: bad input must not get that far.
+            self._check([key if limit == 1 else semaphore.slot_key(key, limit)], durations, holder)
             taken = waiting.take_waiting(
                 lambda final: take(
                     key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit
                 ),
                 self._service.provider,
                 self._service.prefix + key,
-                waiting.check_wait(wait),
+                seconds,
                 more=semaphore.store_slot_keys(self._service.prefix, key, limit)[1:],
                 turns=self._releasing.turns,
                 key=key,
@@ -149,10 +153,7 @@ class Leasing:
         """All of ``keys`` as a LeaseSet, or the first refused key and its Held."""
         service = self._service
         checked = many.check_keys(keys)
-        for key in checked:
-            service._check_key(key)
-        self._acquiring.durations(*durations)
-        check_holder(holder)
+        self._check(checked, durations, holder)
         return many.take_all(
             checked,
             lambda key, final: self._acquiring.take(key, *durations, holder, name_holder=final),
@@ -160,6 +161,14 @@ class Leasing:
             service.provider,
             None if wait is None else waiting.check_wait(wait),
         )
+
+    def _check(self, keys: list[str], durations: Durations, holder: Mapping[str, Any] | None) -> None:
+        """InvalidArgumentError unless every store key of ``keys``, the durations and the
+        holder are valid (what an attempt checks, for callers that touch the store first)."""
+        for key in keys:
+            self._service._check_key(key)
+        self._acquiring.durations(*durations)
+        check_holder(holder)
 
     # -- upkeep -------------------------------------------------------------------------
 

@@ -321,7 +321,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         settings = self.lock_settings
         key = _key_builder_of(self).build(self.name, args, kwargs)
         if not isinstance(key, str):
-            _check_several(self.name, settings.on_locked, settings.cooldown, None)
+            _check_several(self.name, settings.on_locked, settings.cooldown, None, settings.limit)
         inline = bool(request.called_directly or request.is_eager)
         record = None if inline else redelivery.once_id(self, request)
         once, asked_again = record, inline
@@ -446,7 +446,7 @@ def _lock(
     """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
     the first through ``lock(task_id=once)``, which checks (and at release records) the
     completion record of the task id on it, the rest through ``lock_many``. A semaphore
-    (``limit > 1``) of several keys is refused (at the first run, before the store is touched);
+    (``limit > 1``) of several keys is refused (:func:`_check_several` did, before; again here);
     one of a single key with a ``guard`` key holds that first (:func:`_lock_slot`)."""
     service, settings = plan.service, plan.settings
     options: dict[str, Any] = {**plan.durations, "holder": holder}
@@ -491,7 +491,7 @@ def _lock_slot(
     return _runs.Guarded([slot, first])
 
 
-def _check_several(name: str, on_locked: object, cooldown: object, dedupe: object) -> None:
+def _check_several(name: str, on_locked: object, cooldown: object, dedupe: object, limit: object) -> None:
     """Refuse the options a task holding several keys cannot have (InvalidArgumentError)."""
     refused = [
         what
@@ -499,6 +499,7 @@ def _check_several(name: str, on_locked: object, cooldown: object, dedupe: objec
             ("on_locked='rerun' (its marker records one key)", on_locked == "rerun"),
             ("cooldown (lock_many has no hold_at_least)", cooldown is not None),
             ("dedupe (its queued marker names one key)", bool(dedupe)),
+            (f"limit={limit!r} (a semaphore is of one key)", limit not in (None, 1)),
         )
         if on
     ]
@@ -596,7 +597,10 @@ def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:
         delattr(cls, "throws")
     cls._lock_keys = builder = _key_builder_for(cls)
     if builder.several:
-        raw = {attr: _raw_attribute(cls, attr) for attr in ("lock_on_locked", "lock_cooldown", "lock_dedupe")}
+        raw = {
+            attr: _raw_attribute(cls, attr)
+            for attr in ("lock_on_locked", "lock_cooldown", "lock_dedupe", "lock_limit")
+        }
         _check_several(str(vars(cls).get("name") or cls.__qualname__), *raw.values())
     # Methods a subclass defines are its own business; data attributes are options.
     options = [n for n, v in vars(cls).items() if not isinstance(v, _CLASS_MEMBERS)]
@@ -742,7 +746,8 @@ def exclusive_task(
         if builder.several:
             name = options.get("name") or f"{function.__module__}.{function.__qualname__}"
             _check_several(
-                name, *(options.get(a) for a in ("lock_on_locked", "lock_cooldown", "lock_dedupe"))
+                name,
+                *(options.get(a) for a in ("lock_on_locked", "lock_cooldown", "lock_dedupe", "lock_limit")),
             )
         if app is not None:
             install_revoke(app)  # before the app is finalized (its control may be built first)

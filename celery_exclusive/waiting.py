@@ -6,9 +6,9 @@ attempts it pauses for a jittered, doubling interval (:data:`POLL_MIN` to :data:
 seconds, each pause a random 50-100 % of the step, so waiters that started together spread
 out), cut short by a release signal where the store gives one. Guarantees:
 
-* never past the timeout by more than one store round trip (two on SQLite: a probe and
-  the attempt): a pause never runs beyond the deadline, and the last attempt is made at
-  the deadline;
+* never past the timeout by more than one store round trip: a pause never runs beyond
+  the deadline, the last attempt is made at the deadline, and no probe (SQLite's read
+  before a retry) is made once the time is up;
 * a lost signal only costs latency: with or without signals, a release is seen within
   :data:`POLL_MAX` seconds (plus one attempt);
 * an outage is an error: an attempt that cannot reach the store raises BackendError as it
@@ -300,7 +300,8 @@ def take_waiting(
                 continue
             if not waiter.pause():
                 return attempt(True)
-            while probe is not None and not probe():
+            # (no probe once the time is up: the attempt at the deadline is the one round trip)
+            while probe is not None and waiter.remaining() > 0 and not probe():
                 if not waiter.pause():
                     return attempt(True)
     finally:

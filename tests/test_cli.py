@@ -308,6 +308,29 @@ def test_list_filters_by_key_prefix(store: Store, hold: Callable[..., Holder]) -
     assert "no live leases" in empty.stdout
 
 
+def test_list_shows_each_slot_of_a_semaphore(store: Store) -> None:
+    """A limit=3 key with two holders lists one row per held slot: slot 1 under the key,
+    slot 2 as ``{key}#2 (slot 2 of key)``, each with its own token in ``--json``."""
+    with store.service() as service:
+        leases = [service.lock("sem", limit=3, ttl=30, holder={"task_name": "tests.sem"}) for _ in range(2)]
+        slots = [lease.store_key[len(store.prefix) :] for lease in leases]
+        assert slots == ["sem", "{sem}#2"]
+        text = invoke(store, "list", "sem")
+        assert text.exit_code == 0, text.output
+        rows = text.stdout.splitlines()[1:]
+        assert [row.split()[0] for row in rows] == slots
+        assert "slot" not in rows[0]
+        assert "{sem}#2 (slot 2 of sem)" in rows[1]
+        assert all("tests.sem" in row for row in rows)
+        listed = json.loads(invoke(store, "list", "sem", "--json").stdout)["locks"]
+        assert [(lock["key"], lock["token"]) for lock in listed] == [
+            (slot, lease.token) for slot, lease in zip(slots, leases, strict=True)
+        ]
+        for lease in leases:
+            lease.release()
+    assert "no live leases" in invoke(store, "list", "sem").stdout
+
+
 def test_show_one_lease_in_text_and_json(store: Store, hold: Callable[..., Holder]) -> None:
     """``show KEY`` describes that lease, with its token, and ``--json`` gives the same fields as list."""
     holder = hold("alpha", "beta")

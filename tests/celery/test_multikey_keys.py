@@ -73,12 +73,18 @@ def test_a_bad_key_list_is_refused_at_declaration(app: Celery, key: Any, match: 
 
 @pytest.mark.parametrize(
     ("options", "match"),
-    [({"on_locked": "rerun"}, "rerun"), ({"cooldown": 2}, "cooldown"), ({"dedupe": True}, "dedupe")],
+    [
+        ({"on_locked": "rerun"}, "rerun"),
+        ({"cooldown": 2}, "cooldown"),
+        ({"dedupe": True}, "dedupe"),
+        ({"limit": 2}, "limit=2"),
+    ],
 )
 def test_options_that_name_one_key_are_refused_with_a_key_list(
     app: Celery, options: dict[str, Any], match: str
 ) -> None:
-    """rerun, cooldown and dedupe act on one key: refused with several, naming the task."""
+    """rerun, cooldown, dedupe and a semaphore (limit > 1) act on one key: refused with
+    several, naming the task."""
     with pytest.raises(InvalidArgumentError, match=f"ce_multikey.t_refused has several lock keys.*{match}"):
 
         @exclusive_task(
@@ -126,6 +132,24 @@ def test_an_app_wide_rerun_policy_is_refused_at_call_time(app: Celery) -> None:
 
     with pytest.raises(InvalidArgumentError, match=r"several lock keys.*rerun"):
         pair("x", "y")
+
+
+def test_an_app_wide_limit_is_refused_at_call_time_before_the_store(app: Celery) -> None:
+    """exclusive_limit > 1 from the app with a callable giving several keys: refused at the
+    call, naming the task, on a store that is not even reachable; limit=1 is no semaphore."""
+    app.conf.exclusive_url = "redis://127.0.0.1:1/0"
+    app.conf.exclusive_limit = 3
+
+    @exclusive_task(app=app, shared=False, key=lambda a, b: [a, b], name="ce_multikey.pair_limited")
+    def pair(a: str, b: str) -> None: ...
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"ce_multikey.pair_limited has several lock keys.*limit=3"
+    ):
+        pair("x", "y")
+
+    @exclusive_task(app=app, shared=False, key=["a:{n}", "b:{n}"], limit=1, name="ce_multikey.limit_one")
+    def limit_one(n: int) -> None: ...
 
 
 def test_a_direct_call_holds_every_key_or_none(app: Celery) -> None:

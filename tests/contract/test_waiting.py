@@ -22,13 +22,14 @@ import pytest
 from celery_exclusive import (
     BackendError,
     InvalidArgumentError,
+    Lease,
     LockedError,
     LockService,
     ReleaseOutcome,
     waiting,
 )
 from celery_exclusive.many import MAX_KEYS, LeaseSet
-from celery_exclusive.providers.base import KnowsWaiters, WakesOnAny, WakesWaiters
+from celery_exclusive.providers.base import Held, KnowsWaiters, WakesOnAny, WakesWaiters
 from celery_exclusive.semaphore import slot_key
 from celery_exclusive.testing.contract import Store
 from celery_exclusive.waiting import POLL_MAX
@@ -40,32 +41,99 @@ LONG = os.environ.get("CE_LONG") == "1"
 OVERSHOOT = 0.1
 
 
-def handover_latency(store: Store, hold: float) -> float:
-    """Seconds from a release to a waiting caller (another service) holding the key."""
+#: How long the holder holds before each release of the handover trials: 20 trials (the
+#: issue's count), each long enough for the waiter to be refused and waiting first.
+HOLDS = (0.05, 0.08, 0.12, 0.15) * 5
+
+
+class Polled:
+    """The store's own provider seen without its release signals (no ``subscribe``): its
+    waiters poll, as on a store that has none (the ``polled`` handover rows of
+    benchmarks/waiting.py are measured the same way)."""
+
+    def __init__(self, provider: Any) -> None:
+        self._provider = provider
+        self.max_key_length = provider.max_key_length
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("subscribe", "subscribe_any"):
+            raise AttributeError(name)
+        return getattr(self._provider, name)
+
+
+def subscribes(service: LockService) -> bool:
+    """Whether waiters on ``service``'s store are woken by releases: its provider signals
+    (WakesWaiters) and a subscription can be made now (not behind PgBouncer in transaction
+    mode, for one). The subscription made here also opens the provider's listener connection
+    once, before anything is timed."""
+    provider = service.provider
+    if not isinstance(provider, WakesWaiters):
+        return False
+    try:
+        provider.subscribe(service.prefix + "warm-up").close()
+    except Exception:
+        return False
+    return True
+
+
+def handover_latencies(holder: LockService, waiter: LockService, holds: tuple[float, ...]) -> list[float]:
+    """Seconds from each release to ``waiter`` (waiting in ``lock(wait=)``) holding the key."""
+    for service in (holder, waiter):  # connected before anything is timed
+        assert service.peek("handover") is None
+    latencies = []
+    for hold in holds:
+        lease = holder.lock("handover", ttl=30)
+        released_at: list[float] = []
+
+        def release_later(
+            lease: Lease = lease, hold: float = hold, released_at: list[float] = released_at
+        ) -> None:
+            time.sleep(hold)
+            released_at.append(time.monotonic())
+            assert lease.release() is ReleaseOutcome.RELEASED
+
+        thread = threading.Thread(target=release_later)
+        thread.start()
+        got = waiter.lock("handover", ttl=30, wait=10)
+        acquired_at = time.monotonic()
+        thread.join()
+        got.release()
+        latencies.append(acquired_at - released_at[0])
+    return latencies
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+@pytest.mark.parametrize("signals", ["as-is", "hidden"])
+def test_a_waiter_acquires_soon_after_the_release(
+    store: Store, monkeypatch: pytest.MonkeyPatch, signals: str
+) -> None:
+    """20 handovers. Where releases wake waiters, the waiter holds the key within 50 ms of the
+    release (p50; p99 within the poll bound, plus 0.3 s for a loaded machine's round trips)
+    with its polling slowed to pauses of 1-2 s, so that only the signal can be that quick
+    (at the real bound, polling alone hands over in ~15-20 ms, under the 50 ms asked).
+    Where they do not, or with the signals hidden (``hidden``: the waiter's provider has no
+    ``subscribe``), it polls and hands over within the poll bound (p50 within POLL_MAX plus
+    50 ms, p99 as above)."""
     holder, waiter = store.service(), store.service()
-    lease = holder.lock("handover", ttl=30)
-    released_at: list[float] = []
-
-    def release_later() -> None:
-        time.sleep(hold)
-        released_at.append(time.monotonic())
-        assert lease.release() is ReleaseOutcome.RELEASED
-
-    thread = threading.Thread(target=release_later)
-    thread.start()
-    got = waiter.lock("handover", ttl=30, wait=10)
-    acquired_at = time.monotonic()
-    thread.join()
-    got.release()
-    return acquired_at - released_at[0]
-
-
-def test_a_waiter_acquires_soon_after_the_release(store: Store) -> None:
-    """Woken stores hand over within 50 ms (p50 of 10); polled ones within the poll bound
-    (p50; the slowest within it plus 0.3 s for a loaded machine's round trips)."""
-    latencies = [handover_latency(store, hold) for hold in (0.05, 0.3, 0.12, 0.4, 0.2) * 2]
-    woken = isinstance(store.service().provider, WakesWaiters)
-    assert max(latencies) <= POLL_MAX + 0.3, latencies
+    woken = subscribes(waiter)
+    if signals == "hidden":
+        if not woken:
+            pytest.skip(f"store {store.name!r} does not wake waiters: the as-is case polls already")
+        polled = LockService(Polled(waiter.provider), prefix=waiter.prefix)
+        try:
+            latencies = handover_latencies(holder, polled, HOLDS[:10])
+        finally:
+            polled.close(release=True)
+        woken = False
+    else:
+        if woken:
+            monkeypatch.setattr(waiting, "POLL_MIN", 2.0)
+            monkeypatch.setattr(waiting, "POLL_MAX", 2.0)
+        latencies = handover_latencies(holder, waiter, HOLDS)
+    assert p99(latencies) <= POLL_MAX + 0.3, latencies
     assert statistics.median(latencies) <= (0.05 if woken else POLL_MAX + 0.05), latencies
 
 
@@ -135,6 +203,36 @@ def test_wait_ends_at_its_timeout_and_answers_as_without_wait(store: Store) -> N
     lease.release()
 
 
+def test_no_probe_is_made_once_the_wait_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait with a probe (SQLite's read before each retry) makes none after its deadline,
+    only the last attempt, so it ends one store round trip past its timeout, not two."""
+    waiters: list[waiting.Waiter] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> waiting.Waiter:
+        waiters.append(original(*args, **kwargs))
+        return waiters[-1]
+
+    original = waiting.Waiter
+    monkeypatch.setattr(waiting, "Waiter", recorded)
+    finals: list[bool] = []
+    probed_with: list[float] = []
+
+    def attempt(final: bool) -> Held:
+        finals.append(final)
+        return Held(None)
+
+    def probe() -> bool:
+        probed_with.append(waiters[0].remaining())
+        return False
+
+    assert isinstance(waiting.take_waiting(attempt, object(), "k", 0.3, probe=probe), Held)
+    assert finals[0] is False
+    assert finals[-1] is True
+    assert finals.count(True) == 1
+    assert probed_with
+    assert min(probed_with) > 0, probed_with
+
+
 def test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl(store: Store) -> None:
     """The holder's process dies holding the key: the waiter gets it once the ttl ran out,
     not before, with a greater fence."""
@@ -195,6 +293,58 @@ def test_a_bad_wait_is_refused_before_the_store_is_touched(store: Store, wait: o
                 call()
     finally:
         service.close()
+
+
+class Recording:
+    """The store's own provider, recording the name of every method called through it."""
+
+    def __init__(self, provider: Any) -> None:
+        self._provider = provider
+        self.max_key_length = provider.max_key_length
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._provider, name)
+        if not callable(found):
+            return found
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return found(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize(
+    ("key", "options"),
+    [
+        ("", {}),
+        ("nul\x00", {}),
+        ("k", {"ttl": -1}),
+        ("k", {"ttl": math.nan}),
+        ("k", {"ttl": 5, "refresh_interval": 5}),
+        ("k", {"holder": ["not", "a", "mapping"]}),
+        ("k", {"holder": {1: "int key"}}),
+        ("k", {"limit": 2, "ttl": 0}),
+    ],
+)
+def test_bad_arguments_with_wait_are_refused_before_the_store_is_touched(
+    store: Store, key: str, options: dict[str, Any]
+) -> None:
+    """A bad key, duration or holder with ``wait=``: InvalidArgumentError, and not one call
+    reached the store (a waiter subscribes to releases, or on SQLite marks itself, before
+    its first attempt; the arguments must be checked before that)."""
+    plain = store.service()
+    recording = Recording(plain.provider)
+    service = LockService(recording, prefix=plain.prefix)
+    try:
+        for call in (service.lock, service.try_lock):
+            recording.calls.clear()
+            with pytest.raises(InvalidArgumentError):
+                call(key, wait=0.2, **options)
+            assert recording.calls == [], recording.calls
+    finally:
+        service.close(release=False)
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,21 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from celery_exclusive import BackendError, Lease, LockService
+from celery_exclusive.providers._pg_listen import SignalsLost
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
+
+# Waiting through PgBouncer in transaction mode (no session to LISTEN on: the waiters poll,
+# test_waiters_poll_through_pgbouncer): a release is seen within the poll bound, a wait ends
+# at its timeout, and a SIGKILLed holder's key is taken after its ttl.
+from tests.contract.test_waiting import (  # noqa: F401
+    subscribes,
+    test_a_waiter_acquires_soon_after_the_release,
+    test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl,
+    test_wait_ends_at_its_timeout_and_answers_as_without_wait,
+)
 from tests.scale._servers import binary
 from tests.scale.conftest import contract_store, drop_table
 
@@ -185,6 +196,15 @@ def test_acquire_contend_refresh_release(url: str) -> None:
 def store(pgbouncer: Callable[..., str], table: str) -> Iterator[Store]:
     """PostgreSQL through PgBouncer as the contract suite's one store."""
     yield from contract_store("pgbouncer", pgbouncer(table) + "&ce_pgbouncer=true")
+
+
+def test_waiters_poll_through_pgbouncer(store: Store) -> None:
+    """With ``ce_pgbouncer=true`` a release cannot be listened for (LISTEN needs a session of
+    its own): subscribe refuses, so the waiting tests above run polled."""
+    service = store.service()
+    assert not subscribes(service)
+    with pytest.raises(SignalsLost, match="PgBouncer"):
+        service.provider.subscribe(service.prefix + "k")  # type: ignore[attr-defined]
 
 
 # The shared contract suite, collected here once more against the store above. The outage

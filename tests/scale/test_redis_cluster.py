@@ -4,7 +4,7 @@ Every script touches one key or keys of one hash slot, so acquire, release and p
 single-slot; refresh and scan group keys by slot (pipelined per node). The shared
 contract suite is run once more against the cluster at the end of this module, and so
 are the semaphore contract tests (``limit=N``: slot 1 is the key, slots 2..N ``{key}#i``
-share one hash slot).
+share one hash slot) and the waiting / lock_many ones.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from celery_exclusive import LockService, ReleaseOutcome
+from celery_exclusive import LockedError, LockService, ReleaseOutcome
 from celery_exclusive.errors import BackendError
 from celery_exclusive.providers._redis_scripts import fence_key
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
@@ -52,8 +52,26 @@ from tests.contract.test_semaphore import (  # noqa: F401
     test_sigkilled_holders_slots_free_after_the_ttl_only,
 )
 
-# Woken handover on the cluster (p50 within 50 ms, as on every store that signals releases).
-from tests.contract.test_waiting import test_a_waiter_acquires_soon_after_the_release  # noqa: F401
+# Waiting and several keys on the cluster (tests/contract/test_waiting.py): the woken
+# handover (p50 within 50 ms, as on every store that signals releases), waits that end at
+# their timeout or after a SIGKILLed holder's ttl, lock_many over keys in different hash
+# slots (on different primaries: separate leases in canonical order, rolled back on a
+# refusal or a failure), 8 processes on random key sets and on one key (no deadlock, no
+# overlap, nobody starved), and a releaser giving way to the waiters its signal reached.
+from tests.contract.test_waiting import (  # noqa: F401
+    test_a_releaser_gives_way_to_a_waiter,
+    test_a_releaser_nobody_waits_for_does_not_give_way,
+    test_a_semaphore_waiter_is_woken_by_the_release_of_any_slot,
+    test_a_waiter_acquires_soon_after_the_release,
+    test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl,
+    test_bad_arguments_with_wait_are_refused_before_the_store_is_touched,
+    test_lock_many_is_all_or_none,
+    test_lock_many_rolls_back_when_a_later_key_fails,
+    test_lock_many_waits_without_holding_anything,
+    test_no_waiting_process_is_starved,
+    test_overlapping_random_key_sets_never_deadlock_or_overlap,
+    test_wait_ends_at_its_timeout_and_answers_as_without_wait,
+)
 from tests.scale._servers import cluster_ports, processes, start_cluster_node, wait_for
 from tests.scale.conftest import contract_store
 
@@ -421,6 +439,41 @@ def test_a_release_wakes_its_waiters_on_every_primary(provider: RedisLockProvide
         assert all(s.wait(0) is False for k, s in subscriptions.items() if k != key)
     for subscription in subscriptions.values():
         subscription.close()
+
+
+def test_lock_many_over_keys_on_every_primary_is_all_or_none(redis_cluster: str) -> None:
+    """lock_many of three keys on three primaries (three hash slots: no script could take
+    them at once): with the last key in canonical order held elsewhere, the call takes the
+    first two, is refused on the third and releases the two; once it is free the set is
+    taken whole, each key a lease on its own primary with that slot's fence."""
+    prefix = f"m{uuid.uuid4().hex[:8]}:"
+    first, second = LockService(redis_cluster, prefix=prefix), LockService(redis_cluster, prefix=prefix)
+    try:
+        provider = first.provider
+        assert isinstance(provider, RedisLockProvider)
+        cluster = provider._client
+        by_node: dict[str, str] = {}
+        for i in range(200):
+            by_node.setdefault(cluster.get_node_from_key(f"{prefix}k{i}").name, f"k{i}")
+        assert len(by_node) == 3
+        keys = sorted(by_node.values(), key=lambda key: prefix + key)  # the canonical order
+        blocker = first.lock(keys[2], ttl=30)
+        with pytest.raises(LockedError) as refused:
+            second.lock_many(keys[::-1], ttl=30)
+        assert refused.value.key == keys[2]
+        assert second.held() == []
+        assert [first.peek(key) for key in keys[:2]] == [None, None]
+        blocker.release()
+        taken = second.lock_many(keys[::-1], ttl=30)
+        assert taken.keys == keys
+        for lease in taken:
+            assert cluster.hget(prefix + lease.key, "token") == lease.token.encode()
+            assert int(cluster.get(fence_key(cluster.keyslot(prefix + lease.key)))) >= lease.fence
+        assert taken.release() == dict.fromkeys(keys, ReleaseOutcome.RELEASED)
+        assert first.locks() == []
+    finally:
+        first.close()
+        second.close()
 
 
 def test_a_semaphore_takes_slots_with_their_slots_fence_and_wakes_on_any(provider: RedisLockProvider) -> None:

@@ -1,13 +1,14 @@
 """The Redis store through Sentinel (``redis+sentinel://``): a private primary and sentinel.
 
-Only discovery and normal operation (the single lock, and semaphores: the semaphore
-contract tests run through the sentinel too) are tested here; what a failover does to leases
-(async replication can lose them) is tested in tests/faults/test_failover.py and
-documented in docs/scaling.md.
+Only discovery and normal operation (the single lock, semaphores, waiting and lock_many:
+the semaphore and waiting contract tests run through the sentinel too) are tested here;
+what a failover does to leases (async replication can lose them) is tested in
+tests/faults/test_failover.py and documented in docs/scaling.md.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -24,6 +25,7 @@ from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
 from celery_exclusive.testing.contract import wait_until
 from tests.conftest import Store
+from tests.contract import test_waiting as _waiting
 
 # The semaphore contract through the sentinel (on the `store` fixture below).
 from tests.contract.test_semaphore import (  # noqa: F401
@@ -40,8 +42,41 @@ from tests.contract.test_semaphore import (  # noqa: F401
     test_semaphore_oracle_never_more_than_limit_holders,
     test_sigkilled_holders_slots_free_after_the_ttl_only,
 )
+
+# Waiting and several keys through the sentinel (tests/contract/test_waiting.py): the woken
+# handover, waits that end at their timeout or after a SIGKILLed holder's ttl, lock_many,
+# a releaser giving way; the two 8-process tests with CE_LONG=1 (below).
+from tests.contract.test_waiting import (  # noqa: F401
+    test_a_releaser_gives_way_to_a_waiter,
+    test_a_releaser_nobody_waits_for_does_not_give_way,
+    test_a_semaphore_waiter_is_woken_by_the_release_of_any_slot,
+    test_a_waiter_acquires_soon_after_the_release,
+    test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl,
+    test_bad_arguments_with_wait_are_refused_before_the_store_is_touched,
+    test_lock_many_is_all_or_none,
+    test_lock_many_rolls_back_when_a_later_key_fails,
+    test_lock_many_waits_without_holding_anything,
+    test_wait_ends_at_its_timeout_and_answers_as_without_wait,
+)
 from tests.scale._servers import binary, free_port, processes, start, wait_for
 from tests.scale.conftest import contract_store
+
+#: The 8-process waiting tests (~7 s each here, at load ~24) run only with CE_LONG=1 through
+#: the sentinel: once it has named the primary, the provider's code is the standalone
+#: server's, where they run in the default mode (tests/contract/test_waiting.py).
+long_only = pytest.mark.skipif(os.environ.get("CE_LONG") != "1", reason="8 processes: CE_LONG=1 only here")
+
+
+@long_only
+def test_no_waiting_process_is_starved(store: Store) -> None:
+    """tests/contract/test_waiting.py's, through the sentinel."""
+    _waiting.test_no_waiting_process_is_starved(store)
+
+
+@long_only
+def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp_path: Path) -> None:
+    """tests/contract/test_waiting.py's, through the sentinel."""
+    _waiting.test_overlapping_random_key_sets_never_deadlock_or_overlap(store, tmp_path)
 
 
 @pytest.fixture(scope="module")
