@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import time
 import uuid
@@ -24,11 +26,11 @@ import redis
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError
 from celery_exclusive.providers._redis_scripts import SLOTS, fence_key
-from celery_exclusive.providers._redis_wire import POLL_AFTER
+from celery_exclusive.providers._redis_wire import POLL_AFTER, SLICE, TOLERANCE
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.redis import FENCES, RedisLockProvider
 from celery_exclusive.urls import scheme_family
-from tests.conftest import IN_CI, REDIS_URL, require_server
+from tests.conftest import IN_CI, REDIS_URL, TIME_SLACK, require_server
 
 
 def unavailable(reason: str) -> None:
@@ -537,6 +539,42 @@ def test_busy_connection_closed_by_server_fails_once_as_an_outage(
     with pytest.raises(BackendError):
         provider.release(key, "tok")
     assert provider.release(key, "tok") is True
+
+
+def _armed(sock: socket.socket, option: int) -> float:
+    """The kernel timeout ``option`` (``SO_RCVTIMEO``/``SO_SNDTIMEO``) armed on ``sock``, in s."""
+    seconds, micros = struct.unpack("@ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
+    return seconds + micros / 1e6
+
+
+def test_the_kernel_bounds_each_wait_within_the_calls_deadline(private_redis: str, prefix: str) -> None:
+    """A kept connection's socket is blocking, each wait bounded by the kernel's timeout
+    (no poll() before every send and recv); a call with a short deadline arms a shorter one,
+    and a later call with a longer deadline on a paused server still waits out all of its
+    own (the short timeout expiring is not taken for it) before it raises BackendError."""
+    provider = RedisLockProvider(private_redis)
+    admin = redis.Redis.from_url(private_redis)
+    key = prefix + "kernel"
+    try:
+        assert provider.peek(key, timeout=5.0) is None
+        ((conn, _),) = kept_connections(provider)
+        sock = conn._sock
+        assert sock.gettimeout() is None  # blocking: on main a Python timeout, set per call
+        assert 0 < _armed(sock, socket.SO_RCVTIMEO) <= SLICE
+        assert provider.peek(key, timeout=0.05) is None
+        assert 0 < _armed(sock, socket.SO_RCVTIMEO) <= 0.05 + TOLERANCE
+        admin.client_pause(2000, all=True)  # every client's commands wait: a silent server
+        started = time.monotonic()
+        with pytest.raises(BackendError, match="Timeout reading"):
+            provider.peek(key, timeout=0.8)
+        took = time.monotonic() - started
+        assert 0.8 <= took <= 0.8 + TIME_SLACK, f"peek(timeout=0.8) took {took:.3f} s"
+        assert kept_connections(provider)[0][0]._sock is None  # the timed-out connection is closed
+        assert provider.peek(key, timeout=5.0) is None  # a new one, once the pause ends
+    finally:
+        admin.client_unpause()
+        admin.close()
+        provider.close()
 
 
 def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
