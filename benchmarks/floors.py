@@ -16,10 +16,11 @@ time and every cycle's, measured with ``CLOCK_MONOTONIC`` inside the program.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import secrets
 import shutil
 import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -209,12 +210,20 @@ def redis_floor(path: Path, url: str, key_prefix: str, commands: tuple[list[str]
 
 
 class RespClient:
-    """A minimal Redis client: hand-written RESP over one blocking socket (the Python floor)."""
+    """A minimal Redis client: hand-written RESP over one blocking socket (the Python floor).
+
+    Blocking, its 10 s timeouts the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO``), as the C floor
+    and the package's own connections: a socket with a Python timeout would ``poll()`` before
+    every send and receive, two system calls a round trip the least Python can do need not pay.
+    """
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(None)
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", 10, 0))
         self.file = self.sock.makefile("rb")
         db = (parts.path or "/0").lstrip("/") or "0"
         self.call(b"SELECT", db.encode())
@@ -256,10 +265,13 @@ def python_floor(client: RespClient, keys: Sequence[str], commands: tuple[list[s
     rel_at = [commands[1].index(w) if w in commands[1] else -1 for w in ("{key}", "{token}")]
     encoded = [k.encode() for k in keys]
     n = len(keys)
+    serial = itertools.count(1)
 
     def op(i: int) -> None:
         key = encoded[i % n]
-        token = f"{prefix}{int(time.time() * 1000)}:{secrets.token_hex(8)}".encode()
+        # The package's token shape; its 64 bits as the C floor makes them (no getrandom()).
+        bits = (0x9E3779B97F4A7C15 * next(serial)) & 0xFFFFFFFFFFFFFFFF
+        token = f"{prefix}{int(time.time() * 1000)}:{bits:016x}".encode()
         acquire[key_at[0]], acquire[key_at[1]] = key, token
         reply = client.call(*acquire)
         if (reply[0] if isinstance(reply, list) else reply) != 1:
