@@ -109,10 +109,16 @@ def _lib() -> _Redis:
 def _lean(conn: Any) -> bool | None:
     """Whether ``conn`` (connected) can be driven by a :class:`_Line`: None if not, else
     whether a READONLY reply means its Sentinel primary was demoted."""
-    lib = _lib()
+    try:
+        lib = _lib()
+    except (ImportError, AttributeError):  # a redis-py laid out otherwise: its own reading
+        return None
+    parser = conn._parser
     if (
         type(conn._sock) is not socket.socket  # TLS: the SSL layer buffers and blocks its own way
-        or type(conn._parser) is not lib.hiredis_parser
+        or type(parser) is not lib.hiredis_parser
+        or getattr(parser, "_reader", None) is None
+        or not isinstance(getattr(parser, "_buffer", None), bytearray)
         or conn.protocol not in (2, 3)
         or conn.health_check_interval  # redis-py's PING before a send when one is due
     ):
@@ -138,7 +144,7 @@ class _Line:
         self.reader = conn._parser._reader
         self.buf = conn._parser._buffer
         #: RESP3's push messages (hiredis >= 3.2), handed to redis-py's handlers as it does.
-        self.push: type | None = conn._parser._hiredis_PushNotificationType
+        self.push: type | None = getattr(conn._parser, "_hiredis_PushNotificationType", None)
         self.demoted = demoted
         #: A call without a deadline: each wait within the client's socket timeout (None:
         #: unbounded), as redis-py's own socket timeout bounds each recv.
