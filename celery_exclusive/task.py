@@ -376,7 +376,7 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
             lease = _acquire(task, plan, key, once, request)
         except AlreadyDone as done:
             redelivery.settle(task, done.key, done.record, args, kwargs)  # ends a copy of a finished run
-            once = None  # a retry's own attempt: take the key as usual
+            once, plan = None, _plan_of(task)  # a retry's own attempt: take the key as usual
             continue
         except LockedError as locked:
             if locked.holder is None and not asked_again:
@@ -388,6 +388,7 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
                 call = policies.Call(args, kwargs, inline=inline)
             result = policies.held(task, locked.key, locked.holder, call)
             if result is policies.AGAIN:
+                plan = _plan_of(task)  # after an inline wait: the service may have been replaced
                 continue
             return result
         return _hold(task, plan, lease, args, kwargs, request=request, record=record, marked=marked)
