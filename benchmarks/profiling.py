@@ -259,24 +259,21 @@ def profile_service(plan: Plan) -> None:
     pg_cpu_ladder(300 if plan.quick else 1500, 3 if plan.quick else 5)
 
 
-def celery_layer(n: int = 2000, rounds: int = 7) -> None:
-    """Client CPU per task on Redis, each task run by Celery's own tracer as a pool process runs
-    it (``build_tracer``; no broker): a plain no-op, the same plus the provider's acquire +
-    release (the lock's floor), plus ``LockService.lock + release``, and an exclusive no-op.
-    Exclusive minus service is what the task layer itself costs (issue #16); rounds rotate the
-    order, and the exclusive variant is then profiled by layer (CPU clock)."""
-    if reachable(REDIS_URL):
-        return
-    from celery import Celery
-    from celery.app.trace import build_tracer
+_LAYER_NAMES = (
+    "plain no-op",
+    "floor: plain + provider acquire + release",
+    "service: plain + LockService.lock + release",
+    "exclusive no-op (a key per task)",
+)
 
+
+def layer_tasks(app: Any, prefix: str) -> dict[str, Any]:
+    """The Celery layer's variants as tasks of ``app`` (named ``<prefix>.<variant>``), each
+    body taking ``(i, tag)``: ``plain`` (a no-op), ``floor`` (plain plus one provider acquire +
+    release: the lock's own floor), ``service`` (plus ``LockService.lock + release``) and
+    ``exclusive`` (an exclusive no-op, a key per task)."""
     from celery_exclusive import exclusive_task
-    from celery_exclusive.worker import close_lock_services, get_lock_service
-
-    app = Celery("cebench-layer", broker="memory://", set_as_current=False)
-    app.conf.update(
-        exclusive_url=REDIS_URL, exclusive_prefix=f"{REDIS_PREFIX}layer:", task_ignore_result=True
-    )
+    from celery_exclusive.worker import get_lock_service
 
     def noop(i: int, tag: str) -> None:
         """A no-op task body."""
@@ -290,14 +287,33 @@ def celery_layer(n: int = 2000, rounds: int = 7) -> None:
     def locked(i: int, tag: str) -> None:
         get_lock_service(app).lock(f"s:{tag}:{i}").release()
 
-    tasks = {
-        "plain no-op": app.task(name="layer.plain")(noop),
-        "floor: plain + provider acquire + release": app.task(name="layer.floor")(floor),
-        "service: plain + LockService.lock + release": app.task(name="layer.service")(locked),
-        "exclusive no-op (a key per task)": exclusive_task(
-            app=app, name="layer.exclusive", key="e:{tag}:{i}"
-        )(noop),
+    return {
+        "plain": app.task(name=f"{prefix}.plain")(noop),
+        "floor": app.task(name=f"{prefix}.floor")(floor),
+        "service": app.task(name=f"{prefix}.service")(locked),
+        "exclusive": exclusive_task(app=app, name=f"{prefix}.exclusive", key="e:{tag}:{i}")(noop),
     }
+
+
+def celery_layer(n: int = 2000, rounds: int = 7) -> None:
+    """Client CPU per task on Redis, each task run by Celery's own tracer as a pool process runs
+    it (``build_tracer``; no broker): a plain no-op, the same plus the provider's acquire +
+    release (the lock's floor), plus ``LockService.lock + release``, and an exclusive no-op.
+    Exclusive minus service is what the task layer itself costs (issue #16); rounds rotate the
+    order, and the exclusive variant is then profiled by layer (CPU clock)."""
+    if reachable(REDIS_URL):
+        return
+    from celery import Celery
+    from celery.app.trace import build_tracer
+
+    from celery_exclusive.worker import close_lock_services
+
+    app = Celery("cebench-layer", broker="memory://", set_as_current=False)
+    app.conf.update(
+        exclusive_url=REDIS_URL, exclusive_prefix=f"{REDIS_PREFIX}layer:", task_ignore_result=True
+    )
+
+    tasks = dict(zip(_LAYER_NAMES, layer_tasks(app, "layer").values(), strict=True))
     app.finalize()
     # The registered task objects, as a worker's tracer gets them (the decorators' return
     # values are proxies: calling one through a proxy costs every exclusive run ~0.5 µs more).

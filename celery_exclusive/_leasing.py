@@ -118,15 +118,19 @@ class Leasing:
         limit: int,
     ) -> Lease:
         """See :meth:`LockService.lock <celery_exclusive.service.LockService.lock>`."""
-        if semaphore.check_limit(limit) > 1:
+        # check_limit's answer for 1 without its call (True == 1, but is refused there).
+        if (type(limit) is not int or limit != 1) and semaphore.check_limit(limit) > 1:
             task_id = None
         if task_id is not None:
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self._service.keeps_records:
                 task_id = None
-        taken = self._take(
-            key, durations, holder, wait, hold_at_least, limit=limit, task_id=task_id, name_holder=True
-        )
+        if wait is None and hold_at_least is None:  # _take's hot path, without its call
+            taken = self._acquiring.take(key, *durations, holder, task_id=task_id, limit=limit)
+        else:
+            taken = self._take(
+                key, durations, holder, wait, hold_at_least, limit=limit, task_id=task_id, name_holder=True
+            )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)
         return taken

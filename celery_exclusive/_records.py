@@ -6,6 +6,8 @@ Part of the lock core.
 
 from __future__ import annotations
 
+import math
+
 from celery_exclusive._core import Store
 from celery_exclusive._process import check_filter, unprefix
 from celery_exclusive.errors import InvalidArgumentError
@@ -80,4 +82,6 @@ def check_completion(completion: object) -> None:
     attempt = completion.attempt
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
         raise InvalidArgumentError(f"completion attempt must be an int >= 0, got {attempt!r}")
-    seconds("completion retain", completion.retain)
+    retain = completion.retain
+    if type(retain) is not float or not 0.0 < retain < math.inf:  # the usual float: no call
+        seconds("completion retain", retain)

@@ -47,6 +47,15 @@ def push(task: object, lease: Lease | LeaseSet) -> None:
     _running.stack.append((task, lease))
 
 
+def enter(task: object, lease: Lease | LeaseSet) -> bool:
+    """:func:`push`; True unless a run of ``task`` was already in progress in this thread
+    (:func:`inside` before the push, in the same call)."""
+    stack = _running.stack
+    outermost = not stack or all(running is not task for running, _ in stack)
+    stack.append((task, lease))
+    return outermost
+
+
 def current(task: object) -> Lease | LeaseSet | None:
     """The lease(s) of ``task``'s innermost run in progress in this thread, or None."""
     for running, lease in reversed(_running.stack):

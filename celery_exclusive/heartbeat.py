@@ -32,6 +32,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -130,6 +131,9 @@ class Heartbeat:
         self._batch_size = batch_size
         self._thread_factory = thread_factory
         self._leases: dict[int, Lease] = {}
+        #: Leases added since the thread last looked (see add()): appended without the mutex,
+        #: taken into ``_leases`` by whoever holds it next (:meth:`_adopt`).
+        self._fresh: deque[Lease] = deque()
         self._wake = threading.Event()
         self._refreshing = Refreshing(
             provider,
@@ -151,18 +155,31 @@ class Heartbeat:
     def add(self, lease: Lease) -> None:
         """Start keeping ``lease`` alive.
 
-        The thread is woken only if ``lease`` is due before it would wake anyway: waking it
-        for every acquisition costs a thread switch per lock, which measured as much as the
-        round trip of an uncontended Redis acquire.
+        Neither the mutex nor the thread's event is touched while the thread runs and the
+        lease is not due before the thread wakes anyway (at most :data:`MAX_SLEEP` away): the
+        lease is appended to ``_fresh`` (atomic), and the thread takes it in at its next pass,
+        by when a short run has released it already. Waking the thread for every acquisition
+        would cost a thread switch per lock, as much as the round trip of an uncontended Redis
+        acquire. The thread clears ``_thread`` (under the mutex) before it looks at ``_fresh``
+        a last time and exits, so a lease appended before that read is seen by it, and one
+        appended after sees ``_thread`` None here and starts a new thread.
         """
-        due = lease._wake_at()
-        with self.mutex:
-            self._leases[id(lease)] = lease
-            thread = self._thread  # _start_thread's test inline: it runs, the usual case
-            started = thread is None or not thread.is_alive()
-            wake = not (started and self._start_thread()) and due < self._wake_at
-        if wake:
+        self._fresh.append(lease)
+        if self._thread is None:  # not running: the first lease, or the thread went idle
+            with self.mutex:
+                if self._start_thread():
+                    return
+        if lease._wake_at() < self._wake_at:
             self._wake.set()
+
+    def _adopt(self) -> None:
+        """Take the leases added since into ``_leases``, dropping those already released or
+        lost (caller holds ``mutex``: one taker at a time)."""
+        fresh, leases = self._fresh, self._leases
+        while fresh:
+            lease = fresh.popleft()
+            if lease._live():
+                leases[id(lease)] = lease
 
     def _start_thread(self) -> bool:
         """Start the thread unless it is running (caller holds ``mutex``); True if started."""
@@ -192,6 +209,7 @@ class Heartbeat:
     def held(self) -> list[Lease]:
         """The leases currently kept alive."""
         with self.mutex:
+            self._adopt()
             return list(self._leases.values())
 
     @property
@@ -213,6 +231,14 @@ class Heartbeat:
         self._inflight.settle(self._clock, end)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with self.mutex:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # add() starts a fresh thread under this mutex
+
+    def _loop(self) -> None:
         delay = 0.0
         idle_since: float | None = None
         while not self._stop.is_set():
@@ -230,14 +256,19 @@ class Heartbeat:
                 delay = 1.0
             with self.mutex:
                 now = self._clock()
+                self._adopt()
                 if self._leases or not self._inflight.idle():
                     idle_since = None
                 else:
                     idle_since = now if idle_since is None else idle_since
                     if now - idle_since >= IDLE_EXIT:
                         self._thread = None  # add() starts a fresh thread under this mutex
-                        return
-                    delay = min(delay, IDLE_EXIT - (now - idle_since) + 0.01)
+                        if not self._fresh:  # read after the write above: see add()
+                            return
+                        self._thread = threading.current_thread()  # a lease came meanwhile
+                        idle_since, delay = None, 0.0  # a pass now takes it in
+                    else:
+                        delay = min(delay, IDLE_EXIT - (now - idle_since) + 0.01)
                 # Set under the mutex that add() holds: a lease added after this is
                 # compared with the wake-up the thread will really have.
                 self._wake_at = now + delay
@@ -281,6 +312,7 @@ class Heartbeat:
         """The leases to refresh now (none unless one is strictly due: the others ride along);
         the ones past their local deadline are lost on the way."""
         with self.mutex:
+            self._adopt()
             active = list(self._leases.values())
             busy = set(self._inflight.busy)
         due: list[Lease] = []
@@ -302,6 +334,7 @@ class Heartbeat:
     def _next_delay(self) -> float:
         now = self._clock()
         with self.mutex:
+            self._adopt()
             busy = self._inflight.busy
             wake = [lease._wake_at(refreshing=id(lease) in busy) for lease in self._leases.values()]
             wake += self._inflight.wake_times()

@@ -140,16 +140,17 @@ class Lease:
         self.refresh_interval = refresh_interval
         self.max_lifetime = max_lifetime
         self.acquired_at = sent_at
-        self.hard_deadline = sent_at + max_lifetime
-        self._margin = safety_margin(ttl)
+        self.hard_deadline = hard_deadline = sent_at + max_lifetime
+        margin = ttl * SAFETY_MARGIN_FRACTION  # safety_margin(ttl), without its call
+        self._margin = margin = margin if margin < SAFETY_MARGIN_CAP else SAFETY_MARGIN_CAP
         self._request: RefreshRequest | None = None  # made by the heartbeat's first refresh
         self._lost: threading.Event | None = None  # made on first use of ``lost``
         self._on_lost: list[Callable[[Lease, str], object]] = []
+        # HELD from its acquisition: _confirm(sent_at, granted, clamped=False), inline.
         self._state = LeaseState.HELD
-        self._deadline = 0.0
-        self._next_refresh = 0.0
-        self._final = False
-        self._confirm(sent_at, granted, clamped=False)  # HELD from its acquisition
+        self._deadline = sent_at + granted - margin
+        self._next_refresh = next_refresh = sent_at + refresh_interval
+        self._final = next_refresh >= hard_deadline
 
     def __repr__(self) -> str:
         return f"<Lease key={self.key!r} fence={self.fence} state={self._state.value}>"
@@ -310,6 +311,10 @@ class Lease:
         if self._final or self._next_refresh - self.refresh_interval / 2 > now:
             return "later"
         return "now" if self._next_refresh <= now else "soon"
+
+    def _live(self) -> bool:
+        """True while HELD or in JEOPARDY (the state as it is, without the deadline test)."""
+        return self._state in _LIVE
 
     def _failing(self) -> bool:
         """True unless HELD: its last refresh failed (its retries go in calls of their own)."""

@@ -102,10 +102,12 @@ def once_id(task: TaskView, request: Any = None) -> str | None:
     request = task.request if request is None else request
     if request.called_directly or request.is_eager or retention(task) is None:
         return None
-    return _usable(request.id)
+    return usable_id(request.id)
 
 
-def _usable(task_id: object) -> str | None:
+def usable_id(task_id: object) -> str | None:
+    """``task_id`` if a completion record can hold it (a str of 1-200 characters without
+    NUL), else None."""
     if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID_LENGTH or "\x00" in task_id:
         return None
     return task_id
@@ -117,7 +119,7 @@ def guard_key(task: TaskView, key: str, request: Any) -> str | None:
     an inline run, or an id that no key of the store can hold."""
     if task.lock_settings.limit == 1 or request.called_directly or request.is_eager:
         return None
-    task_id = _usable(request.id)
+    task_id = usable_id(request.id)
     if task_id is None:
         return None
     guard = f"{key}{GUARD_INFIX}{task_id}"

@@ -54,6 +54,7 @@ finished id is remembered; ``False`` turns that off).
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import time
 import types
@@ -78,6 +79,7 @@ from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
+from celery_exclusive import worker as _worker
 from celery_exclusive._process import HolderTemplate
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
@@ -307,45 +309,13 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         request = self.request
-        if dedupe.marker_of(request) is None:  # most messages: no queued marker to end
-            return self._call(args, kwargs, request)  # type: ignore[no-any-return]  # not cast(): a call
+        if not _may_carry_marker(request) or dedupe.marker_of(request) is None:  # most messages
+            return _run(self, args, kwargs, request, marked=False)  # type: ignore[no-any-return]
         dedupe.run_started(self, request)
         try:
-            return cast("_R", self._call(args, kwargs, request))
+            return cast("_R", _run(self, args, kwargs, request, marked=True))
         finally:
             dedupe.release_for(self, "run ended", request)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any) -> Any:
-        """The run of the current ``request``."""
-        observe.begin()
-        settings = self.lock_settings
-        key = _key_builder_of(self).build(self.name, args, kwargs)
-        if not isinstance(key, str):
-            _check_several(self.name, settings.on_locked, settings.cooldown, None, settings.limit)
-        inline = bool(request.called_directly or request.is_eager)
-        record = None if inline else redelivery.once_id(self, request)
-        once, asked_again = record, inline
-        call: policies.Call | None = None  # made once the key is found held (its waits' state)
-        while True:
-            try:
-                lease = self._acquire(key, once, request)
-            except AlreadyDone as done:
-                redelivery.settle(self, done.key, done.record, args, kwargs)  # ends a copy of a finished run
-                once = None  # a retry's own attempt: take the key as usual
-                continue
-            except LockedError as locked:
-                if locked.holder is None and not asked_again:
-                    # The holder was committing its grant as we asked: ask once more to
-                    # learn who it is (it may be this very message's original).
-                    asked_again = True
-                    continue
-                if call is None:
-                    call = policies.Call(args, kwargs, inline=inline)
-                result = policies.held(self, locked.key, locked.holder, call)
-                if result is policies.AGAIN:
-                    continue
-                return result
-            return self._run_holding(lease, args, kwargs, request, record)
 
     def retry(  # noqa: PLR0917 - Celery's own signature
         self,
@@ -372,15 +342,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     def _acquire(self, key: str | list[str], once: str | None, request: Any) -> Lease | LeaseSet:
         """The run's lease(s) on ``key`` (LockedError if held; AlreadyDone if ``once`` is done)."""
-        started = time.perf_counter()
-        try:
-            plan = _plan_of(self)
-            guard = None
-            if plan.settings.limit > 1 and isinstance(key, str):  # a semaphore: see guard_key()
-                guard = redelivery.guard_key(self, key, request)
-            return _lock(plan, key, plan.holder(self, request), once, guard=guard)
-        finally:
-            observe.spent_acquiring(time.perf_counter() - started)
+        return _acquire(self, _plan_of(self), key, once, request)
 
     def _run_holding(
         self,
@@ -392,71 +354,144 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
     ) -> Any:
         """Run the body holding ``lease``, then release it, writing the completion record of
         ``record`` (:func:`redelivery.once_id` of ``request``, the current request)."""
-        plan = _plan_of(self)
-        if dedupe.marker_of(request) is not None:
-            dedupe.acquired(self, request)
-        leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
-        report = observe.holding(self, leases, request)
-        interrupter = _interrupt.arm(*leases) if plan.terminate else None
-        traced = _traced(self, request)
-        _runs.push(self, lease)
-        try:
-            try:
-                result = self.run(*args, **kwargs) if traced else super().__call__(*args, **kwargs)
-            finally:
-                if interrupter is not None:
-                    interrupter.disarm()
-        except _interrupt.LeaseLostInterrupt as exc:
-            done = redelivery.completion(self, exc, interrupted=True, task_id=record, request=request)
-            lost = self._finish(plan, lease, retrying=False, done=done)
-            which = lost or _runs.first_lost(leases)
-            raise LockLost(which.key, which.fence, _INTERRUPTED) from None
-        except BaseException as exc:
-            done = redelivery.completion(self, exc, task_id=record, request=request)
-            lost = self._finish(plan, lease, retrying=isinstance(exc, Retry), done=done)
-            report.finished(lost or leases[0], lost is not None)
-            raise
-        done = redelivery.completion(self, None, task_id=record, request=request)
-        lost = self._finish(plan, lease, retrying=False, done=done)
-        if lost is not None:
-            report.finished(lost, True)
-            if plan.settings.on_lost == "raise":
-                raise LockLost(lost.key, lost.fence, _DISCARDED)
-        return result
+        return _hold(self, _plan_of(self), lease, args, kwargs, request=request, record=record, marked=True)
 
-    def _finish(
-        self, plan: _Plan, lease: Lease | LeaseSet, *, retrying: bool, done: Completion | None
-    ) -> Lease | None:
-        """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
-        ``finished`` hook (the rerun hand-on). The lease that had been lost, or None."""
-        lost = _runs.finish(lease, done)
-        if plan.finishes:
-            plan.policy.finished(self, _runs.first_key(lease), retrying=retrying)
-        return lost
+
+def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool) -> Any:
+    """The run of the current ``request`` (``marked``: its message may carry a queued marker)."""
+    plan = _plan_of(task)
+    if _SPANS in sys.modules:  # the acquire's duration is read only for a span
+        observe.begin()
+    key = _key_builder_of(task).build(task.name, args, kwargs)
+    if not isinstance(key, str):
+        settings = plan.settings
+        _check_several(task.name, settings.on_locked, settings.cooldown, None, settings.limit)
+    inline = bool(request.called_directly or request.is_eager)
+    # redelivery.once_id() with the plan's retention: one call instead of three.
+    record = None if inline or plan.retention is None else redelivery.usable_id(request.id)
+    once, asked_again = record, inline
+    call: policies.Call | None = None  # made once the key is found held (its waits' state)
+    while True:
+        try:
+            lease = _acquire(task, plan, key, once, request)
+        except AlreadyDone as done:
+            redelivery.settle(task, done.key, done.record, args, kwargs)  # ends a copy of a finished run
+            once, plan = None, _plan_of(task)  # a retry's own attempt: take the key as usual
+            continue
+        except LockedError as locked:
+            if locked.holder is None and not asked_again:
+                # The holder was committing its grant as we asked: ask once more to
+                # learn who it is (it may be this very message's original).
+                asked_again = True
+                continue
+            if call is None:
+                call = policies.Call(args, kwargs, inline=inline)
+            result = policies.held(task, locked.key, locked.holder, call)
+            if result is policies.AGAIN:
+                plan = _plan_of(task)  # after an inline wait: the service may have been replaced
+                continue
+            return result
+        return _hold(task, plan, lease, args, kwargs, request=request, record=record, marked=marked)
+
+
+def _acquire(
+    task: ExclusiveTask[..., Any], plan: _Plan, key: str | list[str], once: str | None, request: Any
+) -> Lease | LeaseSet:
+    """``task._acquire`` with the task's plan."""
+    if _SPANS not in sys.modules:  # no span to report the duration on: not timed
+        return _lock(task, plan, key, once, request)
+    started = time.perf_counter()
+    try:
+        return _lock(task, plan, key, once, request)
+    finally:
+        observe.spent_acquiring(time.perf_counter() - started)
+
+
+def _hold(
+    task: ExclusiveTask[..., Any],
+    plan: _Plan,
+    lease: Lease | LeaseSet,
+    args: Any,
+    kwargs: Any,
+    *,
+    request: Any,
+    record: str | None,
+    marked: bool,
+) -> Any:
+    """``task._run_holding`` with the task's plan (``marked``: as for :func:`_run`)."""
+    if marked and _may_carry_marker(request) and dedupe.marker_of(request) is not None:
+        dedupe.acquired(task, request)
+    leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
+    report = observe.holding(task, leases, request)
+    interrupter = _interrupt.arm(*leases) if plan.terminate else None
+    # Whether the body may be called without Task.__call__: the worker's tracer (and
+    # apply()) pushed this task and its request before calling us, and Task.__call__
+    # would push a copy of both (10 us a run). Only when it is the next __call__ in line
+    # (plan.traceable), and not for a call from inside this task's own body.
+    traced = _runs.enter(task, lease) and plan.traceable and not request.called_directly
+    try:
+        try:
+            result = (
+                task.run(*args, **kwargs) if traced else super(ExclusiveTask, task).__call__(*args, **kwargs)
+            )
+        finally:
+            if interrupter is not None:
+                interrupter.disarm()
+    except _interrupt.LeaseLostInterrupt as exc:
+        done = redelivery.completion(task, exc, interrupted=True, task_id=record, request=request)
+        lost = _finish(task, plan, lease, retrying=False, done=done)
+        which = lost or _runs.first_lost(leases)
+        raise LockLost(which.key, which.fence, _INTERRUPTED) from None
+    except BaseException as exc:
+        done = redelivery.completion(task, exc, task_id=record, request=request)
+        lost = _finish(task, plan, lease, retrying=isinstance(exc, Retry), done=done)
+        report.finished(lost or leases[0], lost is not None)
+        raise
+    # redelivery.completion() of a body that returned, without its two calls.
+    keep, attempt = plan.retention, int(request.retries or 0)
+    done = None if record is None or keep is None else Completion(record, "success", attempt, keep)
+    lost = _finish(task, plan, lease, retrying=False, done=done)
+    if lost is not None:
+        report.finished(lost, True)
+        if plan.settings.on_lost == "raise":
+            raise LockLost(lost.key, lost.fence, _DISCARDED)
+    return result
+
+
+def _finish(
+    task: ExclusiveTask[..., Any],
+    plan: _Plan,
+    lease: Lease | LeaseSet,
+    *,
+    retrying: bool,
+    done: Completion | None,
+) -> Lease | None:
+    """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
+    ``finished`` hook (the rerun hand-on). The lease that had been lost, or None."""
+    lost = _runs.finish(lease, done)
+    if plan.finishes:
+        plan.policy.finished(task, _runs.first_key(lease), retrying=retrying)
+    return lost
 
 
 def _lock(
-    plan: _Plan,
-    key: str | list[str],
-    holder: Mapping[str, Any],
-    once: str | None,
-    *,
-    guard: str | None = None,
+    task: ExclusiveTask[..., Any], plan: _Plan, key: str | list[str], once: str | None, request: Any
 ) -> Lease | LeaseSet:
     """The lease on ``key``; several keys all or none, in canonical order (``key`` is sorted):
     the first through ``lock(task_id=once)``, which checks (and at release records) the
     completion record of the task id on it, the rest through ``lock_many``. A semaphore
     (``limit > 1``) of several keys is refused (:func:`_check_several` did, before; again here);
-    one of a single key with a ``guard`` key holds that first (:func:`_lock_slot`)."""
+    one of a single key holds its :func:`redelivery.guard_key` first (:func:`_lock_slot`)."""
     service, settings = plan.service, plan.settings
-    options: dict[str, Any] = {**plan.durations, "holder": holder}
-    if guard is not None:
-        assert isinstance(key, str)  # guard_key() is asked for single keys only
-        return _lock_slot(service, settings, (key, guard), holder, once, durations=plan.durations)
+    holder = plan.holder(task, request)
     if isinstance(key, str):
-        return service.lock(
-            key, task_id=once, hold_at_least=settings.cooldown, limit=settings.limit, **options
-        )
+        if settings.limit == 1:  # the usual run: one call, its options made once (the plan's)
+            return service.lock(key, task_id=once, holder=holder, **plan.options)
+        guard = redelivery.guard_key(task, key, request)
+        if guard is not None:
+            return _lock_slot(service, settings, (key, guard), holder, once, durations=plan.durations)
+        return service.lock(key, task_id=once, holder=holder, **plan.options)
+    options: dict[str, Any] = {**plan.durations, "holder": holder}
     if settings.limit > 1:
         raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
     keys = key
@@ -521,14 +556,39 @@ class _Plan:
     """What every run of a task reads the same way: made once per settings and service
     object (a new service after a fork or close is another), see :func:`_plan_of`."""
 
-    __slots__ = ("_templates", "durations", "finishes", "policy", "service", "settings", "terminate")
+    __slots__ = (
+        "_templates",
+        "app",
+        "durations",
+        "finishes",
+        "options",
+        "policy",
+        "process",
+        "retention",
+        "service",
+        "settings",
+        "terminate",
+        "traceable",
+    )
 
     def __init__(
         self, task: ExclusiveTask[..., Any], settings: ExclusiveSettings, service: LockService
     ) -> None:
         self.settings = settings
         self.service = service
+        #: What the service was looked up for: valid while these are the task's (see _plan_of).
+        self.app, self.process = task.app, _worker._current()
         self.durations = _durations(settings, service)
+        #: ``service.lock``'s options for a single key, but the holder and task id.
+        self.options: dict[str, Any] = {
+            **self.durations,
+            "hold_at_least": settings.cooldown,
+            "limit": settings.limit,
+        }
+        #: How long completion records are kept (None: none are): :func:`redelivery.retention`.
+        self.retention = redelivery.retention(task)
+        #: Whether ``super().__call__`` is Celery's own (see ``_run_holding``).
+        self.traceable = _celerys_call_is_next(type(task))
         self.policy = policies.of(task)
         #: Whether the policy has a ``finished`` hook (the rerun hand-on); the others' is a no-op.
         self.finishes = type(self.policy).finished is not policies.OnLocked.finished
@@ -546,12 +606,31 @@ class _Plan:
 
 
 def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
-    """The task's :class:`_Plan` for its current settings and service."""
-    settings, service = task.lock_settings, task.lock_service
-    plan: _Plan | None = task.__dict__.get("_lock_plan_cache")
-    if plan is None or plan.settings is not settings or plan.service is not service:
-        plan = task.__dict__["_lock_plan_cache"] = _Plan(task, settings, service)
+    """The task's :class:`_Plan` for its current settings and service: the cached one while
+    it has the same settings object, app and process and its service is not closed (what
+    :func:`~celery_exclusive.worker.lock_service_of` checks, without its calls)."""
+    own = task.__dict__
+    plan: _Plan | None = own.get("_lock_plan_cache")
+    if (
+        plan is None
+        or plan.settings is not own.get("_lock_settings_cache")
+        or plan.process is not _worker._state
+        or plan.app is not task.app
+        or plan.service._closed
+    ):
+        settings, service = task.lock_settings, task.lock_service
+        plan = own["_lock_plan_cache"] = _Plan(task, settings, service)
     return plan
+
+
+#: The module whose presence means a span may record (see observe._task_span).
+_SPANS = "opentelemetry.trace"
+
+
+def _may_carry_marker(request: Any) -> bool:
+    """False when ``request``'s message has no dedupe header (most): no marker to look at."""
+    headers = getattr(request, "headers", None)
+    return bool(headers) and dedupe.HEADER in headers  # type: ignore[operator]  # a mapping
 
 
 def _durations(settings: ExclusiveSettings, service: LockService) -> dict[str, float | None]:
@@ -613,14 +692,6 @@ _mixins_mutex = threading.Lock()
 
 
 _celerys_call_next: dict[type, bool] = {}
-
-
-def _traced(task: ExclusiveTask[..., Any], request: Any) -> bool:
-    """Whether the body may be called without Task.__call__: the worker's tracer (and
-    apply()) pushed this task and its request before calling us, and Task.__call__
-    would push a copy of both (10 us a run). Only when it is the next __call__ in
-    line, and not for a call from inside this task's own body."""
-    return not request.called_directly and _celerys_call_is_next(type(task)) and not _runs.inside(task)
 
 
 def _celerys_call_is_next(cls: type) -> bool:

@@ -41,10 +41,11 @@ def check_key(key: object, *, prefix: str = "", max_length: int | None = None) -
         raise InvalidArgumentError("lock key must not be empty")
     if "\x00" in key:
         raise InvalidArgumentError("lock key must not contain NUL characters")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgumentError("lock key must be valid Unicode text (no lone surrogates)") from None
+    if not key.isascii():  # ASCII is UTF-8 already: no encoded copy made for the usual key
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("lock key must be valid Unicode text (no lone surrogates)") from None
     if max_length is not None and len(prefix) + len(key) > max_length:
         raise InvalidArgumentError(
             f"lock key is {len(key)} characters; with the prefix {prefix!r} this store accepts "
@@ -129,8 +130,9 @@ def check_task_id(task_id: object, max_length: int) -> str:
         raise InvalidArgumentError(f"task_id must be a non-empty str, got {task_id!r}")
     if "\x00" in task_id or len(task_id) > max_length:
         raise InvalidArgumentError(f"task_id must be at most {max_length} characters without NUL")
-    try:
-        task_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgumentError("task_id must be valid Unicode text (no lone surrogates)") from None
+    if not task_id.isascii():  # a Celery uuid is ASCII: no encoded copy made for it
+        try:
+            task_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("task_id must be valid Unicode text (no lone surrogates)") from None
     return task_id

@@ -1,0 +1,139 @@
+"""Instructions per task of the Celery layer, counted by callgrind (issue #16).
+
+``python -m benchmarks.instructions [--store memory|redis] [--variant NAME ...]`` runs each
+variant of :func:`benchmarks.profiling.celery_layer` (a plain no-op, the floor: plain plus
+one provider acquire + release, plain plus ``LockService.lock + release``, an exclusive
+no-op) through Celery's own tracer in a process of its own under ``valgrind
+--tool=callgrind``, once with ``--warm`` tasks and once with ``--warm + --count``, and prints
+``(I(warm + count) - I(warm)) / count``: the instructions one more task costs, start-up,
+imports and warm-up cancelled out. Instruction counts do not move with the machine's load
+(two runs of the same code differ by well under 1 %), which wall-clock rates on a shared
+machine cannot say. ``PYTHONHASHSEED=0``; with ``--package DIR`` the package is imported
+from ``DIR`` (a frozen copy of another commit, e.g. ``git archive``), for before/after rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VARIANTS = ("plain", "floor", "service", "exclusive")
+_TOTALS = re.compile(r"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
+
+
+def _child(variant: str, store: str, warm: int, count: int) -> None:
+    """Run ``warm`` then ``count`` tasks of ``variant`` on ``store`` through Celery's tracer
+    (this process), callgrind counting only the ``count`` tasks (its client requests, from
+    a small C library built by the driver: ``CE_CALLGRIND_LIB``)."""
+    import ctypes
+
+    from celery import Celery
+    from celery.app.trace import build_tracer
+
+    from benchmarks.profiling import layer_tasks
+    from celery_exclusive.worker import close_lock_services
+
+    if store == "memory":
+        url = "memory://"
+    else:
+        url = os.environ.get("CE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    prefix = f"ceinstr-{os.getpid()}:"
+    app = Celery("ce-instructions", broker="memory://", set_as_current=False)
+    app.conf.update(exclusive_url=url, exclusive_prefix=prefix, task_ignore_result=True)
+
+    made = layer_tasks(app, "instr")[variant]
+    app.finalize()
+    tracer = build_tracer(made.name, app.tasks[made.name], eager=False, hostname="instr@bench", app=app)
+    tag = f"{os.getpid()}"
+    control = ctypes.CDLL(os.environ["CE_CALLGRIND_LIB"]) if os.environ.get("CE_CALLGRIND_LIB") else None
+    try:
+        for i in range(warm + count):
+            if i == warm and control is not None:
+                control.cg_start()
+            task_id = f"{tag}-{i}"
+            request = {"id": task_id, "args": (i, tag), "kwargs": {}, "hostname": "instr@bench", "retries": 0}
+            tracer(task_id, (i, tag), {}, request)
+        if control is not None:
+            control.cg_stop()
+    finally:
+        close_lock_services()
+    import celery_exclusive
+
+    print(f"package: {celery_exclusive.__file__}", file=sys.stderr)
+
+
+_CONTROL = r"""
+#include <valgrind/callgrind.h>
+void cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
+void cg_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS_AT("measured"); }
+"""
+
+
+def _count(variant: str, store: str, warm: int, count: int, package: str | None) -> int:
+    """Instructions of ``count`` tasks after ``warm`` in one child process under callgrind
+    (start-up and warm-up run uninstrumented, so a run takes seconds, not minutes)."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    if package:
+        env["PYTHONPATH"] = os.pathsep.join([package, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with tempfile.TemporaryDirectory() as out:
+        source = Path(out, "control.c")
+        source.write_text(_CONTROL)
+        library = Path(out, "libcontrol.so")
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+        env["CE_CALLGRIND_LIB"] = str(library)
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--collect-atstart=no",
+            f"--callgrind-out-file={out}/callgrind.out",
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            variant,
+            store,
+            str(warm),
+            str(count),
+        ]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        dumps = [p for p in Path(out).glob("callgrind.out*") if "measured" in p.read_text(errors="replace")]
+        totals = [_TOTALS.search(p.read_text(errors="replace")) for p in dumps]
+    found = [int(m.group(1)) for m in totals if m is not None]
+    if done.returncode != 0 or not found:
+        raise SystemExit(f"{variant} on {store} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    if package and package not in done.stderr:
+        raise SystemExit(f"the child did not import celery_exclusive from {package}:\n{done.stderr[-1000:]}")
+    return sum(found)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", choices=("memory", "redis"), default="memory")
+    parser.add_argument("--variant", action="append", choices=VARIANTS)
+    parser.add_argument("--warm", type=int, default=300)
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--package", help="import celery_exclusive from this directory")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))
+        return
+    per_task: dict[str, float] = {}
+    for variant in args.variant or VARIANTS:
+        per_task[variant] = _count(variant, args.store, args.warm, args.count, args.package) / args.count
+        plain = per_task.get("plain")
+        over = (
+            "" if plain is None or variant == "plain" else f"  (+{per_task[variant] - plain:,.0f} over plain)"
+        )
+        print(f"{variant:10} {per_task[variant]:10,.0f} instructions per task{over}", flush=True)
+
+
+if __name__ == "__main__":
+    # The benchmarks package from this checkout; celery_exclusive from PYTHONPATH if given.
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
+    main()
