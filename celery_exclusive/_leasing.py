@@ -80,14 +80,15 @@ class Leasing:
         return taken
 
     def _probe(self, key: str, limit: int) -> Callable[[], bool] | None:
-        """Whether ``key`` looks free, by a peek, on stores whose refused acquire is a write
-        (``waiters_peek``: SQLite's takes the database's write lock); None elsewhere."""
+        """Whether ``key`` (a slot of it, for a semaphore) looks free, by peeks, on stores
+        whose refused acquire is a write (``waiters_peek``: SQLite's takes the database's
+        write lock, and its peeks are in-process reads); None elsewhere."""
         service = self._service
         provider = service.provider
-        if limit != 1 or getattr(provider, "waiters_peek", False) is not True:
+        if getattr(provider, "waiters_peek", False) is not True:
             return None
-        store_key = service.prefix + key
-        return lambda: service._call("peek", provider.peek, store_key) is None
+        slots = semaphore.store_slot_keys(service.prefix, key, limit)
+        return lambda: any(service._call("peek", provider.peek, slot) is None for slot in slots)
 
     def try_lock(
         self,

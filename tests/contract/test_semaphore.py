@@ -248,3 +248,31 @@ def test_a_waiter_on_a_full_semaphore_gets_the_slot_a_holder_releases(store: Sto
     assert got.store_key == leases[1].store_key
     got.release()
     leases[0].release()
+
+
+def test_a_peeking_store_retries_a_full_semaphore_by_reads_only(store: Store) -> None:
+    """On a store whose refused acquire is a write (``waiters_peek``: SQLite's takes the
+    database's write lock), a waiter on a full ``limit=2`` key retries only once a peek finds
+    a slot free: while both stay held it makes its first attempt, the one right after it
+    marks itself waiting and the one at the deadline, and takes the freed slot after that."""
+    holder, waiter = store.service(), store.service()
+    if getattr(waiter.provider, "waiters_peek", False) is not True:
+        pytest.skip(f"store {store.name!r} has no waiters_peek: its waiters retry by attempts")
+    leases = [holder.lock("peeked", limit=2, ttl=30) for _ in range(2)]
+    attempts: list[float] = []
+    original = waiter.provider.acquire_any  # type: ignore[attr-defined]
+
+    def counted(*args: object, **kwargs: object) -> object:
+        attempts.append(time.monotonic())
+        return original(*args, **kwargs)
+
+    waiter.provider.acquire_any = counted  # type: ignore[attr-defined]
+    assert waiter.try_lock("peeked", limit=2, wait=1.0) is None
+    assert len(attempts) == 3, attempts
+    releaser = threading.Timer(0.3, leases[0].release)
+    releaser.start()
+    got = waiter.lock("peeked", limit=2, wait=10)
+    releaser.join()
+    assert got.store_key == leases[0].store_key
+    got.release()
+    leases[1].release()
