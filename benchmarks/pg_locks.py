@@ -188,12 +188,23 @@ class Cursors:
         self._cursor = psycopg.RawCursor
         self._cursors: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
-    def run(self, connection: Any, statement: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    def run(
+        self, connection: Any, statement: Any, params: dict[str, Any], end: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        from celery_exclusive.providers import _deadline
+
         cursor = self._cursors.get(connection)
         if cursor is None or cursor.closed:
             cursor = self._cursors[connection] = self._cursor(connection)
-        cursor.execute(statement.sql, [params[name] for name in statement.params], prepare=True)
-        rows: list[tuple[Any, ...]] = cursor.fetchall()
+        # psycopg's wait has no deadline of its own: the call's is the watchdog's, as the
+        # provider's statements on psycopg's execute have it.
+        ticket = None if end is None else _deadline.arm(connection.pgconn.socket, end)[0]
+        try:
+            cursor.execute(statement.sql, [params[name] for name in statement.params], prepare=True)
+            rows: list[tuple[Any, ...]] = cursor.fetchall()
+        finally:
+            if ticket is not None:
+                _deadline.disarm(ticket)
         return rows
 
 

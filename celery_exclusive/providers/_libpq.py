@@ -12,10 +12,16 @@ A connection that lost them (``DISCARD ALL``, a pooler that moved the session) p
 them again. ``prepare=False`` (for PgBouncer before 1.21) sends each as an unnamed
 statement instead.
 
-Signals: the reply is awaited in Python (``select`` on the socket), not inside libpq, so a
+Waiting: the reply is awaited in Python (``poll`` on the socket), not inside libpq, so a
 signal handler (Ctrl-C, Celery's soft time limit) runs at once during a statement and its
 exception leaves the call there, as psycopg's own wait lets it (which looks for signals
-every 0.1 s); the connection is then mid-protocol, and the caller drops it. Why this and not psycopg's
+every 0.1 s); the connection is then mid-protocol, and the caller drops it. The same wait
+enforces the call's deadline (``end``): no reply by then raises :class:`TooSlow`, and the
+caller drops the connection. Sending is not bounded by it: it relies on one statement (a
+few KB at most: key, token, holder JSON, or the statement's text unprepared) fitting the
+socket's empty send buffer (16 KB by default on Linux: ``net.ipv4.tcp_wmem``), so libpq's blocking write
+returns at once even on a network that went silent (every earlier statement on the
+connection was answered, so nothing of it is still queued). Why this and not psycopg's
 cursor API (measured side by side): BENCHMARKS.md, "The hot path: libpq runner or psycopg's
 cursors".
 """
@@ -23,11 +29,13 @@ cursors".
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 import select
+import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 #: A ``:name`` bind parameter in the provider's SQL (not a ``::type`` cast).
@@ -36,6 +44,11 @@ _COMMAND_OK, _TUPLES_OK = 1, 2  # psycopg.pq.ExecStatus
 _SQLSTATE, _PRIMARY = ord("C"), ord("M")  # psycopg.pq.DiagnosticField
 _MISSING = "26000"  # invalid_sql_statement_name: not prepared on this session
 _DUPLICATE = "42P05"  # duplicate_prepared_statement: already prepared on this session
+_UTF8 = ("utf-8", "utf8")  # psycopg's name of a UTF8 session's encoding (and an alias)
+
+
+class TooSlow(Exception):
+    """No reply came by the statement's deadline: the connection is mid-protocol (drop it)."""
 
 
 def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]:
@@ -48,6 +61,14 @@ def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]
     return tuple(by_type[t] for t in types)
 
 
+def _getter(names: tuple[str, ...]) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+    """A function of a parameter mapping returning the values of ``names`` as a tuple, in
+    order (``operator.itemgetter``, one C call, for two or more)."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    return lambda params: tuple(params[name] for name in names)
+
+
 @dataclass(frozen=True)
 class Statement:
     """One statement: ``:name`` placeholders become ``$n``; ``columns`` is one type letter
@@ -57,6 +78,8 @@ class Statement:
     sql: bytes
     params: tuple[str, ...]
     columns: str
+    #: The values of ``params``, in order, from a parameter mapping.
+    values: Callable[[Mapping[str, Any]], tuple[Any, ...]] = field(compare=False, repr=False)
 
     @classmethod
     def build(cls, sql: str, columns: str) -> Statement:
@@ -74,7 +97,25 @@ class Statement:
             text.encode(),
             tuple(params),
             columns,
+            _getter(tuple(params)),
         )
+
+
+class _Session:
+    """What the runner remembers of one connection: its encoding, the statement names it has
+    prepared, and a ``poll`` object registered on its socket for the replies."""
+
+    __slots__ = ("converters", "encoding", "poll", "prepared", "utf8")
+
+    def __init__(self, connection: Any) -> None:
+        self.encoding: str = connection.info.encoding
+        self.utf8 = self.encoding in _UTF8
+        self.prepared: set[bytes] = set()
+        #: The result converters of each column-type string, in this session's encoding.
+        self.converters: dict[str, tuple[Callable[[bytes], Any], ...]] = {}
+        poller = select.poll()
+        poller.register(connection.pgconn.socket, select.POLLIN)
+        self.poll = poller.poll
 
 
 class Runner:
@@ -86,44 +127,46 @@ class Runner:
 
         self._prepare = prepare
         self._errors = psycopg.errors
-        # Per live connection: its client encoding and the names it has prepared.
-        self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, set[bytes]]] = weakref.WeakKeyDictionary()
-        self._converters: dict[tuple[str, str], tuple[Callable[[bytes], Any], ...]] = {}
+        # Per live connection: its session (encoding, prepared names, converters, poll).
+        self._sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
         #: The connection of the last statement and its session, as one tuple (swapped
         #: atomically between threads): the hot path skips the weak dictionary's lookup.
-        self._last: tuple[Any, tuple[str, set[bytes]]] | None = None
+        self._last: tuple[Any, _Session] | None = None
 
-    def _session(self, connection: Any) -> tuple[str, set[bytes]]:
-        """``connection``'s client encoding and the names it has prepared (remembered as
-        the last statement's, which :meth:`run` looks at first)."""
+    def _session(self, connection: Any) -> _Session:
+        """``connection``'s session (remembered as the last statement's, which :meth:`run`
+        looks at first)."""
         session = self._sessions.get(connection)
         if session is None:
-            session = self._sessions[connection] = (connection.info.encoding, set())
+            session = self._sessions[connection] = _Session(connection)
         self._last = (connection, session)
         return session
 
-    def run(self, connection: Any, statement: Statement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """The statement's rows, converted; raises the psycopg error for a failure."""
+    def run(
+        self, connection: Any, statement: Statement, params: Mapping[str, Any], end: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        """The statement's rows, converted; raises the psycopg error for a failure, and
+        :class:`TooSlow` if no reply came by ``end`` (monotonic seconds; None: no deadline)."""
         last = self._last
         session = last[1] if last is not None and last[0] is connection else self._session(connection)
-        encoding, prepared = session
-        values = [
-            None if (v := params[name]) is None else (v if type(v) is str else str(v)).encode(encoding)
-            for name in statement.params
-        ]
+        raw = statement.values(params)
+        if session.utf8 and None not in raw:  # str() of a str is itself; of a float its repr
+            values: list[bytes | None] = [*map(str.encode, map(str, raw))]
+        else:
+            encoding = session.encoding
+            values = [None if v is None else str(v).encode(encoding) for v in raw]
         pgconn = connection.pgconn
-        result = self._execute(pgconn, statement, values, prepared)
+        result = self._execute(pgconn, statement, values, session, end)
         if result.status != _TUPLES_OK:
             self._raise(pgconn, result)
-        columns = self._converters.get((statement.columns, encoding))
+        columns = session.converters.get(statement.columns)
         if columns is None:
-            columns = _converters(statement.columns, encoding)
-            self._converters[(statement.columns, encoding)] = columns
+            columns = session.converters[statement.columns] = _converters(statement.columns, session.encoding)
         get = result.get_value
         return [
             tuple(
                 [
-                    None if (raw := get(row, col)) is None else convert(raw)
+                    None if (raw_value := get(row, col)) is None else convert(raw_value)
                     for col, convert in enumerate(columns)
                 ]
             )
@@ -131,38 +174,50 @@ class Runner:
         ]
 
     def _execute(
-        self, pgconn: Any, statement: Statement, values: list[bytes | None], prepared: set[bytes]
+        self,
+        pgconn: Any,
+        statement: Statement,
+        values: list[bytes | None],
+        session: _Session,
+        end: float | None,
     ) -> Any:
         """The statement's result: prepared on this session first if it is not (or no longer)."""
         if not self._prepare:
             pgconn.send_query_params(statement.sql, values)
-            return self._result(pgconn)
+            return self._result(pgconn, session, end)
+        prepared = session.prepared
         if statement.name not in prepared:
-            self._prepare_on(pgconn, statement, prepared)
+            self._prepare_on(pgconn, statement, session, end)
         pgconn.send_query_prepared(statement.name, values)
-        result = self._result(pgconn)
+        result = self._result(pgconn, session, end)
         if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
             prepared.clear()  # the session lost every statement, not just this one
-            self._prepare_on(pgconn, statement, prepared)
+            self._prepare_on(pgconn, statement, session, end)
             pgconn.send_query_prepared(statement.name, values)
-            result = self._result(pgconn)
+            result = self._result(pgconn, session, end)
         return result
 
-    def _prepare_on(self, pgconn: Any, statement: Statement, prepared: set[bytes]) -> None:
+    def _prepare_on(self, pgconn: Any, statement: Statement, session: _Session, end: float | None) -> None:
         pgconn.send_prepare(statement.name, statement.sql)
-        result = self._result(pgconn)
+        result = self._result(pgconn, session, end)
         if result.status != _COMMAND_OK and self._sqlstate(result) != _DUPLICATE:
             self._raise(pgconn, result)
-        prepared.add(statement.name)
+        session.prepared.add(statement.name)
 
-    def _result(self, pgconn: Any) -> Any:
-        """The result of the one statement just sent, waited for on the socket here: a signal
-        handler's exception interrupts ``select`` at once (PEP 475 retries only when the
-        handler returns). A broken connection raises psycopg's OperationalError."""
+    def _result(self, pgconn: Any, session: _Session, end: float | None) -> Any:
+        """The result of the one statement just sent, waited for on the socket here (by
+        ``end``, else :class:`TooSlow`): a signal handler's exception interrupts ``poll`` at
+        once (PEP 475 retries only when the handler returns). A broken connection raises
+        psycopg's OperationalError."""
         if pgconn.is_busy():
-            fd = (pgconn.socket,)
+            poll = session.poll
             while True:
-                select.select(fd, (), ())
+                if end is None:
+                    poll()
+                else:
+                    left = end - time.monotonic()
+                    if left <= 0 or not poll(left * 1000.0):
+                        raise TooSlow()
                 pgconn.consume_input()
                 if not pgconn.is_busy():
                     break

@@ -96,19 +96,47 @@ class DirectExecutor:
         """One statement, autocommit, on a kept or pooled connection; its rows.
 
         With ``timeout`` the call gives up after about that long: connecting is bounded by
-        ``connect_timeout`` (whole seconds, at least 2), the statement by :mod:`._deadline`'s
-        watchdog, which shuts the socket down; the connection is dropped."""
+        ``connect_timeout`` (whole seconds, at least 2); acquire and release by the libpq
+        runner's own wait for the reply (_libpq.py), the other statements by
+        :mod:`._deadline`'s watchdog, which shuts the socket down; the connection is dropped."""
+        hot = self.statements.get(op)
+        if hot is None:
+            return self._run_cursor(op, params, timeout)
         end = None if timeout is None else time.monotonic() + timeout
         kept = self.kept
         taken = None if kept is None else kept.take()  # _connection's first step inline
         fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
-        # Armed and disarmed directly, not through _deadline.watch's context manager: one
-        # generator fewer per statement; disarmed before a failure is handled, so the
-        # watchdog never shuts down a descriptor the handling closed and the OS reused.
+        try:
+            rows: Rows = self.runner.run(dbapi, hot, params, end)
+            if not dbapi.autocommit:  # an engine the caller built without autocommit
+                dbapi.commit()
+        except _libpq.TooSlow:
+            raise self._too_slow(fairy, dbapi, op, timeout or 0.0) from None
+        except self.errors as exc:
+            self._failed(fairy, dbapi, exc)
+            raise
+        except BaseException:
+            self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
+            raise
+        if fairy is None and kept is not None and kept.give(dbapi):
+            return rows  # _put_back's usual case inline: a kept connection goes back
+        self._put_back(fairy, dbapi)
+        return rows
+
+    def _run_cursor(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
+        """:meth:`run` for a statement sent through psycopg's ``execute`` (the watchdog's
+        deadline)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        fairy, dbapi = self._connection(timeout)
+        # Armed and disarmed directly, not through _deadline.watch's context manager;
+        # disarmed before a failure is handled, so the watchdog never shuts down a
+        # descriptor the handling closed and the OS reused.
         ticket, watch = (None, None) if end is None else _deadline.arm(dbapi.pgconn.socket, end)
         try:
             try:
-                rows = self._send(dbapi, op, params)
+                rows: Rows = dbapi.execute(self._sql[op], params).fetchall()
+                if not dbapi.autocommit:
+                    dbapi.commit()
             finally:
                 if ticket is not None:
                     _deadline.disarm(ticket)
@@ -118,21 +146,9 @@ class DirectExecutor:
             self._failed(fairy, dbapi, exc)
             raise
         except BaseException:
-            self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
+            self._abandon(fairy, dbapi)
             raise
-        if fairy is None and (watch is None or not watch.fired) and kept is not None and kept.give(dbapi):
-            return rows  # _done's usual case inline: a kept connection goes back
         self._done(fairy, dbapi, op, watch)
-        return rows
-
-    def _send(self, dbapi: Any, op: str, params: dict[str, Any]) -> Rows:
-        hot = self.statements.get(op)
-        if hot is not None:  # acquire and release skip psycopg's cursor layer
-            rows: Rows = self.runner.run(dbapi, hot, params)
-        else:
-            rows = dbapi.execute(self._sql[op], params).fetchall()
-        if not dbapi.autocommit:  # an engine the caller built without autocommit
-            dbapi.commit()
         return rows
 
     def _connection(self, timeout: float | None) -> tuple[Any, Any]:

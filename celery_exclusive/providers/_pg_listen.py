@@ -37,6 +37,7 @@ changed and leaves the inherited one untouched).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import select
@@ -56,6 +57,8 @@ __all__ = ["Listener", "SignalsLost", "Subscription", "channel", "waiter_lock"]
 LINGER = 1.0
 #: Seconds ``subscribe`` waits for its LISTEN to be in effect before returning anyway.
 SUBSCRIBE_WAIT = 0.05
+#: How many keys' channel names :func:`channel` remembers.
+CHANNELS = 4096
 #: Seconds a LISTEN/UNLISTEN on the listener connection may take before it is dropped.
 COMMAND_TIMEOUT = 2.0
 #: Seconds a listener connection may take to open.
@@ -71,8 +74,14 @@ def waiter_lock(function: str, channel_sql: str) -> str:
     return f"pg_{function}(hashtextextended({channel_sql}, 0))"
 
 
+@functools.lru_cache(maxsize=CHANNELS)
 def channel(table: str, key: str) -> str:
-    """The notification channel of ``key`` (already prefixed) in lock table ``table``."""
+    """The notification channel of ``key`` (already prefixed) in lock table ``table``.
+
+    Cached (the last :data:`CHANNELS` keys): every release sends its key's channel, and a
+    key is usually released again and again; a hit is a dictionary lookup instead of a
+    SHA-256 (BENCHMARKS.md, "The PostgreSQL client path"). Keys never seen again cost the
+    cache an entry each until they are evicted."""
     return "ce_" + hashlib.sha256(f"{table}\0{key}".encode()).hexdigest()[:24]
 
 

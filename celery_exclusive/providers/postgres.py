@@ -69,6 +69,7 @@ from celery_exclusive.providers.base import (
 
 _bounded_connect = _deadline.bounded_connect  # its old name here
 logger = logging.getLogger("celery_exclusive.providers.postgres")
+_channel = _pg_listen.channel
 T = TypeVar("T")
 
 
@@ -79,10 +80,10 @@ def _answer(rows: Rows, token: str, granted: float) -> Grant | Held | None:
     """
     if not rows:
         return Held(None)
-    fresh, *row = rows[0]
-    if fresh:
-        return Grant(int(row[2]), granted)
-    info = info_of(row)
+    first = rows[0]
+    if first[0]:  # granted: the fence is the only other column set
+        return Grant(int(first[3]), granted)
+    info = info_of(first[1:])
     if not live(info):
         return None
     return Grant(info.fence, info.expires_in) if info.token == token else Held(info)
@@ -262,12 +263,15 @@ class PostgresLockProvider(SqlStore):
         timeout: float | None = None,
     ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
-        params = _grant_params(token, granted, max_lifetime, holder, key=key)
+        params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
         if task_id is not None and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
-        if task_id is None:
-            rows = self._call("acquire", params, timeout)
+        if task_id is None:  # _call inline: one Python frame fewer on the hot path
+            if timeout is None:
+                rows = self._run_pg("acquire", params)
+            else:
+                rows = self._run_pg("acquire", params, timeout=timeout)
         else:
             rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
             if rows and rows[0][0] is None:  # the completion record's row
@@ -336,11 +340,7 @@ class PostgresLockProvider(SqlStore):
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
-        params: dict[str, Any] = {
-            "key": key,
-            "token": token,
-            "channel": _pg_listen.channel(self.table.name, key),
-        }
+        params: dict[str, Any] = {"key": key, "token": token, "channel": _channel(self.table.name, key)}
         if completion is not None and not self._records_on():
             completion = None
         if completion is None:
@@ -353,7 +353,8 @@ class PostgresLockProvider(SqlStore):
         # and the release does not count it (a give-way missed, never one for nobody).
         ours, mark = self._listening.releasing(params["channel"])
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
-        replies = [int(reply) for (reply,) in self._call(op, params, timeout)]
+        rows = self._run_pg(op, params) if timeout is None else self._run_pg(op, params, timeout=timeout)
+        replies = [int(reply) for (reply,) in rows]  # _call inline: one frame fewer
         notified = 2 in replies
         self._listening.released(params["channel"], mark, notified)
         self._woken.note(key, notified and not ours)
@@ -494,10 +495,14 @@ class PostgresLockProvider(SqlStore):
         return self._call(statement, params, timeout)
 
     def _run_pg(self, op: str, params: dict[str, Any], timeout: float | None = None) -> Rows:
-        """Run one statement through the executor; its rows (driver errors translated)."""
-        self._ensure_schema(timeout)
-        with self._translated(op):
+        """Run one statement through the executor; its rows (driver errors translated as
+        :meth:`_translated` does, inline: no context manager object per statement)."""
+        if not self._ready:
+            self._ensure_schema(timeout)
+        try:
             return self._executor.run(op, params, timeout)
+        except self._driver_errors as exc:
+            raise self._error(op, exc) from exc
 
     def _after_fork(self) -> None:
         super()._after_fork()

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_exclusive import BackendError, LockService
+from celery_exclusive import BackendError, LockService, ReleaseOutcome
+from celery_exclusive._releasing import RELEASE_TIMEOUT
 from tests.conftest import MYSQL_URL, TIME_SLACK, drop_lock_table, require_server, with_option
 from tests.faults.conftest import Backend, Faults
 from tests.faults.servers import TcpProxy
@@ -134,6 +135,32 @@ def test_mariadb_first_call_on_a_store_silent_from_the_start_ends_by_its_deadlin
         assert (driver._read_timeout, driver._write_timeout) == (None, None)
     finally:
         pooled.close()
+
+
+def test_pg_lock_and_release_end_by_their_deadlines_on_a_silent_store(
+    pg_backend: Backend, faults: Faults
+) -> None:
+    """PostgreSQL's acquire and release run on the libpq runner, whose own wait for the reply
+    ends them by their deadline (no watchdog thread): behind a relay gone silent, ``try_lock``
+    raises BackendError within call_timeout and ``release`` answers UNKNOWN within its own
+    bound; the service works again once the relay resumes."""
+    proxy = faults.proxy(pg_backend.port)
+    locking = faults.service(pg_backend.url(proxy.port), call_timeout=CALL_TIMEOUT)
+    releasing = faults.service(pg_backend.url(proxy.port), call_timeout=CALL_TIMEOUT)
+    SQL_CALLS["try_lock"](locking)  # connected and warm
+    held = releasing.try_lock("held", ttl=30)
+    assert held is not None
+    _stalled_call_fails_in_time(locking, "try_lock", SQL_CALLS["try_lock"], proxy)
+    proxy.stall()
+    try:
+        started = time.monotonic()
+        assert held.release() is ReleaseOutcome.UNKNOWN
+        took = time.monotonic() - started
+        assert took <= min(CALL_TIMEOUT, RELEASE_TIMEOUT) + SLACK, f"release() took {took:.3f} s"
+    finally:
+        proxy.resume()
+    proxy.cut()
+    _works_again(locking, lambda s: s.lock("again", ttl=30).release())
 
 
 #: The calls that only read: on SQLite they begin a deferred transaction (WAL mode), so a

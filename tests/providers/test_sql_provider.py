@@ -670,6 +670,52 @@ def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
         provider.close()
 
 
+def test_pg_runner_sends_none_as_null_and_other_values_as_their_text(pg: Db) -> None:
+    """The libpq runner's parameters: None is SQL NULL (not the text 'None'), a number is
+    sent as its text, and a statement with a single parameter takes it like the others."""
+    from celery_exclusive.providers import _libpq
+
+    provider = pg.provider()
+    try:
+        provider.peek("k")  # a kept connection
+        assert provider._kept is not None
+        (kept,) = provider._kept
+        runner = _libpq.Runner(prepare=True)
+        both = _libpq.Statement.build("SELECT CAST(:a AS text) IS NULL, CAST(:b AS float8), :a::text", "bft")
+        assert runner.run(kept, both, {"a": None, "b": 1.25}) == [(True, 1.25, None)]
+        assert runner.run(kept, both, {"a": "x", "b": 7}) == [(False, 7.0, "x")]
+        one = _libpq.Statement.build("SELECT CAST(:n AS bigint) + 1", "i")
+        assert runner.run(kept, one, {"n": 41}) == [(42,)]
+    finally:
+        provider.close()
+
+
+def test_pg_hot_statements_keep_their_deadline_without_the_watchdog(
+    pg: Db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acquire and release with a deadline arm no watchdog (the runner's wait for the reply
+    enforces it, see test_inspect_deadlines); the statements on psycopg's cursors still do."""
+    from celery_exclusive.providers import _deadline
+
+    provider = pg.provider()
+    armed: list[int] = []
+    arm = _deadline.arm
+
+    def counted(fd: int, deadline: float) -> Any:
+        armed.append(fd)
+        return arm(fd, deadline)
+
+    monkeypatch.setattr(_deadline, "arm", counted)
+    try:
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}", timeout=5), Grant)
+        assert provider.release("k", "t", timeout=5)
+        assert armed == []
+        assert provider.peek("k", timeout=5) is None
+        assert len(armed) == 1
+    finally:
+        provider.close()
+
+
 def test_pg_hot_statement_errors_are_backend_errors(pg: Db) -> None:
     """A server error on the libpq path is a BackendError naming it (an outage, never
     "held"), chained from the psycopg error with psycopg's diagnostics; the connection
