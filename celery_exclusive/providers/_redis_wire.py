@@ -305,8 +305,7 @@ class Wire:
         here, not in :meth:`_ready`."""
         now = _monotonic()
         deadline = None if timeout is None else now + timeout
-        taken = self.kept.take()
-        conn, used = taken if taken is not None else self._new()
+        conn, used = self._taken()
         try:
             line = conn.__dict__.get("_ce_line")
             if line is None or now - used > POLL_AFTER or line.sock is not conn._sock:
