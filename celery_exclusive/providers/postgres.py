@@ -268,7 +268,10 @@ class PostgresLockProvider(SqlStore):
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
         if task_id is None:  # _call inline: one Python frame fewer on the hot path
-            rows = self._run_pg("acquire", params, timeout)
+            if timeout is None:
+                rows = self._run_pg("acquire", params)
+            else:
+                rows = self._run_pg("acquire", params, timeout=timeout)
         else:
             rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
             if rows and rows[0][0] is None:  # the completion record's row
@@ -350,7 +353,8 @@ class PostgresLockProvider(SqlStore):
         # and the release does not count it (a give-way missed, never one for nobody).
         ours, mark = self._listening.releasing(params["channel"])
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
-        replies = [int(reply) for (reply,) in self._run_pg(op, params, timeout)]  # _call inline
+        rows = self._run_pg(op, params) if timeout is None else self._run_pg(op, params, timeout=timeout)
+        replies = [int(reply) for (reply,) in rows]  # _call inline: one frame fewer
         notified = 2 in replies
         self._listening.released(params["channel"], mark, notified)
         self._woken.note(key, notified and not ours)
