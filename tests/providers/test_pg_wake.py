@@ -301,6 +301,11 @@ def _handover(holder: LockService, waiter: LockService, key: str) -> float:
 
     def release_later() -> None:
         time.sleep(0.1)
+        # Release only once the waiter was refused and subscribed: a waiter whose first
+        # attempt a loaded machine delays past the sleep would otherwise take the key free.
+        deadline = time.monotonic() + 10
+        while waiter.provider._listener is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.005)
         released.append(time.monotonic())
         lease.release()
 
