@@ -6,13 +6,13 @@ Part of the lock core.
 
 from __future__ import annotations
 
-import math
-
 from celery_exclusive._core import Store
 from celery_exclusive._process import check_filter, unprefix
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
     COMPLETION_OUTCOMES,
+    MAX_ATTEMPT,
+    MAX_RETAIN,
     MAX_TASK_ID_LENGTH,
     Completion,
     CompletionInfo,
@@ -33,7 +33,7 @@ class Records:
         """``completion`` checked, or None when there is none or the store keeps no records."""
         if completion is None:
             return None
-        check_completion(completion)
+        completion = check_completion(completion)
         return completion if self._store is not None else None
 
     def _store_key(self, key: str, task_id: str) -> str:
@@ -73,15 +73,25 @@ class Records:
         )
 
 
-def check_completion(completion: object) -> None:
+def check_completion(completion: object) -> Completion:
+    """``completion`` checked whole, before the release changes any state (a store refusing
+    a field mid-release would leave the key held with no heartbeat until its ttl): its
+    ``retain`` as float seconds (a timedelta converted), within :data:`MAX_RETAIN`, and its
+    ``attempt`` within :data:`MAX_ATTEMPT`."""
     if not isinstance(completion, Completion):
         raise InvalidArgumentError(f"completion must be a Completion, got {type(completion).__name__}")
     check_task_id(completion.task_id, MAX_TASK_ID_LENGTH)
     if completion.outcome not in COMPLETION_OUTCOMES:
         raise InvalidArgumentError(f"completion outcome must be one of {COMPLETION_OUTCOMES}")
     attempt = completion.attempt
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        raise InvalidArgumentError(f"completion attempt must be an int >= 0, got {attempt!r}")
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt <= MAX_ATTEMPT:
+        raise InvalidArgumentError(
+            f"completion attempt must be an int from 0 to {MAX_ATTEMPT}, got {attempt!r}"
+        )
     retain = completion.retain
-    if type(retain) is not float or not 0.0 < retain < math.inf:  # the usual float: no call
-        seconds("completion retain", retain)
+    if type(retain) is float and 0.0 < retain <= MAX_RETAIN:  # the usual float: no call
+        return completion
+    retain = seconds("completion retain", retain)
+    if retain > MAX_RETAIN:
+        raise InvalidArgumentError(f"completion retain is {retain:g} s; at most {MAX_RETAIN:g} s (10 years)")
+    return Completion(completion.task_id, completion.outcome, attempt, retain)

@@ -57,12 +57,22 @@ class Held:
 COMPLETION_OUTCOMES = ("success", "failure", "retried")
 #: Longest task id (in characters) a completion record accepts.
 MAX_TASK_ID_LENGTH = 200
+#: Largest ``attempt`` a completion record accepts (the SQL stores' 32-bit column).
+MAX_ATTEMPT = 2**31 - 1
+#: Longest a completion record is kept, in seconds: 10 years (365-day), well inside what
+#: every store can represent (MariaDB's DATETIME ends in year 9999, Redis's PEXPIRE at
+#: 2**63 ms); past it a store fails mid-release (or, on Redis, keeps a key it cannot expire).
+MAX_RETAIN = 10 * 365 * 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
     """A completion record to write with a release: run ``task_id`` (``attempt`` being its
-    Celery ``retries`` count) ended with ``outcome``; kept ``retain`` seconds (store clock)."""
+    Celery ``retries`` count) ended with ``outcome``; kept ``retain`` seconds (store clock).
+
+    ``LockService.release`` checks it whole before it changes anything: ``attempt`` from 0
+    to :data:`MAX_ATTEMPT`, ``retain`` positive seconds (or a timedelta) up to
+    :data:`MAX_RETAIN` (10 years); else InvalidArgumentError, the lease still held."""
 
     task_id: str
     outcome: str

@@ -7,6 +7,7 @@ ends the run, read by the acquire of a later copy (same call), expired by the st
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from celery_exclusive import (
     MemoryLockProvider,
     ReleaseOutcome,
 )
-from celery_exclusive.providers.base import Completion, CompletionStore, Done, Grant
+from celery_exclusive.providers.base import MAX_ATTEMPT, MAX_RETAIN, Completion, CompletionStore, Done, Grant
 from tests.conftest import Store
 
 
@@ -161,6 +162,57 @@ def test_bad_completion_input_is_rejected_before_the_store(store: Store) -> None
     with pytest.raises(InvalidArgumentError):
         service.forget("bad", "a\x00b")
     lease.release()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Completion("t", "success", MAX_ATTEMPT + 1, 60.0),  # the SQL stores' int column overflows
+        Completion("t", "success", 2**70, 60.0),  # SQLite raised OverflowError mid-release
+        Completion("t", "success", 0, MAX_RETAIN * 2),  # MariaDB's DATETIME ends in 9999
+        Completion("t", "success", 0, 1e300),  # Redis: PEXPIRE out of range, a key never expiring
+    ],
+    ids=["attempt-2**31", "attempt-2**70", "retain-20y", "retain-1e300"],
+)
+def test_a_completion_no_store_can_write_leaves_the_lease_held_and_releasable(
+    store: Store, bad: Completion
+) -> None:
+    """A record out of every store's range is an InvalidArgumentError before anything
+    changes: the lease stays HELD, its heartbeat keeps it (its token still owns the key), and
+    a later release, with a record at the limits, releases it and writes that record."""
+    service = store.service()
+    lease = service.lock("range", ttl=30)
+    with pytest.raises(InvalidArgumentError, match=r"attempt|retain"):
+        lease.release(bad)
+    assert lease.held
+    assert lease in service.held()
+    info = service.peek("range")
+    assert info is not None
+    assert info.token == lease.token
+    assert lease.release(done("t", retain=MAX_RETAIN, attempt=MAX_ATTEMPT)) is ReleaseOutcome.RELEASED
+    assert service.peek("range") is None
+    if isinstance(service.provider, CompletionStore):
+        record = service.completion("range", "t")
+        assert record is not None
+        assert record.attempt == MAX_ATTEMPT
+        assert MAX_RETAIN - 60 < record.expires_in <= MAX_RETAIN
+        assert service.forget("range", "t")
+
+
+@pytest.mark.parametrize("hold_at_least", [None, 5.0])
+def test_a_timedelta_retain_is_a_duration_like_any_other(store: Store, hold_at_least: float | None) -> None:
+    """retain=timedelta(...) passed the check but reached the store as a timedelta: a
+    TypeError after the lease was marked released, its key held with no heartbeat until its
+    ttl. It is converted to seconds, on a plain release and on a ``hold_at_least`` one."""
+    service = store.service()
+    lease = service.lock("delta", ttl=30, hold_at_least=hold_at_least)
+    assert lease.release(done("t", retain=timedelta(minutes=1))) is ReleaseOutcome.RELEASED  # type: ignore[arg-type]
+    assert not lease.held
+    if hold_at_least is None:
+        assert service.peek("delta") is None
+    record = service.completion("delta", "t")
+    assert record is not None
+    assert 30 < record.expires_in <= 60
 
 
 class _LeasesOnly:
