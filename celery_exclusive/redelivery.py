@@ -53,7 +53,13 @@ from celery.utils.log import get_task_logger
 
 from celery_exclusive import signals
 from celery_exclusive.errors import InvalidArgumentError
-from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, Completion, CompletionInfo, LockInfo
+from celery_exclusive.providers.base import (
+    MAX_RETAIN,
+    MAX_TASK_ID_LENGTH,
+    Completion,
+    CompletionInfo,
+    LockInfo,
+)
 from celery_exclusive.validation import check_key
 
 if TYPE_CHECKING:
@@ -90,7 +96,8 @@ def retention(task: TaskView) -> float | None:
         if isinstance(expires, timedelta):
             expires = expires.total_seconds()
         ok = isinstance(expires, (int, float)) and not isinstance(expires, bool) and expires > 0
-        result = float(expires) if ok else DEFAULT_RETENTION
+        # Celery's own setting, not ours to refuse: a longer one is kept the longest a record can.
+        result = min(float(expires), MAX_RETAIN) if ok else DEFAULT_RETENTION
     task.__dict__["_lock_retention_cache"] = result
     return result
 

@@ -55,6 +55,7 @@ from typing import Any
 from celery_exclusive._leasing import DEFAULT_SWEEP_INTERVAL
 from celery_exclusive._options import _sweep_interval as sweep_interval
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
+from celery_exclusive.providers.base import MAX_RETAIN
 from celery_exclusive.semaphore import check_limit
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
@@ -318,7 +319,10 @@ def check_done_retention(value: object) -> float | bool:
         raise InvalidArgumentError(
             "done_retention must be a positive duration, or False to keep no completion records, got True"
         )
-    return seconds("done_retention", value)
+    result = seconds("done_retention", value)
+    if result > MAX_RETAIN:  # else every release of the task would refuse its record
+        raise InvalidArgumentError(f"done_retention is {result:g} s; at most {MAX_RETAIN:g} s (10 years)")
+    return result
 
 
 def check_on_lost(value: object) -> None:

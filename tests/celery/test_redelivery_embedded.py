@@ -14,6 +14,7 @@ from celery import Celery
 
 from celery_exclusive import signals
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError
+from celery_exclusive.providers.base import MAX_RETAIN
 from celery_exclusive.redelivery import ALREADY_DONE, DEFAULT_RETENTION, LOCKED, REDELIVERED, retention
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task, is_skipped
@@ -256,6 +257,7 @@ def test_eager_and_direct_calls_are_unchanged() -> None:
         (600, 600.0),
         (None, DEFAULT_RETENTION),
         (0, DEFAULT_RETENTION),
+        (timedelta(days=365 * 20), MAX_RETAIN),  # the longest a record is kept
     ],
 )
 def test_retention_defaults_to_result_expires_else_24_hours(expires: object, kept: float) -> None:
@@ -275,7 +277,9 @@ def test_retention_defaults_to_result_expires_else_24_hours(expires: object, kep
     assert retention(other.tasks[own.name]) == 30.0
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "1h", True, timedelta(0), None.__class__])
+@pytest.mark.parametrize(
+    "bad", [0, -1, float("nan"), float("inf"), "1h", True, timedelta(0), None.__class__, MAX_RETAIN * 2]
+)
 def test_bad_retention_is_rejected_when_the_task_is_defined(bad: object) -> None:
     with pytest.raises(InvalidArgumentError, match="done_retention"):
         exclusive_task(app=app, name=f"bad-{uuid.uuid4().hex}", done_retention=bad, shared=False)(
