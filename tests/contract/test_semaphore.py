@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -14,6 +15,7 @@ from celery_exclusive import InvalidArgumentError, LockedError, ReleaseOutcome
 from celery_exclusive.providers.base import AcquiresAny, Grant
 from celery_exclusive.semaphore import MAX_LIMIT, slot_key, slot_keys, slot_of
 from celery_exclusive.testing.contract import Store, wait_until
+from tests.conftest import POSTGRES_URL, REDIS_URL, require_server
 from tests.contract import _semaphore_workers
 from tests.contract._processes import process_context
 
@@ -138,14 +140,26 @@ def test_one_call_where_the_store_offers_it(store: Store) -> None:
     assert isinstance(store.service().provider, AcquiresAny)
 
 
+def oracle_counter(store: Store) -> tuple[str, str, str]:
+    """Where the oracle counts holders: another real store than the one under test, a
+    PostgreSQL row for the Redis stores (standalone, Sentinel, Cluster), a Redis hash for
+    every other; its name unique to the test."""
+    name = f"ce_oracle_{uuid.uuid4().hex[:12]}"
+    url = POSTGRES_URL if store.name.startswith("redis") else REDIS_URL
+    require_server(url)
+    return ("postgres" if store.name.startswith("redis") else "redis", url, name)
+
+
 def test_semaphore_oracle_never_more_than_limit_holders(store: Store) -> None:
-    """Processes hammering one limit=3 key: a counter outside the store (shared memory) never
-    sees more than 3 holders at once, and sees 3. 16 x 200 with CE_LONG=1."""
+    """Processes hammering one limit=3 key (issue #13): a counter in another store
+    (:func:`oracle_counter`), counted up after each acquire returns and down before each
+    release, never sees more than 3 holders at once, and sees 3. 16 x 200 with CE_LONG=1."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
     procs_n, iterations = (16, 200) if LONG else ((6, 25) if CI else (16, 40))
     ctx = process_context()
-    counters = ctx.Array("i", 2)
+    counter = oracle_counter(store)
+    _semaphore_workers.create_counter(counter)
     start, results = ctx.Barrier(procs_n), ctx.Queue()
     prefix = store.service().prefix
     procs = [
@@ -155,20 +169,29 @@ def test_semaphore_oracle_never_more_than_limit_holders(store: Store) -> None:
             kwargs={
                 "limit": 3,
                 "iterations": iterations,
-                "counters": counters,
+                "counter": counter,
                 "start": start,
                 "results": results,
             },
         )
         for _ in range(procs_n)
     ]
-    for proc in procs:
-        proc.start()
-    reports = [results.get(timeout=600) for _ in range(procs_n)]
-    for proc in procs:
-        proc.join(60)
-        assert proc.exitcode == 0
-    assert counters[1] == 3, f"most holders at once: {counters[1]}"
+    try:
+        for proc in procs:
+            proc.start()
+        reports = [results.get(timeout=600) for _ in range(procs_n)]
+        for proc in procs:
+            proc.join(60)
+            assert proc.exitcode == 0
+        now, peak = _semaphore_workers.read_counter(counter)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        _semaphore_workers.drop_counter(counter)
+    assert peak == 3, f"most holders at once: {peak} (counted in {counter[0]})"
+    assert now == 0  # every holder that counted itself in counted itself out
     assert sum(r[0] for r in reports) > 0
     assert sum(r[1] for r in reports) <= procs_n * iterations // 10  # waits rarely run out
     if store.fencing:  # each slot's fences, merged over processes, are all distinct
