@@ -75,6 +75,15 @@ the members of chains, groups and chords, link callbacks and chord bodies
 (:data:`CANVAS_OPTIONS`): Celery waits for the ids it froze for them, which a refused send
 would never complete. Eager calls (``task_always_eager``, ``apply()``) and re-sends of the
 running task's own id (``self.retry()``, ``on_locked="retry"``) do not take markers.
+
+Callbacks (``link=``, ``link_error=``, or a signature's ``.link()``) travel in the message,
+so a duplicate's are never attached to anything: Celery cannot add callbacks to a message
+already queued, nor to a run in progress. The send still answers as ``on_duplicate`` says
+(``"return"``: the existing task's ``AsyncResult``, whose callbacks are those of the send
+that queued it), and the first such drop per task and process is logged as a WARNING on
+``celery_exclusive.dedupe`` naming the task, the key and the queued id (later ones at
+DEBUG). ``on_duplicate="raise"`` makes the drop explicit (:class:`AlreadyQueued`, nothing
+logged); a send whose callbacks must run either way should not dedupe.
 """
 
 from __future__ import annotations
@@ -147,7 +156,7 @@ def apply_async(
         refused = found is not None and found is not _KEPT_CHANGING
         task.__dict__[_REFUSED] = refused
         if found is not None and refused:
-            return _duplicate(task, key, found.task_id, settings.on_duplicate)
+            return _duplicate(task, key, found.task_id, settings.on_duplicate, options)
         return marking.publish(send, args, kwargs, options, marked)
     try:
         return marking.send_reading(send, args, kwargs, marked)
@@ -155,7 +164,7 @@ def apply_async(
         if refused.found is None:
             return marking.publish(send, args, kwargs, options, marked)
         task.__dict__[_REFUSED] = True
-        return _duplicate(task, key, refused.found.task_id, settings.on_duplicate)
+        return _duplicate(task, key, refused.found.task_id, settings.on_duplicate, options)
     except BaseException:
         marking.give_back()
         raise
@@ -373,14 +382,43 @@ def _resending(task: Task, options: Mapping[str, Any]) -> bool:
     return running is not None and running.id == task_id
 
 
-def _duplicate(task: Task, key: str, task_id: str | None, on_duplicate: Any) -> Any:
+def _duplicate(
+    task: Task, key: str, task_id: str | None, on_duplicate: Any, options: Mapping[str, Any]
+) -> Any:
     logger.debug("%s: %r is queued already as %s; nothing sent", task.name, key, task_id)
     if on_duplicate == "raise" or task_id is None:
         raise AlreadyQueued(key, task_id)
+    if options.get("link") or options.get("link_error"):
+        _callbacks_dropped(task, key, task_id, options)
     existing = task.AsyncResult(task_id)
     if on_duplicate == "return":
         return existing
     return on_duplicate(task, key, existing)
+
+
+def _callbacks_dropped(task: Task, key: str, task_id: str, options: Mapping[str, Any]) -> None:
+    """A duplicate send carried ``link``/``link_error``: nothing was sent, so they never run
+    (Celery cannot add callbacks to a message already queued, nor to a run in progress).
+    Said once per task and process, as a warning (at DEBUG after that)."""
+    given = " and ".join(f"{name}=" for name in ("link", "link_error") if options.get(name))
+    mine = object()
+    if task.__dict__.setdefault(_DROPPED_SAID, mine) is not mine:  # atomic: one thread says it
+        logger.debug("%s: %s of a duplicate send dropped (%r queued as %s)", task.name, given, key, task_id)
+        return
+    logger.warning(
+        "%s: a send with %s found %r queued already as %s, so nothing was sent and its "
+        "callbacks will not run (the AsyncResult returned is that task's, whose callbacks are "
+        "those of the send that queued it); use on_duplicate='raise' to be told, or attach "
+        "callbacks to sends that do not dedupe. Said once per task and process.",
+        task.name,
+        given,
+        key,
+        task_id,
+    )
+
+
+#: Task instance attribute: the dropped-callbacks warning was given (see _callbacks_dropped).
+_DROPPED_SAID = "_celery_exclusive_dropped_callbacks_said"
 
 
 # -- the worker's side: releasing a message's marker --------------------------------------

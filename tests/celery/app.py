@@ -157,6 +157,12 @@ def dedupe_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dic
     return _body(self, tag, duration)
 
 
+@app.task
+def callback(tag: str, name: str) -> None:
+    """A ``link`` / ``link_error`` callback (sent as ``callback.si(tag, name)``): records its run."""
+    record("callback", tag, name=name)
+
+
 @exclusive_task(app=app, key="cool:{key_id}", cooldown=3, bind=True)
 def cooled(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Its key stays held 3 s after each run started (later requests in that window skip)."""

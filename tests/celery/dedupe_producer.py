@@ -6,7 +6,10 @@ sends, each from its own thread), ``start_at`` (wall time to start sending at, s
 several producers send at once) and ``kill_before_publish`` (SIGKILL this process when the
 first send, holding its marker, is about to publish), ``revoke`` (then revoke every id sent
 with ``AsyncResult.revoke()``, appending ``{"revoke_seconds": ...}``, the time that took)
-and ``then_send`` (then send once more, appending its answer). Prints one JSON list, one
+and ``then_send`` (then send once more, appending its answer), ``link`` / ``link_error``
+(``[task name, args]``: each send's callback, that task's ``si(*args)``) and
+``capture_log`` (then append ``{"warnings": [...]}``, the WARNING messages the
+``celery_exclusive.dedupe`` logger gave during the spec). Prints one JSON list, one
 entry per send: ``{"id": ...}`` or ``{"error": class name, "task_id": ...}``.
 
 ``python -m tests.celery.dedupe_producer --serve`` answers specs read from stdin, one JSON
@@ -19,6 +22,7 @@ specs that kill or reconfigure the process still get a process of their own). A 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -40,6 +44,12 @@ def answer(spec: dict[str, Any]) -> list[dict[str, Any]]:
             tasks.app.AsyncResult(task_id).revoke()
         return [{"revoke_seconds": time.monotonic() - began}]
     task = getattr(tasks, spec["task"])
+    spec = {**spec, "options": dict(spec.get("options", {}))}
+    for name in ("link", "link_error"):
+        if name in spec:
+            callback, callback_args = spec[name]
+            spec["options"][name] = getattr(tasks, callback).si(*callback_args)
+    captured = _Captured() if spec.get("capture_log") else None
     if spec.get("kill_before_publish"):
 
         def die(*_: Any, **__: Any) -> Any:
@@ -67,7 +77,27 @@ def answer(spec: dict[str, Any]) -> list[dict[str, Any]]:
         answers.append({"revoke_seconds": time.monotonic() - began})
     if spec.get("then_send"):
         answers.append(_send(task, spec))
+    if captured is not None:
+        answers.append({"warnings": captured.close()})
     return answers
+
+
+class _Captured(logging.Handler):
+    """The WARNING messages of the ``celery_exclusive.dedupe`` logger until :meth:`close`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self._logger = logging.getLogger("celery_exclusive.dedupe")
+        self._logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def close(self) -> list[str]:  # type: ignore[override]
+        self._logger.removeHandler(self)
+        super().close()
+        return self.messages
 
 
 def serve() -> None:

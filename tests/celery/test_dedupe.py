@@ -296,6 +296,50 @@ def test_on_duplicate_raise_names_the_queued_task(group: WorkerGroup, producers:
     assert queue_length(held) == 1
 
 
+@ONE_STORE
+def test_a_duplicates_callbacks_are_dropped_with_one_warning_and_the_originals_run(
+    group: WorkerGroup, producers: Producers
+) -> None:
+    """link= / link_error= on a send answered as a duplicate: nothing is sent, so those
+    callbacks never run; the caller gets the queued task's AsyncResult, whose own callbacks
+    run, and the producer process logs one WARNING naming the task, the key and the queued
+    id for its three dropped sends (they used to be dropped without a word)."""
+    from tests.celery.app import app
+
+    key_id, tag, held = uid(), uid(), f"{group.queue}-held-{uid()}"
+    sent = {"task": "dedupe_start", "args": [key_id, tag, 0.0], "options": {"queue": held}}
+    first, logged = producers.run({**sent, "link": ["callback", [tag, "first"]], "capture_log": True})
+    assert logged == {"warnings": []}
+    answers = produce_alone(
+        group,
+        {
+            **sent,
+            "link": ["callback", [tag, "dup"]],
+            "link_error": ["callback", [tag, "dup-error"]],
+            "calls": 3,
+            "capture_log": True,
+        },
+    )
+    assert answers[:3] == [{"id": first["id"]}] * 3
+    (warning,) = answers[3]["warnings"]
+    for named in (
+        "tests.celery.app.dedupe_start",
+        f"'dedupe:{key_id}'",
+        first["id"],
+        "link= and link_error=",
+    ):
+        assert named in warning, warning
+    assert queue_length(held) == 1
+    consume(group, held)
+    assert app.AsyncResult(first["id"]).get(timeout=30)["ran"] is True
+    wait_for(
+        lambda: [r for r in records(tag) if r["kind"] == "callback"], 20, what="the first send's callback"
+    )
+    time.sleep(1.0 * TIME_SLACK)  # what a dropped callback's message would have had to arrive
+    assert [r["name"] for r in records(tag) if r["kind"] == "callback"] == ["first"]
+    assert queue_length(held) == 0
+
+
 def test_revoke_frees_the_key_at_once_while_the_message_is_still_queued(
     group: WorkerGroup, producers: Producers
 ) -> None:

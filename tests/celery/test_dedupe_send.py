@@ -6,6 +6,7 @@ answer was read gives the marker back."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from celery import signals as celery_signals
 
 from celery_exclusive import _marking
 from celery_exclusive.dedupe import QUEUED_SUFFIX
+from celery_exclusive.errors import AlreadyQueued
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import get_lock_service
 from tests.celery.conftest import BROKER_URL, delete_redis_prefix, uid
@@ -153,6 +155,58 @@ def test_a_callable_on_duplicate_decides_what_a_duplicate_send_returns(
     assert task.delay(1) == f"duplicate of {first.id}"
     assert calls == [(task, "cb:1", first.id)]
     assert _queued(app) == 1
+
+
+def test_a_duplicates_dropped_callbacks_are_said_once_unless_on_duplicate_raises(
+    sending: tuple[Any, Any, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A duplicate with link=/link_error= logs one WARNING per task (a duplicate without
+    callbacks none); with on_duplicate="raise" the AlreadyQueued says it and nothing is
+    logged; a callable on_duplicate still decides what the send returns. One message each."""
+    app, task, _ = sending
+    cb = task.si(0)
+    first = task.delay(1)
+    with caplog.at_level(logging.DEBUG, logger="celery_exclusive.dedupe"):
+        assert task.apply_async((1,)).id == first.id
+        assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+        for _ in range(3):
+            assert task.apply_async((1,), link=cb, link_error=cb).id == first.id
+        assert task.apply_async((1,), None, None, None, cb).id == first.id  # link by position
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    assert task.name in warned[0]
+    assert "'k:1'" in warned[0]
+    assert first.id in warned[0]
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 3  # the later ones, DEBUG
+    caplog.clear()
+
+    def job(n: int) -> int:
+        return n
+
+    raising = exclusive_task(
+        app=app, key="r:{n}", dedupe=True, on_duplicate="raise", shared=False, name=f"send.raise.{uid()}"
+    )(job)
+    queued = raising.delay(2)
+    with caplog.at_level(logging.WARNING, logger="celery_exclusive.dedupe"):
+        with pytest.raises(AlreadyQueued) as refused:
+            raising.apply_async((2,), link=cb)
+        assert refused.value.task_id == queued.id
+        assert caplog.records == []
+    deciding = exclusive_task(
+        app=app,
+        key="d:{n}",
+        dedupe=True,
+        on_duplicate=lambda _task, _key, existing: existing.id,
+        shared=False,
+        name=f"send.decide.{uid()}",
+    )(job)
+    decided = deciding.delay(3)
+    with caplog.at_level(logging.WARNING, logger="celery_exclusive.dedupe"):
+        assert deciding.apply_async((3,), link_error=cb) == decided.id
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "link_error=" in said
+    assert "link=" not in said.replace("link_error=", "")
+    assert _queued(app) == 3
 
 
 def test_the_apps_exclusive_dedupe_setting_dedupes_tasks_that_do_not_say(
