@@ -99,6 +99,18 @@ class Releasing:
     def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:
         """See :meth:`LockService.release` (``completion`` already checked)."""
         service = self._service
+        try:
+            mine = lease._service is service  # an attribute read: no getattr() call
+        except AttributeError:
+            mine = False
+        if not mine:
+            # Checked before the lease is marked released: another service would mark it,
+            # miss it in its own heartbeat and delete from its own store, leaving the key
+            # held with nothing refreshing it (or releasing it) until its ttl.
+            raise InvalidArgumentError(
+                f"release() takes a Lease taken through this service, got {_described(lease)}: "
+                "release it with lease.release() or through the service that took it"
+            )
         heartbeat = service.heartbeat
         with heartbeat.mutex:
             was_lost = lease._mark_released()
@@ -173,3 +185,10 @@ class Releasing:
                 callback(lease, reason)
             except Exception:
                 logger.exception("on_lost callback for lock %r failed", lease.key)
+
+
+def _described(lease: object) -> str:
+    """What was passed as a lease, for an error message."""
+    if isinstance(lease, Lease):
+        return f"the lease of {lease.key!r} (fence {lease.fence}) of another service"
+    return type(lease).__name__

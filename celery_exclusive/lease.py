@@ -238,6 +238,8 @@ class Lease:
 
     def on_lost(self, callback: Callable[[Lease, str], object]) -> None:
         """Call ``callback(lease, reason)`` once when the lease is lost (now, if it already is)."""
+        if not callable(callback):  # else it would fail only at the loss, in the heartbeat's log
+            raise InvalidArgumentError(f"on_lost callback must be callable, got {type(callback).__name__}")
         with self._mutex:
             if self._state is not LeaseState.LOST:
                 self._on_lost.append(callback)

@@ -238,6 +238,60 @@ def test_a_closed_service_refuses_to_lock() -> None:
         service.lock("k")
 
 
+@pytest.mark.parametrize("where", ["memory", "redis", "postgres"])
+def test_a_lease_released_through_another_service_stays_held_and_releasable(where: str) -> None:
+    """service.release(lease) of a lease another service took (or of no lease at all) is an
+    InvalidArgumentError before anything changes. It used to mark the lease released, miss
+    it in its own heartbeat and delete from its own store: on another store the key stayed
+    held, refreshed and released by no one, until its ttl (and a second release said
+    NOT_OWNED). The lease stays held, in its service's heartbeat, and releases normally."""
+    table = f"ce_bad_{uuid.uuid4().hex[:10]}"
+    url = {"memory": "memory://", "redis": REDIS_URL, "postgres": f"{POSTGRES_URL}?ce_table={table}"}[where]
+    if where != "memory":
+        require_server(url)
+    prefix = f"rel-{uuid.uuid4().hex[:10]}:"
+    owner = LockService(url, prefix=prefix)
+    strangers = [LockService("memory://", prefix=prefix), LockService(url, prefix=f"x{prefix}")]
+    try:
+        lease = owner.lock("k", ttl=30)
+        for stranger in strangers:
+            for given in (lease, None, "k", lease.token):
+                with pytest.raises(InvalidArgumentError, match="taken through this service"):
+                    stranger.release(given)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="taken through this service"):
+            owner.release(None)  # type: ignore[arg-type]
+        assert lease.held
+        assert owner.held() == [lease]
+        info = owner.peek("k")
+        assert info is not None
+        assert info.token == lease.token
+        assert lease.release().value == "released"
+        assert owner.peek("k") is None
+    finally:
+        for service in (owner, *strangers):
+            service.close()
+        if where == "redis":
+            delete_redis_keys(prefix)
+        if where == "postgres":
+            drop_lock_table(POSTGRES_URL, table)
+
+
+def test_an_on_lost_callback_that_is_not_callable_is_refused_at_once() -> None:
+    """lease.on_lost(x) with x not callable raised nothing and was kept, to fail only when
+    the lease was lost (a TypeError logged by the heartbeat, the other callbacks still run):
+    now an InvalidArgumentError, and nothing is kept."""
+    service = LockService("memory://", prefix="on-lost:")
+    lease = service.lock("k", ttl=30)
+    called: list[str] = []
+    for bad in (None, "log", 5):
+        with pytest.raises(InvalidArgumentError, match="on_lost callback must be callable"):
+            lease.on_lost(bad)  # type: ignore[arg-type]
+    lease.on_lost(lambda _lease, reason: called.append(reason))
+    service._lose(lease, "test")
+    assert called == ["test"]
+    service.close()
+
+
 # -- URLs and provider constructors --------------------------------------------------------------
 
 BAD_URLS: list[tuple[str, str, str]] = [
