@@ -62,7 +62,8 @@ class Leasing:
             seconds = waiting.check_wait(wait)
             # Each attempt checks these too, but a waiter subscribes to releases (or, on
             # SQLite, marks itself) before its first attempt: bad input must not get that far.
-            self._check([key if limit == 1 else semaphore.slot_key(key, limit)], durations, holder)
+            # The key itself first: its slot key ``{key}#N`` is a str whatever ``key`` is.
+            self._check([key] if limit == 1 else [key, semaphore.slot_key(key, limit)], durations, holder)
             taken = waiting.take_waiting(
                 lambda final: take(
                     key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit

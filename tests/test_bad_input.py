@@ -117,6 +117,10 @@ KEY_METHODS: dict[str, Callable[[LockService, Any], object]] = {
     "run_exclusive": lambda s, k: s.run_exclusive(k, _never),
     "peek": lambda s, k: s.peek(k),
     "force_release": lambda s, k: s.force_release(k, "some-token"),
+    # A waiter subscribes (SQLite: marks itself) before its first attempt; its semaphore's
+    # slot key "{key}#3" is a str whatever key is, so the key itself must be checked first.
+    "lock-limit-wait": lambda s, k: s.lock(k, limit=3, wait=0.5),
+    "try_lock-limit-wait": lambda s, k: s.try_lock(k, limit=3, wait=0.5),
 }
 DURATION_METHODS: dict[str, Callable[..., object]] = {
     "lock": lambda s, **kw: s.lock("k", **kw),
