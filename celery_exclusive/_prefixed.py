@@ -126,6 +126,8 @@ class PrefixedStore:
         ``answer()`` of what this returns reads its answer (exactly once: until then it
         holds a connection), so the caller can work during the round trip. Stores that cannot
         split a call (all but Redis) answer now: then ``ready`` is True."""
+        if not isinstance(token, str) or not token:  # else a marker no one could release
+            raise InvalidArgumentError("token must be a non-empty str")
         lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
         return _marking.take_later(self, key, lifetime, holder, unless, token=token)
 

@@ -175,6 +175,17 @@ SERVICE_CASES += [
     Case("token-empty", lambda s: s.force_release("k", ""), InvalidArgumentError, "token must be"),
     Case("token-none", lambda s: s.force_release("k", None), InvalidArgumentError, "token must be"),
     Case("token-int", lambda s: s.force_release("k", 5), InvalidArgumentError, "token must be"),
+    # begin_mark used to take the marker anyway (with a new token on the stores that answer
+    # at once: a marker its caller could never release, until its ttl).
+    *[
+        Case(
+            f"begin-mark-token-{tid}",
+            lambda s, t=t: s.begin_mark("k", token=t),
+            InvalidArgumentError,
+            "token must be",
+        )
+        for tid, t in (("empty", ""), ("none", None), ("int", 5), ("bytes", b"t"))
+    ],
     Case("locks-int", lambda s: s.locks(5), InvalidArgumentError, "prefix must be a str"),
     Case("locks-bytes", lambda s: s.locks(b"a"), InvalidArgumentError, "prefix must be a str"),
     Case("locks-nul", lambda s: s.locks("a\x00"), InvalidArgumentError, "NUL"),
