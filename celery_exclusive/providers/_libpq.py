@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NoReturn
 
 #: A ``:name`` bind parameter in the provider's SQL (not a ``::type`` cast).
@@ -45,6 +46,14 @@ _SQLSTATE, _PRIMARY = ord("C"), ord("M")  # psycopg.pq.DiagnosticField
 _MISSING = "26000"  # invalid_sql_statement_name: not prepared on this session
 _DUPLICATE = "42P05"  # duplicate_prepared_statement: already prepared on this session
 _UTF8 = ("utf-8", "utf8")  # psycopg's name of a UTF8 session's encoding (and an alias)
+
+
+def _call_py(function: Callable[[bytes], Any], value: bytes) -> Any:  # pragma: no cover - Python 3.10
+    return function(value)
+
+
+#: ``f(x)`` as a function of ``f`` and ``x`` (``operator.call``, Python 3.11+).
+_call: Callable[[Callable[[bytes], Any], bytes], Any] = getattr(operator, "call", _call_py)
 
 
 class TooSlow(Exception):
@@ -59,6 +68,42 @@ def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]
 
     by_type: dict[str, Callable[[bytes], Any]] = {"b": b"t".__eq__, "i": int, "f": float, "t": text}
     return tuple(by_type[t] for t in types)
+
+
+def _rows(types: str, encoding: str) -> Callable[[Any], list[tuple[Any, ...]]]:
+    """A function of a result returning its rows converted by :func:`_converters` (NULL
+    stays None): each row's raw values fetched by one ``map`` (no Python frame per column),
+    each column converted unless NULL."""
+    columns = _converters(types, encoding)
+    indexes = range(len(columns))
+    pairs = tuple(zip(indexes, columns, strict=True))
+    if len(columns) == 1:
+        (convert,) = columns
+
+        def one_column(result: Any) -> list[tuple[Any, ...]]:
+            get = result.get_value
+            return [
+                (None if (raw := get(row, 0)) is None else convert(raw),) for row in range(result.ntuples)
+            ]
+
+        return one_column
+
+    def many_columns(result: Any) -> list[tuple[Any, ...]]:
+        get = result.get_value
+        out = []
+        for row in range(result.ntuples):
+            values = [*map(get, repeat(row), indexes)]
+            if None in values:
+                for col, convert in pairs:
+                    raw = values[col]
+                    if raw is not None:
+                        values[col] = convert(raw)
+            else:
+                values = [*map(_call, columns, values)]
+            out.append(tuple(values))
+        return out
+
+    return many_columns
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
@@ -105,17 +150,51 @@ class _Session:
     """What the runner remembers of one connection: its encoding, the statement names it has
     prepared, and a ``poll`` object registered on its socket for the replies."""
 
-    __slots__ = ("converters", "encoding", "poll", "prepared", "utf8")
+    __slots__ = ("encoding", "poll", "prepared", "rows", "utf8")
 
     def __init__(self, connection: Any) -> None:
         self.encoding: str = connection.info.encoding
         self.utf8 = self.encoding in _UTF8
         self.prepared: set[bytes] = set()
-        #: The result converters of each column-type string, in this session's encoding.
-        self.converters: dict[str, tuple[Callable[[bytes], Any], ...]] = {}
+        #: The row builder of each column-type string (:func:`_rows`), in this session's encoding.
+        self.rows: dict[str, Callable[[Any], list[tuple[Any, ...]]]] = {}
         poller = select.poll()
         poller.register(connection.pgconn.socket, select.POLLIN)
         self.poll = poller.poll
+
+
+#: The UTF-8 text of the float parameters seen lately (a lease's ttl and lifetime repeat);
+#: equal floats share one text (-0.0 may go as 0.0: the same number to the server).
+_FLOAT_TEXT: dict[float, bytes] = {}
+
+
+def _utf8_text(raw: tuple[Any, ...]) -> list[bytes | None]:
+    """``raw`` as text parameters of a UTF-8 session, None as SQL NULL: the text ``str()``
+    gives (a float's ``repr``, kept in :data:`_FLOAT_TEXT`), without calling ``str`` on a
+    str (a type call each: about a third of this function's cost before)."""
+    values: list[bytes | None] = []
+    append = values.append
+    for value in raw:
+        if value.__class__ is str:
+            append(value.encode())
+        elif value is None:
+            append(None)
+        elif value.__class__ is float:
+            text = _FLOAT_TEXT.get(value)
+            if text is None:
+                if len(_FLOAT_TEXT) >= 64:
+                    _FLOAT_TEXT.clear()
+                text = _FLOAT_TEXT[value] = repr(value).encode()
+            append(text)
+        else:
+            append(str(value).encode())
+    return values
+
+
+def _encoded(raw: tuple[Any, ...], session: _Session) -> list[bytes | None]:
+    """``raw`` as text parameters in ``session``'s encoding, None as SQL NULL."""
+    encoding = session.encoding
+    return [None if v is None else str(v).encode(encoding) for v in raw]
 
 
 class Runner:
@@ -127,7 +206,7 @@ class Runner:
 
         self._prepare = prepare
         self._errors = psycopg.errors
-        # Per live connection: its session (encoding, prepared names, converters, poll).
+        # Per live connection: its session (encoding, prepared names, row builders, poll).
         self._sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
         #: The connection of the last statement and its session, as one tuple (swapped
         #: atomically between threads): the hot path skips the weak dictionary's lookup.
@@ -150,28 +229,69 @@ class Runner:
         last = self._last
         session = last[1] if last is not None and last[0] is connection else self._session(connection)
         raw = statement.values(params)
-        if session.utf8 and None not in raw:  # str() of a str is itself; of a float its repr
-            values: list[bytes | None] = [*map(str.encode, map(str, raw))]
-        else:
-            encoding = session.encoding
-            values = [None if v is None else str(v).encode(encoding) for v in raw]
+        values = _utf8_text(raw) if session.utf8 else _encoded(raw, session)
         pgconn = connection.pgconn
-        result = self._execute(pgconn, statement, values, session, end)
+        if self._prepare and statement.name in session.prepared:
+            # _execute's and _result's usual case inline (two Python frames per statement):
+            # the statement is prepared on this session, its reply awaited on the socket.
+            pgconn.send_query_prepared(statement.name, values)
+            if pgconn.is_busy():
+                poll = session.poll
+                while True:
+                    if end is None:
+                        poll()
+                    else:
+                        left = end - time.monotonic()
+                        if left <= 0 or not poll(left * 1000.0):
+                            raise TooSlow()
+                    pgconn.consume_input()
+                    if not pgconn.is_busy():
+                        break
+            result = pgconn.get_result()
+            if result is None or pgconn.get_result() is not None:  # pragma: no cover - as _result
+                result = self._finish(pgconn, result)
+            if result.status != _TUPLES_OK:
+                result = self._failed(
+                    pgconn, statement=statement, values=values, session=session, end=end, result=result
+                )
+        else:
+            result = self._execute(pgconn, statement, values, session, end)
+            if result.status != _TUPLES_OK:
+                self._raise(pgconn, result)
+        rows = session.rows.get(statement.columns)
+        if rows is None:
+            rows = session.rows[statement.columns] = _rows(statement.columns, session.encoding)
+        return rows(result)
+
+    def _finish(self, pgconn: Any, result: Any) -> Any:  # pragma: no cover - see _result
+        """:meth:`_result`'s ending for an unusual reply: no result (a lost connection) or
+        more than one (drained)."""
+        if result is None:
+            raise self._errors.OperationalError(pgconn.error_message.decode("utf-8", "replace"))
+        while pgconn.get_result() is not None:
+            pass
+        return result
+
+    def _failed(
+        self,
+        pgconn: Any,
+        *,
+        statement: Statement,
+        values: list[bytes | None],
+        session: _Session,
+        end: float | None,
+        result: Any,
+    ) -> Any:
+        """After a prepared statement failed with ``result``: sent again, prepared first, if
+        the session lost its statements (as :meth:`_execute` does); else its error raised."""
+        if self._sqlstate(result) == _MISSING:
+            session.prepared.clear()  # the session lost every statement, not just this one
+            self._prepare_on(pgconn, statement, session, end)
+            pgconn.send_query_prepared(statement.name, values)
+            result = self._result(pgconn, session, end)
         if result.status != _TUPLES_OK:
             self._raise(pgconn, result)
-        columns = session.converters.get(statement.columns)
-        if columns is None:
-            columns = session.converters[statement.columns] = _converters(statement.columns, session.encoding)
-        get = result.get_value
-        return [
-            tuple(
-                [
-                    None if (raw_value := get(row, col)) is None else convert(raw_value)
-                    for col, convert in enumerate(columns)
-                ]
-            )
-            for row in range(result.ntuples)
-        ]
+        return result
 
     def _execute(
         self,

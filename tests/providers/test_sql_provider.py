@@ -690,6 +690,41 @@ def test_pg_runner_sends_none_as_null_and_other_values_as_their_text(pg: Db) -> 
         provider.close()
 
 
+def test_pg_runner_converts_every_row_with_and_without_nulls(pg: Db) -> None:
+    """The libpq runner's rows: every row of a result, each column converted by its type
+    letter whether or not the row has a NULL (a NULL stays None), none for no row, and a
+    one-column result's NULL too."""
+    from celery_exclusive.providers import _libpq
+
+    provider = pg.provider()
+    try:
+        provider.peek("k")  # a kept connection
+        assert provider._kept is not None
+        (kept,) = provider._kept
+        runner = _libpq.Runner(prepare=True)
+        rows = _libpq.Statement.build(
+            "SELECT n % 2 = 0, n, n / 4.0, 'r' || n, CASE WHEN n = CAST(:null_at AS int) THEN NULL "
+            "ELSE n END FROM generate_series(1, CAST(:n AS int)) AS s(n) ORDER BY s.n",
+            "bifti",
+        )
+        assert runner.run(kept, rows, {"n": 3, "null_at": 2}) == [
+            (False, 1, 0.25, "r1", 1),
+            (True, 2, 0.5, "r2", None),
+            (False, 3, 0.75, "r3", 3),
+        ]
+        assert runner.run(kept, rows, {"n": 2, "null_at": 0}) == [
+            (False, 1, 0.25, "r1", 1),
+            (True, 2, 0.5, "r2", 2),
+        ]
+        assert runner.run(kept, rows, {"n": 0, "null_at": 0}) == []
+        one = _libpq.Statement.build(
+            "SELECT NULLIF(n, 2) FROM generate_series(1, CAST(:n AS int)) AS s(n) ORDER BY s.n", "i"
+        )
+        assert runner.run(kept, one, {"n": 3}) == [(1,), (None,), (3,)]
+    finally:
+        provider.close()
+
+
 def test_pg_hot_statements_keep_their_deadline_without_the_watchdog(
     pg: Db, monkeypatch: pytest.MonkeyPatch
 ) -> None:
