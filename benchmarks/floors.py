@@ -104,12 +104,18 @@ class FloorProgram:
             bufsize=1,
         )
 
-    def batch(self, n: int) -> tuple[int, list[int]]:
-        """Run ``n`` cycles; (elapsed ns of the batch, each cycle's ns)."""
+    def batch(self, n: int, think_ns: int = 0) -> tuple[int, list[int]]:
+        """Run ``n`` cycles (``think_ns``: busy-waiting that long before each statement, the
+        PostgreSQL floor only); (elapsed ns of the batch, each cycle's ns)."""
+        elapsed, *cycles = map(int, self.ask(f"{n} {think_ns}" if think_ns > 0 else str(n)).split())
+        return elapsed, cycles
+
+    def ask(self, request: str) -> str:
+        """Send one request line; the program's one-line answer."""
         assert self.popen.stdin is not None
         assert self.popen.stdout is not None
         try:
-            self.popen.stdin.write(f"{n}\n")
+            self.popen.stdin.write(f"{request}\n")
             self.popen.stdin.flush()
         except BrokenPipeError:
             pass
@@ -118,8 +124,7 @@ class FloorProgram:
             self.popen.wait(10)
             err = self.popen.stderr.read() if self.popen.stderr else ""
             raise RuntimeError(f"{self.what} exited {self.popen.returncode}: {err.strip()}")
-        elapsed, *cycles = map(int, line.split())
-        return elapsed, cycles
+        return line
 
     def as_approach(self) -> Batch:
         """This program as an approach of :func:`benchmarks.harness.interleave`."""
@@ -323,6 +328,44 @@ def durable(sql: bytes) -> bytes | None:
     """``sql`` without the asynchronous-commit clause (None if it has none)."""
     clause = ASYNC_CLAUSE.encode()
     return sql.replace(clause, b"") if clause in sql else None
+
+
+# -- the scheduler ---------------------------------------------------------------------------
+
+
+def sched(pid: int) -> tuple[int, int, int] | None:
+    """``(ns on a CPU, ns runnable but waiting for one, voluntary context switches)`` of
+    process ``pid``, every thread summed (Linux's ``/proc/<pid>/task/*/schedstat`` and
+    ``status``); None where /proc does not say (another OS, a process gone or not ours to read)."""
+    cpu = waited = sleeps = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for task in tasks:
+        base = f"/proc/{pid}/task/{task}"
+        try:
+            with open(f"{base}/schedstat") as f:
+                on_cpu, runnable, _ = map(int, f.read().split())
+            with open(f"{base}/status") as f:
+                status = f.read()
+        except (OSError, ValueError):
+            continue  # a thread that just ended
+        cpu += on_cpu
+        waited += runnable
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                sleeps += int(line.split()[1])
+    return cpu, waited, sleeps
+
+
+def is_postgres(pid: int) -> bool:
+    """Whether ``pid`` is a PostgreSQL server process on this machine (its command name)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() in ("postgres", "postmaster")
+    except OSError:
+        return False
 
 
 # -- the disk --------------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import os
 import secrets
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks import floors
@@ -34,7 +38,12 @@ CURSORS = "LockService.lock + release, hot path on psycopg's RawCursor(prepare=T
 ORIGIN = "origin design on SQLAlchemy: DELETE expired; INSERT; SELECT on conflict"
 C_FLOOR = "C libpq floor: the package's 2 statements, prepared, its durability"
 C_DURABLE = "C libpq: the same 2 statements, both committed durably"
-ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, CURSORS, ORIGIN, C_FLOOR, C_DURABLE]
+WHERE_SERVICE = "where a cycle goes: LockService.lock + release"
+WHERE_PROVIDER = "where a cycle goes: provider acquire + release"
+WHERE_C = "where a cycle goes: C libpq floor"
+C_THINK = "C libpq floor + the service's extra client CPU, busy-waited"
+WHERE = [WHERE_SERVICE, WHERE_PROVIDER, WHERE_C, C_THINK]
+ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, CURSORS, ORIGIN, C_FLOOR, C_DURABLE, *WHERE]
 TARGET_RAW = "postgres: LockService vs raw psycopg (same SQL)"
 TARGET_ORIGIN = "postgres: LockService vs origin design"
 TARGET_C = "postgres: LockService vs C libpq floor (same statements, same durability)"
@@ -167,6 +176,10 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             )
         else:
             report.target(TARGET_C, math.nan, 0.9, note=f"n/a: {missing.get(C_FLOOR, '?')}")
+        floor = programs[0] if programs and C_FLOOR not in missing else None
+        _where_time_goes(
+            report, plan, provider, {WHERE_SERVICE: package, WHERE_PROVIDER: provider_only}, floor
+        )
     finally:
         for program in programs:
             program.close()
@@ -263,3 +276,122 @@ def _c_floors(
         programs.append(program_run)
         approaches[name] = program_run.as_approach()
     return missing
+
+
+def _where_time_goes(
+    report: Report,
+    plan: Plan,
+    provider: Any,
+    ops: dict[str, Any],
+    floor: floors.FloorProgram | None,
+) -> None:
+    """Rows splitting a cycle's wall time (issue #16): the client's CPU time, the server
+    process's CPU time, the time each waited runnable for a CPU, and how often each slept
+    (voluntary context switches), per cycle, from Linux's /proc (medians over rounds); then
+    the C floor again with the service's extra client CPU time busy-waited before each
+    statement, interleaved with the service: if the service runs at ~1.0x that, its gap to
+    the floor is its own CPU time and what that does to scheduling, nothing else."""
+    why = _why_no_breakdown(provider, floor)
+    if why:
+        for name in WHERE:
+            report.row(SECTION, name, note=f"n/a: {why}")
+        return
+    assert floor is not None
+    me = os.getpid()
+    ours = sorted({c.pgconn.backend_pid for c in provider._kept})
+    c_backend = int(floor.ask("backend"))
+    # name: (run n cycles, client pid, server pids)
+    sides: dict[str, tuple[Callable[[int], object], int, list[int]]] = {
+        name: (functools.partial(_cycles, op), me, ours) for name, op in ops.items()
+    }
+    sides[WHERE_C] = (floor.batch, floor.popen.pid, [c_backend])
+    n = plan.pg_ops
+    found = _accounted(sides, plan.rounds, n)
+    extra_ns = max(0.0, found[WHERE_SERVICE]["client"] - found[WHERE_C]["client"])
+    think = int(extra_ns / 2)  # two statements per cycle: before each, half of it
+    paired = _accounted(
+        {
+            WHERE_SERVICE: sides[WHERE_SERVICE],
+            C_THINK: (functools.partial(floor.batch, think_ns=think), floor.popen.pid, [c_backend]),
+        },
+        plan.rounds,
+        n,
+    )
+    for name in (WHERE_SERVICE, WHERE_PROVIDER, WHERE_C):
+        report.row(SECTION, name, rate=found[name]["rate"], note=_split(found[name]))
+    vs = median(paired["ratios"]) if paired["ratios"] else math.nan
+    report.row(
+        SECTION,
+        C_THINK,
+        rate=paired[C_THINK]["rate"],
+        note=f"{think / 1000:.1f} µs busy-waited before each statement; LockService at {vs:.2f}x "
+        f"its rate in the same rounds; {_split(paired[C_THINK])}",
+    )
+
+
+def _why_no_breakdown(provider: Any, floor: floors.FloorProgram | None) -> str:
+    """Why the per-cycle split cannot be taken here ("" if it can)."""
+    if floor is None:
+        return "no C floor"
+    if not getattr(provider, "_kept", None):
+        return "the provider keeps no connection"
+    if floors.sched(os.getpid()) is None:
+        return "no /proc/<pid>/task/*/schedstat (Linux only)"
+    backends = [c.pgconn.backend_pid for c in provider._kept]
+    if not all(floors.is_postgres(pid) for pid in backends):
+        return "the server is not on this machine (its processes are not in /proc)"
+    return ""
+
+
+def _cycles(op: Callable[[int], object], n: int) -> None:
+    for i in range(n):
+        op(i)
+
+
+def _accounted(
+    sides: dict[str, tuple[Callable[[int], object], int, list[int]]], rounds: int, n: int
+) -> dict[str, Any]:
+    """Per side, medians over ``rounds`` of ``n`` cycles each (sides taking turns): its rate,
+    and per cycle in ns its client's CPU (``client``) and wait for a CPU (``client_wait``),
+    its server processes' (``server``, ``server_wait``), and both sides' sleeps; with
+    exactly two sides, ``ratios``: the first's rate over the second's, per round."""
+    names = list(sides)
+    per: dict[str, list[list[float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            run, client, servers = sides[name]
+            gc.collect()
+            before = _sched_of(client, servers)
+            start = time.perf_counter_ns()
+            run(n)
+            elapsed = time.perf_counter_ns() - start
+            after = _sched_of(client, servers)
+            per[name].append(
+                [n / (elapsed / 1e9)] + [(b - a) / n for a, b in zip(before, after, strict=True)]
+            )
+    keys = ["rate", "client", "client_wait", "client_sleeps", "server", "server_wait", "server_sleeps"]
+    found: dict[str, Any] = {
+        name: dict(zip(keys, (median(list(column)) for column in zip(*rows, strict=True)), strict=True))
+        for name, rows in per.items()
+    }
+    if len(names) == 2:
+        found["ratios"] = [a[0] / b[0] for a, b in zip(per[names[0]], per[names[1]], strict=True)]
+    return found
+
+
+def _sched_of(client: int, servers: list[int]) -> list[int]:
+    """:func:`floors.sched` of the client and of its server processes summed (zeros if gone)."""
+    mine = floors.sched(client) or (0, 0, 0)
+    theirs = [floors.sched(pid) or (0, 0, 0) for pid in servers]
+    return [*mine, *(sum(t[i] for t in theirs) for i in range(3))]
+
+
+def _split(found: dict[str, float]) -> str:
+    """One row's note: the per-cycle split."""
+    wall = 1e9 / found["rate"]
+    return (
+        f"per cycle {wall / 1000:.0f} µs: client CPU {found['client'] / 1000:.1f} µs "
+        f"(+{found['client_wait'] / 1000:.1f} waiting for a CPU, {found['client_sleeps']:.2f} sleeps), "
+        f"server CPU {found['server'] / 1000:.1f} µs (+{found['server_wait'] / 1000:.1f}, "
+        f"{found['server_sleeps']:.2f} sleeps)"
+    )

@@ -8,8 +8,11 @@
  *   pg_floor CONNINFO KEYPREFIX TOKENPREFIX TTL LIFE HOLDER ACQUIRE_SQL ACQUIRE_PARAMS RELEASE_SQL RELEASE_PARAMS
  * *_PARAMS name each $n in order, comma-separated, from: key, token, ttl, life, holder.
  * Then, per line "N" read from stdin, it runs N cycles on keys KEYPREFIX0..KEYPREFIX255 and
- * prints one line: the batch's elapsed nanoseconds, then each cycle's nanoseconds. A grant
- * refused or an error ends the program with status 3 and a message on stderr.
+ * prints one line: the batch's elapsed nanoseconds, then each cycle's nanoseconds. A line
+ * "N THINK" does the same with THINK nanoseconds of busy-waiting before each statement (a
+ * client's own CPU time between statements, simulated); the line "backend" prints the
+ * connection's server process id. A grant refused or an error ends the program with status 3
+ * and a message on stderr.
  */
 #include <libpq-fe.h>
 #include <stdio.h>
@@ -31,6 +34,13 @@ static long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void think(long long ns) {
+    if (ns <= 0) return;
+    long long until = now_ns() + ns;
+    while (now_ns() < until)
+        ;
 }
 
 /* Parameter slots: 0 key, 1 token, 2 ttl, 3 life, 4 holder. */
@@ -67,13 +77,20 @@ int main(int argc, char **argv) {
     prepare("floor_release", argv[9], release_n);
 
     static long long lat[1 << 20];
-    char keys[KEYS][256], token[256], request[32];
+    char keys[KEYS][256], token[256], request[64];
     for (int k = 0; k < KEYS; k++) snprintf(keys[k], sizeof keys[k], "%s%d", keyprefix, k);
     const char *value[5] = {NULL, token, argv[4], argv[5], argv[6]};
     const char *acquire_values[MAXP], *release_values[MAXP];
     unsigned long long serial = 0, cycle = 0;
     while (fgets(request, sizeof request, stdin)) {
-        long n = atol(request);
+        if (strncmp(request, "backend", 7) == 0) {
+            printf("%d\n", PQbackendPID(conn));
+            fflush(stdout);
+            continue;
+        }
+        long n = 0;
+        long long think_ns = 0;
+        if (sscanf(request, "%ld %lld", &n, &think_ns) < 1) die("bad request");
         if (n <= 0 || n > (long)(sizeof lat / sizeof lat[0])) die("bad batch size");
         long long start = now_ns();
         for (long i = 0; i < n; i++) {
@@ -84,11 +101,13 @@ int main(int argc, char **argv) {
                      0x9e3779b97f4a7c15ULL * ++serial);
             for (int p = 0; p < acquire_n; p++) acquire_values[p] = value[acquire_slots[p]];
             for (int p = 0; p < release_n; p++) release_values[p] = value[release_slots[p]];
+            think(think_ns);
             PGresult *res = PQexecPrepared(conn, "floor_acquire", acquire_n, acquire_values, NULL, NULL, 0);
             if (PQresultStatus(res) != PGRES_TUPLES_OK) die("acquire failed");
             if (PQntuples(res) < 1 || strcmp(PQgetvalue(res, 0, 0), "t") != 0)
                 die("acquire not granted (key unexpectedly held)");
             PQclear(res);
+            think(think_ns);
             res = PQexecPrepared(conn, "floor_release", release_n, release_values, NULL, NULL, 0);
             if (PQresultStatus(res) != PGRES_TUPLES_OK) die("release failed");
             PQclear(res);
