@@ -354,11 +354,11 @@ class PostgresLockProvider(SqlStore):
         ours, mark = self._listening.releasing(params["channel"])
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
         rows = self._run_pg(op, params) if timeout is None else self._run_pg(op, params, timeout=timeout)
-        replies = [int(reply) for (reply,) in rows]  # _call inline: one frame fewer
-        notified = 2 in replies
+        # _call inline: one frame fewer; each row a 1-tuple, compared as one (no list made)
+        notified = (2,) in rows
         self._listening.released(params["channel"], mark, notified)
         self._woken.note(key, notified and not ours)
-        return any(replies)
+        return notified or (1,) in rows
 
     def had_waiters(self, key: str) -> bool:
         """Whether this process's latest release of ``key`` (prefixed) freed it while a waiter
