@@ -48,14 +48,6 @@ _DUPLICATE = "42P05"  # duplicate_prepared_statement: already prepared on this s
 _UTF8 = ("utf-8", "utf8")  # psycopg's name of a UTF8 session's encoding (and an alias)
 
 
-def _call_py(function: Callable[[bytes], Any], value: bytes) -> Any:  # pragma: no cover - Python 3.10
-    return function(value)
-
-
-#: ``f(x)`` as a function of ``f`` and ``x`` (``operator.call``, Python 3.11+).
-_call: Callable[[Callable[[bytes], Any], bytes], Any] = getattr(operator, "call", _call_py)
-
-
 class TooSlow(Exception):
     """No reply came by the statement's deadline: the connection is mid-protocol (drop it)."""
 
@@ -73,7 +65,7 @@ def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]
 def _rows(types: str, encoding: str) -> Callable[[Any], list[tuple[Any, ...]]]:
     """A function of a result returning its rows converted by :func:`_converters` (NULL
     stays None): each row's raw values fetched by one ``map`` (no Python frame per column),
-    each column converted unless NULL."""
+    each column converted unless NULL; a one-column result's single row without a loop."""
     columns = _converters(types, encoding)
     indexes = range(len(columns))
     pairs = tuple(zip(indexes, columns, strict=True))
@@ -82,6 +74,9 @@ def _rows(types: str, encoding: str) -> Callable[[Any], list[tuple[Any, ...]]]:
 
         def one_column(result: Any) -> list[tuple[Any, ...]]:
             get = result.get_value
+            if result.ntuples == 1:  # a release's answer
+                raw = get(0, 0)
+                return [(None if raw is None else convert(raw),)]
             return [
                 (None if (raw := get(row, 0)) is None else convert(raw),) for row in range(result.ntuples)
             ]
@@ -93,13 +88,10 @@ def _rows(types: str, encoding: str) -> Callable[[Any], list[tuple[Any, ...]]]:
         out = []
         for row in range(result.ntuples):
             values = [*map(get, repeat(row), indexes)]
-            if None in values:
-                for col, convert in pairs:
-                    raw = values[col]
-                    if raw is not None:
-                        values[col] = convert(raw)
-            else:
-                values = [*map(_call, columns, values)]
+            for col, convert in pairs:
+                raw = values[col]
+                if raw is not None:
+                    values[col] = convert(raw)
             out.append(tuple(values))
         return out
 
