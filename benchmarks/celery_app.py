@@ -7,8 +7,16 @@ cleanup), ``CE_BENCH_QUEUE`` (the worker's default queue), ``CELERY_EXCLUSIVE_UR
 
 Throughput tasks do nothing but note, in memory, when they ran; a thread in each pool
 process writes those notes to Redis every 20 ms, so measuring costs the tasks no I/O.
+Each pool process also times every throughput task's whole run by Celery's tracer (its
+``__trace__``, wrapped when the process starts: the same frame and two clock reads for every
+variant, no signal receiver, which would make Celery send signals for every task) and notes
+the count and the sum: the in-process cost of a task, without the broker, the pool's
+dispatch and the waits between tasks, which are the same for every variant.
 The floor task is the plain one plus the lock's own floor: one provider acquire + release on
-the store the exclusive tasks use, with no service or task layer around them. The rerun
+the store the exclusive tasks use, with no service or task layer around them; the
+``floor_once`` task sends what the exclusive task's run sends to the store: the acquire that
+checks the task id's completion record and the release that writes it (redelivery safety,
+:mod:`celery_exclusive.redelivery`), still straight through the provider. The rerun
 task records its start, and a ``lock_released`` receiver records the release.
 """
 
@@ -24,14 +32,16 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery import signals as celery_signals
 
-from celery_exclusive import exclusive_task, signals
-from celery_exclusive.providers.base import Grant, encode_holder
+from celery_exclusive import exclusive_task, redelivery, signals
+from celery_exclusive.providers.base import Completion, Grant, encode_holder
 from celery_exclusive.worker import get_lock_service
 
 BROKER = os.environ.get("CE_BENCH_BROKER", "redis://127.0.0.1:6379/12")
 KEYPREFIX = os.environ.get("CE_BENCH_KEYPREFIX", "cebench-local:")
-#: Hash per tag: field = pool process id, value = JSON [count, first end, last end].
+#: Hash per tag: field = pool process id, value = JSON [count, first end, last end, runs
+#: timed, their summed seconds] (the last two: see :func:`_timed`).
 STATS = KEYPREFIX + "stats:"
 #: List of rerun events (JSON).
 EVENTS = KEYPREFIX + "events"
@@ -78,7 +88,7 @@ def note(tag: str) -> None:
     now = time.time()
     entry = _notes.get(tag)
     if entry is None:
-        _notes[tag] = [1, now, now]
+        _notes[tag] = [1, now, now, 0, 0.0]
     else:
         entry[0] += 1
         entry[2] = now
@@ -86,6 +96,36 @@ def note(tag: str) -> None:
         thread = threading.Thread(target=_flush_forever, name="bench-flusher", daemon=True)
         thread.start()
         _flusher = (os.getpid(), thread)
+
+
+#: The throughput tasks whose runs are timed in the pool processes.
+TIMED = ("cebench.plain", "cebench.exclusive", "cebench.floor", "cebench.floor_once")
+
+
+def _timed(trace: Any) -> Any:
+    """``trace`` (a task's ``__trace__``), timing each run and noting it under its tag."""
+    clock = time.perf_counter
+
+    def timed(uuid: str, args: Any, kwargs: Any, request: Any = None) -> Any:
+        started = clock()
+        out = trace(uuid, args, kwargs, request)
+        spent = clock() - started
+        entry = _notes.get(args[1])
+        if entry is not None:  # the body noted it (a run that raised is not counted)
+            entry[3] += 1
+            entry[4] += spent
+        return out
+
+    return timed
+
+
+@celery_signals.worker_process_init.connect(weak=False)
+def _time_runs(**_: Any) -> None:
+    """Wrap the throughput tasks' tracers in this pool process (built just before this signal)."""
+    for name in TIMED:
+        task = app.tasks[name]
+        if task.__trace__ is not None:
+            task.__trace__ = _timed(task.__trace__)
 
 
 @app.task(name="cebench.plain")  # type: ignore[untyped-decorator]
@@ -111,6 +151,31 @@ def floor(i: int, tag: str) -> None:
     if not isinstance(answer, Grant):
         raise RuntimeError(f"floor: {key} unexpectedly held")
     service.provider.release(key, token)
+    note(tag)
+
+
+_retain: tuple[int, float] | None = None
+
+
+@app.task(name="cebench.floor_once")  # type: ignore[untyped-decorator]
+def floor_once(i: int, tag: str) -> None:
+    """The floor with the exclusive run's statements: the acquire checks the task id's
+    completion record, the release writes one (kept as long as the exclusive task's)."""
+    global _holder, _retain
+    if _holder is None or _holder[0] != os.getpid():
+        host = socket.gethostname()
+        _holder = (os.getpid(), encode_holder({"host": host, "pid": os.getpid()}), f"{host}:{os.getpid()}:")
+    if _retain is None or _retain[0] != os.getpid():
+        registered: Any = app.tasks["cebench.exclusive"]
+        _retain = (os.getpid(), redelivery.retention(registered) or 86400.0)
+    service = get_lock_service(app)
+    key, task_id = f"{service.prefix}o:{tag}:{i}", f"{tag}-{i}"
+    token = f"{_holder[2]}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
+    provider: Any = service.provider  # a CompletionStore: every built-in store is one
+    answer = provider.acquire(key, token, service.ttl, service.max_lifetime, _holder[1], task_id=task_id)
+    if not isinstance(answer, Grant):
+        raise RuntimeError(f"floor_once: {key} unexpectedly held or done")
+    provider.release(key, token, Completion(task_id, "success", 0, _retain[1]))
     note(tag)
 
 
