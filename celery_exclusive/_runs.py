@@ -90,7 +90,11 @@ def release(lease: Lease, done: Completion | None) -> bool:
 def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
     """Pop the run's lease(s) and release them, recording ``done`` on the first key in the
     same store call. The lease that had been lost (the first in canonical order), or None."""
-    _pop(lease)
+    stack = _running.stack
+    if stack and stack[-1][1] is lease:  # the innermost run, as usual: _pop without its loop
+        del stack[-1]
+    else:
+        _pop(lease)
     if isinstance(lease, LeaseSet):
         carrier, others = _carrier(lease)
         lost = {id(each) for each in others if release(each, None)}  # the carrier last

@@ -308,8 +308,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         def si(self, *args: _P.args, **kwargs: _P.kwargs) -> Signature[_R]: ...
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        request = self.request
-        if not _may_carry_marker(request) or dedupe.marker_of(request) is None:  # most messages
+        # Task.request without its property's call: the request the tracer (or apply) pushed.
+        request: Any = self.request_stack.top
+        if request is None:
+            request = self.request
+        headers = getattr(request, "headers", None)  # _may_carry_marker inline
+        if not headers or dedupe.HEADER not in headers or dedupe.marker_of(request) is None:  # most
             return _run(self, args, kwargs, request, marked=False)  # type: ignore[no-any-return]
         dedupe.run_started(self, request)
         try:
@@ -360,7 +364,8 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool) -> Any:
     """The run of the current ``request`` (``marked``: its message may carry a queued marker)."""
     plan = _plan_of(task)
-    if _SPANS in sys.modules:  # the acquire's duration is read only for a span
+    spans = _SPANS in sys.modules
+    if spans:  # the acquire's duration is read only for a span
         observe.begin()
     key = _key_builder_of(task).build(task.name, args, kwargs)
     if not isinstance(key, str):
@@ -371,9 +376,15 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
     record = None if inline or plan.retention is None else redelivery.usable_id(request.id)
     once, asked_again = record, inline
     call: policies.Call | None = None  # made once the key is found held (its waits' state)
+    lease: Lease | LeaseSet
     while True:
         try:
-            lease = _acquire(task, plan, key, once, request)
+            if plan.lock_one and not spans and isinstance(key, str):
+                # _acquire and _lock inline for the usual run (one key, limit 1, no span to time).
+                holder = plan.holder(task, request)
+                lease = plan.service.lock(key, task_id=once, holder=holder, **plan.options)
+            else:
+                lease = _acquire(task, plan, key, once, request)
         except AlreadyDone as done:
             redelivery.settle(task, done.key, done.record, args, kwargs)  # ends a copy of a finished run
             once, plan = None, _plan_of(task)  # a retry's own attempt: take the key as usual
@@ -421,8 +432,13 @@ def _hold(
     """``task._run_holding`` with the task's plan (``marked``: as for :func:`_run`)."""
     if marked and _may_carry_marker(request) and dedupe.marker_of(request) is not None:
         dedupe.acquired(task, request)
-    leases = lease.leases if isinstance(lease, LeaseSet) else (lease,)
-    report = observe.holding(task, leases, request)
+    if isinstance(lease, LeaseSet):
+        leases: Sequence[Lease] = lease.leases
+        report = observe.holding(task, leases, request)
+    else:  # observe.holding of one lease, without its frame and loop
+        leases = (lease,)
+        report = observe.Run(task, lease, request)
+        lease.on_lost(report.lost)
     interrupter = _interrupt.arm(*leases) if plan.terminate else None
     # Whether the body may be called without Task.__call__: the worker's tracer (and
     # apply()) pushed this task and its request before calling us, and Task.__call__
@@ -448,9 +464,15 @@ def _hold(
         report.finished(lost or leases[0], lost is not None)
         raise
     # redelivery.completion() of a body that returned, without its two calls.
-    keep, attempt = plan.retention, int(request.retries or 0)
-    done = None if record is None or keep is None else Completion(record, "success", attempt, keep)
-    lost = _finish(task, plan, lease, retrying=False, done=done)
+    keep = plan.retention
+    done = (
+        None
+        if record is None or keep is None
+        else Completion(record, "success", int(request.retries or 0), keep)
+    )
+    lost = _runs.finish(lease, done)  # _finish inline
+    if plan.finishes:
+        plan.policy.finished(task, _runs.first_key(lease), retrying=False)
     if lost is not None:
         report.finished(lost, True)
         if plan.settings.on_lost == "raise":
@@ -561,6 +583,7 @@ class _Plan:
         "app",
         "durations",
         "finishes",
+        "lock_one",
         "options",
         "policy",
         "process",
@@ -579,12 +602,15 @@ class _Plan:
         #: What the service was looked up for: valid while these are the task's (see _plan_of).
         self.app, self.process = task.app, _worker._current()
         self.durations = _durations(settings, service)
-        #: ``service.lock``'s options for a single key, but the holder and task id.
-        self.options: dict[str, Any] = {
-            **self.durations,
-            "hold_at_least": settings.cooldown,
-            "limit": settings.limit,
-        }
+        #: ``service.lock``'s options for a single key, but the holder and task id: only those
+        #: that differ from its defaults (every keyword passed costs the call its matching).
+        self.options: dict[str, Any] = dict(self.durations)
+        if settings.cooldown is not None:
+            self.options["hold_at_least"] = settings.cooldown
+        if type(settings.limit) is not int or settings.limit != 1:  # True is refused there, not here
+            self.options["limit"] = settings.limit
+        #: Whether a run of one key is one ``service.lock`` call (no semaphore guard key).
+        self.lock_one = settings.limit == 1
         #: How long completion records are kept (None: none are): :func:`redelivery.retention`.
         self.retention = redelivery.retention(task)
         #: Whether ``super().__call__`` is Celery's own (see ``_run_holding``).
