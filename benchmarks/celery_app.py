@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import threading
 import time
@@ -134,48 +133,56 @@ def plain(i: int, tag: str) -> None:
     note(tag)
 
 
-_holder: tuple[int, str, str] | None = None
+class _Floor:
+    """What the floor tasks need, looked up once per pool process (as an exclusive task's
+    plan is once per task): the store, its durations and prefix, the holder JSON, the token
+    prefix and the completion records' retention. A lookup per run (``get_lock_service``
+    takes a mutex) would be Python work the floor pays and the exclusive task does not."""
+
+    def __init__(self) -> None:
+        service = get_lock_service(app)
+        host = socket.gethostname()
+        self.pid = os.getpid()
+        self.provider: Any = service.provider  # a CompletionStore: every built-in store is one
+        self.prefix, self.ttl, self.life = service.prefix, service.ttl, service.max_lifetime
+        self.holder = encode_holder({"host": host, "pid": self.pid})
+        self.token = f"{host}:{self.pid}:"
+        registered: Any = app.tasks["cebench.exclusive"]
+        self.retain = redelivery.retention(registered) or 86400.0
+
+
+_floors: _Floor | None = None
+
+
+def _floor() -> _Floor:
+    global _floors
+    if _floors is None or _floors.pid != os.getpid():
+        _floors = _Floor()
+    return _floors
 
 
 @app.task(name="cebench.floor")  # type: ignore[untyped-decorator]
 def floor(i: int, tag: str) -> None:
     """The no-op plus one acquire + release of its own key, straight through the provider."""
-    global _holder
-    if _holder is None or _holder[0] != os.getpid():
-        host = socket.gethostname()
-        _holder = (os.getpid(), encode_holder({"host": host, "pid": os.getpid()}), f"{host}:{os.getpid()}:")
-    service = get_lock_service(app)
-    key = f"{service.prefix}f:{tag}:{i}"
-    token = f"{_holder[2]}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
-    answer = service.provider.acquire(key, token, service.ttl, service.max_lifetime, _holder[1])
-    if not isinstance(answer, Grant):
+    f = _floor()
+    key = f"{f.prefix}f:{tag}:{i}"
+    token = f"{f.token}{int(time.time() * 1000)}:{os.urandom(8).hex()}"  # as the service's new_token
+    if not isinstance(f.provider.acquire(key, token, f.ttl, f.life, f.holder), Grant):
         raise RuntimeError(f"floor: {key} unexpectedly held")
-    service.provider.release(key, token)
+    f.provider.release(key, token)
     note(tag)
-
-
-_retain: tuple[int, float] | None = None
 
 
 @app.task(name="cebench.floor_once")  # type: ignore[untyped-decorator]
 def floor_once(i: int, tag: str) -> None:
     """The floor with the exclusive run's statements: the acquire checks the task id's
     completion record, the release writes one (kept as long as the exclusive task's)."""
-    global _holder, _retain
-    if _holder is None or _holder[0] != os.getpid():
-        host = socket.gethostname()
-        _holder = (os.getpid(), encode_holder({"host": host, "pid": os.getpid()}), f"{host}:{os.getpid()}:")
-    if _retain is None or _retain[0] != os.getpid():
-        registered: Any = app.tasks["cebench.exclusive"]
-        _retain = (os.getpid(), redelivery.retention(registered) or 86400.0)
-    service = get_lock_service(app)
-    key, task_id = f"{service.prefix}o:{tag}:{i}", f"{tag}-{i}"
-    token = f"{_holder[2]}{int(time.time() * 1000)}:{secrets.token_hex(8)}"
-    provider: Any = service.provider  # a CompletionStore: every built-in store is one
-    answer = provider.acquire(key, token, service.ttl, service.max_lifetime, _holder[1], task_id=task_id)
-    if not isinstance(answer, Grant):
+    f = _floor()
+    key, task_id = f"{f.prefix}o:{tag}:{i}", f"{tag}-{i}"
+    token = f"{f.token}{int(time.time() * 1000)}:{os.urandom(8).hex()}"
+    if not isinstance(f.provider.acquire(key, token, f.ttl, f.life, f.holder, task_id=task_id), Grant):
         raise RuntimeError(f"floor_once: {key} unexpectedly held or done")
-    provider.release(key, token, Completion(task_id, "success", 0, _retain[1]))
+    f.provider.release(key, token, Completion(task_id, "success", 0, f.retain))
     note(tag)
 
 
