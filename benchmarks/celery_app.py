@@ -10,7 +10,7 @@ process writes those notes to Redis every 20 ms, so measuring costs the tasks no
 Each pool process also times every throughput task's whole run by Celery's tracer (its
 ``__trace__``, wrapped when the process starts: the same frame and two clock reads for every
 variant, no signal receiver, which would make Celery send signals for every task) and notes
-the count and the sum: the in-process cost of a task, without the broker, the pool's
+the count, the sum and a histogram: the in-process cost of a task, without the broker, the pool's
 dispatch and the waits between tasks, which are the same for every variant.
 The floor task is the plain one plus the lock's own floor: one provider acquire + release on
 the store the exclusive tasks use, with no service or task layer around them; the
@@ -23,6 +23,7 @@ task records its start, and a ``lock_released`` receiver records the release.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -40,7 +41,7 @@ from celery_exclusive.worker import get_lock_service
 BROKER = os.environ.get("CE_BENCH_BROKER", "redis://127.0.0.1:6379/12")
 KEYPREFIX = os.environ.get("CE_BENCH_KEYPREFIX", "cebench-local:")
 #: Hash per tag: field = pool process id, value = JSON [count, first end, last end, runs
-#: timed, their summed seconds] (the last two: see :func:`_timed`).
+#: timed, their summed seconds, their histogram] (the last three: see :func:`_timed`).
 STATS = KEYPREFIX + "stats:"
 #: List of rerun events (JSON).
 EVENTS = KEYPREFIX + "events"
@@ -58,6 +59,9 @@ app.conf.update(
 )
 
 _notes: dict[str, list[float]] = {}
+#: Per tag, the timed runs' histogram: bucket (``int(log(seconds) * BUCKETS)``, 2 % wide) -> runs.
+_spread: dict[str, dict[int, int]] = {}
+BUCKETS = 1 / math.log(1.02)
 _flusher: tuple[int, threading.Thread] | None = None
 _client: tuple[int, redis.Redis] | None = None
 
@@ -71,11 +75,11 @@ def client() -> redis.Redis:
 
 
 def _flush_forever() -> None:
-    sent: dict[str, list[float]] = {}
+    sent: dict[str, list[Any]] = {}
     while True:
         time.sleep(0.02)
         for tag, note in list(_notes.items()):
-            snapshot = list(note)
+            snapshot: list[Any] = [*note, dict(_spread.get(tag, {}))]
             if sent.get(tag) != snapshot:
                 client().hset(STATS + tag, str(os.getpid()), json.dumps(snapshot))
                 sent[tag] = snapshot
@@ -103,7 +107,7 @@ TIMED = ("cebench.plain", "cebench.exclusive", "cebench.floor", "cebench.floor_o
 
 def _timed(trace: Any) -> Any:
     """``trace`` (a task's ``__trace__``), timing each run and noting it under its tag."""
-    clock = time.perf_counter
+    clock, log = time.perf_counter, math.log
 
     def timed(uuid: str, args: Any, kwargs: Any, request: Any = None) -> Any:
         started = clock()
@@ -113,6 +117,9 @@ def _timed(trace: Any) -> Any:
         if entry is not None:  # the body noted it (a run that raised is not counted)
             entry[3] += 1
             entry[4] += spent
+            spread = _spread.setdefault(args[1], {})
+            bucket = int(log(spent) * BUCKETS)
+            spread[bucket] = spread.get(bucket, 0) + 1
         return out
 
     return timed
