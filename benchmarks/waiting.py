@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.harness import (
@@ -39,6 +40,7 @@ from benchmarks.harness import (
     Report,
     drop_pg_tables,
     percentile,
+    psycopg_dsn,
     reachable,
     with_table,
 )
@@ -46,11 +48,14 @@ from celery_exclusive import LockService
 from celery_exclusive.providers.base import WakesWaiters
 
 SECTION = "waiting"
+#: The PostgreSQL row beside the handover: what the waiter's durable commit waits for.
+PG_FLUSH = "postgres commit flush"
 ROWS = [
     "redis handover woken",
     "redis handover polled",
     "postgres handover woken",
     "postgres handover polled",
+    PG_FLUSH,
 ]
 #: (name, bound, op, unit) of the section's targets.
 TARGETS = [
@@ -82,8 +87,11 @@ class Polled:
         return getattr(self._provider, name)
 
 
-def handover(url: str, prefix: str, trials: int, *, polled: bool = False) -> list[float]:
-    """Release-to-acquired seconds of ``trials`` handovers; ``polled`` hides the signals."""
+def handover(
+    url: str, prefix: str, trials: int, *, polled: bool = False, between: Callable[[], None] | None = None
+) -> list[float]:
+    """Release-to-acquired seconds of ``trials`` handovers; ``polled`` hides the signals;
+    ``between`` is called after each trial (untimed)."""
     holder = LockService(url, prefix=prefix)
     if url == "memory://":
         waiter = LockService(Polled(holder.provider) if polled else holder.provider, prefix=prefix)
@@ -110,10 +118,42 @@ def handover(url: str, prefix: str, trials: int, *, polled: bool = False) -> lis
             latencies.append(time.monotonic() - released[0] if released else 0.0)
             thread.join()
             got.release()
+            if between is not None:
+                between()
     finally:
         waiter.close()
         holder.close()
     return latencies
+
+
+class CommitFlush:
+    """The disk's share of a durable commit, sampled between handover trials: a 1-row
+    UPDATE committed with ``synchronous_commit`` on, then off, on a connection of its own
+    (the waiter's acquire commits with it on, the release with it off). ``on - off`` at the
+    median is the WAL flush the handover's acquire waits for."""
+
+    def __init__(self, url: str, table: str) -> None:
+        import psycopg
+
+        self._conn = psycopg.connect(psycopg_dsn(url), autocommit=True, connect_timeout=10)
+        self._table = table
+        self._conn.execute(f'CREATE TABLE IF NOT EXISTS "{table}" (id int PRIMARY KEY, n bigint)')
+        self._conn.execute(f'INSERT INTO "{table}" VALUES (1, 0) ON CONFLICT DO NOTHING')
+        self.timings: dict[str, list[float]] = {"on": [], "off": []}
+
+    def __call__(self) -> None:
+        for mode in ("on", "off"):
+            self._conn.execute(f"SET synchronous_commit = {mode}")
+            t0 = time.perf_counter()
+            self._conn.execute(f'UPDATE "{self._table}" SET n = n + 1 WHERE id = 1', prepare=True)
+            self.timings[mode].append(time.perf_counter() - t0)
+
+    def flush(self) -> float:
+        """Seconds: median synchronous minus median asynchronous commit."""
+        return percentile(self.timings["on"], 0.5) - percentile(self.timings["off"], 0.5)
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def _contend(
@@ -192,7 +232,8 @@ def main() -> None:
 
 def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
     """The ``waiting`` section: Redis and PostgreSQL handover woken by the release vs a
-    polling waiter."""
+    polling waiter; on PostgreSQL also the disk's commit flush, sampled between the woken
+    trials (the woken acquire commits durably: its flush is part of the handover)."""
     trials = 5 if plan.quick else 40
     stores = {
         "redis": (REDIS_URL, REDIS_PREFIX + "wait:"),
@@ -202,24 +243,48 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         rows, targets = ROWS[2 * index : 2 * index + 2], TARGETS[index : index + 1]
         reason = reachable(url)
         if reason:
-            report.unavailable(SECTION, rows, targets, reason)
+            report.unavailable(SECTION, rows + ([PG_FLUSH] if store == "postgres" else []), targets, reason)
             continue
+        flush = None
         if store == "postgres":
             cleanup.add(f"table {WAIT_TABLE}", lambda: drop_pg_tables(WAIT_TABLE, WAIT_TABLE + "_done"))
+            cleanup.add(f"table {WAIT_TABLE}_flush", lambda: drop_pg_tables(WAIT_TABLE + "_flush"))
+            flush = CommitFlush(POSTGRES_URL, WAIT_TABLE + "_flush")
         p50s = {}
-        for name, polled in zip(rows, (False, True), strict=True):
-            lat = handover(url, prefix, trials, polled=polled)
-            p50s[name] = percentile(lat, 0.5)
-            report.row(
-                SECTION,
-                name,
-                p50_us=p50s[name] * 1e6,
-                p99_us=percentile(lat, 0.99) * 1e6,
-                note=f"release to acquired, {trials} trials"
-                + ("; signals hidden, poll bound 50 ms" if polled else f"; {SIGNALS[store]}"),
-            )
+        try:
+            for name, polled in zip(rows, (False, True), strict=True):
+                lat = handover(url, prefix, trials, polled=polled, between=None if polled else flush)
+                p50s[name] = percentile(lat, 0.5)
+                report.row(
+                    SECTION,
+                    name,
+                    p50_us=p50s[name] * 1e6,
+                    p99_us=percentile(lat, 0.99) * 1e6,
+                    note=f"release to acquired, {trials} trials"
+                    + ("; signals hidden, poll bound 50 ms" if polled else f"; {SIGNALS[store]}"),
+                )
+        finally:
+            if flush is not None:
+                flush.close()
         name, bound, op, unit = targets[0]
         note = "quick: too few trials to judge" if plan.quick else ""
+        if flush is not None:
+            on, off = (percentile(flush.timings[m], 0.5) for m in ("on", "off"))
+            report.row(
+                SECTION,
+                PG_FLUSH,
+                rate=(on - off) * 1e6,
+                unit="µs",
+                p50_us=on * 1e6,
+                p99_us=percentile(flush.timings["on"], 0.99) * 1e6,
+                note=f"1-row UPDATE: p50 {on * 1e6:.0f} µs synchronous vs {off * 1e6:.0f} µs asynchronous"
+                f" commit, {len(flush.timings['on'])} each, between the woken trials",
+            )
+            woken = p50s[rows[0]]
+            note = (note + "; " if note else "") + (
+                f"of which the disk's commit flush p50 {flush.flush() * 1000:.2f} ms:"
+                f" handover minus flush {(woken - flush.flush()) * 1000:.2f} ms"
+            )
         report.target(name, p50s[rows[0]] * 1000, bound, op=op, unit=unit, note=note)
 
 
