@@ -3,6 +3,7 @@
 Run on its own::
 
     .venv/bin/python -m benchmarks.waiting [--seconds 5] [--stores memory,redis,postgres]
+    .venv/bin/python -m benchmarks.waiting --breakdown [--trials 40]   # the PostgreSQL handover's steps
 
 * handover: one holder releases, one waiter (another service, ``lock(wait=)``) acquires;
   the release-to-acquired time over 40 trials, p50/p99. Stores that signal releases
@@ -22,13 +23,14 @@ Keys use a unique prefix and are released at the end; nothing else is touched.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import statistics
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from benchmarks.harness import (
     POSTGRES_URL,
@@ -197,12 +199,133 @@ def jain(counts: list[int]) -> float:
     return total * total / (len(counts) * sum(c * c for c in counts)) if total else 0.0
 
 
+#: The steps of a PostgreSQL woken handover :func:`breakdown` times, in order (its stamps).
+STEPS = (
+    "release sent",
+    "release reply",
+    "notify read",
+    "dispatched",
+    "waiter running",
+    "acquire sent",
+    "acquire reply",
+    "lock returned",
+)
+
+
+def breakdown(url: str, trials: int) -> tuple[list[dict[str, float]], CommitFlush]:
+    """Timestamps (seconds after ``lease.release()`` was called) of each step of ``trials``
+    PostgreSQL woken handovers (:data:`STEPS`), taken by wrapping the holder's and the
+    waiter's statement executors, the listener's ``select`` and dispatch, and the waiter's
+    subscription; and the disk's commit flush sampled between the trials. Diagnostic only
+    (the wrappers add a few microseconds per step); ``python -m benchmarks.waiting --breakdown``."""
+    import select as real_select
+
+    from celery_exclusive.providers import _pg_listen, _signals
+
+    stamps: dict[str, float] = {}
+    now = time.perf_counter
+
+    class Select:
+        def select(self, r: Any, w: Any, x: Any, t: float | None = None) -> Any:
+            out = real_select.select(r, w, x, t)
+            if r and r[0] in out[0]:  # the connection's socket (listed first), not the pipe
+                stamps.setdefault("notify read", now())
+            return out
+
+    dispatch, wait = _pg_listen.Listener._dispatch, _signals.Subscription.wait
+
+    def stamped_dispatch(self: Any, name: str) -> None:
+        stamps.setdefault("dispatched", now())
+        dispatch(self, name)
+
+    def stamped_wait(self: Any, timeout: float) -> bool:
+        woken = wait(self, timeout)
+        if woken:
+            stamps.setdefault("waiter running", now())
+        return woken
+
+    def wrap(executor: Any, op: str, sent: str, reply: str) -> None:
+        run = executor.run
+
+        def stamped(name: str, params: Any, timeout: Any) -> Any:
+            if name != op:
+                return run(name, params, timeout)
+            t0 = now()
+            rows = run(name, params, timeout)
+            if rows and rows[0][0]:  # the release freed the lease / the acquire was granted
+                stamps[sent], stamps[reply] = t0, now()
+            return rows
+
+        executor.run = stamped
+
+    listen = cast(Any, _pg_listen)
+    select_module = listen.select
+    listen.select = Select()
+    _pg_listen.Listener._dispatch = stamped_dispatch  # type: ignore[method-assign]
+    _signals.Subscription.wait = stamped_wait  # type: ignore[method-assign]
+    prefix = f"bd{uuid.uuid4().hex[:8]}:"
+    holder, waiter = LockService(url, prefix=prefix), LockService(url, prefix=prefix)
+    wrap(cast(Any, holder.provider)._executor, "release", "release sent", "release reply")
+    wrap(cast(Any, waiter.provider)._executor, "acquire", "acquire sent", "acquire reply")
+    flush = CommitFlush(url, WAIT_TABLE + "_flush")
+    rows = []
+    try:
+        for i in range(trials):
+            lease = holder.lock("handover", ttl=30)
+            started: list[float] = []
+
+            def release(
+                lease: Any = lease, started: list[float] = started, hold: float = 0.02 + (i % 5) * 0.03
+            ) -> None:
+                time.sleep(hold)
+                stamps.clear()
+                started.append(now())
+                lease.release()
+
+            thread = threading.Thread(target=release)
+            thread.start()
+            got = waiter.lock("handover", ttl=30, wait=10)
+            stamps["lock returned"] = now()
+            thread.join()
+            got.release()
+            flush()
+            rows.append({step: stamps.get(step, math.nan) - started[0] for step in STEPS})
+    finally:
+        listen.select = select_module
+        _pg_listen.Listener._dispatch = dispatch  # type: ignore[method-assign]
+        _signals.Subscription.wait = wait  # type: ignore[method-assign]
+        flush.close()
+        waiter.close()
+        holder.close()
+        drop_pg_tables(WAIT_TABLE + "_flush")
+    return rows, flush
+
+
+def print_breakdown(url: str, trials: int) -> None:
+    rows, flush = breakdown(url, trials)
+    print(f"postgres woken handover, {trials} trials: medians in ms after lease.release() was called")
+    previous = None
+    for step in STEPS:
+        at = statistics.median(row[step] for row in rows) * 1000
+        took = "" if previous is None else statistics.median(row[step] - row[previous] for row in rows) * 1000
+        print(f"  {step:15} at {at:6.3f}" + ("" if took == "" else f"  step {took:6.3f}"))
+        previous = step
+    on, off = (statistics.median(flush.timings[m]) * 1000 for m in ("on", "off"))
+    print(f"  commit flush between trials: {on - off:.3f} ms ({on:.3f} sync - {off:.3f} async)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--trials", type=int, default=40)
     parser.add_argument("--stores", default="memory,redis,postgres")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="time the steps of the PostgreSQL woken handover"
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        print_breakdown(with_table(POSTGRES_URL, WAIT_TABLE), args.trials)
+        return
     for name in args.stores.split(","):
         url = URLS[name]
         prefix = f"bw{uuid.uuid4().hex[:8]}:"
