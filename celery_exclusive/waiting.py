@@ -34,7 +34,11 @@ out), cut short by a release signal where the store gives one. Guarantees:
   register nowhere). Chosen over a ticket queue per key: a queue costs writes per waiter,
   tickets of dead waiters that stall the key until they expire, and a rule for callers
   without ``wait``; giving way costs nothing while nobody waits (one reply value on Redis
-  and PostgreSQL, two ``fcntl`` calls per SQLite release).
+  and PostgreSQL, two ``fcntl`` calls per SQLite release). Not fair: polling waiters beside
+  woken ones on one key (a process behind PgBouncer or on another driver, a Redis waiter
+  whose subscription is down): the woken take the key within about a millisecond of each
+  release, so a poller, looking every 25-50 ms, seldom finds it free (measured in README,
+  *Limitations*); nothing tells the woken waiters or the releaser that it is there.
 * SQLite waiters mark themselves (a shared ``fcntl`` lock on ``<database>-waiters``,
   dropped by the kernel when the process dies; see ``providers/_sqlite.py``), and poll
   by a deferred read (``peek``, ``waiters_peek``) before each retry, so a refused retry
