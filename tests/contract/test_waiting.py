@@ -558,13 +558,17 @@ def test_a_releaser_gives_way_to_a_waiter(store: Store) -> None:
 def test_a_releaser_that_gave_way_does_not_take_the_next_turn_from_a_longer_waiter(store: Store) -> None:
     """A releases the key while X and Y wait and waits again at once, giving way; whichever
     of X and Y takes the key releases it 0.03 s later (A still giving way): then the other
-    one, which waited longer than A, takes it, not A. Before GIVE_WAY_DEFER, on Redis A won
-    that turn 10 times of 10 (Redis 7.0 sends a release to the channel's newest subscriber
-    first, and A subscribed last): with 8 processes, pairs of them took turns about each
-    other (one turn in 9-20 % went to the holder of two turns before; Jain 0.45-0.80)."""
+    one, which waited longer than A, takes it, not A. Before GIVE_WAY_DEFER, A took that
+    turn 4-7 times of 10 on PostgreSQL and Redis (Redis 7.0 sends a release to the
+    channel's newest subscriber first, and A subscribed last), and with 8 processes on one
+    key one turn in 9-20 % went to the holder of two turns before (BENCHMARKS.md, Waiting)."""
     if store.name in ("memory", "mariadb"):
         pytest.skip(f"store {store.name!r} does not tell a releaser about waiters")
     a, x, y = store.service(), store.service(), store.service()
+    if not subscribes(a):
+        # SQLite gives way by polling: no release signal ends it, so the 2 ms do not apply
+        # (its 75 ms pause races the other waiter's next look, 25-50 ms apart)
+        pytest.skip(f"store {store.name!r} does not wake waiters: no signal ends its giving way")
     outcome = []
     for trial in range(10):
         key = f"longer{trial}"  # a key of its own: no service gives way from an earlier trial
