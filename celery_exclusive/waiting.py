@@ -23,7 +23,8 @@ out), cut short by a release signal where the store gives one. Guarantees:
   whether its release statement notified, which it does only while a waiter's listener
   holds the key's registration; SQLite, from the waiters' marks), the same service's
   next ``lock(key, wait=)`` within :data:`YIELD_WINDOW` of that release first pauses
-  :data:`GIVE_WAY` seconds (cut short by a release signal), long enough for every polling
+  :data:`GIVE_WAY` seconds (cut short by a release signal, and then :data:`GIVE_WAY_DEFER`
+  more, so that the waiters woken by that release try first), long enough for every polling
   waiter to look once, then waits like the others; it gives way once per release, so it
   is never starved itself. A call without ``wait`` never gives way. There is no queue:
   among the waiters the first to attempt wins, so the order is not FIFO and under heavy
@@ -34,7 +35,11 @@ out), cut short by a release signal where the store gives one. Guarantees:
   register nowhere). Chosen over a ticket queue per key: a queue costs writes per waiter,
   tickets of dead waiters that stall the key until they expire, and a rule for callers
   without ``wait``; giving way costs nothing while nobody waits (one reply value on Redis
-  and PostgreSQL, two ``fcntl`` calls per SQLite release).
+  and PostgreSQL, two ``fcntl`` calls per SQLite release). Not fair: polling waiters beside
+  woken ones on one key (a process behind PgBouncer or on another driver, a Redis waiter
+  whose subscription is down): the woken take the key within about a millisecond of each
+  release, so a poller, looking every 25-50 ms, seldom finds it free (measured in README,
+  *Limitations*); nothing tells the woken waiters or the releaser that it is there.
 * SQLite waiters mark themselves (a shared ``fcntl`` lock on ``<database>-waiters``,
   dropped by the kernel when the process dies; see ``providers/_sqlite.py``), and poll
   by a deferred read (``peek``, ``waiters_peek``) before each retry, so a refused retry
@@ -113,6 +118,9 @@ POLL_MIN = 0.01
 POLL_MAX = 0.05
 #: About how long a service gives way to a key's waiters, in seconds (see :meth:`Waiter.give_way`).
 GIVE_WAY = 1.5 * POLL_MAX
+#: Seconds a service that gave way waits after the release that woke it before it tries: the
+#: waiters woken by the same release try first (see :meth:`Waiter.give_way`).
+GIVE_WAY_DEFER = 0.002
 #: How soon after a service released a key its next wait on it gives way, in seconds.
 YIELD_WINDOW = 0.5
 #: Most keys one service remembers to give way on.
@@ -197,8 +205,15 @@ class Waiter:
     def give_way(self) -> None:
         """Pause :data:`GIVE_WAY` seconds (less if the time is up; until a release is
         signalled, where the store signals): every polling waiter, pausing at most
-        :data:`POLL_MAX`, looks at least once meanwhile. Then poll at :data:`POLL_MAX`."""
-        self._sleep(min(GIVE_WAY, max(0.0, self.remaining())))
+        :data:`POLL_MAX`, looks at least once meanwhile. Then poll at :data:`POLL_MAX`.
+
+        Woken by a release, it pauses :data:`GIVE_WAY_DEFER` seconds more, so that the
+        waiters woken by the same release, which waited longer, try first: a store may tell
+        its newest listener first (Redis 7.0 sends a message to a channel's subscribers
+        newest first, and this service subscribed after its own release), and then this
+        service and the one it gave way to took every other turn between them."""
+        if self._sleep(min(GIVE_WAY, max(0.0, self.remaining()))):
+            time.sleep(max(0.0, min(GIVE_WAY_DEFER, self.remaining())))
         self.step = POLL_MAX
 
     def _sleep(self, pause: float) -> bool:

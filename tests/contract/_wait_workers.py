@@ -64,26 +64,37 @@ def lock_random_sets(
     results.put((seed, acquired, overlaps, timeouts))
 
 
-def take_turns(url: str, prefix: str, key: str, *, seconds: float, start: Any, results: Any) -> None:
-    """Loop ``lock(key, wait=)`` / hold 5 ms / release for ``seconds`` after the start line,
-    then report (pid, acquisitions). Nothing else paces the loop: a releaser that is served
-    again before the woken waiters is what fairness must survive."""
+def take_turns(
+    url: str, prefix: str, key: str, *, seconds: float, start: Any, results: Any, served: Any, turns: int
+) -> None:
+    """Loop ``lock(key, wait=)`` / hold 5 ms / release after the start line until the
+    processes together were served ``turns`` times (``served``, a shared counter, numbers
+    the acquisitions in the order they were made) or ``seconds`` passed, then report
+    ``(pid, acquisitions among the first turns, most acquisitions by others during one of
+    its waits)``. Nothing else paces the loop: a releaser that is served again before the
+    woken waiters is what fairness must survive."""
     service = LockService(url, prefix=prefix, ttl=30)
     service.peek(key)  # connect before the start line
-    count = 0
+    count = worst = 0
     start.wait()
     end = time.monotonic() + seconds
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < end and served.value < turns:
+            before = served.value
             lease = service.try_lock(key, wait=max(0.0, end - time.monotonic()))
+            with served.get_lock():
+                ticket = served.value
+                if lease is not None:
+                    served.value += 1
+            worst = max(worst, ticket - before)
             if lease is None:
                 break
             time.sleep(0.005)
             lease.release()
-            count += 1
+            count += ticket < turns
     finally:
         service.close()
-    results.put((os.getpid(), count))
+    results.put((os.getpid(), count, worst))
 
 
 def mark_waiting_until_killed(url: str, key: str, ready: Any) -> None:
