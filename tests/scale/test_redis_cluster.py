@@ -35,6 +35,7 @@ from celery_exclusive.testing import contract as _contract
 from celery_exclusive.testing.contract import wait_until
 from celery_exclusive.waiting import POLL_MAX
 from tests.conftest import Store
+from tests.contract import test_waiting as _waiting
 
 # The semaphore contract on the cluster (its script runs per attempt are counted below).
 from tests.contract.test_semaphore import (  # noqa: F401
@@ -56,8 +57,10 @@ from tests.contract.test_semaphore import (  # noqa: F401
 # handover (p50 within 50 ms, as on every store that signals releases), waits that end at
 # their timeout or after a SIGKILLed holder's ttl, lock_many over keys in different hash
 # slots (on different primaries: separate leases in canonical order, rolled back on a
-# refusal or a failure), 8 processes on random key sets and on one key (no deadlock, no
-# overlap, nobody starved), and a releaser giving way to the waiters its signal reached.
+# refusal or a failure), 8 processes on random key sets (no deadlock, no overlap: the
+# cross-slot canonical order is the cluster's own), and a releaser giving way to the
+# waiters its signal reached. The 8 processes on one key (nobody starved) only with
+# CE_LONG=1 (below).
 from tests.contract.test_waiting import (  # noqa: F401
     test_a_releaser_gives_way_to_a_waiter,
     test_a_releaser_nobody_waits_for_does_not_give_way,
@@ -68,12 +71,20 @@ from tests.contract.test_waiting import (  # noqa: F401
     test_lock_many_is_all_or_none,
     test_lock_many_rolls_back_when_a_later_key_fails,
     test_lock_many_waits_without_holding_anything,
-    test_no_waiting_process_is_starved,
     test_overlapping_random_key_sets_never_deadlock_or_overlap,
     test_wait_ends_at_its_timeout_and_answers_as_without_wait,
 )
 from tests.scale._servers import cluster_ports, processes, start_cluster_node, wait_for
 from tests.scale.conftest import contract_store
+
+
+@pytest.mark.skipif(os.environ.get("CE_LONG") != "1", reason="8 processes on one key: CE_LONG=1 only here")
+def test_no_waiting_process_is_starved(store: Store) -> None:
+    """tests/contract/test_waiting.py's, on the cluster (~4 s): a single key lives in one
+    slot, on one primary, where the waiting code is the standalone server's (run there in
+    the default mode); the cluster's own path, keys across slots, stays in the default mode
+    (test_overlapping_random_key_sets_never_deadlock_or_overlap)."""
+    _waiting.test_no_waiting_process_is_starved(store)
 
 
 @pytest.fixture
