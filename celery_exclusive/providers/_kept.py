@@ -6,10 +6,17 @@ recently used one with how long it sat idle, :meth:`KeptConnections.give` puts i
 
 Fork: a child must never use, or close, a connection of its parent (the replies would be
 read by both processes; a closing handshake would end the parent's session). The first
-call in a new process (a pid check: one ``os.getpid()``, no hook to register per instance)
-hands every inherited connection to ``on_fork`` and starts empty. The default drops them:
-right for redis-py, whose ``disconnect()`` shuts a socket down only in the process that
-made it. A store whose close sends a goodbye on the wire (libpq's Terminate) passes an
+call in a new process hands every inherited connection to ``on_fork`` and starts empty.
+A new process is told by a generation number that one ``os.register_at_fork`` hook
+(``after_in_child``, registered once for the module) bumps in every forked child: a take
+compares two ints instead of asking the kernel for its pid (two ``getpid`` system calls per
+lock cycle before). *Relies on* the child being made by ``os.fork`` (or anything that runs
+CPython's at-fork hooks, as ``multiprocessing``'s and billiard's fork do): the same hook the
+lock service already relies on for its token prefix and its heartbeat. The pid is still
+checked where nothing is hot (:meth:`~KeptConnections.drain`, :meth:`~KeptConnections.close`).
+The default ``on_fork`` drops them: right for redis-py, whose ``disconnect()`` shuts a
+socket down only in the process that made it. A store whose close sends a goodbye on the
+wire (libpq's Terminate) passes an
 ``on_fork`` that keeps them referenced, unclosed, instead.
 
 Thread-safe without a lock (a list's ``append`` and ``pop`` are atomic): a connection is
@@ -26,6 +33,17 @@ from typing import Generic, TypeVar
 
 C = TypeVar("C")
 
+#: Bumped in every forked child (the hook below): a KeptConnections made in an earlier
+#: generation holds connections of an ancestor process.
+_generation = [0]
+
+
+def _bump_generation() -> None:
+    _generation[0] += 1
+
+
+os.register_at_fork(after_in_child=_bump_generation)
+
 
 def _drop(inherited: list[C]) -> None:
     """The default ``on_fork``: forget the parent's connections without touching them."""
@@ -34,27 +52,29 @@ def _drop(inherited: list[C]) -> None:
 class KeptConnections(Generic[C]):
     """Up to ``limit`` connections (``None``: no limit), each with its last use (monotonic s)."""
 
-    __slots__ = ("_idle", "_limit", "_on_fork", "_pid", "closed")
+    __slots__ = ("_generation", "_idle", "_limit", "_on_fork", "_pid", "closed")
 
     def __init__(self, limit: int | None = None, on_fork: Callable[[list[C]], None] = _drop) -> None:
         self._idle: list[tuple[C, float]] = []
         self._limit = limit
         self._on_fork = on_fork
         self._pid = os.getpid()
+        self._generation = _generation[0]
         #: Set by :meth:`close`: nothing is kept any more.
         self.closed = False
 
     def _forked(self) -> bool:
         """True (after handing the parent's connections to ``on_fork``) in a new process."""
-        if self._pid == os.getpid():
+        if self._generation == _generation[0] and self._pid == os.getpid():
             return False
-        inherited, self._idle, self._pid = self._idle, [], os.getpid()
+        inherited, self._idle = self._idle, []
+        self._pid, self._generation = os.getpid(), _generation[0]
         self._on_fork([conn for conn, _ in inherited])
         return True
 
     def take(self) -> tuple[C, float] | None:
         """The most recently used connection and its last use, or None if none is kept."""
-        if self._pid != os.getpid():
+        if self._generation != _generation[0]:  # forked since (see the module docstring)
             self._forked()
         try:
             return self._idle.pop()
