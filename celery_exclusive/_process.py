@@ -5,9 +5,11 @@ Part of the lock core: :mod:`celery_exclusive.service` and its collaborators sha
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -41,10 +43,62 @@ class _ThisProcess:
 this = _ThisProcess()
 
 
+#: Tokens' random parts drawn per refill of the pool: one ``getrandom`` system call per this
+#: many tokens instead of one per token.
+TOKENS_PER_DRAW = 256
+_TOKEN_HEX = 32  # 128 random bits, as hex digits
+
+
+class _RandomPool:
+    """:data:`TOKENS_PER_DRAW` random parts of tokens, each handed out once (``itertools.count``'s
+    ``next`` is atomic, so two threads never get the same index)."""
+
+    __slots__ = ("hex", "next")
+
+    def __init__(self) -> None:
+        self.hex = os.urandom(TOKENS_PER_DRAW * _TOKEN_HEX // 2).hex()
+        self.next = itertools.count().__next__
+
+
+class _Tokens:
+    """This process's pool of random parts and the lock of its refill; rebuilt in a forked
+    child before any code runs there (an ``os.register_at_fork`` hook): the child must never
+    hand out the parts its parent may use next, and a parent's thread may have held the
+    lock at the fork."""
+
+    __slots__ = ("pool", "refilling")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.pool = _RandomPool()
+        self.refilling = threading.Lock()
+
+
+_tokens = _Tokens()
+os.register_at_fork(after_in_child=_tokens.reset)
+
+
 def new_token() -> str:
-    """A fresh owner token: host, pid, wall time (for people) and 64 random bits."""
-    # os.urandom(8).hex() is secrets.token_hex(8) (the same source) without its three calls.
-    return f"{this.token_prefix}{int(time.time() * 1000)}:{os.urandom(8).hex()}"
+    """A fresh owner token: host, pid, wall time (for people) and 128 random bits.
+
+    The random bits come from ``os.urandom`` (the same source as ``secrets``), drawn
+    :data:`TOKENS_PER_DRAW` tokens' worth at a time; each part is used once, and a forked
+    child starts a pool of its own."""
+    pool = _tokens.pool
+    i = pool.next()
+    if i >= TOKENS_PER_DRAW:
+        return _token_after_refill(pool)
+    start = i * _TOKEN_HEX
+    return f"{this.token_prefix}{int(time.time() * 1000)}:{pool.hex[start : start + _TOKEN_HEX]}"
+
+
+def _token_after_refill(used_up: _RandomPool) -> str:
+    with _tokens.refilling:
+        if _tokens.pool is used_up:  # not refilled by another thread meanwhile
+            _tokens.pool = _RandomPool()
+    return new_token()
 
 
 def holder_json(holder: Mapping[str, Any] | None) -> str:

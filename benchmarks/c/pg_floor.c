@@ -96,9 +96,9 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n; i++) {
             long long t0 = now_ns();
             value[0] = keys[cycle++ % KEYS];
-            /* The package's token: host:pid:wall ms:16 hex digits. */
-            snprintf(token, sizeof token, "%s%lld:%016llx", tokenprefix, (long long)time(NULL) * 1000,
-                     0x9e3779b97f4a7c15ULL * ++serial);
+            /* The package's token: host:pid:wall ms:32 hex digits. */
+            snprintf(token, sizeof token, "%s%lld:%016llx%016llx", tokenprefix, (long long)time(NULL) * 1000,
+                     0x9e3779b97f4a7c15ULL * ++serial, 0xbf58476d1ce4e5b9ULL * serial);
             for (int p = 0; p < acquire_n; p++) acquire_values[p] = value[acquire_slots[p]];
             for (int p = 0; p < release_n; p++) release_values[p] = value[release_slots[p]];
             think(think_ns);

@@ -167,9 +167,9 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n; i++) {
             long long t0 = now_ns();
             const char *key = keys[cycle++ % KEYS];
-            /* The package's token: host:pid:wall ms:16 hex digits. */
-            snprintf(token, sizeof token, "%s%lld:%016llx", tokenprefix, (long long)time(NULL) * 1000,
-                     0x9e3779b97f4a7c15ULL * ++serial);
+            /* The package's token: host:pid:wall ms:32 hex digits. */
+            snprintf(token, sizeof token, "%s%lld:%016llx%016llx", tokenprefix, (long long)time(NULL) * 1000,
+                     0x9e3779b97f4a7c15ULL * ++serial, 0xbf58476d1ce4e5b9ULL * serial);
             send_all(out, command(out, fill(acquire_words, acquire_n, words, key, token), words));
             if (read_reply() != 1) die("acquire not granted (key unexpectedly held)");
             send_all(out, command(out, fill(release_words, release_n, words, key, token), words));
