@@ -7,6 +7,7 @@ the service is passed in).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -14,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 from celery_exclusive import semaphore, signals
 from celery_exclusive._core import Service
-from celery_exclusive._process import holder_json, new_token, unprefixed
+from celery_exclusive._process import holder_json, new_token, this, unprefixed
 from celery_exclusive._records import Records
 from celery_exclusive.errors import AlreadyDone, BackendError
 from celery_exclusive.lease import Lease
@@ -45,6 +46,9 @@ class Acquiring:
         self._any = isinstance(service.provider, AcquiresAny)
         #: Set-up still to run before the first lease's clock starts (None once done).
         self._set_up = service.provider if isinstance(service.provider, SetsUp) else None
+        #: The longest key (without the prefix) the store takes; both are fixed for the service.
+        length = service.provider.max_key_length
+        self._room = sys.maxsize if length is None else length - len(service.prefix)
 
     def take(
         self,
@@ -63,9 +67,24 @@ class Acquiring:
         Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
         as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
         service = self._service
-        service._check_key(key if limit == 1 else semaphore.slot_key(key, limit))
-        ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
-        encoded = holder_json(holder)
+        if limit == 1:
+            # check_key's whole test of the usual key (ASCII, no NUL, within the store's
+            # length), inline; anything else gets the full check and its message.
+            if (
+                type(key) is not str
+                or not key.isascii()
+                or "\x00" in key
+                or not 0 < len(key) <= self._room
+                or service._closed
+            ):
+                service._check_key(key)
+        else:
+            service._check_key(semaphore.slot_key(key, limit))
+        if ttl is None and refresh_interval is None and max_lifetime is None:  # durations()'s first test
+            ttl_s, interval_s, lifetime_s = service.ttl, service.refresh_interval, service.max_lifetime
+        else:
+            ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
+        encoded = this.holder if holder is None else holder_json(holder)
         store_key = service.prefix + key
         token = new_token()
         if self._set_up is not None:
@@ -73,35 +92,42 @@ class Acquiring:
             self._set_up = None
         sent = service.clock()
         if limit == 1:
-            answer = self.acquire_one(store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id)
+            answer = self.acquire_one(
+                store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id, sent=sent
+            )
         else:
             keys = semaphore.store_slot_keys(service.prefix, key, limit)
             slot, answer = self.acquire_slot(keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded)
             store_key = keys[slot - 1]
-        if isinstance(answer, Done):
-            raise AlreadyDone(key, self._records.unprefixed(answer.record))
-        if not isinstance(answer, Grant):
-            if not name_holder and not signals.lock_contended.receivers:
-                return answer  # a failed try_lock, the hot path under contention
-            return self._contended(key, store_key, answer)
-        heartbeat = service.heartbeat
+        if type(answer) is not Grant and not isinstance(answer, Grant):
+            return self._refused(key, store_key, answer, name_holder=name_holder)
+        heartbeat = service._heartbeat
         lease = Lease(
             service,
-            key=key,
-            store_key=store_key,
-            token=token,
-            fence=answer.fence,
-            ttl=ttl_s,
-            refresh_interval=interval_s,
-            max_lifetime=lifetime_s,
-            sent_at=sent,
-            granted=answer.ttl,
-            mutex=heartbeat.mutex,
+            key,
+            store_key,
+            token,
+            answer.fence,
+            ttl_s,
+            interval_s,
+            lifetime_s,
+            sent,
+            answer.ttl,
+            heartbeat.mutex,
         )
         heartbeat.add(lease)
         if signals.lock_acquired.receivers:  # signals.send's test, without its call
             signals.lock_acquired.send(sender=service, key=key, lease=lease)
         return lease
+
+    def _refused(self, key: str, store_key: str, answer: Held | Done, *, name_holder: bool) -> Held:
+        """What ``take`` answers when the store did not grant ``key``: AlreadyDone raised for a
+        completion record, else Held (see :meth:`take` on ``name_holder``)."""
+        if isinstance(answer, Done):
+            raise AlreadyDone(key, self._records.unprefixed(answer.record))
+        if not name_holder and not signals.lock_contended.receivers:
+            return answer  # a failed try_lock, the hot path under contention
+        return self._contended(key, store_key, answer)
 
     def _contended(self, key: str, store_key: str, answer: Held) -> Held:
         """Held naming the holder of ``key`` (unprefixed), after the lock_contended signal."""
@@ -130,20 +156,55 @@ class Acquiring:
         return lease_durations(seconds("ttl", ttl), interval, lifetime, ttl_explicit=True)
 
     def acquire_one(
-        self, store_key: str, token: str, ttl: float, max_lifetime: float, holder: str, *, task_id: str | None
+        self,
+        store_key: str,
+        token: str,
+        ttl: float,
+        max_lifetime: float,
+        holder: str,
+        *,
+        task_id: str | None,
+        sent: float | None = None,
     ) -> Grant | Held | Done:
-        """Acquire, retrying once with the same token (see :meth:`_retried`)."""
+        """Acquire, retrying once with the same token: :meth:`_retried`'s rules, its first
+        attempt made here without its closure (the lock's hot path); ``sent``: the service
+        clock's time just before (read here if None)."""
         service = self._service
-        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
+        start = time.monotonic()
+        if sent is None:
+            sent = service.clock()
         args = (store_key, token, ttl, max_lifetime, holder)
-        return self._retried(
-            lambda timeout: service._calls.call(
-                "acquire", service.provider.acquire, *args, timeout=timeout, **once
-            ),
-            (store_key,),
-            token,
-            min(ttl, max_lifetime),
-        )
+        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
+        try:
+            return service._calls.call(
+                "acquire", service.provider.acquire, *args, timeout=service.call_timeout, **once
+            )
+        except BackendError:
+            if start + service.call_timeout - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
+                self._release_in_background((store_key,), token, sent + min(ttl, max_lifetime))
+                raise
+        except BaseException:
+            self._release_in_background((store_key,), token, sent + min(ttl, max_lifetime))
+            raise
+        time.sleep(ACQUIRE_RETRY_DELAY)
+        sent = service.clock()
+        try:
+            return service._calls.call(
+                "acquire",
+                service.provider.acquire,
+                *args,
+                timeout=start + service.call_timeout - time.monotonic(),
+                **once,
+            )
+        except BaseException:
+            self._release_in_background((store_key,), token, sent + min(ttl, max_lifetime))
+            raise
+
+    def _release_in_background(self, store_keys: Sequence[str], token: str, until: float) -> None:
+        """An attempt failed after the store may have recorded ``token``'s lease: release it
+        from ``store_keys`` once the store answers (until ``until``)."""
+        for store_key in store_keys:
+            self._service._heartbeat.retry_release(store_key, token, until=until)
 
     def acquire_slot(
         self, keys: Sequence[str], token: str, *, ttl: float, max_lifetime: float, holder: str
@@ -213,13 +274,11 @@ class Acquiring:
             except BackendError:
                 if attempt == 2 or budget_end - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
                     # The store may have recorded the lease before failing: release it once it answers.
-                    for store_key in store_keys:
-                        service.heartbeat.retry_release(store_key, token, until=sent + life)
+                    self._release_in_background(store_keys, token, sent + life)
                     raise
                 time.sleep(ACQUIRE_RETRY_DELAY)
             except BaseException:
-                for store_key in store_keys:
-                    service.heartbeat.retry_release(store_key, token, until=sent + life)
+                self._release_in_background(store_keys, token, sent + life)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -48,6 +48,9 @@ class Service(Store, LeaseOwner, Protocol):
     sweep_interval: float | None
     _refresh_explicit: bool
     _batch_size: int
+    #: Read on the hot path instead of ``heartbeat`` (a property) and ``_check_key``'s test.
+    _heartbeat: Heartbeat
+    _closed: bool
     _thread_factory: Callable[..., threading.Thread]
 
     @property

@@ -115,10 +115,9 @@ class Lease:
         "ttl",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - by position from the acquire's hot path (keywords work too)
         self,
         service: LeaseOwner,
-        *,
         key: str,
         store_key: str,
         token: str,
@@ -145,7 +144,7 @@ class Lease:
         self._margin = margin = margin if margin < SAFETY_MARGIN_CAP else SAFETY_MARGIN_CAP
         self._request: RefreshRequest | None = None  # made by the heartbeat's first refresh
         self._lost: threading.Event | None = None  # made on first use of ``lost``
-        self._on_lost: list[Callable[[Lease, str], object]] = []
+        self._on_lost: list[Callable[[Lease, str], object]] | None = None  # made by on_lost()
         # HELD from its acquisition: _confirm(sent_at, granted, clamped=False), inline.
         self._state = LeaseState.HELD
         self._deadline = sent_at + granted - margin
@@ -242,6 +241,8 @@ class Lease:
             raise InvalidArgumentError(f"on_lost callback must be callable, got {type(callback).__name__}")
         with self._mutex:
             if self._state is not LeaseState.LOST:
+                if self._on_lost is None:
+                    self._on_lost = []
                 self._on_lost.append(callback)
                 return
         callback(self, "the lease was already lost")
@@ -293,7 +294,7 @@ class Lease:
         if self._state not in _LIVE:
             return None
         self._state = LeaseState.LOST
-        callbacks, self._on_lost = self._on_lost, []
+        callbacks, self._on_lost = self._on_lost or [], None
         return callbacks, self._lost
 
     def _mark_released(self) -> bool | None:
