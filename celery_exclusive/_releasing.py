@@ -111,7 +111,7 @@ class Releasing:
                 f"release() takes a Lease taken through this service, got {_described(lease)}: "
                 "release it with lease.release() or through the service that took it"
             )
-        heartbeat = service.heartbeat
+        heartbeat = service._heartbeat
         with heartbeat.mutex:
             was_lost = lease._mark_released()
             if was_lost is None:
@@ -122,9 +122,28 @@ class Releasing:
             left = cooling[0] - (service.clock() - cooling[1])
             if left > 0.001:
                 return self._release_cooling(lease, left, completion)
-        outcome = self._delete(lease, completion, warn_not_owned=not was_lost)
-        if self.turns.told and outcome is ReleaseOutcome.RELEASED:
-            self.turns.released(lease.key, lease.store_key)
+        # Delete the lease from the store (recording ``completion``); UNKNOWN when the store
+        # does not answer, the heartbeat then retrying the release in the background.
+        record = () if completion is None else (completion,)  # a third-party provider may not take it
+        timeout = service.call_timeout
+        try:
+            owned = service._calls.call(
+                "release",
+                service.provider.release,
+                lease.store_key,
+                lease.token,
+                *record,
+                timeout=timeout if timeout < RELEASE_TIMEOUT else RELEASE_TIMEOUT,
+            )
+        except BackendError as exc:
+            outcome = self._unanswered(lease, exc)
+        else:
+            if owned:
+                outcome = ReleaseOutcome.RELEASED
+                if self.turns.told:
+                    self.turns.released(lease.key, lease.store_key)
+            else:
+                outcome = self._not_owned(lease, warn=not was_lost)
         if signals.lock_released.receivers:  # signals.send's test, before reading the clock
             held_for = service.clock() - lease.acquired_at
             signals.lock_released.send(
@@ -132,39 +151,24 @@ class Releasing:
             )
         return outcome
 
-    def _delete(self, lease: Lease, completion: Completion | None, *, warn_not_owned: bool) -> ReleaseOutcome:
-        """Delete ``lease`` from the store (recording ``completion``); UNKNOWN when the store
-        did not answer, the heartbeat then retrying the release in the background."""
-        service = self._service
-        record = () if completion is None else (completion,)  # a third-party provider may not take it
-        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
-        try:
-            owned = bool(
-                service._calls.call(
-                    "release",
-                    service.provider.release,
-                    lease.store_key,
-                    lease.token,
-                    *record,
-                    timeout=timeout,
-                )
-            )
-        except BackendError as exc:
-            logger.warning(
-                "could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc
-            )
-            service.heartbeat.retry_release(
-                lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
-            )
-            return ReleaseOutcome.UNKNOWN
-        if not owned and warn_not_owned:
+    def _unanswered(self, lease: Lease, exc: BackendError) -> ReleaseOutcome:
+        """UNKNOWN, the release retried by the heartbeat in the background."""
+        logger.warning("could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc)
+        self._service._heartbeat.retry_release(
+            lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
+        )
+        return ReleaseOutcome.UNKNOWN
+
+    def _not_owned(self, lease: Lease, *, warn: bool) -> ReleaseOutcome:
+        """NOT_OWNED, logged as a warning unless the lease was known to be lost already."""
+        if warn:
             logger.warning(
                 "lock %r (fence %d) was no longer held at release: it expired or was taken "
                 "over, so the protected work may have overlapped another holder's",
                 lease.key,
                 lease.fence,
             )
-        return ReleaseOutcome.RELEASED if owned else ReleaseOutcome.NOT_OWNED
+        return ReleaseOutcome.NOT_OWNED
 
     def lose(self, lease: Lease, reason: str) -> None:
         """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""

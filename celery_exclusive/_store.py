@@ -117,7 +117,8 @@ class StoreCalls:
         try:
             if timeout is None:
                 return method(*args, **kwargs)
-            timeout = max(timeout, 0.001)
+            if timeout < 0.001:  # noqa: PLR1730 - max(timeout, 0.001), without its call
+                timeout = 0.001
             takes = self._takes_timeout.get(getattr(method, "__name__", ""))  # _accepts_timeout's cache
             if takes or (takes is None and self._accepts_timeout(method)):
                 return method(*args, timeout=timeout, **kwargs)

@@ -36,7 +36,7 @@ from celery_exclusive._releasing import RELEASE_TIMEOUT, Releasing  # noqa: F401
 from celery_exclusive._store import (
     is_store_error,  # noqa: F401
 )
-from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.errors import InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease, ReleaseOutcome
 from celery_exclusive.providers.base import (
@@ -150,6 +150,9 @@ class LockService(PrefixedStore):
         With ``wait`` (seconds), retry until it is free or the time is up (see
         :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``, ``limit``: see
         :meth:`lock`."""
+        if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:  # the hot path
+            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
+            return taken if type(taken) is Lease else None
         durations = (ttl, refresh_interval, max_lifetime)
         return self._leasing.try_lock(
             key, durations, holder=holder, wait=wait, hold_at_least=hold_at_least, limit=limit
@@ -193,6 +196,13 @@ class LockService(PrefixedStore):
         :mod:`celery_exclusive.semaphore` (slot keys, changing the limit; ``task_id`` is
         ignored for ``limit > 1``).
         """
+        if (
+            wait is None and hold_at_least is None and task_id is None and limit == 1 and type(limit) is int
+        ):  # the hot path: Leasing.lock's, without its call
+            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder)
+            if isinstance(taken, Held):
+                raise LockedError(key, taken.holder)
+            return taken
         return self._leasing.lock(
             key,
             (ttl, refresh_interval, max_lifetime),
@@ -273,6 +283,8 @@ class LockService(PrefixedStore):
         :meth:`completion`); on UNKNOWN the record may be missing (the retried release
         does not carry it).
         """
+        if completion is None:  # for_release's answer, without its call
+            return self._releasing.release(lease, None)
         return self._releasing.release(lease, self._records.for_release(completion))
 
     # -- lifecycle ------------------------------------------------------------------------
