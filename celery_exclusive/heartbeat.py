@@ -61,7 +61,10 @@ logger = logging.getLogger("celery_exclusive")
 #: release costs as much as a fast round trip), so this bounds how long it takes to see
 #: that the last lease is gone; one idle wake a second is negligible.
 MAX_SLEEP = 1.0
-#: The thread exits after this many seconds with no lease; the next lease starts a new one.
+#: The thread exits after this many seconds with no lease held or added; the next lease
+#: starts a new one. Counted from the last acquisition, not the last release: a stream of
+#: short locks keeps one thread (waking once a second), instead of a thread started, with
+#: its switches and GIL hand-overs, every second or two.
 IDLE_EXIT = 1.0
 
 
@@ -134,6 +137,8 @@ class Heartbeat:
         #: Leases added since the thread last looked (see add()): appended without the mutex,
         #: taken into ``_leases`` by whoever holds it next (:meth:`_adopt`).
         self._fresh: deque[Lease] = deque()
+        #: Set by every add(), cleared by the thread when it judges idleness (see IDLE_EXIT).
+        self._added = False
         self._wake = threading.Event()
         self._refreshing = Refreshing(
             provider,
@@ -165,6 +170,7 @@ class Heartbeat:
         appended after sees ``_thread`` None here and starts a new thread.
         """
         self._fresh.append(lease)
+        self._added = True
         if self._thread is None:  # not running: the first lease, or the thread went idle
             with self.mutex:
                 if self._start_thread():
@@ -257,7 +263,8 @@ class Heartbeat:
             with self.mutex:
                 now = self._clock()
                 self._adopt()
-                if self._leases or not self._inflight.idle():
+                if self._leases or self._added or not self._inflight.idle():
+                    self._added = False
                     idle_since = None
                 else:
                     idle_since = now if idle_since is None else idle_since

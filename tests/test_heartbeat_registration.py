@@ -62,3 +62,26 @@ def test_a_lease_released_before_the_threads_next_pass_never_enters_its_leases()
         assert service.held() == []
     finally:
         service.close()
+
+
+def test_a_stream_of_short_locks_keeps_one_heartbeat_thread() -> None:
+    """Leases released before the thread's next pass still count as use: the thread stays
+    while locks keep coming (it exited a second after the last one *held* before, and the
+    next lock started a new thread every second or two), and exits once they stop."""
+    service = LockService("memory://", prefix="hb-stream:")
+    try:
+        service.lock("first").release()
+        threads = set()
+        until = time.monotonic() + 3.0  # three times IDLE_EXIT
+        while time.monotonic() < until:
+            service.lock("short").release()
+            threads.add(service.heartbeat._thread)
+            time.sleep(0.01)
+        threads.discard(None)
+        assert len(threads) == 1, f"{len(threads)} heartbeat threads started for one stream of locks"
+        deadline = time.monotonic() + 10
+        while service.heartbeat.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not service.heartbeat.running
+    finally:
+        service.close()
