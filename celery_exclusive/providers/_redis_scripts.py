@@ -152,8 +152,8 @@ class ScriptRunner:
         try:
             if timeout is not None and self._wire is not None:
                 deadline = time.monotonic() + timeout
-                try:
-                    return self._wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=timeout)
+                try:  # Wire.send's one command, without its call
+                    return self._wire.send_many((("EVALSHA", SHA[script], numkeys, *args),), timeout)[0]
                 except self._noscript:
                     return self._wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
             if timeout is not None and self._wire_of is not None:

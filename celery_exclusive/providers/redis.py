@@ -222,6 +222,7 @@ class RedisLockProvider:
         self._scripts = server.scripts
         self._translated = server.translated
         self._wait_replicas = server.wait_replicas
+        self._cluster = server.cluster  # fixed for the provider: one fence key per server if not
         self._connecting = threading.Lock()
         self._signals: ReleaseSignals | None = None
         self._woken = Woken()
@@ -261,10 +262,24 @@ class RedisLockProvider:
         task_id: str | None = None,
         timeout: float | None = None,
     ) -> Grant | Held | Done:
-        _check_key(key)
-        once = () if task_id is None else (task_id,)
-        args = (2, key, self._server.fences_of(key), token, whole_ms(ttl), whole_ms(max_lifetime), holder)
-        reply = self._granted(ACQUIRE, (*args, *once), timeout)
+        if key.startswith(FENCES):  # _check_key, inline (the hot path)
+            _check_key(key)
+        # whole_ms of both, inline: whole ms rounded down, at least 1.
+        ttl_ms, life_ms = int(ttl * 1000 + 1e-6), int(max_lifetime * 1000 + 1e-6)
+        if ttl_ms < 1 or life_ms < 1:
+            ttl_ms, life_ms = whole_ms(ttl), whole_ms(max_lifetime)
+        fences = FENCES if not self._cluster else self._server.fences_of(key)
+        if self._wait_replicas:
+            once = () if task_id is None else (task_id,)
+            reply = self._granted(ACQUIRE, (2, key, fences, token, ttl_ms, life_ms, holder, *once), timeout)
+        elif task_id is None:
+            reply = self._scripts.run(
+                ACQUIRE, 2, key, fences, token, ttl_ms, life_ms, holder, timeout=timeout
+            )
+        else:
+            reply = self._scripts.run(
+                ACQUIRE, 2, key, fences, token, ttl_ms, life_ms, holder, task_id, timeout=timeout
+            )
         if reply[0] == 1:
             return Grant(reply[1], reply[2] / 1e6)
         if reply[0] == 2:
@@ -391,8 +406,10 @@ class RedisLockProvider:
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
-        record = () if completion is None else _record_args(completion)
-        reply = self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout)
+        if completion is None:
+            reply = self._scripts.run(RELEASE, 1, key, token, timeout=timeout)
+        else:
+            reply = self._scripts.run(RELEASE, 1, key, token, *_record_args(completion), timeout=timeout)
         self._woken.note(key, reply == 2)  # 2: its release signal reached a waiter (release.lua)
         return bool(reply)
 
