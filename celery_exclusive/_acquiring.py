@@ -92,9 +92,25 @@ class Acquiring:
             self._set_up = None
         sent = service.clock()
         if limit == 1:
-            answer = self.acquire_one(
-                store_key, token, ttl_s, lifetime_s, encoded, task_id=task_id, sent=sent
-            )
+            # The first attempt; a failed one goes to _after_failure (retry, background release).
+            start = time.monotonic()
+            once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
+            try:
+                answer = service._calls.call(
+                    "acquire",
+                    service.provider.acquire,
+                    store_key,
+                    token,
+                    ttl_s,
+                    lifetime_s,
+                    encoded,
+                    timeout=service.call_timeout,
+                    **once,
+                )
+            except BaseException as exc:
+                answer = self._after_failure(
+                    exc, start, sent, store_key, token, ttl_s, lifetime_s, encoded, once
+                )
         else:
             keys = semaphore.store_slot_keys(service.prefix, key, limit)
             slot, answer = self.acquire_slot(keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded)
@@ -155,44 +171,41 @@ class Acquiring:
             return lease_durations(service.ttl, interval, lifetime, ttl_explicit=False)
         return lease_durations(seconds("ttl", ttl), interval, lifetime, ttl_explicit=True)
 
-    def acquire_one(
+    def _after_failure(  # noqa: PLR0917 - acquire_one's state, by position
         self,
+        exc: BaseException,
+        start: float,
+        sent: float,
         store_key: str,
         token: str,
         ttl: float,
         max_lifetime: float,
         holder: str,
-        *,
-        task_id: str | None,
-        sent: float | None = None,
+        once: dict[str, str],
     ) -> Grant | Held | Done:
-        """Acquire, retrying once with the same token: :meth:`_retried`'s rules, its first
-        attempt made here without its closure (the lock's hot path); ``sent``: the service
-        clock's time just before (read here if None)."""
+        """:meth:`take`'s acquire of one key, whose first attempt (made at ``start``, ``sent``
+        on the service clock) raised ``exc`` (:meth:`_retried`'s rules, spelt out for one key):
+        a store failure with time left in ``call_timeout`` is retried once with the same token
+        after :data:`ACQUIRE_RETRY_DELAY`; otherwise (or if the retry fails too) the token is
+        released in the background (the store may have recorded the lease) and the exception
+        propagates."""
         service = self._service
-        start = time.monotonic()
-        if sent is None:
-            sent = service.clock()
-        args = (store_key, token, ttl, max_lifetime, holder)
-        once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
-        try:
-            return service._calls.call(
-                "acquire", service.provider.acquire, *args, timeout=service.call_timeout, **once
-            )
-        except BackendError:
-            if start + service.call_timeout - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
-                self._release_in_background((store_key,), token, sent + min(ttl, max_lifetime))
-                raise
-        except BaseException:
+        if not isinstance(exc, BackendError) or (
+            start + service.call_timeout - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1
+        ):
             self._release_in_background((store_key,), token, sent + min(ttl, max_lifetime))
-            raise
+            raise exc
         time.sleep(ACQUIRE_RETRY_DELAY)
         sent = service.clock()
         try:
             return service._calls.call(
                 "acquire",
                 service.provider.acquire,
-                *args,
+                store_key,
+                token,
+                ttl,
+                max_lifetime,
+                holder,
                 timeout=start + service.call_timeout - time.monotonic(),
                 **once,
             )
