@@ -17,6 +17,7 @@ from celery_exclusive import semaphore, signals
 from celery_exclusive._core import Service
 from celery_exclusive._process import holder_json, new_token, this, unprefixed
 from celery_exclusive._records import Records
+from celery_exclusive._store import as_store_error
 from celery_exclusive.errors import AlreadyDone, BackendError
 from celery_exclusive.lease import Lease
 from celery_exclusive.providers.base import (
@@ -26,6 +27,7 @@ from celery_exclusive.providers.base import (
     Held,
     LockInfo,
     SetsUp,
+    accepts_timeout,
 )
 from celery_exclusive.validation import lease_durations, seconds
 
@@ -46,6 +48,9 @@ class Acquiring:
         self._any = isinstance(service.provider, AcquiresAny)
         #: Set-up still to run before the first lease's clock starts (None once done).
         self._set_up = service.provider if isinstance(service.provider, SetsUp) else None
+        #: Whether the provider's acquire takes ``timeout=`` (checked once; every built-in
+        #: store's does): then take() calls it without StoreCalls.call's frame.
+        self._direct = accepts_timeout(service.provider.acquire)
         #: The longest key (without the prefix) the store takes; both are fixed for the service.
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
@@ -94,23 +99,20 @@ class Acquiring:
         if limit == 1:
             # The first attempt; a failed one goes to _after_failure (retry, background release).
             start = time.monotonic()
-            once = {} if task_id is None else {"task_id": task_id}  # a third-party provider may not take it
-            try:
-                answer = service._calls.call(
-                    "acquire",
-                    service.provider.acquire,
-                    store_key,
-                    token,
-                    ttl_s,
-                    lifetime_s,
-                    encoded,
-                    timeout=service.call_timeout,
-                    **once,
+            once: dict[str, Any] = (
+                {} if task_id is None else {"task_id": task_id}
+            )  # a third-party provider may not take it
+            args = (store_key, token, ttl_s, lifetime_s, encoded)
+            try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
+                answer = (
+                    service.provider.acquire(*args, timeout=service.call_timeout, **once)
+                    if self._direct
+                    else service._calls.call(
+                        "acquire", service.provider.acquire, *args, timeout=service.call_timeout, **once
+                    )
                 )
             except BaseException as exc:
-                answer = self._after_failure(
-                    exc, start, sent, store_key, token, ttl_s, lifetime_s, encoded, once
-                )
+                answer = self._after_failure(as_store_error("acquire", exc), start, sent, *args, once)
         else:
             keys = semaphore.store_slot_keys(service.prefix, key, limit)
             slot, answer = self.acquire_slot(keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded)
@@ -181,7 +183,7 @@ class Acquiring:
         ttl: float,
         max_lifetime: float,
         holder: str,
-        once: dict[str, str],
+        once: dict[str, Any],
     ) -> Grant | Held | Done:
         """:meth:`take`'s acquire of one key, whose first attempt (made at ``start``, ``sent``
         on the service clock) raised ``exc`` (:meth:`_retried`'s rules, spelt out for one key):

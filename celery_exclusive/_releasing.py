@@ -12,9 +12,10 @@ from datetime import timedelta
 
 from celery_exclusive import signals, waiting
 from celery_exclusive._core import Service
+from celery_exclusive._store import as_store_error
 from celery_exclusive.errors import BackendError, InvalidArgumentError
 from celery_exclusive.lease import Lease, ReleaseOutcome
-from celery_exclusive.providers.base import Completion, RefreshRequest
+from celery_exclusive.providers.base import Completion, RefreshRequest, accepts_timeout
 from celery_exclusive.validation import seconds
 
 logger = logging.getLogger("celery_exclusive")
@@ -32,6 +33,9 @@ class Releasing:
         #: Leases taken with ``hold_at_least``: (seconds, when the grant arrived on the clock).
         #: Popped at release (or loss), so a lease never outlives its use here.
         self._cooldowns: dict[Lease, tuple[float, float]] = {}
+        #: Whether the provider's release takes ``timeout=`` (checked once; every built-in
+        #: store's does): then release() calls it without StoreCalls.call's frame.
+        self._direct = accepts_timeout(service.provider.release)
         #: The keys whose next wait gives way to their waiters (noted at each release).
         self.turns = waiting.Turns(service.provider)
 
@@ -126,17 +130,20 @@ class Releasing:
         # does not answer, the heartbeat then retrying the release in the background.
         record = () if completion is None else (completion,)  # a third-party provider may not take it
         timeout = service.call_timeout
-        try:
-            owned = service._calls.call(
-                "release",
-                service.provider.release,
-                lease.store_key,
-                lease.token,
-                *record,
-                timeout=timeout if timeout < RELEASE_TIMEOUT else RELEASE_TIMEOUT,
+        if timeout > RELEASE_TIMEOUT:  # noqa: PLR1730 - min(), without its call
+            timeout = RELEASE_TIMEOUT
+        args = (lease.store_key, lease.token, *record)
+        try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
+            owned = (
+                service.provider.release(*args, timeout=timeout)
+                if self._direct
+                else service._calls.call("release", service.provider.release, *args, timeout=timeout)
             )
-        except BackendError as exc:
-            outcome = self._unanswered(lease, exc)
+        except Exception as exc:
+            error = as_store_error("release", exc)
+            if not isinstance(error, BackendError):
+                raise
+            outcome = self._unanswered(lease, error)
         else:
             if owned:
                 outcome = ReleaseOutcome.RELEASED

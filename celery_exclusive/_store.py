@@ -46,6 +46,17 @@ def is_store_error(exc: BaseException) -> bool:
     return any(cls.__module__.partition(".")[0] in _DRIVER_PACKAGES for cls in type(exc).__mro__)
 
 
+def as_store_error(what: str, exc: BaseException) -> BaseException:
+    """What :meth:`StoreCalls.call` raises for ``exc`` raised by a provider during ``what``:
+    a BackendError chained from it for a driver's or the network's failure, else ``exc``
+    (for hot paths that call a provider taking ``timeout=`` themselves)."""
+    if isinstance(exc, BackendError) or not is_store_error(exc):
+        return exc
+    error = BackendError(f"lock store failed during {what}: {type(exc).__name__}")
+    error.__cause__ = exc
+    return error
+
+
 class _Outcome:
     """What a call run in a thread of its own returned or raised, once it has."""
 
