@@ -88,7 +88,8 @@ class KeptConnections(Generic[C]):
     def give(self, conn: C, used: float | None = None) -> bool:
         """Keep ``conn``, last used at ``used`` (default: now); False if full or closed (close
         it yourself)."""
-        if self.closed or not self.has_room():
+        limit = self._limit
+        if self.closed or (limit is not None and len(self._idle) >= limit):  # has_room(), inline
             return False
         self._idle.append((conn, time.monotonic() if used is None else used))
         return True
