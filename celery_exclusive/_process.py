@@ -157,6 +157,12 @@ class HolderTemplate:
 def check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if holder is None:
         return {}
+    if type(holder) is dict:  # the usual holder: no Mapping ABC check, no generator
+        for k in holder:
+            if not isinstance(k, str):
+                break
+        else:
+            return holder
     if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
         raise InvalidArgumentError("holder must be a mapping with str keys")
     return holder
