@@ -154,8 +154,9 @@ def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     provider = service.provider
     # A provider that built its client sends through its fast path's wire (which takes the
     # per-call timeout); a client passed in is driven through _execute.
+    # On the wire every command goes through send_many (send() is one command of it).
     wire = getattr(provider, "_wire", None)
-    owner, name = (wire, "send") if wire is not None else (provider, "_execute")
+    owner, name = (wire, "send_many") if wire is not None else (provider, "_execute")
     original = getattr(owner, name, None)
     if original is None:
         return "the Redis provider has no _execute to observe its commands"
@@ -163,7 +164,10 @@ def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     seen: list[tuple[Any, ...]] = []
 
     def record(*command: Any, **options: Any) -> Any:
-        seen.append(command)
+        if owner is wire:
+            seen.extend(command[0])  # send_many(commands, timeout)
+        else:
+            seen.append(command)
         return original(*command, **options)
 
     setattr(owner, name, record)
