@@ -40,13 +40,14 @@ from celery_exclusive.errors import InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
 from celery_exclusive.lease import Lease, ReleaseOutcome
 from celery_exclusive.providers.base import (
+    MAX_TASK_ID_LENGTH,
     Completion,
     Held,
     LockInfo,
     LockProvider,
 )
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key
+from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_task_id
 
 T = TypeVar("T")
 
@@ -196,10 +197,13 @@ class LockService(PrefixedStore):
         :mod:`celery_exclusive.semaphore` (slot keys, changing the limit; ``task_id`` is
         ignored for ``limit > 1``).
         """
-        if (
-            wait is None and hold_at_least is None and task_id is None and limit == 1 and type(limit) is int
-        ):  # the hot path: Leasing.lock's, without its call
-            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder)
+        if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:
+            # The hot path: Leasing.lock's, without its call.
+            if task_id is not None:
+                check_task_id(task_id, MAX_TASK_ID_LENGTH)
+                if not self.keeps_records:
+                    task_id = None
+            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken
