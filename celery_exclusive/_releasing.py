@@ -145,12 +145,9 @@ class Releasing:
                 raise
             outcome = self._unanswered(lease, error)
         else:
-            if owned:
-                outcome = ReleaseOutcome.RELEASED
-                if self.turns.told:
-                    self.turns.released(lease.key, lease.store_key)
-            else:
-                outcome = self._not_owned(lease, warn=not was_lost)
+            outcome = ReleaseOutcome.RELEASED if owned else self._not_owned(lease, warn=not was_lost)
+            if owned and self.turns.told:
+                self.turns.released(lease.key, lease.store_key)
         if signals.lock_released.receivers:  # signals.send's test, before reading the clock
             held_for = service.clock() - lease.acquired_at
             signals.lock_released.send(
