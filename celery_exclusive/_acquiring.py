@@ -99,9 +99,8 @@ class Acquiring:
         if limit == 1:
             # The first attempt; a failed one goes to _after_failure (retry, background release).
             start = time.monotonic()
-            once: dict[str, Any] = (
-                {} if task_id is None else {"task_id": task_id}
-            )  # a third-party provider may not take it
+            # task_id only when given: a third-party provider may not take it.
+            once: dict[str, Any] = {} if task_id is None else {"task_id": task_id}
             args = (store_key, token, ttl_s, lifetime_s, encoded)
             try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
                 answer = (
@@ -173,7 +172,7 @@ class Acquiring:
             return lease_durations(service.ttl, interval, lifetime, ttl_explicit=False)
         return lease_durations(seconds("ttl", ttl), interval, lifetime, ttl_explicit=True)
 
-    def _after_failure(  # noqa: PLR0917 - acquire_one's state, by position
+    def _after_failure(  # noqa: PLR0917 - take()'s state, by position
         self,
         exc: BaseException,
         start: float,

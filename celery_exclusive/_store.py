@@ -53,7 +53,8 @@ def as_store_error(what: str, exc: BaseException) -> BaseException:
     if isinstance(exc, BackendError) or not is_store_error(exc):
         return exc
     error = BackendError(f"lock store failed during {what}: {type(exc).__name__}")
-    error.__cause__ = exc
+    error.__cause__ = exc  # as ``raise error from exc``
+    error.__suppress_context__ = True
     return error
 
 

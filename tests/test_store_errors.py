@@ -1,0 +1,78 @@
+"""The hot path calls a provider that takes ``timeout=`` directly (not through
+``StoreCalls.call``): its exceptions must still be translated exactly as there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from celery_exclusive import LockService
+from celery_exclusive.errors import BackendError
+from celery_exclusive.lease import ReleaseOutcome
+from celery_exclusive.providers.memory import MemoryLockProvider
+
+
+class _Flaky(MemoryLockProvider):
+    """Raises ``acquire_error`` / ``release_error`` (when set) instead of answering."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acquire_error: BaseException | None = None
+        self.release_error: BaseException | None = None
+        self.acquires = 0
+
+    def acquire(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        self.acquires += 1
+        if self.acquire_error is not None:
+            raise self.acquire_error
+        return super().acquire(*args, timeout=timeout, **kwargs)
+
+    def release(self, *args: Any, timeout: float | None = None) -> bool:
+        if self.release_error is not None:
+            raise self.release_error
+        return super().release(*args, timeout=timeout)
+
+
+@pytest.fixture
+def flaky() -> Any:
+    provider = _Flaky()
+    service = LockService(provider, prefix="store-errors:")
+    yield provider, service
+    service.heartbeat._pending_release.clear()
+    service.close(release=False)
+
+
+def test_a_driver_error_on_acquire_is_a_backend_error_chained_from_it_after_one_retry(flaky: Any) -> None:
+    provider, service = flaky
+    provider.acquire_error = redis.ConnectionError("reset")
+    with pytest.raises(BackendError, match="during acquire: ConnectionError") as raised:
+        service.lock("k")
+    assert raised.value.__cause__ is provider.acquire_error
+    assert provider.acquires == 2
+    assert service.heartbeat._pending_release  # the token is released in the background
+
+
+def test_a_bug_in_acquire_propagates_unchanged_and_unretried(flaky: Any) -> None:
+    provider, service = flaky
+    provider.acquire_error = ValueError("bug")
+    with pytest.raises(ValueError, match="bug"):
+        service.lock("k")
+    assert provider.acquires == 1
+
+
+def test_a_network_error_on_release_is_unknown_and_retried_in_the_background(flaky: Any) -> None:
+    provider, service = flaky
+    lease = service.lock("k")
+    provider.release_error = ConnectionResetError()
+    assert lease.release() is ReleaseOutcome.UNKNOWN
+    assert service.heartbeat._pending_release
+
+
+def test_a_bug_in_release_propagates_unchanged(flaky: Any) -> None:
+    provider, service = flaky
+    lease = service.lock("k")
+    provider.release_error = ValueError("bug")
+    with pytest.raises(ValueError, match="bug"):
+        lease.release()
