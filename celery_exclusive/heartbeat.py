@@ -198,8 +198,20 @@ class Heartbeat:
         return True
 
     def discard(self, lease: Lease) -> None:
-        """Stop refreshing ``lease`` (caller holds ``mutex``)."""
-        self._leases.pop(id(lease), None)
+        """Stop refreshing ``lease`` (caller holds ``mutex``).
+
+        A lease not taken in yet is dropped from ``_fresh`` too when it is the newest there
+        (a short run's, released before the thread's next pass), so nothing keeps it, its
+        holder and callbacks alive for up to a second (into the garbage collector's older
+        generations). Only the mutex holder takes from ``_fresh``; add() appends without it,
+        so a lease appended between the test and the pop is put back (its order does not
+        matter: the next taker adopts every live one)."""
+        if self._leases.pop(id(lease), None) is None:
+            fresh = self._fresh
+            if fresh and fresh[-1] is lease:
+                newest = fresh.pop()
+                if newest is not lease:  # another thread's add() came in between: keep it
+                    fresh.append(newest)
 
     def retry_release(self, store_key: str, token: str, until: float) -> None:
         """Keep releasing ``token``'s lease on ``store_key`` until the store answers or ``until``.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from typing import Any
 
 from celery_exclusive import LockService
 
@@ -83,5 +85,82 @@ def test_a_stream_of_short_locks_keeps_one_heartbeat_thread() -> None:
         while service.heartbeat.running and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not service.heartbeat.running
+    finally:
+        service.close()
+
+
+def test_a_released_lease_not_yet_taken_in_is_not_kept_alive_by_the_heartbeat() -> None:
+    """A short run's lease, released before the thread's next pass, is dropped from the
+    heartbeat's ``_fresh`` at release: nothing references it after (it stayed up to a
+    second before, outliving the young garbage-collector generations)."""
+    service = LockService("memory://", prefix="hb-drop:")
+    try:
+        kept = service.lock("kept")  # the thread runs
+        lease = service.lock("short")
+        assert lease.release().value == "released"
+        assert all(fresh is not lease for fresh in service.heartbeat._fresh)
+        assert [held.key for held in service.held()] == ["kept"]
+        kept.release()
+    finally:
+        service.close()
+
+
+class _Racing(deque):  # type: ignore[type-arg]
+    """A ``_fresh`` deque into which another thread's add() lands right after a release
+    looked at its newest lease (the window between that look and its pop)."""
+
+    intruder: object = None
+
+    def __getitem__(self, index: Any) -> Any:
+        found = super().__getitem__(index)
+        if self.intruder is not None:
+            self.append(self.intruder)
+            self.intruder = None
+        return found
+
+
+def test_a_lease_added_while_a_release_drops_its_own_is_kept() -> None:
+    """The release takes its own lease back from ``_fresh``, never the one another
+    thread's add() appended meanwhile: that one stays registered (a naive pop lost it)."""
+    idle = lambda **_: threading.Thread(target=lambda: None)  # noqa: E731 - no thread adopts meanwhile
+    service = LockService("memory://", prefix="hb-race:", thread_factory=idle)
+    try:
+        other = service.lock("other")
+        heartbeat = service.heartbeat
+        racing = _Racing(heartbeat._fresh)
+        assert racing.pop() is other  # as if its add() had not happened yet
+        heartbeat._fresh = racing
+        short = service.lock("short")
+        racing.intruder = other  # its add() lands between the release's look and its pop
+        assert short.release().value == "released"
+        assert [lease.key for lease in service.held()] == ["other"]
+    finally:
+        service.close(release=False)
+
+
+def test_leases_added_by_other_threads_around_releases_are_all_kept() -> None:
+    """Releases taking their lease back from ``_fresh`` while other threads add theirs:
+    every lease still held at the end is kept alive (``held()``), none is lost."""
+    service = LockService("memory://", prefix="hb-race:")
+    try:
+        held: list[object] = []
+        start = threading.Barrier(4)
+
+        def churn(worker: int) -> None:
+            start.wait()
+            for i in range(2000):
+                lease = service.lock(f"w{worker}:{i}")
+                if i % 2 == 0:
+                    held.append(lease)  # kept: must stay registered
+                else:
+                    lease.release()
+
+        threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert {id(lease) for lease in service.held()} == {id(lease) for lease in held}
+        assert len(held) == 4 * 1000
     finally:
         service.close()
