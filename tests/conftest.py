@@ -32,6 +32,12 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 #: contract's too): tests multiply the leases, windows and bounds a busy neighbour can
 #: stretch by it, keeping what they prove (in ttls) the same. 1 suits a quiet machine.
 TIME_SLACK = time_slack()
+#: ``CE_LONG=1``: the long mode of the slow suites (CONTRIBUTING.md, "Slow suites").
+LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
+#: The contract's acquire/release cycles per store (``ContractStore.cycles``): 200 in the
+#: short mode (each is two durable commits, ~20-50 ms on a SQL store under CI load), the
+#: contract's default 1,000 with ``CE_LONG=1``. Leaking anything once is visible in 200.
+CONTRACT_CYCLES = 1000 if LONG else 200
 #: A user's project that tests/test_plugin.py runs in its own pytest (pytester), never here.
 collect_ignore = ["plugin_example"]
 
@@ -203,6 +209,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, sql_tables: dict[str, 
         guard=postgres_transaction if name == "postgres" else None,
         slack=TIME_SLACK,
         mp_context=process_context(),
+        cycles=CONTRACT_CYCLES,
     )
     for service in services:
         service.close(release=True)

@@ -17,6 +17,7 @@ import pytest
 from celery_exclusive import LockService
 from celery_exclusive.providers.base import LockProvider
 from celery_exclusive.testing.contract import LockContract, Store, open_store
+from tests.conftest import CONTRACT_CYCLES
 from tests.django import _stores
 
 LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "no")
@@ -54,5 +55,6 @@ class TestDjangoStoreContract(LockContract):
             # runs them in the long mode (CE_LONG=1); SQLite across processes is the same
             # SqlLockProvider the main contract suite covers.
             cross_process=alias == "default" and LONG,
+            cycles=CONTRACT_CYCLES,
         ) as store:
             yield store
