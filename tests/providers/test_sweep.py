@@ -28,7 +28,7 @@ from celery_exclusive.cli import cli
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import Completion, Grant, RefreshRequest, Sweeps
 from celery_exclusive.providers.memory import MemoryLockProvider
-from tests.conftest import REDIS_URL, require_server, with_option
+from tests.conftest import REDIS_URL, TIME_SLACK, require_server, with_option
 from tests.providers.test_sql_provider import BACKENDS, Db, _database
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +139,9 @@ def test_sigkilled_holders_rows_are_swept_by_another_process_heartbeat(db: Db) -
 def test_a_live_lease_is_never_swept_while_sweeps_race_acquires_takeovers_and_refreshes(db: Db) -> None:
     """Sweeps in a loop against acquirers that take keys (free, or taking over a dead row),
     refresh and let some expire: every lease refreshed within its ttl is still owned, and
-    each key's fences grow strictly."""
+    each key's fences grow strictly. The race lasts at least 3 s (10 s with CE_LONG=1) and
+    until it counted what it must (rows swept, live leases checked), which a loaded machine
+    only delays: at most 30 s x TIME_SLACK."""
     provider, sweeper = db.provider(), db.provider()
     prefix = f"race{uuid.uuid4().hex[:6]}:"
     keys = [f"{prefix}{i}" for i in range(12)]
@@ -185,7 +187,12 @@ def test_a_live_lease_is_never_swept_while_sweeps_race_acquires_takeovers_and_re
     threads = [threading.Thread(target=sweep)] + [threading.Thread(target=work, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
-    time.sleep(10 if LONG else 3)
+    started = time.monotonic()
+    least, most = (10 if LONG else 3), 30 * TIME_SLACK
+    while time.monotonic() - started < most and not errors:
+        if time.monotonic() - started >= least and sum(swept) >= 5 and checked[0] > 20:
+            break
+        time.sleep(0.05)
     stop.set()
     for thread in threads:
         thread.join(30)
