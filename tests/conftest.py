@@ -84,6 +84,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.serial)
 
 
+#: Seconds spent per test file (setup, call and teardown of its tests), summed as reports
+#: arrive; with pytest-xdist the controller receives every worker's reports.
+FILE_SECONDS: dict[str, float] = {}
+#: How many files the terminal summary lists, slowest first.
+FILE_SECONDS_SHOWN = 15
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add ``report``'s duration to its file's sum (:data:`FILE_SECONDS`)."""
+    path = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The slowest files by summed duration: under ``--dist loadfile`` a file runs on one
+    worker, so the largest sum bounds the parallel part's critical path from below."""
+    if len(FILE_SECONDS) < 2:
+        return
+    slowest = sorted(FILE_SECONDS.items(), key=lambda item: item[1], reverse=True)[:FILE_SECONDS_SHOWN]
+    terminalreporter.write_sep("=", f"slowest {len(slowest)} files (summed durations)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.2f}s {path}")
+    terminalreporter.write_line(f"{sum(FILE_SECONDS.values()):8.2f}s in all {len(FILE_SECONDS)} files")
+
+
 class IdleThread(threading.Thread):
     """A ``thread_factory`` thread that exits at once: no heartbeat runs, so leases keep
     their first grant unless the test calls ``heartbeat.beat()`` itself."""
