@@ -4,6 +4,8 @@ The end-to-end tests run the README's command as a subprocess (real worker and b
 processes) in a data directory of their own (broker folders, results, run records) with a
 lock key prefix of their own, and check the verdict line, the exit status and the timeline.
 PostgreSQL and Redis runs use a table / key prefix of their own and leave nothing behind.
+The short mode runs the demo on Redis only of the two servers (the same demo, checked the
+same way, and Redis's run also checks that no key is left); ``CE_LONG=1`` adds PostgreSQL.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 from example_worker import records
 from example_worker.demo import check
-from tests.conftest import POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
+from tests.conftest import LONG, POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -197,6 +199,7 @@ def test_demo_fails_its_check_when_the_store_excludes_nothing(data_dir: Path) ->
 
 
 @pytest.mark.celery
+@pytest.mark.skipif(not LONG, reason="the short mode runs the server demo on Redis only (CE_LONG=1 adds it)")
 def test_demo_on_postgres(data_dir: Path) -> None:
     """``--backend postgres`` passes its check against the PostgreSQL server."""
     require_server(POSTGRES_URL)
