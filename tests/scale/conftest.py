@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from celery_exclusive import LockService
-from tests.conftest import POSTGRES_URL, Store, drop_lock_table, require_server
+from tests.conftest import CONTRACT_CYCLES, POSTGRES_URL, Store, drop_lock_table, require_server
 from tests.contract._processes import process_context
 from tests.scale._servers import (
     binary,
@@ -43,7 +43,14 @@ def contract_store(name: str, url: str) -> Iterator[Store]:
         services.append(service)
         return service
 
-    yield Store(name=name, url=url, cross_process=True, make=make, mp_context=process_context())
+    yield Store(
+        name=name,
+        url=url,
+        cross_process=True,
+        make=make,
+        mp_context=process_context(),
+        cycles=CONTRACT_CYCLES,
+    )
     for service in services:
         service.close(release=True)
 
