@@ -104,3 +104,50 @@ def test_an_object_inside_a_dict_without_stable_text_is_refused() -> None:
     """A value formatting as its memory address is refused inside a container as on its own."""
     with pytest.raises(InvalidArgumentError, match="memory address"):
         _key({"a": object()})
+
+
+def _pair(a: Any, b: Any = 7) -> None: ...
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["e:{b}:{a}", "{a}", "x{{lit}}:{a}}}{{{b}", "{task_name}/{a}/{a}", "{{}}", "plain", "100%:{a}%s%%{b}"],
+)
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((1, "x"), {}),
+        ((True, 2.5), {}),
+        ((-0.0, float("nan")), {}),
+        ((10**20, "é{}"), {}),
+        ((1,), {}),
+        ((), {"a": "k", "b": False}),
+        (("s",), {"b": 1e16}),
+    ],
+)
+def test_the_compiled_template_gives_the_full_paths_key(
+    template: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A plain template's compiled fill (one str.format over the arguments by position,
+    literal braces escaped) gives exactly the key string.Formatter's full path gives."""
+    builder = KeyBuilder.for_function(template, _pair, bound=False)
+    assert builder._plain is not None
+    assert builder._plain.build("t.name", args, kwargs) is not None
+    full = KeyBuilder(template, builder.signature)
+    full._plain = None  # the full path: Signature.bind and the strict formatter
+    assert builder.build("t.name", args, kwargs) == full.build("t.name", args, kwargs)
+
+
+def test_the_compiled_template_leaves_other_types_to_the_full_path() -> None:
+    """A str or int subclass, or a container, is not filled by the compiled template."""
+
+    class Tag(str):
+        def __format__(self, spec: str) -> str:
+            return "tag"
+
+    builder = KeyBuilder.for_function("e:{a}:{b}", _pair, bound=False)
+    assert builder._plain is not None
+    for args in [(Tag("x"), 1), (1, [1, 2]), (1, {"b": 1, "a": 2})]:
+        assert builder._plain.build("t", args, {}) is None
+    assert builder.build("t", (Tag("x"), 1), {}) == "e:tag:1"
+    assert builder.build("t", (1, {"b": 1, "a": 2}), {}) == "e:1:{'a': 2, 'b': 1}"
