@@ -73,11 +73,55 @@ class Records:
         )
 
 
+#: Completion's slot setters, by field: what its frozen ``__init__`` calls through
+#: ``object.__setattr__``, without that call (see :func:`checked_completion`).
+_SETTERS = tuple(Completion.__dict__[name].__set__ for name in ("task_id", "outcome", "attempt", "retain"))
+_new = object.__new__
+#: The last record :func:`checked_completion` made and checked (immutable, so it stays
+#: checked): the release that carries it skips :func:`check_completion`'s checks. One
+#: reference, replaced by the next record; another thread's record in between only means
+#: the full check runs.
+_last_checked: Completion | None = None
+
+
+def checked_completion(task_id: str, outcome: str, attempt: int, retain: float) -> Completion:
+    """``Completion(task_id, outcome, attempt, retain)``, checked whole as
+    :func:`check_completion` checks it (InvalidArgumentError for the same values), for a
+    record the library builds at every run's release (the Celery layer): the usual values
+    (an ASCII task id, an int attempt, float seconds) are tested once here, the record is
+    made without the frozen dataclass's ``__init__`` and the release does not check it again."""
+    global _last_checked  # noqa: PLW0603 - one reference, see _last_checked
+    if (
+        type(task_id) is str
+        and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
+        and task_id.isascii()
+        and "\x00" not in task_id
+        and outcome in COMPLETION_OUTCOMES
+        and type(attempt) is int
+        and 0 <= attempt <= MAX_ATTEMPT
+        and type(retain) is float
+        and 0.0 < retain <= MAX_RETAIN
+    ):
+        completion = _new(Completion)
+        set_task_id, set_outcome, set_attempt, set_retain = _SETTERS
+        set_task_id(completion, task_id)
+        set_outcome(completion, outcome)
+        set_attempt(completion, attempt)
+        set_retain(completion, retain)
+    else:  # anything else the full way: the same record, or the same error
+        completion = check_completion(Completion(task_id, outcome, attempt, retain))
+    _last_checked = completion
+    return completion
+
+
 def check_completion(completion: object) -> Completion:
     """``completion`` checked whole, before the release changes any state (a store refusing
     a field mid-release would leave the key held with no heartbeat until its ttl): its
     ``retain`` as float seconds (a timedelta converted), within :data:`MAX_RETAIN`, and its
-    ``attempt`` within :data:`MAX_ATTEMPT`."""
+    ``attempt`` within :data:`MAX_ATTEMPT`. The record :func:`checked_completion` made
+    last is not checked again."""
+    if completion is _last_checked and completion is not None:
+        return completion
     if not isinstance(completion, Completion):
         raise InvalidArgumentError(f"completion must be a Completion, got {type(completion).__name__}")
     check_task_id(completion.task_id, MAX_TASK_ID_LENGTH)

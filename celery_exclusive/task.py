@@ -81,6 +81,7 @@ from celery.utils.log import get_task_logger
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive import worker as _worker
 from celery_exclusive._process import HolderTemplate
+from celery_exclusive._records import checked_completion
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
@@ -468,7 +469,7 @@ def _hold(
     done = (
         None
         if record is None or keep is None
-        else Completion(record, "success", int(request.retries or 0), keep)
+        else checked_completion(record, "success", int(request.retries or 0), keep)
     )
     lost = _runs.finish(lease, done)  # _finish inline
     if plan.finishes:
