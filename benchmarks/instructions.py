@@ -29,8 +29,11 @@ _TOTALS = re.compile(r"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
 def _child(variant: str, store: str, warm: int, count: int) -> None:
     """Run ``warm`` then ``count`` tasks of ``variant`` on ``store`` through Celery's tracer
     (this process), callgrind counting only the ``count`` tasks (its client requests, from
-    a small C library built by the driver: ``CE_CALLGRIND_LIB``)."""
+    a small C library built by the driver: ``CE_CALLGRIND_LIB``). ``CE_INSTR_BALLAST`` long-lived
+    lists stand in for a worker's heap, so the garbage collector's full collections (which
+    walk every live object) cost what they would in a worker."""
     import ctypes
+    import gc
 
     from celery import Celery
     from celery.app.trace import build_tracer
@@ -50,6 +53,8 @@ def _child(variant: str, store: str, warm: int, count: int) -> None:
     app.finalize()
     tracer = build_tracer(made.name, app.tasks[made.name], eager=False, hostname="instr@bench", app=app)
     tag = f"{os.getpid()}"
+    ballast = [[] for _ in range(int(os.environ.get("CE_INSTR_BALLAST", "0")))]
+    gc.collect()  # the ballast in the oldest generation, as a worker's long-lived objects are
     control = ctypes.CDLL(os.environ["CE_CALLGRIND_LIB"]) if os.environ.get("CE_CALLGRIND_LIB") else None
     try:
         for i in range(warm + count):
@@ -60,6 +65,7 @@ def _child(variant: str, store: str, warm: int, count: int) -> None:
             tracer(task_id, (i, tag), {}, request)
         if control is not None:
             control.cg_stop()
+        del ballast
     finally:
         close_lock_services()
     import celery_exclusive
@@ -118,11 +124,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm", type=int, default=300)
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--package", help="import celery_exclusive from this directory")
+    parser.add_argument(
+        "--ballast", type=int, default=0, help="long-lived objects in the heap (a worker's: 1000000)"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))
         return
+    if args.ballast:
+        os.environ["CE_INSTR_BALLAST"] = str(args.ballast)
     per_task: dict[str, float] = {}
     for variant in args.variant or VARIANTS:
         per_task[variant] = _count(variant, args.store, args.warm, args.count, args.package) / args.count
