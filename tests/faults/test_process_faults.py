@@ -14,6 +14,7 @@ import time
 import pytest
 
 from celery_exclusive import LeaseState, ReleaseOutcome
+from tests.conftest import TIME_SLACK
 from tests.faults.conftest import LONG, SLACK, Backend, Faults, HolderProcess, faketime_wrapper
 
 pytestmark = pytest.mark.slow
@@ -26,9 +27,10 @@ EPS = 0.01
 
 
 def kill_and_take_over(
-    faults: Faults, backend: Backend, holder: HolderProcess, token: str, fence: int
+    faults: Faults, backend: Backend, holder: HolderProcess, token: str, fence: int, *, ttl: float = TTL
 ) -> dict[str, float]:
-    """SIGKILL ``holder``; a competitor must get the key after the store's expiry, on time."""
+    """SIGKILL ``holder`` (holding with ``ttl``); a competitor must get the key after the
+    store's expiry, on time."""
     competitor_service = faults.service(backend.url(application_name="ce-competitor"))
     assert competitor_service.try_lock(KEY) is None, "a live holder's key was granted"
     peek_sent = time.monotonic()
@@ -37,13 +39,13 @@ def kill_and_take_over(
     assert live.token == token
     killed = holder.signal(signal.SIGKILL)
     # The lease was confirmed within the last refresh interval (plus scheduling noise).
-    assert live.expires_in > TTL - INTERVAL - SLACK
+    assert live.expires_in > ttl - INTERVAL - SLACK
     not_before = peek_sent + live.expires_in
     competitor = faults.competitor(competitor_service, KEY)
-    grant = competitor.wait_grant(TTL + 10)
+    grant = competitor.wait_grant(ttl + 10)
     assert grant is not None, "the dead holder's lease never expired"
     assert grant.answered >= not_before - EPS, "granted before the dead holder's lease expired"
-    assert grant.sent <= killed + TTL + SLACK, "the dead holder's lease outlived its ttl"
+    assert grant.sent <= killed + ttl + SLACK, "the dead holder's lease outlived its ttl"
     assert grant.lease is not None
     assert grant.lease.fence > fence
     assert grant.lease.release() is ReleaseOutcome.RELEASED
@@ -100,15 +102,18 @@ def test_skewed_wall_clock_changes_nothing(backend: Backend, faults: Faults, off
     """A holder whose wall clock is an hour off keeps its lease, and its lease still expires on schedule."""
     skew = 3600.0 if offset.startswith("+") else -3600.0
     wrapper = faketime_wrapper(offset)
+    # Held for several ttls, under libfaketime: the ttl scales with the machine's load (a
+    # loaded CI run once lost the 1.5 s lease here, its refreshes starved for over a second).
+    ttl = TTL * TIME_SLACK
     holder = faults.holder(
-        backend.url(), KEY, ttl=TTL, refresh_interval=INTERVAL, wrapper=wrapper, skew=0.0 if wrapper else skew
+        backend.url(), KEY, ttl=ttl, refresh_interval=INTERVAL, wrapper=wrapper, skew=0.0 if wrapper else skew
     )
     _, acquired = holder.wait("acquired", 30)
     assert abs(acquired["wall"] - time.time() - skew) < 60, "the holder's wall clock is not skewed"
     if wrapper is not None:
         assert abs(acquired["datetime"] - time.time() - skew) < 60
     competitor_service = faults.service(backend.url(application_name="ce-competitor"))
-    hold_until = time.monotonic() + (10 if LONG else 2) * TTL
+    hold_until = time.monotonic() + (10 if LONG else 2) * ttl
     checks = 0
     while time.monotonic() < hold_until:
         state = holder.ask("state", "state")
@@ -117,7 +122,7 @@ def test_skewed_wall_clock_changes_nothing(backend: Backend, faults: Faults, off
         assert competitor_service.try_lock(KEY) is None
         checks += 1
         time.sleep(0.1)
-    figures = kill_and_take_over(faults, backend, holder, acquired["token"], acquired["fence"])
+    figures = kill_and_take_over(faults, backend, holder, acquired["token"], acquired["fence"], ttl=ttl)
     faults.record(
         store=backend.name,
         offset=offset,
