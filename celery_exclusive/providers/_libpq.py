@@ -277,10 +277,7 @@ class Runner:
         """After a prepared statement failed with ``result``: sent again, prepared first, if
         the session lost its statements (as :meth:`_execute` does); else its error raised."""
         if self._sqlstate(result) == _MISSING:
-            session.prepared.clear()  # the session lost every statement, not just this one
-            self._prepare_on(pgconn, statement, session, end)
-            pgconn.send_query_prepared(statement.name, values)
-            result = self._result(pgconn, session, end)
+            result = self._prepared_again(pgconn, statement, values, session, end)
         if result.status != _TUPLES_OK:
             self._raise(pgconn, result)
         return result
@@ -297,17 +294,28 @@ class Runner:
         if not self._prepare:
             pgconn.send_query_params(statement.sql, values)
             return self._result(pgconn, session, end)
-        prepared = session.prepared
-        if statement.name not in prepared:
+        if statement.name not in session.prepared:
             self._prepare_on(pgconn, statement, session, end)
         pgconn.send_query_prepared(statement.name, values)
         result = self._result(pgconn, session, end)
         if result.status != _TUPLES_OK and self._sqlstate(result) == _MISSING:
-            prepared.clear()  # the session lost every statement, not just this one
-            self._prepare_on(pgconn, statement, session, end)
-            pgconn.send_query_prepared(statement.name, values)
-            result = self._result(pgconn, session, end)
+            result = self._prepared_again(pgconn, statement, values, session, end)
         return result
+
+    def _prepared_again(
+        self,
+        pgconn: Any,
+        statement: Statement,
+        values: list[bytes | None],
+        session: _Session,
+        end: float | None,
+    ) -> Any:
+        """The result of ``statement`` sent again after the session lost its prepared
+        statements (every one, not just this one: e.g. DISCARD ALL): prepared first."""
+        session.prepared.clear()
+        self._prepare_on(pgconn, statement, session, end)
+        pgconn.send_query_prepared(statement.name, values)
+        return self._result(pgconn, session, end)
 
     def _prepare_on(self, pgconn: Any, statement: Statement, session: _Session, end: float | None) -> None:
         pgconn.send_prepare(statement.name, statement.sql)
