@@ -670,6 +670,14 @@ def test_pg_hot_statements_survive_a_session_that_lost_them(pg: Db) -> None:
         provider.close()
 
 
+def _kept_connection(provider: Any) -> Any:
+    """The provider's one kept connection, made by a first call."""
+    provider.peek("k")
+    assert provider._kept is not None
+    (kept,) = provider._kept
+    return kept
+
+
 def test_pg_runner_sends_none_as_null_and_other_values_as_their_text(pg: Db) -> None:
     """The libpq runner's parameters: None is SQL NULL (not the text 'None'), a number is
     sent as its text, and a statement with a single parameter takes it like the others."""
@@ -677,9 +685,7 @@ def test_pg_runner_sends_none_as_null_and_other_values_as_their_text(pg: Db) -> 
 
     provider = pg.provider()
     try:
-        provider.peek("k")  # a kept connection
-        assert provider._kept is not None
-        (kept,) = provider._kept
+        kept = _kept_connection(provider)
         runner = _libpq.Runner(prepare=True)
         both = _libpq.Statement.build("SELECT CAST(:a AS text) IS NULL, CAST(:b AS float8), :a::text", "bft")
         assert runner.run(kept, both, {"a": None, "b": 1.25}) == [(True, 1.25, None)]
@@ -698,9 +704,7 @@ def test_pg_runner_converts_every_row_with_and_without_nulls(pg: Db) -> None:
 
     provider = pg.provider()
     try:
-        provider.peek("k")  # a kept connection
-        assert provider._kept is not None
-        (kept,) = provider._kept
+        kept = _kept_connection(provider)
         runner = _libpq.Runner(prepare=True)
         rows = _libpq.Statement.build(
             "SELECT n % 2 = 0, n, n / 4.0, 'r' || n, CASE WHEN n = CAST(:null_at AS int) THEN NULL "
