@@ -13,7 +13,8 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -256,3 +257,23 @@ def delete_redis_keys(prefix: str) -> None:
             client.delete(*set(keys))
     finally:
         client.close()
+
+
+def in_forked_child(check: Callable[[], bool]) -> bool:
+    """``check()`` run in a forked child; its answer, read back through a pipe."""
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process (3.12+)
+        pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = check()
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    return answer == b"1"

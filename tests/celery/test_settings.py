@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +13,7 @@ from celery_exclusive.service import DEFAULT_TTL
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import app_settings, get_lock_service
+from tests.conftest import in_forked_child
 
 
 def test_defaults() -> None:
@@ -132,17 +132,9 @@ def test_fork_child_gets_its_own_service() -> None:
     app = Celery("ce_settings_fork", set_as_current=False)
     app.conf.exclusive_url = "memory://"
     parent_service = get_lock_service(app)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        ok = get_lock_service(app) is not parent_service and get_lock_service(app) is get_lock_service(app)
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    answer = os.read(read, 1)
-    os.close(read)
-    os.waitpid(pid, 0)
-    assert answer == b"1"
+    assert in_forked_child(
+        lambda: get_lock_service(app) is not parent_service and get_lock_service(app) is get_lock_service(app)
+    )
     assert get_lock_service(app) is parent_service
 
 

@@ -2,31 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import warnings
-from collections.abc import Callable
-
 from celery_exclusive.providers._kept import KeptConnections
-
-
-def _in_child(check: Callable[[], bool]) -> bool:
-    """``check()`` run in a forked child; its answer, read back through a pipe."""
-    read, write = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process (3.12+)
-        pid = os.fork()
-    if pid == 0:
-        ok = False
-        try:
-            ok = check()
-        finally:
-            os.write(write, b"1" if ok else b"0")
-            os._exit(0)
-    os.close(write)
-    answer = os.read(read, 1)
-    os.close(read)
-    os.waitpid(pid, 0)
-    return answer == b"1"
+from tests.conftest import in_forked_child
 
 
 def test_a_forked_child_hands_the_parents_connections_to_on_fork_and_takes_none() -> None:
@@ -39,7 +16,7 @@ def test_a_forked_child_hands_the_parents_connections_to_on_fork_and_takes_none(
         kept.give("child's", 2.0)
         return first is None and inherited == ["parent's"] and kept.take() == ("child's", 2.0)
 
-    assert _in_child(child)
+    assert in_forked_child(child)
     assert kept.take() == ("parent's", 1.0)  # the parent's own, untouched by the child
     assert inherited == []
 
@@ -52,7 +29,7 @@ def test_a_grandchild_is_a_new_process_too() -> None:
         if kept.take() is not None:
             return False
         kept.give("child's", 2.0)
-        return _in_child(lambda: kept.take() is None and len(kept) == 0)
+        return in_forked_child(lambda: kept.take() is None and len(kept) == 0)
 
-    assert _in_child(child)
+    assert in_forked_child(child)
     assert len(kept) == 1
