@@ -49,7 +49,7 @@ def is_store_error(exc: BaseException) -> bool:
 def as_store_error(what: str, exc: BaseException) -> BaseException:
     """What :meth:`StoreCalls.call` raises for ``exc`` raised by a provider during ``what``:
     a BackendError chained from it for a driver's or the network's failure, else ``exc``
-    (for hot paths that call a provider taking ``timeout=`` themselves)."""
+    (also for hot paths that call a provider taking ``timeout=`` themselves)."""
     if isinstance(exc, BackendError) or not is_store_error(exc):
         return exc
     error = BackendError(f"lock store failed during {what}: {type(exc).__name__}")
@@ -135,12 +135,11 @@ class StoreCalls:
             if takes or (takes is None and self._accepts_timeout(method)):
                 return method(*args, timeout=timeout, **kwargs)
             return self._in_thread(what, timeout, method, *args, **kwargs)
-        except BackendError:
-            raise
         except Exception as exc:
-            if not is_store_error(exc):
+            error = as_store_error(what, exc)
+            if error is exc:
                 raise
-            raise BackendError(f"lock store failed during {what}: {type(exc).__name__}") from exc
+            raise error from exc
 
     def _accepts_timeout(self, method: Callable[..., object]) -> bool:
         name = getattr(method, "__name__", "")
