@@ -58,12 +58,14 @@ from tests.contract.test_semaphore import (  # noqa: F401
 # their timeout or after a SIGKILLed holder's ttl, lock_many over keys in different hash
 # slots (on different primaries: separate leases in canonical order, rolled back on a
 # refusal or a failure), 8 processes on random key sets (no deadlock, no overlap: the
-# cross-slot canonical order is the cluster's own), and a releaser giving way to the
-# waiters its signal reached. The 8 processes on one key (nobody starved) only with
-# CE_LONG=1 (below).
+# cross-slot canonical order is the cluster's own), a releaser giving way to the waiters
+# its signal reached, and not taking the next turn from a longer waiter after it
+# (GIVE_WAY_DEFER: the key's shard sends a release to its newest subscriber first). The 8
+# processes on one key (nobody starved) only with CE_LONG=1 (below).
 from tests.contract.test_waiting import (  # noqa: F401
     test_a_releaser_gives_way_to_a_waiter,
     test_a_releaser_nobody_waits_for_does_not_give_way,
+    test_a_releaser_that_gave_way_does_not_take_the_next_turn_from_a_longer_waiter,
     test_a_semaphore_waiter_is_woken_by_the_release_of_any_slot,
     test_a_waiter_acquires_soon_after_the_release,
     test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl,

@@ -45,10 +45,12 @@ from tests.contract.test_semaphore import (  # noqa: F401
 
 # Waiting and several keys through the sentinel (tests/contract/test_waiting.py): the woken
 # handover, waits that end at their timeout or after a SIGKILLed holder's ttl, lock_many,
-# a releaser giving way; the two 8-process tests with CE_LONG=1 (below).
+# a releaser giving way, and not taking the next turn from a longer waiter after it; the
+# two 8-process tests with CE_LONG=1 (below).
 from tests.contract.test_waiting import (  # noqa: F401
     test_a_releaser_gives_way_to_a_waiter,
     test_a_releaser_nobody_waits_for_does_not_give_way,
+    test_a_releaser_that_gave_way_does_not_take_the_next_turn_from_a_longer_waiter,
     test_a_semaphore_waiter_is_woken_by_the_release_of_any_slot,
     test_a_waiter_acquires_soon_after_the_release,
     test_a_waiter_on_a_sigkilled_holders_key_acquires_after_the_ttl,
