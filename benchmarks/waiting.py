@@ -132,7 +132,13 @@ class CommitFlush:
     """The disk's share of a durable commit, sampled between handover trials: a 1-row
     UPDATE committed with ``synchronous_commit`` on, then off, on a connection of its own
     (the waiter's acquire commits with it on, the release with it off). ``on - off`` at the
-    median is the WAL flush the handover's acquire waits for."""
+    median is the WAL flush the handover's acquire waits for.
+
+    It also counts the whole server's commits and WAL flushes (``pg_stat_database``,
+    ``pg_stat_wal``) from its start to :meth:`traffic`: a durable commit that arrives while
+    another session's WAL flush runs waits for it (the ``WALWrite`` lock) and then, unless
+    that flush covered it, flushes again, so on a server busy with other sessions' commits
+    the acquire's commit costs up to about two flushes (BENCHMARKS.md, *Waiting*)."""
 
     def __init__(self, url: str, table: str) -> None:
         import psycopg
@@ -142,6 +148,31 @@ class CommitFlush:
         self._conn.execute(f'CREATE TABLE IF NOT EXISTS "{table}" (id int PRIMARY KEY, n bigint)')
         self._conn.execute(f'INSERT INTO "{table}" VALUES (1, 0) ON CONFLICT DO NOTHING')
         self.timings: dict[str, list[float]] = {"on": [], "off": []}
+        self._counted = self._counters()
+        #: :meth:`traffic` when closed.
+        self.seen: tuple[float, float] | None = None
+
+    def _counters(self) -> tuple[float, int, int] | None:
+        """(now, commits, WAL flushes) of the whole server; None where not readable
+        (PostgreSQL < 14 has no pg_stat_wal)."""
+        try:
+            row = self._conn.execute(
+                "SELECT (SELECT sum(xact_commit) FROM pg_stat_database)::bigint, wal_sync FROM pg_stat_wal"
+            ).fetchone()
+        except Exception:
+            return None
+        return (time.monotonic(), int(row[0]), int(row[1])) if row else None
+
+    def traffic(self) -> tuple[float, float] | None:
+        """(commits/s, WAL flushes/s) of the whole server, every session's, since this
+        sampler started (ours included: about three durable commits per trial); None if
+        the server does not say (cumulative statistics are updated by each backend every
+        second or so, so a short run reads low)."""
+        now = self._counters()
+        if now is None or self._counted is None or now[0] <= self._counted[0]:
+            return None
+        seconds = now[0] - self._counted[0]
+        return (now[1] - self._counted[1]) / seconds, (now[2] - self._counted[2]) / seconds
 
     def __call__(self) -> None:
         for mode in ("on", "off"):
@@ -155,6 +186,8 @@ class CommitFlush:
         return percentile(self.timings["on"], 0.5) - percentile(self.timings["off"], 0.5)
 
     def close(self) -> None:
+        """Close the connection; :attr:`seen` keeps :meth:`traffic` up to now."""
+        self.seen = self.traffic()
         self._conn.close()
 
 
@@ -312,6 +345,12 @@ def print_breakdown(url: str, trials: int) -> None:
         previous = step
     on, off = (statistics.median(flush.timings[m]) * 1000 for m in ("on", "off"))
     print(f"  commit flush between trials: {on - off:.3f} ms ({on:.3f} sync - {off:.3f} async)")
+    traffic = flush.seen
+    if traffic is not None:
+        print(
+            f"  the server meanwhile, every session: {traffic[0]:.0f} commits/s,"
+            f" {traffic[1]:.0f} WAL flushes/s (a durable commit may wait for another's flush)"
+        )
 
 
 def main() -> None:
@@ -401,12 +440,19 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
                 p50_us=on * 1e6,
                 p99_us=percentile(flush.timings["on"], 0.99) * 1e6,
                 note=f"1-row UPDATE: p50 {on * 1e6:.0f} µs synchronous vs {off * 1e6:.0f} µs asynchronous"
-                f" commit, {len(flush.timings['on'])} each, between the woken trials",
+                f" commit, {len(flush.timings['on'])} each, between the woken trials"
+                + (
+                    ""
+                    if flush.seen is None
+                    else f"; the server meanwhile, every session: {flush.seen[0]:.0f} commits/s,"
+                    f" {flush.seen[1]:.0f} WAL flushes/s"
+                ),
             )
             woken = p50s[rows[0]]
             note = (note + "; " if note else "") + (
                 f"of which the disk's commit flush p50 {flush.flush() * 1000:.2f} ms:"
                 f" handover minus flush {(woken - flush.flush()) * 1000:.2f} ms"
+                + ("" if flush.seen is None else f"; server {flush.seen[1]:.0f} WAL flushes/s")
             )
         report.target(name, p50s[rows[0]] * 1000, bound, op=op, unit=unit, note=note)
 
