@@ -153,18 +153,24 @@ def not_acquired(
         )
 
 
+#: ``Run(span=)``'s default: look the span up (a caller that has looked passes what it found).
+_ASK: Any = object()
+
+
 class Run:
     """Reporting for one run that holds its lease: made in the task's thread by :func:`holding`."""
 
     __slots__ = ("_unreported", "app", "events", "hostname", "span", "task_id", "task_name")
 
-    def __init__(self, task: Any, lease: Lease, request: Any = None) -> None:
+    def __init__(self, task: Any, lease: Lease, request: Any = None, span: Any = _ASK) -> None:
         request = task.request if request is None else request
         self.task_name, self.task_id, self.hostname = task.name, request.id, request.hostname
         self.app = task.app
         self.events = events.enabled and _wants_events(task, self.hostname)
-        # _task_span's first test inline: without OpenTelemetry a run makes no call for it.
-        self.span = None if "opentelemetry.trace" not in sys.modules else _task_span(task, request)
+        if span is _ASK:  # the caller has not looked: _task_span, its first test inline
+            span = None if "opentelemetry.trace" not in sys.modules else _task_span(task, request)
+        #: The task's recording span (None: none), as :func:`_task_span` found it for this run.
+        self.span = span
         #: Popped by the first report of a loss (list.pop is atomic): one report per run.
         self._unreported = [True]
         if self.span is not None:
@@ -224,11 +230,12 @@ class Run:
             logger.warning("could not send the %s event", EVENT_LOST, exc_info=True, extra=context)
 
 
-def holding(task: Any, leases: Sequence[Lease], request: Any = None) -> Run:
+def holding(task: Any, leases: Sequence[Lease], request: Any = None, span: Any = _ASK) -> Run:
     """The run acquired ``leases`` and is about to run its body: annotate its span (with the
     first lease), and report the loss of any of them (``lease.on_lost``). ``request``: the
-    task's current request, if the caller has it."""
-    report = Run(task, leases[0], request)
+    task's current request, if the caller has it; ``span``: its :func:`_task_span`, if the
+    caller has looked it up for this run."""
+    report = Run(task, leases[0], request, span)
     for lease in leases:
         lease.on_lost(report.lost)
     return report

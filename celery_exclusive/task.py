@@ -365,8 +365,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool) -> Any:
     """The run of the current ``request`` (``marked``: its message may carry a queued marker)."""
     plan = _plan_of(task)
-    spans = _SPANS in sys.modules
-    if spans:  # the acquire's duration is read only for a span
+    # The task's recording span, looked up once for the run: OpenTelemetry's API is often
+    # imported without an SDK recording anything (redis-py imports it, so every worker
+    # with a Redis broker has it), and only a recording span reads the acquire's duration.
+    span = None if _SPANS not in sys.modules else observe._task_span(task, request)
+    spans = span is not None
+    if spans:
         observe.begin()
     key = _key_builder_of(task).build(task.name, args, kwargs)
     if not isinstance(key, str):
@@ -380,12 +384,14 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
     lease: Lease | LeaseSet
     while True:
         try:
-            if plan.lock_one and not spans and isinstance(key, str):
-                # _acquire and _lock inline for the usual run (one key, limit 1, no span to time).
+            if spans:
+                lease = _acquire(task, plan, key, once, request)  # timed, for the span
+            elif plan.lock_one and isinstance(key, str):
+                # _lock inline for the usual run (one key, limit 1).
                 holder = plan.holder(task, request)
                 lease = plan.service.lock(key, task_id=once, holder=holder, **plan.options)
             else:
-                lease = _acquire(task, plan, key, once, request)
+                lease = _lock(task, plan, key, once, request)
         except AlreadyDone as done:
             redelivery.settle(task, done.key, done.record, args, kwargs)  # ends a copy of a finished run
             once, plan = None, _plan_of(task)  # a retry's own attempt: take the key as usual
@@ -403,7 +409,9 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
                 plan = _plan_of(task)  # after an inline wait: the service may have been replaced
                 continue
             return result
-        return _hold(task, plan, lease, args, kwargs, request=request, record=record, marked=marked)
+        return _hold(
+            task, plan, lease, args, kwargs, request=request, record=record, marked=marked, span=span
+        )
 
 
 def _acquire(
@@ -429,16 +437,18 @@ def _hold(
     request: Any,
     record: str | None,
     marked: bool,
+    span: Any = observe._ASK,
 ) -> Any:
-    """``task._run_holding`` with the task's plan (``marked``: as for :func:`_run`)."""
+    """``task._run_holding`` with the task's plan (``marked``: as for :func:`_run`; ``span``:
+    the run's recording span or None, if :func:`_run` looked it up)."""
     if marked and _may_carry_marker(request) and dedupe.marker_of(request) is not None:
         dedupe.acquired(task, request)
     if isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
-        report = observe.holding(task, leases, request)
+        report = observe.holding(task, leases, request, span)
     else:  # observe.holding of one lease, without its frame and loop
         leases = (lease,)
-        report = observe.Run(task, lease, request)
+        report = observe.Run(task, lease, request, span)
         lease.on_lost(report.lost)
     interrupter = _interrupt.arm(*leases) if plan.terminate else None
     # Whether the body may be called without Task.__call__: the worker's tracer (and
