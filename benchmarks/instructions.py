@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANTS = ("plain", "floor", "service", "exclusive")
+VARIANTS = ("plain", "floor", "floor_once", "service", "service_once", "exclusive")
 _TOTALS = re.compile(r"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
 
 

@@ -262,7 +262,9 @@ def profile_service(plan: Plan) -> None:
 _LAYER_NAMES = (
     "plain no-op",
     "floor: plain + provider acquire + release",
+    "floor_once: the floor with the completion record",
     "service: plain + LockService.lock + release",
+    "service_once: the service with the task id, holder and completion record",
     "exclusive no-op (a key per task)",
 )
 
@@ -270,9 +272,15 @@ _LAYER_NAMES = (
 def layer_tasks(app: Any, prefix: str) -> dict[str, Any]:
     """The Celery layer's variants as tasks of ``app`` (named ``<prefix>.<variant>``), each
     body taking ``(i, tag)``: ``plain`` (a no-op), ``floor`` (plain plus one provider acquire +
-    release: the lock's own floor), ``service`` (plus ``LockService.lock + release``) and
-    ``exclusive`` (an exclusive no-op, a key per task)."""
+    release: the lock's own floor), ``floor_once`` (the floor's acquire checking the task id's
+    completion record and its release writing one, as an exclusive run's do), ``service``
+    (plus ``LockService.lock + release``), ``service_once`` (the same with the task id, the
+    holder and the completion record an exclusive run passes, made as the task layer makes
+    them) and ``exclusive`` (an exclusive no-op, a key per task)."""
     from celery_exclusive import exclusive_task
+    from celery_exclusive._process import HolderTemplate
+    from celery_exclusive._records import checked_completion
+    from celery_exclusive.providers.base import Completion
     from celery_exclusive.worker import get_lock_service
 
     def noop(i: int, tag: str) -> None:
@@ -284,13 +292,30 @@ def layer_tasks(app: Any, prefix: str) -> dict[str, Any]:
         service.provider.acquire(key, token, service.ttl, service.max_lifetime, '{"host":"h","pid":1}')
         service.provider.release(key, token)
 
+    def floor_once(i: int, tag: str) -> None:
+        service = get_lock_service(app)
+        key, token, task_id = f"{service.prefix}o:{tag}:{i}", secrets.token_hex(16), f"{tag}-{i}"
+        holder = '{"host":"h","pid":1}'
+        service.provider.acquire(key, token, service.ttl, service.max_lifetime, holder, task_id=task_id)
+        service.provider.release(key, token, Completion(task_id, "success", 0, 86400.0))
+
     def locked(i: int, tag: str) -> None:
         get_lock_service(app).lock(f"s:{tag}:{i}").release()
+
+    # What an exclusive run passes the service, made as the task layer makes it.
+    holders = HolderTemplate({"task_name": f"{prefix}.service_once", "worker": "instr@bench"}, "task_id")
+
+    def locked_once(i: int, tag: str) -> None:
+        task_id = f"{tag}-{i}"
+        lease = get_lock_service(app).lock(f"so:{tag}:{i}", task_id=task_id, holder=holders.holder(task_id))
+        lease.release(checked_completion(task_id, "success", 0, 86400.0))
 
     return {
         "plain": app.task(name=f"{prefix}.plain")(noop),
         "floor": app.task(name=f"{prefix}.floor")(floor),
+        "floor_once": app.task(name=f"{prefix}.floor_once")(floor_once),
         "service": app.task(name=f"{prefix}.service")(locked),
+        "service_once": app.task(name=f"{prefix}.service_once")(locked_once),
         "exclusive": exclusive_task(app=app, name=f"{prefix}.exclusive", key="e:{tag}:{i}")(noop),
     }
 
@@ -314,6 +339,8 @@ def celery_layer(n: int = 2000, rounds: int = 7) -> None:
     )
 
     tasks = dict(zip(_LAYER_NAMES, layer_tasks(app, "layer").values(), strict=True))
+    for name in (_LAYER_NAMES[2], _LAYER_NAMES[4]):  # counted by benchmarks.instructions, not timed here
+        del tasks[name]
     app.finalize()
     # The registered task objects, as a worker's tracer gets them (the decorators' return
     # values are proxies: calling one through a proxy costs every exclusive run ~0.5 µs more).
