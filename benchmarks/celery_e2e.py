@@ -79,6 +79,7 @@ def _names(store: str) -> tuple[str, ...]:
         f"{store} store: floor_once task: the floor with the completion record's acquire + release",
         f"{store} store: added per task, exclusive and floors, over plain (run time in the pool)",
         f"{store} store: added per task, exclusive and floors, over plain (median run in the pool)",
+        f"{store} store: drain rate per round, plain / exclusive / floor / floor_once",
     )
 
 
@@ -276,6 +277,20 @@ class Bench:
                 unit="tasks/s",
                 note=f"{n:,} tasks per round, ignore_result, Redis broker",
             )
+        # Each round's absolute rates and mean run times in the pool, in order: a ratio that
+        # drifts over a run shows which side moved (plain getting faster, or the others slower).
+        by_round = " | ".join(
+            " / ".join(f"{v[r]:.0f}" if r < len(v) else "-" for v in rates.values())
+            for r in range(len(rates["plain"]))
+        )
+        run_us = " | ".join(" / ".join(f"{1e6 * f[v]['run']:.0f}" for v in order if v in f) for f in full)
+        report.row(
+            SECTION,
+            names[8],
+            rate=median(rates["plain"]),
+            unit="tasks/s",
+            note=f"rounds in order, tasks/s: {by_round}; mean run in the pool, µs: {run_us}",
+        )
         ratios = [e / p for e, p in zip(rates["exclusive"], rates["plain"], strict=True)]
         report.target(
             target,
