@@ -180,12 +180,24 @@ rec AS (
         # release and the completion record in one statement (data-modifying CTEs all run).
         "release_done": release_done + f"\nSELECT {wake('live')} FROM rel",
         # The same, in one release of _PRUNE_EVERY: it also prunes expired records (any key),
-        # so the table stays small while the common statement stays cheap to plan.
+        # so the table stays small while the common statement stays cheap to plan. The prune
+        # must read only the expired records, whatever the table holds and whatever plan the
+        # server cached (issue #16: with clock_timestamp() as its bound, volatile and so only
+        # a filter, each prune read every live record to find none; and a generic plan made
+        # while the table was nearly empty, kept for good where no ANALYZE runs, sorted a
+        # sequential scan of it: the pruning release took 0.25 ms at 2,000 records, 1.9 ms
+        # at 20,000). So its bound is statement_timestamp() (stable, so an index condition;
+        # never later than the clock, so a record is still pruned only once expired), with
+        # an always-true lower bound that makes the planner estimate a bounded range rather
+        # than a third of a table without statistics: it scans the expires_at index and
+        # deletes the <= PRUNE_BATCH rows it picked by their primary key (a nested loop), not
+        # by a hash join over a sequential scan (tests/providers/test_pg_prune.py).
         "release_done_prune": release_done
         + f""",
 prune AS (
   DELETE FROM {d} WHERE (key, task_id) IN (
-    SELECT key, task_id FROM {d} WHERE expires_at <= {clock} AND NOT (key = :key AND task_id = :task_id)
+    SELECT key, task_id FROM {d} WHERE expires_at <= {ts} AND expires_at > '-infinity'
+      AND NOT (key = :key AND task_id = :task_id)
     ORDER BY expires_at LIMIT {PRUNE_BATCH} FOR UPDATE SKIP LOCKED))
 SELECT {wake("live")} FROM rel""",
         "done_get": f"SELECT key, task_id, {done_cols.format(ts=clock)} FROM {d} "
@@ -385,6 +397,14 @@ def pg_sweep_statements(dialect: Dialect, name: str) -> dict[str, str]:
     re-checks a row changed since the snapshot, and the DELETE repeats the condition, so a
     lease that is live (or revived by a takeover) is never deleted. Fences come from the
     sequence, so a deleted key's next fence still exceeds all earlier ones.
+
+    The records are found through their ``expires_at`` index, so a sweep reads the expired
+    records, not every record under the prefix (issue #16: with the bound ``n.ts`` of a
+    join it was only a filter, and a sweep scanned the whole table: 16 ms at 100,000 live
+    records). The bound is the clock read once, as a scalar subquery (a parameter the index
+    condition takes), with an always-true lower bound so that the planner estimates a
+    bounded range rather than a third of a table without statistics (as in the prune of
+    ``release_done_prune``). The leases' part scans: see BENCHMARKS.md, the sweep's cost.
     """
     q = dialect.identifier_preparer.quote
     t, d = q(name), q(name + "_done")
@@ -403,8 +423,9 @@ gone AS (
   DELETE FROM {t} AS t USING n WHERE t.key IN (SELECT key FROM dead) AND {dead("t")} RETURNING 1)"""
     records = f""",
 old AS (
-  SELECT r.key, r.task_id FROM {d} AS r CROSS JOIN n WHERE r.key LIKE :pattern ESCAPE '!'
-    AND r.expires_at < n.ts LIMIT :limit FOR UPDATE OF r SKIP LOCKED),
+  SELECT r.key, r.task_id FROM {d} AS r
+  WHERE r.expires_at < (SELECT ts FROM n) AND r.expires_at > '-infinity' AND r.key LIKE :pattern ESCAPE '!'
+  LIMIT :limit FOR UPDATE OF r SKIP LOCKED),
 forgotten AS (
   DELETE FROM {d} AS r USING n WHERE (r.key, r.task_id) IN (SELECT key, task_id FROM old)
     AND r.expires_at < n.ts RETURNING 1)"""
