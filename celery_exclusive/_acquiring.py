@@ -85,10 +85,11 @@ class Acquiring:
                 service._check_key(key)
         else:
             service._check_key(semaphore.slot_key(key, limit))
-        if ttl is None and refresh_interval is None and max_lifetime is None:  # durations()'s first test
-            ttl_s, interval_s, lifetime_s = service.ttl, service.refresh_interval, service.max_lifetime
-        else:
-            ttl_s, interval_s, lifetime_s = self.durations(ttl, refresh_interval, max_lifetime)
+        ttl_s, interval_s, lifetime_s = (
+            (service.ttl, service.refresh_interval, service.max_lifetime)  # durations()'s first test
+            if ttl is None and refresh_interval is None and max_lifetime is None
+            else self.durations(ttl, refresh_interval, max_lifetime)
+        )
         encoded = this.holder if holder is None else holder_json(holder)
         store_key = service.prefix + key
         token = new_token()
@@ -103,13 +104,18 @@ class Acquiring:
             once: dict[str, Any] = {} if task_id is None else {"task_id": task_id}
             args = (store_key, token, ttl_s, lifetime_s, encoded)
             try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
-                answer = (
-                    service.provider.acquire(*args, timeout=service.call_timeout, **once)
-                    if self._direct
-                    else service._calls.call(
-                        "acquire", service.provider.acquire, *args, timeout=service.call_timeout, **once
+                if self._direct and task_id is None:  # the usual call, without star-args
+                    answer = service.provider.acquire(
+                        store_key, token, ttl_s, lifetime_s, encoded, timeout=service.call_timeout
                     )
-                )
+                else:
+                    answer = (
+                        service.provider.acquire(*args, timeout=service.call_timeout, **once)
+                        if self._direct
+                        else service._calls.call(
+                            "acquire", service.provider.acquire, *args, timeout=service.call_timeout, **once
+                        )
+                    )
             except BaseException as exc:
                 answer = self._after_failure(as_store_error("acquire", exc), start, sent, *args, once)
         else:

@@ -23,6 +23,9 @@ logger = logging.getLogger("celery_exclusive")
 #: Longest a release waits for the store before it reports UNKNOWN (the heartbeat then
 #: keeps retrying it in the background), in seconds.
 RELEASE_TIMEOUT = 2.0
+#: A global read, not an enum class attribute (read through ``EnumType.__getattr__``'s
+#: hook on Python 3.11: about 850 instructions).
+_RELEASED = ReleaseOutcome.RELEASED
 
 
 class Releasing:
@@ -128,24 +131,30 @@ class Releasing:
                 return self._release_cooling(lease, left, completion)
         # Delete the lease from the store (recording ``completion``); UNKNOWN when the store
         # does not answer, the heartbeat then retrying the release in the background.
-        record = () if completion is None else (completion,)  # a third-party provider may not take it
         timeout = service.call_timeout
-        if timeout > RELEASE_TIMEOUT:  # noqa: PLR1730 - min(), without its call
-            timeout = RELEASE_TIMEOUT
-        args = (lease.store_key, lease.token, *record)
+        timeout = RELEASE_TIMEOUT if timeout > RELEASE_TIMEOUT else timeout  # min(), without its call
         try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
-            owned = (
-                service.provider.release(*args, timeout=timeout)
-                if self._direct
-                else service._calls.call("release", service.provider.release, *args, timeout=timeout)
-            )
+            if self._direct and completion is None:  # the usual call, without a star-args tuple
+                owned = service.provider.release(lease.store_key, lease.token, timeout=timeout)
+            else:
+                # ``completion`` only when given: a third-party provider may not take it.
+                args = (
+                    (lease.store_key, lease.token)
+                    if completion is None
+                    else (lease.store_key, lease.token, completion)
+                )
+                owned = (
+                    service.provider.release(*args, timeout=timeout)
+                    if self._direct
+                    else service._calls.call("release", service.provider.release, *args, timeout=timeout)
+                )
         except Exception as exc:
             error = as_store_error("release", exc)
             if not isinstance(error, BackendError):
                 raise
             outcome = self._unanswered(lease, error)
         else:
-            outcome = ReleaseOutcome.RELEASED if owned else self._not_owned(lease, warn=not was_lost)
+            outcome = _RELEASED if owned else self._not_owned(lease, warn=not was_lost)
             if owned and self.turns.told:
                 self.turns.released(lease.key, lease.store_key)
         if signals.lock_released.receivers:  # signals.send's test, before reading the clock
