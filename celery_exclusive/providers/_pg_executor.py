@@ -108,7 +108,11 @@ class DirectExecutor:
         fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
         try:
             rows: Rows = self.runner.run(dbapi, hot, params, end)
-            if not dbapi.autocommit:  # an engine the caller built without autocommit
+            # An engine the caller built without autocommit: commit what psycopg began. The
+            # session's transaction status first (a C getter; psycopg's ``autocommit`` is a
+            # Python property): idle, there is nothing to commit (psycopg's commit() returns
+            # then too), as after every statement the runner sends on its own.
+            if dbapi.pgconn.transaction_status and not dbapi.autocommit:
                 dbapi.commit()
         except _libpq.TooSlow:
             raise self._too_slow(fairy, dbapi, op, timeout or 0.0) from None

@@ -262,21 +262,32 @@ class PostgresLockProvider(SqlStore):
         task_id: str | None = None,
         timeout: float | None = None,
     ) -> Grant | Held | Done:
-        granted = float(min(ttl, max_lifetime))
-        params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
+        # float(min(ttl, max_lifetime)) and float(max_lifetime) without their calls for the
+        # floats the service passes; min()'s own test (ttl unless max_lifetime is smaller),
+        # so a NaN gives what min() gave.
+        granted = max_lifetime if max_lifetime < ttl else ttl
+        if granted.__class__ is not float:
+            granted = float(granted)
+        life = max_lifetime if max_lifetime.__class__ is float else float(max_lifetime)
+        params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
         if task_id is not None and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
-        if task_id is None:  # _call inline: one Python frame fewer on the hot path
-            if timeout is None:
-                rows = self._run_pg("acquire", params)
-            else:
-                rows = self._run_pg("acquire", params, timeout=timeout)
+        if task_id is None:  # _call and _run_pg inline: two Python frames fewer on the hot path
+            if not self._ready:
+                self._ensure_schema(timeout)
+            try:
+                rows = self._executor.run("acquire", params, timeout)
+            except self._driver_errors as exc:
+                raise self._error("acquire", exc) from exc
         else:
             rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
             if rows and rows[0][0] is None:  # the completion record's row
                 _, outcome, _, tries, age, left, *_ = rows[0]
                 return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
+        if rows and rows[0][0]:  # granted (_answer's first case, without its frame)
+            fence = rows[0][3]  # an int already from the libpq runner: no int() call for it
+            return Grant(fence if fence.__class__ is int else int(fence), granted)
         answer = _answer(rows, token, granted)
         if answer is None:  # a dead row (its holder crashed or lost it): take it over
             left = None if end is None else max(end - time.monotonic(), 0.001)
@@ -351,13 +362,24 @@ class PostgresLockProvider(SqlStore):
         # Our own listener may still hold the key's registration for a wait that just ended
         # (its unlock is sent by the listener's thread): a notify then may be ours alone,
         # and the release does not count it (a give-way missed, never one for nobody).
-        ours, mark = self._listening.releasing(params["channel"])
+        # No listener in this process (nobody here ever waited): nothing is ours and nothing
+        # lingers, so PerProcess.releasing's answer, (False, None), without its two calls.
+        listening = self._listening
+        ours, mark = (False, None) if listening.listener is None else listening.releasing(params["channel"])
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
-        rows = self._run_pg(op, params) if timeout is None else self._run_pg(op, params, timeout=timeout)
-        # _call inline: one frame fewer; each row a 1-tuple, compared as one (no list made)
+        if not self._ready:  # _call and _run_pg inline: two frames fewer
+            self._ensure_schema(timeout)
+        try:
+            rows = self._executor.run(op, params, timeout)
+        except self._driver_errors as exc:
+            raise self._error(op, exc) from exc
+        # Each row a 1-tuple, compared as one (no list made).
         notified = (2,) in rows
-        self._listening.released(params["channel"], mark, notified)
-        self._woken.note(key, notified and not ours)
+        if mark is not None:  # PerProcess.released does nothing without a mark
+            listening.released(params["channel"], mark, notified)
+        reached = notified and not ours
+        if reached or self._woken._keys:  # Woken.note(key, False) with no key noted: nothing to do
+            self._woken.note(key, reached)
         return notified or (1,) in rows
 
     def had_waiters(self, key: str) -> bool:
@@ -366,7 +388,11 @@ class PostgresLockProvider(SqlStore):
         only while some process's listener holds the key's waiter registration, held while
         that process waits (not while its channel only lingers, see providers/_pg_listen.py).
         Told once; no round trip. A waiter behind PgBouncer registers nowhere: it is never counted."""
-        return self._woken.told(key)
+        keys = self._woken._keys  # Woken.told, inline: the release path asks after each release
+        if key in keys:
+            keys.discard(key)
+            return True
+        return False
 
     def subscribe(self, key: str) -> _pg_listen.Subscription:
         """Listen for releases of ``key`` (``WakesWaiters``): ``LISTEN`` on the key's channel,

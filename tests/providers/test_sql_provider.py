@@ -605,13 +605,13 @@ def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -
     holder crashed) costs a second, the take-over, which also raises the fence."""
     provider = pg.provider()
     sent: list[str] = []
-    run = provider._run_pg
+    run = provider._executor.run  # every statement goes through it (acquire's without _run_pg)
 
-    def counting(op: str, params: dict[str, Any]) -> Any:
+    def counting(op: str, params: dict[str, Any], timeout: float | None) -> Any:
         sent.append(op)
-        return run(op, params)
+        return run(op, params, timeout)
 
-    provider._run_pg = counting  # type: ignore[method-assign]
+    provider._executor.run = counting  # type: ignore[method-assign]
     try:
         first = provider.acquire("k", "a", 0.3, 60, "{}")
         assert isinstance(first, Grant)
