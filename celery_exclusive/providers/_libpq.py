@@ -62,10 +62,14 @@ def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]
     return tuple(by_type[t] for t in types)
 
 
-def _rows(types: str, encoding: str) -> Callable[[Any], list[tuple[Any, ...]]]:
+def _rows(types: str, encoding: str, grant: int | None = None) -> Callable[[Any], list[tuple[Any, ...]]]:
     """A function of a result returning its rows converted by :func:`_converters` (NULL
     stays None): each row's raw values fetched by one ``map`` (no Python frame per column),
-    each column converted unless NULL; a one-column result's single row without a loop."""
+    each column converted unless NULL; a one-column result's single row without a loop.
+
+    With ``grant`` (a column index), a one-row result whose first column is true is a
+    grant: only that column is read (one ``get_value`` each instead of one per column,
+    about 9k instructions less for the acquire's eight), the others come back None."""
     columns = _converters(types, encoding)
     indexes = range(len(columns))
     pairs = tuple(zip(indexes, columns, strict=True))
@@ -95,7 +99,18 @@ def _rows(types: str, encoding: str) -> Callable[[Any], list[tuple[Any, ...]]]:
             out.append(tuple(values))
         return out
 
-    return many_columns
+    if grant is None:
+        return many_columns
+    unset = (None,) * (len(columns) - grant - 1)
+    lead, convert_grant = (True,) + (None,) * (grant - 1), columns[grant]
+
+    def granted_or_many(result: Any) -> list[tuple[Any, ...]]:
+        if result.ntuples == 1 and result.get_value(0, 0) == b"t":
+            raw = result.get_value(0, grant)
+            return [(*lead, None if raw is None else convert_grant(raw), *unset)]
+        return many_columns(result)
+
+    return granted_or_many
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
@@ -117,9 +132,15 @@ class Statement:
     columns: str
     #: The values of ``params``, in order, from a parameter mapping.
     values: Callable[[Mapping[str, Any]], tuple[Any, ...]] = field(compare=False, repr=False)
+    #: The column a grant's one row is read for (see :func:`_rows`); None: every column.
+    grant: int | None = None
+    #: The key of the statement's row builder in a session: ``columns``, and ``grant``.
+    shape: str = ""
 
     @classmethod
-    def build(cls, sql: str, columns: str) -> Statement:
+    def build(cls, sql: str, columns: str, grant: int | None = None) -> Statement:
+        if grant is not None and not (columns[:1] == "b" and 0 < grant < len(columns)):
+            raise ValueError(f"grant column {grant} needs a first column of type b and a later one")
         params: list[str] = []
 
         def number(match: re.Match[str]) -> str:
@@ -135,6 +156,8 @@ class Statement:
             tuple(params),
             columns,
             _getter(tuple(params)),
+            grant,
+            columns if grant is None else f"{columns}:{grant}",
         )
 
 
@@ -250,9 +273,9 @@ class Runner:
             result = self._execute(pgconn, statement, values, session, end)
             if result.status != _TUPLES_OK:
                 self._raise(pgconn, result)
-        rows = session.rows.get(statement.columns)
+        rows = session.rows.get(statement.shape)
         if rows is None:
-            rows = session.rows[statement.columns] = _rows(statement.columns, session.encoding)
+            rows = session.rows[statement.shape] = _rows(statement.columns, session.encoding, statement.grant)
         return rows(result)
 
     def _finish(self, pgconn: Any, result: Any) -> Any:  # pragma: no cover - see _result
@@ -365,6 +388,10 @@ class Runner:
         raise kind(message.strip(), info=result)
 
 
-def statements(sql: Mapping[str, str], columns: Mapping[str, str]) -> dict[str, Statement]:
-    """The statements of ``sql`` named in ``columns``, built for :class:`Runner`."""
-    return {op: Statement.build(sql[op], types) for op, types in columns.items()}
+def statements(
+    sql: Mapping[str, str], columns: Mapping[str, str], grants: Mapping[str, int] | None = None
+) -> dict[str, Statement]:
+    """The statements of ``sql`` named in ``columns``, built for :class:`Runner`; ``grants``:
+    the column each one's grant row is read for (see :func:`_rows`)."""
+    grants = grants or {}
+    return {op: Statement.build(sql[op], types, grants.get(op)) for op, types in columns.items()}

@@ -34,6 +34,10 @@ LIBPQ_COLUMNS = {
     "release_done": "i",
     "release_done_prune": "i",
 }
+#: The statements whose one-row grant (first column true) is read for its fence only
+#: (column 3), the other columns left None: the acquire statements set nothing else in a
+#: grant's row (providers/_pg_sql.py), and the provider reads nothing else of it (_answer).
+LIBPQ_GRANTS = {"acquire": 3, "acquire_once": 3}
 #: Connections the direct executor keeps for itself, out of the pool (more concurrent
 #: callers than this use the pool's, which then bounds them).
 KEEP = 4
@@ -88,7 +92,7 @@ class DirectExecutor:
             KeptConnections(KEEP, on_fork=INHERITED.extend) if keep else None
         )
         self.runner = _libpq.Runner(prepare=prepare)
-        self.statements = _libpq.statements(sql, LIBPQ_COLUMNS)
+        self.statements = _libpq.statements(sql, LIBPQ_COLUMNS, LIBPQ_GRANTS)
         self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
         self._broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
 

@@ -729,6 +729,42 @@ def test_pg_runner_converts_every_row_with_and_without_nulls(pg: Db) -> None:
         provider.close()
 
 
+def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
+    """A statement built with ``grant``: a one-row result whose first column is true comes
+    back with that column converted and every other one None (what the acquire's grant row
+    holds, and all its reader uses); any other result (first column false or NULL, several
+    rows, no row) is converted whole."""
+    from celery_exclusive.providers import _libpq
+
+    provider = pg.provider()
+    try:
+        kept = _kept_connection(provider)
+        runner = _libpq.Runner(prepare=True)
+        sql = (
+            "SELECT CAST(:flag AS bool), 'x' || n, n * 10, n / 4.0 "
+            "FROM generate_series(1, CAST(:n AS int)) AS s(n) ORDER BY s.n"
+        )
+        granted = _libpq.Statement.build(sql, "btif", grant=2)
+        whole = _libpq.Statement.build(sql, "btif")
+        assert runner.run(kept, granted, {"flag": True, "n": 1}) == [(True, None, 10, None)]
+        assert runner.run(kept, whole, {"flag": True, "n": 1}) == [
+            (True, "x1", 10, 0.25)
+        ]  # same shape, own builder
+        assert runner.run(kept, granted, {"flag": False, "n": 1}) == [(False, "x1", 10, 0.25)]
+        assert runner.run(kept, granted, {"flag": None, "n": 1}) == [(None, "x1", 10, 0.25)]
+        assert runner.run(kept, granted, {"flag": True, "n": 2}) == [
+            (True, "x1", 10, 0.25),
+            (True, "x2", 20, 0.5),
+        ]
+        assert runner.run(kept, granted, {"flag": True, "n": 0}) == []
+        with pytest.raises(ValueError, match="grant column"):
+            _libpq.Statement.build(sql, "btif", grant=0)
+        with pytest.raises(ValueError, match="grant column"):
+            _libpq.Statement.build(sql, "tbif", grant=2)
+    finally:
+        provider.close()
+
+
 def test_pg_hot_statements_keep_their_deadline_without_the_watchdog(
     pg: Db, monkeypatch: pytest.MonkeyPatch
 ) -> None:
