@@ -84,6 +84,9 @@ class Acquiring:
             ):
                 service._check_key(key)
         else:
+            # The key itself first: its slot key ``{key}#N`` is a non-empty str whatever
+            # ``key`` is (an int, None, ""); then the slot key, the longest, for its length.
+            service._check_key(key)
             service._check_key(semaphore.slot_key(key, limit))
         ttl_s, interval_s, lifetime_s = (
             (service.ttl, service.refresh_interval, service.max_lifetime)  # durations()'s first test

@@ -121,12 +121,12 @@ class Leasing:
     ) -> Lease:
         """See :meth:`LockService.lock <celery_exclusive.service.LockService.lock>`."""
         # check_limit's answer for 1 without its call (True == 1, but is refused there).
-        if (type(limit) is not int or limit != 1) and semaphore.check_limit(limit) > 1:
-            task_id = None
-        if task_id is not None:
+        if task_id is not None:  # checked even where it is then ignored (a semaphore)
             check_task_id(task_id, MAX_TASK_ID_LENGTH)
             if not self._service.keeps_records:
                 task_id = None
+        if (type(limit) is not int or limit != 1) and semaphore.check_limit(limit) > 1:
+            task_id = None
         if wait is None and hold_at_least is None:  # _take's hot path, without its call
             taken = self._acquiring.take(key, *durations, holder, task_id=task_id, limit=limit)
         else:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 
@@ -35,11 +36,13 @@ def check_keys(keys: object) -> list[str]:
     """``keys`` as a list of distinct str (each key is checked further by the service)."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise InvalidArgumentError(f"keys must be a list or tuple of str, got {type(keys).__name__}")
-    found = list(keys)
+    # At most one key past the limit is read: a huge or endless iterable is refused, not
+    # read into memory.
+    found = list(itertools.islice(keys, MAX_KEYS + 1))
     if not found:
         raise InvalidArgumentError("keys must not be empty")
     if len(found) > MAX_KEYS:
-        raise InvalidArgumentError(f"at most {MAX_KEYS} keys can be locked together, got {len(found)}")
+        raise InvalidArgumentError(f"at most {MAX_KEYS} keys can be locked together, got more than that")
     if not all(isinstance(key, str) for key in found):
         raise InvalidArgumentError("every key must be a str")
     if len(set(found)) != len(found):

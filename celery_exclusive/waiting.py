@@ -136,7 +136,10 @@ def check_wait(wait: object) -> float:
     """
     if not isinstance(wait, (int, float)) or isinstance(wait, bool):
         raise InvalidArgumentError(f"wait must be seconds as an int or float, got {type(wait).__name__}")
-    value = float(wait)
+    try:
+        value = float(wait)
+    except OverflowError:  # an int beyond any float (10**400)
+        value = math.inf
     if not math.isfinite(value) or value < 0 or value > MAX_WAIT:
         raise InvalidArgumentError(f"wait must be finite seconds between 0 and {MAX_WAIT:g}, got {wait!r}")
     return value

@@ -121,6 +121,10 @@ KEY_METHODS: dict[str, Callable[[LockService, Any], object]] = {
     # slot key "{key}#3" is a str whatever key is, so the key itself must be checked first.
     "lock-limit-wait": lambda s, k: s.lock(k, limit=3, wait=0.5),
     "try_lock-limit-wait": lambda s, k: s.try_lock(k, limit=3, wait=0.5),
+    # Without wait too: lock(5, limit=3) raised TypeError and lock("", limit=3) took a
+    # lease on the empty key (only the slot key "{key}#3" was checked).
+    "lock-limit": lambda s, k: s.lock(k, limit=3),
+    "try_lock-limit": lambda s, k: s.try_lock(k, limit=3),
 }
 DURATION_METHODS: dict[str, Callable[..., object]] = {
     "lock": lambda s, **kw: s.lock("k", **kw),
@@ -186,11 +190,49 @@ SERVICE_CASES += [
         )
         for tid, t in (("empty", ""), ("none", None), ("int", 5), ("bytes", b"t"))
     ],
+    # A wait beyond any float raised OverflowError.
+    *[
+        Case(
+            f"{m}-wait-huge-int",
+            lambda s, m=m: getattr(s, m)("k", wait=10**400),
+            InvalidArgumentError,
+            "wait",
+        )
+        for m in ("lock", "try_lock")
+    ],
+    Case("lock_many-wait-huge-int", lambda s: s.lock_many(["a"], wait=10**400), InvalidArgumentError, "wait"),
+    # task_id is ignored by a semaphore, but a bad one is still a bad argument (it reached the store).
+    *[
+        Case(
+            f"lock-limit-task-id-{tid}",
+            lambda s, t=t: s.lock("k", limit=3, task_id=t),
+            InvalidArgumentError,
+            "task",
+        )
+        for tid, t in (("int", 5), ("empty", ""))
+    ],
     Case("locks-int", lambda s: s.locks(5), InvalidArgumentError, "prefix must be a str"),
     Case("locks-bytes", lambda s: s.locks(b"a"), InvalidArgumentError, "prefix must be a str"),
     Case("locks-nul", lambda s: s.locks("a\x00"), InvalidArgumentError, "NUL"),
     Case("locks-surrogate", lambda s: s.locks("\ud800"), InvalidArgumentError, "lone surrogates"),
 ]
+
+
+def test_lock_many_reads_at_most_one_key_past_its_limit(unreachable_services: dict[str, LockService]) -> None:
+    """A huge (or endless) iterable of keys is refused after MAX_KEYS + 1 of them: it used
+    to be read whole into a list first (an endless generator: all the memory there is)."""
+    from celery_exclusive.many import MAX_KEYS
+
+    def keys(pulled: list[int]) -> Iterator[str]:
+        for i in range(100_000):
+            pulled.append(i)
+            yield f"k{i}"
+
+    for service in unreachable_services.values():
+        pulled: list[int] = []
+        with pytest.raises(InvalidArgumentError, match=f"at most {MAX_KEYS} keys"):
+            service.lock_many(keys(pulled))  # type: ignore[arg-type]
+        assert len(pulled) <= MAX_KEYS + 1
 
 
 @pytest.fixture(scope="module")
