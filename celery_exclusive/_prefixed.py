@@ -30,7 +30,7 @@ from celery_exclusive.providers.base import (
     MarksLater,
     Sweeps,
 )
-from celery_exclusive.validation import check_key, seconds
+from celery_exclusive.validation import check_key, seconds, shown
 
 T = TypeVar("T")
 
@@ -171,7 +171,7 @@ class PrefixedStore:
         the process uses the service. 0 on a store without rows to sweep (Redis).
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
+            raise InvalidArgumentError(f"limit must be a positive int, got {shown(limit)}")
         full = self.prefix + check_filter(prefix)
         if not full:
             raise InvalidArgumentError(

@@ -46,6 +46,7 @@ import functools
 import re
 
 from celery_exclusive.errors import InvalidArgumentError
+from celery_exclusive.validation import shown
 
 #: Largest ``limit`` accepted (slots a refused attempt may have to look at).
 MAX_LIMIT = 64
@@ -58,7 +59,7 @@ def check_limit(limit: object) -> int:
     if not isinstance(limit, int) or isinstance(limit, bool):
         raise InvalidArgumentError(f"limit must be an int, got {type(limit).__name__}")
     if not 1 <= limit <= MAX_LIMIT:
-        raise InvalidArgumentError(f"limit must be between 1 and {MAX_LIMIT}, got {limit!r}")
+        raise InvalidArgumentError(f"limit must be between 1 and {MAX_LIMIT}, got {shown(limit)}")
     return limit
 
 

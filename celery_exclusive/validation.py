@@ -18,18 +18,29 @@ MAX_LIFETIME_CAP = 24 * 60 * 60.0
 _PREFIX = re.compile(r"^[\x21-\x7e]{0,64}$")
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message; an int too long to print in full (Python
+    refuses ints of more than 4300 digits: ValueError) is described instead."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
+
+
 def seconds(name: str, value: object) -> float:
     """``value`` (seconds as int/float, or a timedelta) as positive finite float seconds."""
     if isinstance(value, timedelta):
         result = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
+        try:
+            result = float(value)
+        except OverflowError:  # an int beyond any float (10**400): refused below
+            result = math.inf
     else:
         raise InvalidArgumentError(
             f"{name} must be seconds (int or float) or a timedelta, got {type(value).__name__}"
         )
     if not math.isfinite(result) or result <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {shown(value)}")
     return result
 
 

@@ -105,6 +105,7 @@ from celery_exclusive.providers.base import (
     WakesOnAny,
     WakesWaiters,
 )
+from celery_exclusive.validation import shown
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -141,7 +142,9 @@ def check_wait(wait: object) -> float:
     except OverflowError:  # an int beyond any float (10**400)
         value = math.inf
     if not math.isfinite(value) or value < 0 or value > MAX_WAIT:
-        raise InvalidArgumentError(f"wait must be finite seconds between 0 and {MAX_WAIT:g}, got {wait!r}")
+        raise InvalidArgumentError(
+            f"wait must be finite seconds between 0 and {MAX_WAIT:g}, got {shown(wait)}"
+        )
     return value
 
 

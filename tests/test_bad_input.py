@@ -108,6 +108,9 @@ BAD_DURATIONS: list[tuple[str, object, str]] = [
     ("zero-timedelta", timedelta(0), "positive, finite"),
     ("negative-timedelta", timedelta(seconds=-5), "positive, finite"),
     ("bool", True, "got bool"),
+    # Beyond any float (OverflowError), and too long to print (repr's ValueError).
+    ("huge-int", 10**400, "positive, finite"),
+    ("huge-int-unprintable", -(10**5000), "positive, finite"),
     ("str", "5", "got str"),
     ("list", [5], "got list"),
 ]
@@ -201,6 +204,14 @@ SERVICE_CASES += [
         for m in ("lock", "try_lock")
     ],
     Case("lock_many-wait-huge-int", lambda s: s.lock_many(["a"], wait=10**400), InvalidArgumentError, "wait"),
+    # Too long to print: the message's repr raised ValueError.
+    Case("lock-wait-unprintable", lambda s: s.lock("k", wait=10**5000), InvalidArgumentError, "wait"),
+    Case("lock-limit-unprintable", lambda s: s.lock("k", limit=10**5000), InvalidArgumentError, "limit"),
+    Case(
+        "lock-hold-huge", lambda s: s.lock("k", hold_at_least=10**400), InvalidArgumentError, "hold_at_least"
+    ),
+    Case("mark-ttl-huge", lambda s: s.mark("k", ttl=10**400), InvalidArgumentError, "ttl must"),
+    Case("sweep-limit-unprintable", lambda s: s.sweep(limit=-(10**5000)), InvalidArgumentError, "limit"),
     # task_id is ignored by a semaphore, but a bad one is still a bad argument (it reached the store).
     *[
         Case(
