@@ -148,9 +148,15 @@ class Releasing:
                     if self._direct
                     else service._calls.call("release", service.provider.release, *args, timeout=timeout)
                 )
-        except Exception as exc:
+        except BaseException as exc:
             error = as_store_error("release", exc)
             if not isinstance(error, BackendError):
+                # A signal handler's exception (SoftTimeLimitExceeded, KeyboardInterrupt) or a
+                # bug, perhaps before the request went out: the lease is no longer kept, so
+                # the heartbeat finishes the release (else the key stays held until its ttl).
+                service._heartbeat.retry_release(
+                    lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
+                )
                 raise
             outcome = self._unanswered(lease, error)
         else:

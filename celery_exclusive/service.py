@@ -285,7 +285,9 @@ class LockService(PrefixedStore):
         did not answer; the heartbeat keeps retrying the release until it can tell).
         With ``completion``, the same store call records it on the lease's key (see
         :meth:`completion`); on UNKNOWN the record may be missing (the retried release
-        does not carry it).
+        does not carry it). An exception that is not the store's (a signal handler's, such
+        as Celery's SoftTimeLimitExceeded) propagates unchanged, and the heartbeat finishes
+        the release in the background.
         """
         if completion is None:  # for_release's answer, without its call
             return self._releasing.release(lease, None)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_exclusive import LockService
 from celery_exclusive.errors import BackendError
@@ -76,3 +78,23 @@ def test_a_bug_in_release_propagates_unchanged(flaky: Any) -> None:
     provider.release_error = ValueError("bug")
     with pytest.raises(ValueError, match="bug"):
         lease.release()
+
+
+@pytest.mark.parametrize("interrupt", [SoftTimeLimitExceeded(), KeyboardInterrupt()], ids=type)
+def test_an_interrupted_release_is_finished_in_the_background(flaky: Any, interrupt: BaseException) -> None:
+    """A signal handler's exception (Celery's soft time limit, Ctrl-C) raised inside the
+    store's release propagates, and the release is retried by the heartbeat: the lease
+    used to be marked released and dropped from the heartbeat with the store's copy left
+    in place, the key held, kept and released by no one, until its ttl (15 min by default).
+    A lock_many refused mid-wait rolls its taken keys back through this same release."""
+    provider, service = flaky
+    lease = service.lock("k", ttl=30)
+    provider.release_error = interrupt
+    with pytest.raises(type(interrupt)):
+        lease.release()
+    assert service.heartbeat._pending_release
+    provider.release_error = None
+    deadline = time.monotonic() + 5
+    while service.peek("k") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.peek("k") is None

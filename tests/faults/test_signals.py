@@ -76,6 +76,28 @@ def test_signal_during_a_stalled_acquire_propagates_unchanged(
     faults.record(store=backend.name, raised=raising.__name__, interrupt_to_raise_s=round(elapsed - 0.3, 3))
 
 
+@pytest.mark.parametrize("raising", [SoftLimit, KeyboardInterrupt])
+def test_signal_during_a_stalled_release_propagates_and_the_release_is_finished(
+    backend: Backend, faults: Faults, raising: type[BaseException]
+) -> None:
+    """The handler's exception leaves ``release()`` as it is, and the heartbeat finishes the
+    release once the store answers: the interrupted release used to leave the key held,
+    kept and released by no one, until its ttl (60 s here)."""
+    proxy = faults.proxy(backend.port)
+    service = faults.service(
+        backend.url(proxy.port, application_name="ce-signal"), ttl=60, call_timeout=CALL_TIMEOUT
+    )
+    lease = service.lock("held")
+    rival = faults.service(backend.url(application_name="ce-signal-rival"))
+    proxy.stall()
+    with pytest.raises(raising), alarm(0.3, raising):
+        lease.release()
+    proxy.cut()  # the interrupted request dies with its connection
+    proxy.resume()
+    assert wait_until(lambda: rival.peek("held") is None, 10), "the interrupted release left a 60 s lease"
+    assert wait_until(lambda: not service.heartbeat._pending_release, 10)
+
+
 def test_celery_soft_time_limit_during_acquire_fails_the_task(
     redis_backend: Backend, faults: Faults, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
