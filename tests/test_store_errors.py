@@ -98,3 +98,32 @@ def test_an_interrupted_release_is_finished_in_the_background(flaky: Any, interr
     while service.peek("k") is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert service.peek("k") is None
+
+
+def test_an_interrupted_rollback_of_lock_many_still_releases_every_key(flaky: Any) -> None:
+    """lock_many refused on its last key rolls the others back; an interrupt in the first
+    of those releases must not end the rollback there, or the keys not yet released would
+    stay held and kept alive by the heartbeat (until max_lifetime, 24 h) with no LeaseSet
+    to release them (many._attempt_once rolls back again on the way out)."""
+    provider, service = flaky
+    blocker = LockService(provider, prefix=service.prefix)
+    blocker.lock("z", ttl=30)
+    interrupted: list[object] = []
+
+    def release(*args: Any, timeout: float | None = None) -> bool:
+        if not interrupted:
+            interrupted.append(args)
+            raise KeyboardInterrupt
+        return MemoryLockProvider.release(provider, *args, timeout=timeout)
+
+    provider.release = release
+    with pytest.raises(KeyboardInterrupt):
+        service.lock_many(["a", "b", "z"], ttl=30)
+    assert service.held() == []
+    del provider.release
+    deadline = time.monotonic() + 5
+    while (service.peek("a") or service.peek("b")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.peek("a") is None
+    assert service.peek("b") is None
+    blocker.close()
