@@ -624,22 +624,32 @@ class SqlStore(metaclass=abc.ABCMeta):
         then (the call's own deadline covers the set-up it triggers)."""
         if self._ready:
             return
+        end = None if timeout is None else time.monotonic() + timeout
         with self._schema_lock, _deadline.connect_budget(timeout):
             for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
                 if self._ready:
                     return
                 try:
-                    self._create_schema()
+                    self._create_schema(end)
                     self._ready = True
                 except sa_exc.SQLAlchemyError as exc:
-                    if attempt == _SCHEMA_ATTEMPTS or not schema_contention(exc):
+                    late = end is not None and time.monotonic() >= end
+                    if attempt == _SCHEMA_ATTEMPTS or late or not schema_contention(exc):
                         raise self._error("set up the lock table", exc) from exc
                     time.sleep(random.uniform(0.01, 0.05) * attempt)
 
-    def _create_schema(self) -> None:
-        with self._session(), self._engine.connect() as conn, conn.begin():
-            self.table.create(conn, checkfirst=True)
-            create_fence(self.table, conn)
+    def _create_schema(self, end: float | None = None) -> None:
+        with self._session(), self._engine.connect() as conn:
+            if end is not None:
+                self._bound_schema_call(conn, end)
+            with conn.begin():
+                self.table.create(conn, checkfirst=True)
+                create_fence(self.table, conn)
+
+    def _bound_schema_call(self, conn: Connection, end: float) -> None:
+        """Make the set-up's transaction on ``conn`` end by monotonic ``end`` where the
+        connection itself does not (SQLite: see ``SqlLockProvider``); nothing here."""
+        return
 
     def _schema_findings(self, conn: Connection, findings: list[Diagnosis]) -> bool:
         """Append whether the table (and its record table) exist; True if the table does."""

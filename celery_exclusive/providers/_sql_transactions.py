@@ -89,6 +89,8 @@ class Transactions:
         clock = self.clock
         if clock is not None and clock.anchor is None and clock.boot is not None:
             with translated, self.session(), self._engine.connect() as conn:
+                if end is not None:  # the anchor is a write: wait for the write lock only that long
+                    busy_timeout(conn, max(end - time.monotonic(), 0.001))
                 clock.setup(conn, self._sql)
         attempt = 0
         while True:

@@ -507,7 +507,7 @@ class PostgresLockProvider(SqlStore):
             self._fresh = fresh
         return "acquire_unless" if fresh else "acquire_unless_snapshot"
 
-    def _create_schema(self) -> None:
+    def _create_schema(self, end: float | None = None) -> None:  # (end: SQLite's)
         _pg_sql.create_schema(self._engine, self.table)
         self._fresh = True
 

@@ -123,6 +123,12 @@ class SqlLockProvider(LocalWaiters, SqlStore):
             return True
         return NotImplemented
 
+    def _bound_schema_call(self, conn: Connection, end: float) -> None:
+        # The fence row is a write: on SQLite, wait for another connection's write lock only
+        # until the deadline (SQLite's own busy timeout is 30 s).
+        if conn.dialect.name == "sqlite":
+            busy_timeout(conn, max(end - time.monotonic(), 0.001))
+
     def _setup(self, *, pgbouncer: bool) -> None:
         self._sql = generic_statements(self._engine.dialect, self.table.name)
         self._sql.update(generic_sweep_statements(self._engine.dialect, self.table.name))

@@ -187,6 +187,27 @@ def test_sqlite_calls_end_by_call_timeout_while_the_database_is_locked(
     _works_again(service, call)
 
 
+@pytest.mark.parametrize("wait", [None, 0.2])
+def test_a_new_sqlite_services_first_call_ends_by_call_timeout_while_the_database_is_locked(
+    faults: Faults, tmp_path: Path, wait: float | None
+) -> None:
+    """SQLite: the first call of a new service (another process's, or after a restart) on an
+    existing database first sets the store up (the fence row, the lease clock's anchor: both
+    writes); with the write lock held elsewhere it fails by call_timeout too. It used to wait
+    SQLite's 30 s busy timeout (the set-up's deadline bounded only connecting), so did a
+    ``lock(key, wait=0.2)``."""
+    path = tmp_path / "locks.db"
+    faults.service(f"sqlite:///{path}").lock("made", ttl=30).release()  # the tables exist
+    fresh = faults.service(f"sqlite:///{path}", call_timeout=CALL_TIMEOUT)
+    rival = sqlite3.connect(path, isolation_level=None)
+    try:
+        rival.execute("BEGIN IMMEDIATE")
+        _stalled_call_fails_in_time(fresh, "lock", lambda s: s.lock("k", ttl=30, wait=wait), None)
+    finally:
+        rival.close()
+    _works_again(fresh, lambda s: s.lock("k", ttl=30, wait=wait).release())
+
+
 @pytest.mark.parametrize("name", READS)
 def test_sqlite_reads_answer_while_the_write_lock_is_held_elsewhere(
     faults: Faults, tmp_path: Path, name: str
