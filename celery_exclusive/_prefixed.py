@@ -170,8 +170,10 @@ class PrefixedStore:
         increasing. The heartbeat does this by itself every ``sweep_interval`` seconds while
         the process uses the service. 0 on a store without rows to sweep (Redis).
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidArgumentError(f"limit must be a positive int, got {shown(limit)}")
+        # At most a signed 64-bit int: beyond it PostgreSQL's and SQLite's LIMIT fail
+        # (a BackendError, an OverflowError), after the connection was made.
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 2**63 - 1:
+            raise InvalidArgumentError(f"limit must be a positive int below 2**63, got {shown(limit)}")
         full = self.prefix + check_filter(prefix)
         if not full:
             raise InvalidArgumentError(

@@ -211,6 +211,8 @@ SERVICE_CASES += [
         "lock-hold-huge", lambda s: s.lock("k", hold_at_least=10**400), InvalidArgumentError, "hold_at_least"
     ),
     Case("mark-ttl-huge", lambda s: s.mark("k", ttl=10**400), InvalidArgumentError, "ttl must"),
+    # Beyond a 64-bit int: PostgreSQL answered a BackendError, SQLite raised OverflowError.
+    Case("sweep-limit-2**63", lambda s: s.sweep("k", limit=2**63), InvalidArgumentError, "limit"),
     Case("sweep-limit-unprintable", lambda s: s.sweep(limit=-(10**5000)), InvalidArgumentError, "limit"),
     # task_id is ignored by a semaphore, but a bad one is still a bad argument (it reached the store).
     *[
