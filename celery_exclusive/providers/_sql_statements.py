@@ -129,6 +129,12 @@ def generic_sweep_statements(dialect: Dialect, name: str) -> dict[str, sa.TextCl
     does), then deletes those rows by key with the condition repeated: the DELETE locks
     only them and judges each on its latest committed version, so a row refreshed or taken
     over meanwhile stays. Fences come from ``<table>_fence``, never from the rows.
+
+    On both, the expired records are found through the ``expires_at`` index (a few reads
+    per record, whatever the number of live ones: tests/providers/test_sql_prune.py); the
+    leases' part reads the whole lock table (its dead test is an ``OR`` over three
+    columns), which holds the live leases and markers plus the dead rows not swept yet:
+    see BENCHMARKS.md, the sweep's cost.
     """
     q = dialect.identifier_preparer.quote
     t, d, k = q(name), q(name + "_done"), q("key")
@@ -138,11 +144,18 @@ def generic_sweep_statements(dialect: Dialect, name: str) -> dict[str, sa.TextCl
             "(julianday(expires_at) < :now OR julianday(deadline) < :now "
             f"OR (:now - julianday(created_at)) * 86400.0 > {STALE})"
         )
+        # The records are found through their expires_at index: the bare column compared
+        # with :now is an index range, julianday(expires_at) was not, and each sweep read
+        # every record under the prefix (800,000 VM steps at 100,000 live records; about
+        # 500 now: tests/providers/test_sql_prune.py). Stamps are Julian day REALs; the
+        # second range keeps the text stamps of earlier versions sweepable (text sorts
+        # after every number, so it reads only those: a MULTI-INDEX OR of two ranges).
+        expired = "(expires_at < :now OR (expires_at >= '' AND julianday(expires_at) < :now))"
         texts = {
             "sweep_leases": f"DELETE FROM {t} WHERE rowid IN "
             f"(SELECT rowid FROM {t} WHERE {match} AND {dead} LIMIT :limit)",
             "sweep_done": f"DELETE FROM {d} WHERE rowid IN "
-            f"(SELECT rowid FROM {d} WHERE {match} AND julianday(expires_at) < :now LIMIT :limit)",
+            f"(SELECT rowid FROM {d} WHERE {match} AND {expired} LIMIT :limit)",
         }
         return {op: sa.text(text) for op, text in texts.items()}
     now = "UTC_TIMESTAMP(6)"
