@@ -104,10 +104,12 @@ class FloorProgram:
             bufsize=1,
         )
 
-    def batch(self, n: int, think_ns: int = 0) -> tuple[int, list[int]]:
-        """Run ``n`` cycles (``think_ns``: busy-waiting that long before each statement, the
-        PostgreSQL floor only); (elapsed ns of the batch, each cycle's ns)."""
-        elapsed, *cycles = map(int, self.ask(f"{n} {think_ns}" if think_ns > 0 else str(n)).split())
+    def batch(self, n: int, think_ns: int = 0, spin_ns: int = 0) -> tuple[int, list[int]]:
+        """Run ``n`` cycles (``think_ns``: busy-waiting that long before each statement or
+        command; ``spin_ns``: each reply wait polls that long before blocking, the Redis floor
+        only); (elapsed ns of the batch, each cycle's ns)."""
+        request = f"{n} {think_ns} {spin_ns}" if spin_ns > 0 else f"{n} {think_ns}" if think_ns else str(n)
+        elapsed, *cycles = map(int, self.ask(request).split())
         return elapsed, cycles
 
     def ask(self, request: str) -> str:

@@ -5,8 +5,11 @@
  * Built and driven by benchmarks/floors.py. Usage:
  *   redis_floor HOST PORT DB KEYPREFIX TOKENPREFIX ACQUIRE... -- RELEASE...
  * ACQUIRE and RELEASE are the two commands' words as the package sent them, with the words
- * {key} and {token} standing for each cycle's key and fresh token. Then, per line "N" read from stdin, it runs N cycles on keys KEYPREFIX0..KEYPREFIX255 and
- * prints one line: the batch's elapsed nanoseconds, then each cycle's nanoseconds. A grant
+ * {key} and {token} standing for each cycle's key and fresh token. Then, per line "N [THINK
+ * [SPIN]]" read from stdin, it runs N cycles on keys KEYPREFIX0..KEYPREFIX255 and prints one
+ * line: the batch's elapsed nanoseconds, then each cycle's nanoseconds. THINK: nanoseconds
+ * busy-waited before each command (client CPU added to the cycle); SPIN: nanoseconds a reply
+ * wait polls the socket (recv MSG_DONTWAIT) before it blocks in recv (0: it blocks at once). A grant
  * refused or an error reply ends the program with status 3 and a message on stderr.
  */
 #include <errno.h>
@@ -25,6 +28,7 @@
 static int fd;
 static char in[1 << 16];
 static size_t in_len, in_pos;
+static long long spin_ns;
 
 static void die(const char *what) {
     fprintf(stderr, "redis_floor: %s\n", what);
@@ -35,6 +39,13 @@ static long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void think(long long ns) {
+    if (ns <= 0) return;
+    long long end = now_ns() + ns;
+    while (now_ns() < end) {
+    }
 }
 
 static void send_all(const char *buf, size_t len) {
@@ -51,8 +62,14 @@ static void send_all(const char *buf, size_t len) {
 
 static int next_byte(void) {
     if (in_pos == in_len) {
-        ssize_t n;
-        do n = recv(fd, in, sizeof in, 0); while (n < 0 && errno == EINTR);
+        ssize_t n = -1;
+        if (spin_ns > 0) {
+            long long end = now_ns() + spin_ns;
+            do n = recv(fd, in, sizeof in, MSG_DONTWAIT); while (n < 0 && (errno == EAGAIN || errno == EINTR) && now_ns() < end);
+            if (n < 0 && errno != EAGAIN && errno != EINTR) die("recv failed");
+        }
+        if (n < 0)
+            do n = recv(fd, in, sizeof in, 0); while (n < 0 && errno == EINTR);
         if (n <= 0) die("connection closed");
         in_len = (size_t)n;
         in_pos = 0;
@@ -161,7 +178,10 @@ int main(int argc, char **argv) {
     for (int k = 0; k < KEYS; k++) snprintf(keys[k], sizeof keys[k], "%s%d", keyprefix, k);
     unsigned long long serial = 0, cycle = 0;
     while (fgets(request, sizeof request, stdin)) {
-        long n = atol(request);
+        long n = 0;
+        long long think_ns = 0;
+        spin_ns = 0;
+        if (sscanf(request, "%ld %lld %lld", &n, &think_ns, &spin_ns) < 1) die("bad request");
         if (n <= 0 || n > (long)(sizeof lat / sizeof lat[0])) die("bad batch size");
         long long start = now_ns();
         for (long i = 0; i < n; i++) {
@@ -170,8 +190,10 @@ int main(int argc, char **argv) {
             /* The package's token: host:pid:wall ms:32 hex digits. */
             snprintf(token, sizeof token, "%s%lld:%016llx%016llx", tokenprefix, (long long)time(NULL) * 1000,
                      0x9e3779b97f4a7c15ULL * ++serial, 0xbf58476d1ce4e5b9ULL * serial);
+            think(think_ns);
             send_all(out, command(out, fill(acquire_words, acquire_n, words, key, token), words));
             if (read_reply() != 1) die("acquire not granted (key unexpectedly held)");
+            think(think_ns);
             send_all(out, command(out, fill(release_words, release_n, words, key, token), words));
             read_reply();
             lat[i] = now_ns() - t0;
