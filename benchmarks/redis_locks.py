@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from typing import Any
@@ -10,6 +11,7 @@ from benchmarks import floors
 from benchmarks.harness import (
     REDIS_PREFIX,
     REDIS_URL,
+    Batch,
     Cleanup,
     Op,
     Plan,
@@ -29,7 +31,10 @@ PROVIDER = "celery-exclusive RedisLockProvider.acquire + release"
 SERVICE = "celery-exclusive LockService.lock + release (public API)"
 C_FLOOR = "C floor: the package's 2 EVALSHAs, hand-written RESP, raw socket"
 PY_FLOOR = "Python floor: the package's 2 EVALSHAs, hand-written RESP, raw socket"
-ROWS = [FLOOR, WIRE, REDIS_PY_LOCK, PY_REDIS_LOCK, PROVIDER, SERVICE, C_FLOOR, PY_FLOOR]
+#: Busy-waited before each of the C floor's 2 commands for the amplification row.
+THINK_US = 25
+C_THINK = f"C floor + {THINK_US} µs busy-waited per command (this machine's cost of client CPU)"
+ROWS = [FLOOR, WIRE, REDIS_PY_LOCK, PY_REDIS_LOCK, PROVIDER, SERVICE, C_FLOOR, PY_FLOOR, C_THINK]
 TARGET_FLOOR = "redis: LockService vs raw redis-py floor"
 TARGET_LOCK = "redis: LockService vs redis-py Lock"
 TARGET_C = "redis: LockService vs C raw-socket floor (same 2 commands)"
@@ -121,14 +126,15 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         commands = floors.capture_redis_commands(service)
         missing: dict[str, str] = {}
         if isinstance(commands, str):
-            missing = {C_FLOOR: commands, PY_FLOOR: commands}
+            missing = {C_FLOOR: commands, PY_FLOOR: commands, C_THINK: commands}
         else:
             program = floors.build("redis_floor", cleanup)
             if isinstance(program, str):
-                missing[C_FLOOR] = program
+                missing[C_FLOOR] = missing[C_THINK] = program
             else:
                 c_floor = floors.redis_floor(program, REDIS_URL, f"{REDIS_PREFIX}cfloor:", commands)
                 approaches[C_FLOOR] = c_floor.as_approach()
+                approaches[C_THINK] = Batch(functools.partial(c_floor.batch, think_ns=THINK_US * 1000))
             resp = floors.RespClient(REDIS_URL)
             approaches[PY_FLOOR] = floors.python_floor(
                 resp, [f"{REDIS_PREFIX}pyfloor:{i}" for i in range(KEYS)], commands
@@ -142,6 +148,14 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
         client.connection_pool.release(wire)
         py_vs_c = round_ratios(series[PY_FLOOR], series[C_FLOOR]) if C_FLOOR in series else []
         py_note = f"; {median(py_vs_c):.2f}x the C floor" if py_vs_c else ""
+        think_note = ""
+        if C_THINK in series and C_FLOOR in series:
+            added = 1e6 / series[C_THINK].rate - 1e6 / series[C_FLOOR].rate
+            think_note = (
+                f"; {added:.0f} µs more per cycle for {2 * THINK_US} µs of CPU:"
+                f" {added / (2 * THINK_US):.1f} µs of cycle per µs of client CPU (median rates;"
+                " 1.2 on a quiet machine, 2-3 at load 6-8 on 2 vCPUs: BENCHMARKS.md, branch wakeup)"
+            )
         report.series_rows(
             SECTION,
             series,
@@ -151,6 +165,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
                 SERVICE: "token, holder JSON, Lease, heartbeat registration, 2 Lua scripts",
                 C_FLOOR: "the physical floor: one connection, sequential, timed inside the C program",
                 PY_FLOOR: "reference: the least Python can do for the same 2 commands" + py_note,
+                C_THINK: "info: how much a µs of client CPU costs here" + think_note,
             },
         )
         for name, reason in missing.items():
