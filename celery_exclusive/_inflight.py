@@ -85,7 +85,7 @@ class InFlight:
     by itself. Every method takes ``mutex`` (the heartbeat's) itself."""
 
     def __init__(
-        self, mutex: threading.Lock, release: Callable[[str, str], object], clock: Callable[[], float]
+        self, mutex: threading.Lock, release: Callable[[str, str], bool], clock: Callable[[], float]
     ) -> None:
         self.mutex = mutex
         self._release = release  # one retried release, with its deadline
@@ -179,16 +179,20 @@ class InFlight:
 
     def retry_releases(self, call: Call, releases: list[Release]) -> None:
         """Release each of ``releases`` once, in ``call``'s thread; a release the store
-        answered, or past its ``until``, is no longer pending."""
+        answered for good (``release`` returned True), or past its ``until``, is no longer
+        pending."""
         try:
             for (store_key, token), until in releases:
                 if call.abandoned:
                     return
                 try:
-                    self._release(store_key, token)
+                    final = self._release(store_key, token)
                 except Exception:
-                    if self._clock() < until:
-                        continue  # still unknown; the store may still hold it, try again next pass
+                    final = False  # still unknown; the store may still hold it
+                if not final and self._clock() < until:
+                    # Try again next pass. Found nothing is not final while the store may still
+                    # run the lost acquire (PostgreSQL: a dropped session still executing it).
+                    continue
                 with self.mutex:
                     self.pending_release.pop((store_key, token), None)
         finally:

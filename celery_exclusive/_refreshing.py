@@ -157,8 +157,15 @@ class Refreshing:
                 lease._jeopardise(sent)
         self._failed(list(leases), exc)
 
-    def release_once(self, store_key: str, token: str) -> None:
+    def release_once(self, store_key: str, token: str) -> bool:
+        """One retried release; True if it is final: the store released the lease, or found
+        none of ``token``'s and runs no statement that could still record one (a provider's
+        ``settled``: PostgreSQL's dropped sessions still executing; other stores have none)."""
+        provider = self._provider
         if self._timeouts:
-            self._provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT)
-        else:
-            self._provider.release(store_key, token)
+            if provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT):
+                return True
+        elif provider.release(store_key, token):
+            return True
+        settled = getattr(provider, "settled", None)
+        return settled is None or bool(settled(timeout=RELEASE_RETRY_TIMEOUT))

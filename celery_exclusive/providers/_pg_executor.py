@@ -10,6 +10,7 @@ translate.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -38,6 +39,8 @@ LIBPQ_COLUMNS = {
 #: (column 3), the other columns left None: the acquire statements set nothing else in a
 #: grant's row (providers/_pg_sql.py), and the provider reads nothing else of it (_answer).
 LIBPQ_GRANTS = {"acquire": 3, "acquire_once": 3}
+#: Which of the server sessions given by pid still exist (:meth:`DirectExecutor.settled`).
+ALIVE = "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%(pids)s)"
 #: Connections the direct executor keeps for itself, out of the pool (more concurrent
 #: callers than this use the pool's, which then bounds them).
 KEEP = 4
@@ -64,6 +67,10 @@ class PooledExecutor:
     def close(self, *, final: bool = False) -> None:
         return None
 
+    def settled(self, timeout: float | None) -> bool:
+        """No session of this executor's is tracked (the driver's own timeouts apply)."""
+        return True
+
 
 class DirectExecutor:
     """Statements on psycopg 3 connections: acquire and release through the libpq runner,
@@ -80,11 +87,18 @@ class DirectExecutor:
         keep: bool,
         prepare: bool,
         masked: str,
+        track: bool = True,
     ) -> None:
         import psycopg
 
         self._engine = engine
-        self._sql = psycopg_sql
+        self._sql = {**psycopg_sql, "alive": ALIVE}
+        # Backend pids of the sessions dropped mid-statement (_abandon), which the server may
+        # still be executing (a stalled disk, a stopped backend): see settled(). Not tracked
+        # behind PgBouncer (``track`` False), whose backend pid is not the server's.
+        self._track = track
+        self.abandoned: list[int] = []
+        self._abandoned_mutex = threading.Lock()
         self._masked = masked
         # A forked child never closes its parent's connections (psycopg's close sends libpq's
         # Terminate, which would end the parent's session): they are only kept referenced.
@@ -193,8 +207,12 @@ class DirectExecutor:
         if self.kept is None or not self.kept.give(dbapi):
             dbapi.close()
 
-    @staticmethod
-    def _abandon(fairy: Any, dbapi: Any) -> None:
+    def _abandon(self, fairy: Any, dbapi: Any) -> None:
+        """Drop a connection whose statement may still be running on the server (its pid is
+        remembered for :meth:`settled`)."""
+        if self._track:
+            with contextlib.suppress(Exception), self._abandoned_mutex:
+                self.abandoned.append(int(dbapi.pgconn.backend_pid))
         if fairy is None:
             dbapi.close()
         else:
@@ -231,6 +249,19 @@ class DirectExecutor:
         else:
             self.keep(dbapi)
 
+    def settled(self, timeout: float | None) -> bool:
+        """True once no session this executor dropped mid-statement still exists on the
+        server (so none can still record a lease); one query while some were dropped, none
+        otherwise. A pid the server reused for another session only delays the answer."""
+        with self._abandoned_mutex:
+            pids = list(self.abandoned)
+        if not pids:
+            return True
+        alive = {row[0] for row in self._run_cursor("alive", {"pids": pids}, timeout)}
+        with self._abandoned_mutex:
+            self.abandoned = [pid for pid in self.abandoned if pid in alive or pid not in pids]
+        return not alive
+
     def close(self, *, final: bool = False) -> None:
         """Close every kept connection (``final``: and keep none from now on)."""
         if self.kept is not None:
@@ -261,4 +292,6 @@ def for_engine(
     URL without its secrets, for errors."""
     if engine.dialect.driver != "psycopg":
         return PooledExecutor(engine, sql)
-    return DirectExecutor(engine, psycopg_sql, sql, keep=keep, prepare=not pgbouncer, masked=masked)
+    return DirectExecutor(
+        engine, psycopg_sql, sql, keep=keep, prepare=not pgbouncer, masked=masked, track=not pgbouncer
+    )

@@ -530,6 +530,16 @@ class PostgresLockProvider(SqlStore):
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
 
+    def settled(self, *, timeout: float | None = None) -> bool:
+        """Whether a release that found nothing of a token's is final: True once no session
+        this provider dropped mid-statement (an acquire whose reply did not come in time)
+        still exists on the server, which could still commit that token's lease. Always True
+        behind PgBouncer (its pids are not the server's) and with drivers other than psycopg 3."""
+        try:
+            return self._executor.settled(timeout)
+        except self._driver_errors as exc:
+            raise self._error("settle", exc) from exc
+
     def _after_fork(self) -> None:
         super()._after_fork()
         # The child never shares the parent's sockets: the kept connections see the fork
