@@ -41,6 +41,9 @@ LIBPQ_COLUMNS = {
 LIBPQ_GRANTS = {"acquire": 3, "acquire_once": 3}
 #: Which of the server sessions given by pid still exist (:meth:`DirectExecutor.settled`).
 ALIVE = "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%(pids)s)"
+#: Most dropped sessions remembered for it (the oldest forgotten first): a process whose
+#: calls keep timing out, and never retries a release, does not grow the list forever.
+ABANDONED_MAX = 256
 #: Connections the direct executor keeps for itself, out of the pool (more concurrent
 #: callers than this use the pool's, which then bounds them).
 KEEP = 4
@@ -213,6 +216,8 @@ class DirectExecutor:
         if self._track:
             with contextlib.suppress(Exception), self._abandoned_mutex:
                 self.abandoned.append(int(dbapi.pgconn.backend_pid))
+                if len(self.abandoned) > ABANDONED_MAX:
+                    del self.abandoned[0]
         if fairy is None:
             dbapi.close()
         else:
