@@ -1,4 +1,5 @@
-"""An acquire whose reply was lost, while the server still executes it.
+"""An acquire whose reply was lost, while the server still executes it (PostgreSQL; and
+MariaDB, which a transaction protects).
 
 The client gives up at ``call_timeout``, drops the connection, raises BackendError and hands
 the token to the heartbeat's release retry. On PostgreSQL the dropped session is still
@@ -17,8 +18,12 @@ import time
 import uuid
 
 import pytest
+import sqlalchemy as sa
 
 from celery_exclusive import BackendError, LockService
+from celery_exclusive.providers.base import Grant
+from celery_exclusive.providers.sql import SqlLockProvider
+from tests.conftest import MYSQL_URL, drop_lock_table, require_server
 from tests.faults.conftest import wait_until
 from tests.faults.servers import PrivatePostgres
 
@@ -75,3 +80,34 @@ def test_pg_acquire_committed_after_its_client_gave_up_is_released_soon(pg_serve
                 os.kill(pid, signal.SIGCONT)
         service.close()
         observer.close()
+
+
+def test_mariadb_acquire_stalled_after_its_client_gave_up_leaves_the_key_free() -> None:
+    """MariaDB/MySQL's side of the same fault (docs/faults.md, item 9): the acquire is a
+    transaction, so a statement the server still runs after the client dropped the session
+    (here the fence bump, waiting for a row lock another session holds) ends in a rollback,
+    not a lease; the key is free once it resumes, with no release pending."""
+    require_server(MYSQL_URL)
+    table = f"ce_lost_{uuid.uuid4().hex[:8]}"
+    service = LockService(SqlLockProvider(MYSQL_URL, table=table), call_timeout=1.5)
+    observer = SqlLockProvider(MYSQL_URL, table=table)
+    engine = sa.create_engine(MYSQL_URL)
+    try:
+        service.lock("warm", ttl=TTL).release()  # the tables
+        with engine.connect() as blocker:
+            blocker.execute(sa.text(f"UPDATE {table}_fence SET n = n WHERE id = 1"))  # its row lock, held
+            start = time.monotonic()
+            with pytest.raises(BackendError):
+                service.lock("k", ttl=TTL)
+            assert time.monotonic() - start < 1.5 + 1.0
+            time.sleep(1.0)  # the retried release has found nothing by now
+            blocker.commit()  # the stalled bump goes on, on a session its client has left
+        time.sleep(1.0)
+        assert wait_until(lambda: not service.heartbeat._pending_release, 5.0)
+        assert observer.peek("task-lock:k") is None
+        assert isinstance(observer.acquire("task-lock:k", "other", 5, 60, "{}"), Grant)
+    finally:
+        service.close()
+        observer.close()
+        engine.dispose()
+        drop_lock_table(MYSQL_URL, table)
