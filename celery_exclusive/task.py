@@ -98,7 +98,7 @@ from celery_exclusive.policies import (
     lock_retry_countdown,
     skip_marker,
 )
-from celery_exclusive.providers.base import Completion
+from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, Completion
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
     TASK_OPTIONS,
@@ -362,9 +362,21 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         return _hold(self, _plan_of(self), lease, args, kwargs, request=request, record=record, marked=True)
 
 
-def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool) -> Any:
+def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each run
+    task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool
+) -> Any:
     """The run of the current ``request`` (``marked``: its message may carry a queued marker)."""
-    plan = _plan_of(task)
+    # _plan_of's check of the cached plan inline (the usual run makes no call for it).
+    own = task.__dict__
+    plan: _Plan | None = own.get("_lock_plan_cache")
+    if (
+        plan is None
+        or plan.settings is not own.get("_lock_settings_cache")
+        or plan.process is not _worker._state
+        or plan.app is not task.app
+        or plan.service._closed
+    ):
+        plan = _plan_of(task)
     # The task's recording span, looked up once for the run: OpenTelemetry's API is often
     # imported without an SDK recording anything (redis-py imports it, so every worker
     # with a Redis broker has it), and only a recording span reads the acquire's duration.
@@ -372,13 +384,26 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
     spans = span is not None
     if spans:
         observe.begin()
-    key = _key_builder_of(task).build(task.name, args, kwargs)
+    # _key_builder_of's first test inline: the class's builder while lock_key is its spec.
+    cls = type(task)
+    builder: KeyBuilder | None = cls._lock_keys
+    seen = own.get("lock_key", _UNSET)
+    if builder is None or builder.spec is not (cls.lock_key if seen is _UNSET else seen):
+        builder = _key_builder_of(task)
+    key = builder.build(task.name, args, kwargs)
     if not isinstance(key, str):
         settings = plan.settings
         _check_several(task.name, settings.on_locked, settings.cooldown, None, settings.limit)
     inline = bool(request.called_directly or request.is_eager)
     # redelivery.once_id() with the plan's retention: one call instead of three.
-    record = None if inline or plan.retention is None else redelivery.usable_id(request.id)
+    # usable_id()'s tests inline for an exact str (any other value takes the call).
+    task_id = request.id
+    if inline or plan.retention is None:
+        record = None
+    elif type(task_id) is str and 0 < len(task_id) <= MAX_TASK_ID_LENGTH and "\x00" not in task_id:
+        record = task_id
+    else:
+        record = redelivery.usable_id(task_id)
     once, asked_again = record, inline
     call: policies.Call | None = None  # made once the key is found held (its waits' state)
     lease: Lease | LeaseSet
@@ -387,8 +412,9 @@ def _run(task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *,
             if spans:
                 lease = _acquire(task, plan, key, once, request)  # timed, for the span
             elif plan.lock_one and isinstance(key, str):
-                # _lock inline for the usual run (one key, limit 1).
-                holder = plan.holder(task, request)
+                # _lock inline for the usual run (one key, limit 1), and plan.holder's lookup.
+                template = plan._templates.get(request.hostname)
+                holder = plan.holder(task, request) if template is None else template.holder(task_id)
                 lease = plan.service.lock(key, task_id=once, holder=holder, **plan.options)
             else:
                 lease = _lock(task, plan, key, once, request)
