@@ -147,6 +147,10 @@ class KeyBuilder:
         #: The templates of a list spec (several keys), else None.
         self.templates: tuple[str, ...] | None = None
         self._plain: _Plain | None = None
+        #: The key of a call whose arguments are all given by position, Celery's usual call
+        #: (:meth:`_Plain.positional`), or None where that takes :meth:`build`; None for any
+        #: other spec. The caller passes ``args`` when there are no keyword arguments.
+        self.positional: Callable[[Sequence[Any]], str | None] | None = None
         if spec is None or callable(spec):
             return
         if isinstance(spec, (list, tuple)):
@@ -163,7 +167,9 @@ class KeyBuilder:
                 raise InvalidArgumentError(f"a lock key list repeats a template: {list(spec)!r}")
             return
         self._check_template(spec)
-        self._plain = _Plain.of(str(spec), signature)
+        self._plain = plain = _Plain.of(str(spec), signature)
+        if plain is not None:
+            self.positional = plain.positional()
 
     @property
     def several(self) -> bool:
@@ -208,13 +214,11 @@ class KeyBuilder:
             return task_name
         plain = self._plain
         if plain is not None:
-            if not kwargs and len(args) == plain.count and plain.pick is not None and not plain.uses_name:
-                # Celery's usual call, every parameter by position: _Plain.build without its frame.
-                for index in plain.typed:
-                    if type(args[index]) not in _PLAIN_TYPES:
-                        break
-                else:
-                    return plain.pattern % plain.pick(args)  # type: ignore[no-any-return]  # a str
+            fill = self.positional
+            if fill is not None and not kwargs:  # Celery's usual call, every parameter by position
+                key = fill(args)
+                if key is not None:
+                    return key
             quick = plain.build(task_name, args, kwargs)
             if quick is not None:
                 return quick
@@ -318,6 +322,44 @@ class _Plain:
                 return None
             pieces.append((literal, field))
         return cls(pieces, signature)
+
+    def positional(self) -> Callable[[Sequence[Any]], str | None] | None:
+        """The key of a call with every parameter by position and no keyword arguments, by
+        one function of ``args``: :meth:`build`'s result for such a call, or None (another
+        count of arguments, a value of another type than ``_PLAIN``'s) where the caller
+        takes :meth:`build`. None for a template without fields or naming the task."""
+        pick = self.pick
+        if pick is None or self.uses_name:
+            return None
+        count, typed, pattern, plain = self.count, self.typed, self.pattern, _PLAIN_TYPES
+        if len(typed) == 1:
+            (only,) = typed
+
+            def fill_one(args: Sequence[Any]) -> str | None:
+                if len(args) == count and type(args[only]) in plain:
+                    return pattern % pick(args)  # type: ignore[no-any-return]  # a str
+                return None
+
+            return fill_one
+        if len(typed) == 2:  # the usual template of two fields, unrolled
+            first, second = typed
+
+            def fill_two(args: Sequence[Any]) -> str | None:
+                if len(args) == count and type(args[first]) in plain and type(args[second]) in plain:
+                    return pattern % pick(args)  # type: ignore[no-any-return]  # a str
+                return None
+
+            return fill_two
+
+        def fill(args: Sequence[Any]) -> str | None:
+            if len(args) != count:
+                return None
+            for index in typed:
+                if type(args[index]) not in plain:
+                    return None
+            return pattern % pick(args)  # type: ignore[no-any-return]  # a str
+
+        return fill
 
     def build(self, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
         values: Sequence[Any]

@@ -390,7 +390,10 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
     seen = own.get("lock_key", _UNSET)
     if builder is None or builder.spec is not (cls.lock_key if seen is _UNSET else seen):
         builder = _key_builder_of(task)
-    key = builder.build(task.name, args, kwargs)
+    # KeyBuilder.build's first path without its frame: every argument by position.
+    fill = builder.positional
+    found = fill(args) if fill is not None and not kwargs else None
+    key = builder.build(task.name, args, kwargs) if found is None else found
     if not isinstance(key, str):
         settings = plan.settings
         _check_several(task.name, settings.on_locked, settings.cooldown, None, settings.limit)

@@ -136,6 +136,33 @@ def test_the_compiled_template_gives_the_full_paths_key(
     full = KeyBuilder(template, builder.signature)
     full._plain = None  # the full path: Signature.bind and the strict formatter
     assert builder.build("t.name", args, kwargs) == full.build("t.name", args, kwargs)
+    fill = builder.positional  # what an exclusive run calls first for an all-positional call
+    if fill is not None and not kwargs:
+        assert fill(args) in (None, full.build("t.name", args, kwargs))
+
+
+def _three(a: Any, b: Any, c: Any) -> None: ...
+
+
+@pytest.mark.parametrize("template", ["{a}", "{b}/{b}", "{c}:{a}", "{a}{b}{c}", "{c}-{b}-{a}-{c}"])
+@pytest.mark.parametrize("args", [(1, "x", 2.5), (True, "é", -0.0), (1, "x"), (1, "x", 2, 3), (1, [2], "x")])
+def test_the_positional_fill_gives_the_full_paths_key_or_none(template: str, args: tuple[Any, ...]) -> None:
+    """``KeyBuilder.positional`` (one, two and more typed fields) gives the full path's key
+    for every argument by position of a plain type, and None (the caller then takes
+    ``build``) for another count of arguments or a value of another type in a field."""
+    builder = KeyBuilder.for_function(template, _three, bound=False)
+    fill = builder.positional
+    assert fill is not None
+    full = KeyBuilder(template, builder.signature)
+    full._plain = None
+    fields = [name for name in "abc" if "{" + name + "}" in template]
+    plain = len(args) == 3 and all(type(args["abc".index(n)]) in (str, int, float, bool) for n in fields)
+    if plain:
+        assert fill(args) == full.build("t", args, {})
+    else:
+        assert fill(args) is None
+    assert KeyBuilder.for_function("{task_name}:{a}", _three, bound=False).positional is None
+    assert KeyBuilder.for_function("fixed", _three, bound=False).positional is None
 
 
 def test_the_compiled_template_leaves_other_types_to_the_full_path() -> None:
@@ -149,5 +176,7 @@ def test_the_compiled_template_leaves_other_types_to_the_full_path() -> None:
     assert builder._plain is not None
     for args in [(Tag("x"), 1), (1, [1, 2]), (1, {"b": 1, "a": 2})]:
         assert builder._plain.build("t", args, {}) is None
+        assert builder.positional is not None
+        assert builder.positional(args) is None
     assert builder.build("t", (Tag("x"), 1), {}) == "e:tag:1"
     assert builder.build("t", (1, {"b": 1, "a": 2}), {}) == "e:1:{'a': 2, 'b': 1}"
