@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_task_logger
@@ -189,13 +189,7 @@ class Run:
         """The ``lease.on_lost`` callback (usually on the heartbeat thread): log, span, event."""
         if not self._first_report():
             return
-        logger.warning(
-            "lock %r (fence %d) was lost while the task ran (%s); another run may now hold it",
-            lease.key,
-            lease.fence,
-            reason,
-            extra={"task_name": self.task_name, "task_id": self.task_id},
-        )
+        _log_lost(self.task_name, self.task_id, lease, reason)
         self._mark_lost(lease, reason)
 
     def finished(self, lease: Lease, lost: bool) -> None:
@@ -228,6 +222,34 @@ class Run:
         except Exception:
             context = {"task_name": self.task_name, "task_id": self.task_id}
             logger.warning("could not send the %s event", EVENT_LOST, exc_info=True, extra=context)
+
+
+def _log_lost(task_name: str, task_id: object, lease: Lease, reason: str) -> None:
+    """The lost-lease WARNING, with the task's name and id on the record (see the module docs)."""
+    logger.warning(
+        "lock %r (fence %d) was lost while the task ran (%s); another run may now hold it",
+        lease.key,
+        lease.fence,
+        reason,
+        extra={"task_name": task_name, "task_id": task_id},
+    )
+
+
+def quiet_run(task_name: str, task_id: object) -> Callable[[Lease, str], None]:
+    """The ``lease.on_lost`` callback of a run with no recording span and no task events
+    (``events.enabled`` false: the usual run), which :class:`Run` would make at more cost:
+    the same WARNING, once per run. Such a run's :meth:`Run.finished` has nothing to mark
+    (no span, no event), so the caller makes no report at the release."""
+    unreported = [True]  # popped by the first report (list.pop is atomic), as Run's
+
+    def lost(lease: Lease, reason: str) -> None:
+        try:
+            unreported.pop()
+        except IndexError:
+            return
+        _log_lost(task_name, task_id, lease, reason)
+
+    return lost
 
 
 def holding(task: Any, leases: Sequence[Lease], request: Any = None, span: Any = _ASK) -> Run:

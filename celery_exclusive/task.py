@@ -456,7 +456,7 @@ def _acquire(
         observe.spent_acquiring(time.perf_counter() - started)
 
 
-def _hold(
+def _hold(  # noqa: PLR0912 - the usual run's release inline
     task: ExclusiveTask[..., Any],
     plan: _Plan,
     lease: Lease | LeaseSet,
@@ -472,9 +472,14 @@ def _hold(
     the run's recording span or None, if :func:`_run` looked it up)."""
     if marked and _may_carry_marker(request) and dedupe.marker_of(request) is not None:
         dedupe.acquired(task, request)
+    report: observe.Run | None
     if isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
         report = observe.holding(task, leases, request, span)
+    elif span is None and not observe.events.enabled:  # no span or event to report on: most runs
+        leases = (lease,)
+        report = None
+        lease.on_lost(observe.quiet_run(task.name, request.id))
     else:  # observe.holding of one lease, without its frame and loop
         leases = (lease,)
         report = observe.Run(task, lease, request, span)
@@ -501,7 +506,8 @@ def _hold(
     except BaseException as exc:
         done = redelivery.completion(task, exc, task_id=record, request=request)
         lost = _finish(task, plan, lease, retrying=isinstance(exc, Retry), done=done)
-        report.finished(lost or leases[0], lost is not None)
+        if report is not None:
+            report.finished(lost or leases[0], lost is not None)
         raise
     # redelivery.completion() of a body that returned, without its two calls.
     keep = plan.retention
@@ -514,7 +520,8 @@ def _hold(
     if plan.finishes:
         plan.policy.finished(task, _runs.first_key(lease), retrying=False)
     if lost is not None:
-        report.finished(lost, True)
+        if report is not None:
+            report.finished(lost, True)
         if plan.settings.on_lost == "raise":
             raise LockLost(lost.key, lost.fence, _DISCARDED)
     return result
