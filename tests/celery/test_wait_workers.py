@@ -14,6 +14,7 @@ The test process holds the tasks' keys through the workers' store and prefix
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -108,11 +109,14 @@ def pool_child(group: WorkerGroup) -> int:
 
 
 def queued(group: WorkerGroup) -> int:
-    """Messages in the group's broker queue plus those delivered and not yet acknowledged."""
+    """Messages in the group's broker queue plus its delivered, unacknowledged ones (kombu
+    keeps those of every queue in one hash, the routing key beside each)."""
     client = redis.Redis.from_url(BROKER_URL)
     try:
         prefix = os.environ["CE_CELERY_KEYPREFIX"]
-        return int(client.llen(prefix + group.queue)) + int(client.hlen(prefix + "unacked"))
+        unacked = [json.loads(raw) for raw in client.hvals(prefix + "unacked")]  # [message, exchange, queue]
+        mine = [entry for entry in unacked if entry[2] == group.queue]
+        return int(client.llen(prefix + group.queue)) + len(mine)
     finally:
         client.close()
 
@@ -190,6 +194,7 @@ def test_warm_shutdown_mid_wait_ends_with_the_fallback_and_holds_nothing(lone: W
     lease = lone.service.lock(f"wait:{tag}")
     result = lone.send(tasks.wait_late, tag, tag)
     waiting(lone, result.id)
+    assert queued(lone) == 1  # delivered, not acknowledged while it waits (acks_late)
     stopping = time.monotonic()
     lone.workers[0].terminate()
     lone.workers[0].popen.wait(20)
