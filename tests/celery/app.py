@@ -268,6 +268,42 @@ def multi_lost_terminate(self: Any, a: str, b: str, tag: str, duration: float = 
     return _multi_body(self, tag, duration)
 
 
+_WAIT = {"on_locked": "wait", "bind": True}
+
+
+@exclusive_task(app=app, key="wait:{key_id}", lock_wait=3, **_WAIT)
+def wait_skip(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Waits up to 3 s for its key in the worker slot, then skips (the default fallback)."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(app=app, key="wait:{key_id}", lock_wait=1, lock_wait_fallback="raise", **_WAIT)
+def wait_raise(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Waits up to 1 s for its key, then fails with LockedError."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(
+    app=app, key="wait:{key_id}", lock_wait=1, lock_wait_fallback="retry", lock_max_retries=0, **_WAIT
+)
+def wait_retry(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """Waits up to 1 s for its key, then lock-retries; with no lock retries left it fails."""
+    return _body(self, tag, duration)
+
+
+@exclusive_task(
+    app=app,
+    key="wait:{key_id}",
+    lock_wait=4,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    **_WAIT,
+)
+def wait_late(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """``wait_skip`` acknowledged after the run, requeued when its pool child dies."""
+    return _body(self, tag, duration)
+
+
 @app.task
 def leak_lease(key: str, tag: str) -> int:
     """Acquires a lease through the app's service and returns still holding it (kept alive)."""
