@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 from celery_exclusive import semaphore, signals
 from celery_exclusive._core import Service
-from celery_exclusive._process import holder_json, new_token, this, unprefixed
+from celery_exclusive._process import EncodedHolder, holder_json, new_token, this, unprefixed
 from celery_exclusive._records import Records
 from celery_exclusive._store import as_store_error
 from celery_exclusive.errors import AlreadyDone, BackendError
@@ -93,7 +93,14 @@ class Acquiring:
             if ttl is None and refresh_interval is None and max_lifetime is None
             else self.durations(ttl, refresh_interval, max_lifetime)
         )
-        encoded = this.holder if holder is None else holder_json(holder)
+        # holder_json's answer; a HolderTemplate's holder (a task run's) without its call.
+        encoded = (
+            this.holder
+            if holder is None
+            else holder.json
+            if type(holder) is EncodedHolder and holder.made_for is this.holder
+            else holder_json(holder)
+        )
         store_key = service.prefix + key
         token = new_token()
         if self._set_up is not None:
