@@ -41,6 +41,7 @@ class Releasing:
         self._direct = accepts_timeout(service.provider.release)
         #: The keys whose next wait gives way to their waiters (noted at each release).
         self.turns = waiting.Turns(service.provider)
+        self._had_waiters = self.turns.had_waiters
 
     def check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
         cooldown = seconds("hold_at_least", hold_at_least)
@@ -161,8 +162,8 @@ class Releasing:
             outcome = self._unanswered(lease, error)
         else:
             outcome = _RELEASED if owned else self._not_owned(lease, warn=not was_lost)
-            if owned and self.turns.told:
-                self.turns.released(lease.key, lease.store_key)
+            if owned and self._had_waiters is not None and self._had_waiters(lease.store_key):
+                self.turns.note(lease.key)  # Turns.released, without its frame
         if signals.lock_released.receivers:  # signals.send's test, before reading the clock
             held_for = service.clock() - lease.acquired_at
             signals.lock_released.send(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from celery_exclusive import _options, many
+from celery_exclusive import _options, _records, many
 
 # Names re-exported from where they lived before the lock core was split (tests, users).
 from celery_exclusive._acquiring import ACQUIRE_RETRY_DELAY, Acquiring  # noqa: F401
@@ -200,7 +200,15 @@ class LockService(PrefixedStore):
         if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:
             # The hot path: Leasing.lock's, without its call.
             if task_id is not None:
-                check_task_id(task_id, MAX_TASK_ID_LENGTH)
+                # check_task_id's whole test of the usual id (a non-empty ASCII str without
+                # NUL, within the length), inline; anything else gets the full check.
+                if not (
+                    type(task_id) is str
+                    and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
+                    and task_id.isascii()
+                    and "\x00" not in task_id
+                ):
+                    check_task_id(task_id, MAX_TASK_ID_LENGTH)
                 if not self.keeps_records:
                     task_id = None
             taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
@@ -291,6 +299,10 @@ class LockService(PrefixedStore):
         """
         if completion is None:  # for_release's answer, without its call
             return self._releasing.release(lease, None)
+        if completion is _records._last_checked and self.keeps_records:
+            # The record checked_completion made and checked last (immutable): for_release's
+            # answer, without its two calls (check_completion returns it unchecked).
+            return self._releasing.release(lease, completion)
         return self._releasing.release(lease, self._records.for_release(completion))
 
     # -- lifecycle ------------------------------------------------------------------------

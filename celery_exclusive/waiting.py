@@ -256,22 +256,33 @@ class Turns:
     :data:`YIELD_KEYS` keys are remembered. Not locked: a race between threads of one
     service only changes who gives way once."""
 
-    __slots__ = ("_clock", "_knows", "_released", "told")
+    __slots__ = ("_clock", "_knows", "_released", "had_waiters", "told")
 
     def __init__(self, provider: object, clock: Callable[[], float] = time.monotonic) -> None:
         self._knows = provider if isinstance(provider, KnowsWaiters) else None
         #: Whether the store tells about waiters at all (else :meth:`released` is never needed).
         self.told = self._knows is not None
+        #: The store's ``had_waiters`` (a bound method, None if it tells nothing): what
+        #: :meth:`released` asks, for a caller that asks it without :meth:`released`'s frame.
+        self.had_waiters: Callable[[str], bool] | None = (
+            None if self._knows is None else self._knows.had_waiters
+        )
         self._clock = clock
         self._released: dict[str, float] = {}  # key -> when released with waiters
 
     def released(self, key: str, store_key: str) -> None:
         """A lease on ``key`` (``store_key`` in the store) was released."""
         if self._knows is not None and self._knows.had_waiters(store_key):
-            self._released.pop(key, None)  # re-inserted last: the newest
-            self._released[key] = self._clock()
-            if len(self._released) > YIELD_KEYS:
-                del self._released[next(iter(self._released))]
+            self.note(key)
+
+    def note(self, key: str) -> None:
+        """A release of ``key`` freed it while waiters waited (the store's ``had_waiters``
+        said so): the next wait on ``key`` gives way to them. The release path asks the
+        store itself (:attr:`had_waiters`) and calls this only when it did."""
+        self._released.pop(key, None)  # re-inserted last: the newest
+        self._released[key] = self._clock()
+        if len(self._released) > YIELD_KEYS:
+            del self._released[next(iter(self._released))]
 
     def gives_way(self, key: str) -> bool:
         """Whether a wait on ``key`` starting now should let the waiters go first (once)."""

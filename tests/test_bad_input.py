@@ -224,6 +224,20 @@ SERVICE_CASES += [
         )
         for tid, t in (("int", 5), ("empty", ""))
     ],
+    # lock()'s inline test of the usual task id must send everything else to the full check.
+    *[
+        Case(f"lock-task-id-{tid}", lambda s, t=t: s.lock("k", task_id=t), InvalidArgumentError, fragment)
+        for tid, t, fragment in (
+            ("empty", "", "non-empty str"),
+            ("int", 5, "non-empty str"),
+            ("bytes", b"t", "non-empty str"),
+            ("str-subclass-empty", type("S", (str,), {})(""), "non-empty str"),
+            ("nul", "a\x00b", "without NUL"),
+            ("too-long", "t" * 201, "at most 200"),
+            ("too-long-non-ascii", "é" * 201, "at most 200"),
+            ("lone-surrogate", "t\udc80", "lone surrogates"),
+        )
+    ],
     Case("locks-int", lambda s: s.locks(5), InvalidArgumentError, "prefix must be a str"),
     Case("locks-bytes", lambda s: s.locks(b"a"), InvalidArgumentError, "prefix must be a str"),
     Case("locks-nul", lambda s: s.locks("a\x00"), InvalidArgumentError, "NUL"),

@@ -36,6 +36,10 @@ from typing import Any, Protocol, runtime_checkable
 from celery_exclusive._info import CompletionInfo as CompletionInfo  # noqa: PLC0414
 from celery_exclusive._info import LockInfo as LockInfo  # noqa: PLC0414
 
+#: ``object.__setattr__``, read once: the frozen dataclass's generated ``__init__`` looks it
+#: up per field (a global and an attribute read, a bound wrapper made each time).
+_set = object.__setattr__
+
 
 @dataclass(frozen=True, slots=True)
 class Grant:
@@ -43,6 +47,12 @@ class Grant:
 
     fence: int
     ttl: float
+
+    def __init__(self, fence: int, ttl: float) -> None:
+        # The generated frozen __init__'s stores, without its per-field lookups (one Grant
+        # per acquire, on every store: about 0.5k instructions fewer each).
+        _set(self, "fence", fence)
+        _set(self, "ttl", ttl)
 
 
 @dataclass(frozen=True, slots=True)
