@@ -63,7 +63,7 @@ class Acquiring:
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
 
-    def take(
+    def take(  # noqa: PLR0912 - the hot paths of one key and of a semaphore, inline
         self,
         key: str,
         ttl: float | timedelta | None,
@@ -135,10 +135,30 @@ class Acquiring:
                 answer = self._after_failure(as_store_error("acquire", exc), start, sent, *args, once)
         else:
             keys = semaphore.store_slot_keys(service.prefix, key, limit)
-            slot, answer = self.acquire_slot(
-                keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded, sent=sent
-            )
-            store_key = keys[slot - 1]
+            direct = self._any_direct
+            if direct is not None:
+                # The first attempt in one store call, without acquire_slot's and _retried's
+                # frames and StoreCalls.call's (the hot path); a failed one goes to
+                # _any_after_failure (the same retry, by _retried's rules).
+                start = time.monotonic()
+                try:
+                    got = direct.acquire_any(
+                        keys, token, ttl_s, lifetime_s, encoded, timeout=service.call_timeout
+                    )
+                except BaseException as exc:
+                    error = as_store_error("acquire", exc)
+                    got = self._any_after_failure(
+                        error, start + service.call_timeout, sent, keys, token, (ttl_s, lifetime_s), encoded
+                    )
+                if type(got) is Held or isinstance(got, Held):
+                    answer = got
+                else:
+                    store_key, answer = keys[got[0]], got[1]
+            else:
+                slot, answer = self.acquire_slot(
+                    keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded
+                )
+                store_key = keys[slot - 1]
         if type(answer) is not Grant and not isinstance(answer, Grant):
             return self._refused(key, store_key, answer, name_holder=name_holder)
         heartbeat = service._heartbeat
@@ -244,40 +264,14 @@ class Acquiring:
             self._service._heartbeat.retry_release(store_key, token, until=until)
 
     def acquire_slot(
-        self,
-        keys: Sequence[str],
-        token: str,
-        *,
-        ttl: float,
-        max_lifetime: float,
-        holder: str,
-        sent: float | None = None,
+        self, keys: Sequence[str], token: str, *, ttl: float, max_lifetime: float, holder: str
     ) -> tuple[int, Grant | Held]:
         """The first free slot (1-based) of the semaphore whose slots' store keys are ``keys``
         and its Grant, or ``(1, Held)``: one store call where the provider has ``acquire_any``,
         else one acquire per slot in order; either way a retried attempt releases the token's
-        other slots, which its lost reply may hold. ``sent``: the service clock just before
-        this call (read here if not given)."""
+        other slots, which its lost reply may hold. (``take`` makes a provider's ``acquire_any``
+        taking ``timeout=`` its first attempt itself, and :meth:`_any_after_failure` the retry.)"""
         service = self._service
-        direct = self._any_direct
-        if direct is not None:
-            # The first attempt without _retried's closures and StoreCalls.call's frame (the
-            # hot path); a failed one goes to _any_after_failure (the same retry, its rules).
-            first = service.clock() if sent is None else sent
-            budget_end = time.monotonic() + service.call_timeout
-            try:
-                got = direct.acquire_any(keys, token, ttl, max_lifetime, holder, timeout=service.call_timeout)
-            except BaseException as exc:
-                got = self._any_after_failure(
-                    as_store_error("acquire", exc),
-                    budget_end,
-                    first,
-                    keys,
-                    token,
-                    (ttl, max_lifetime),
-                    holder,
-                )
-            return (1, got) if type(got) is Held or isinstance(got, Held) else (got[0] + 1, got[1])
         provider = service.provider
         life = min(ttl, max_lifetime)
         attempts: list[float] = []
@@ -320,7 +314,7 @@ class Acquiring:
             raise AssertionError("a completion record answered a semaphore acquire")
         return (index + 1, found) if isinstance(found, Grant) else (1, found)
 
-    def _any_after_failure(  # noqa: PLR0917 - acquire_slot's state, by position
+    def _any_after_failure(  # noqa: PLR0917 - take()'s state, by position
         self,
         exc: BaseException,
         budget_end: float,
@@ -330,7 +324,7 @@ class Acquiring:
         durations: tuple[float, float],
         holder: str,
     ) -> tuple[int, Grant] | Held:
-        """:meth:`acquire_slot`'s ``acquire_any`` call whose first attempt (sent at ``first`` on
+        """:meth:`take`'s ``acquire_any`` call whose first attempt (sent at ``first`` on
         the service clock) raised ``exc``, by :meth:`_retried`'s rules: a store failure with
         time left before ``budget_end`` is retried once with the same token, and a retry's
         grant releases the token's other slots (the lost reply may hold one); otherwise the
