@@ -215,7 +215,10 @@ class LockService(PrefixedStore):
                 raise LockedError(key, taken.holder)
             return taken
         if wait is None and hold_at_least is None and type(limit) is int and 1 < limit <= MAX_LIMIT:
-            # A semaphore's hot path: Leasing.lock's (limit checked so, task_id ignored), without its call.
+            # A semaphore's hot path: Leasing.lock's (limit checked so; task_id checked, then
+            # ignored), without its call.
+            if task_id is not None:
+                check_task_id(task_id, MAX_TASK_ID_LENGTH)
             taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, limit=limit)
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)

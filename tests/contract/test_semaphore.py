@@ -350,3 +350,10 @@ def test_a_bad_key_is_refused_for_a_semaphore_too(store: Store, key: object) -> 
     """The key itself is checked (not only its slot key ``{key}#N``, always a str)."""
     with pytest.raises(InvalidArgumentError, match="lock key"):
         store.service().lock(key, limit=3)  # type: ignore[arg-type]
+
+
+def test_a_bad_task_id_is_refused_for_a_semaphore_too(store: Store) -> None:
+    """``task_id`` is ignored for ``limit > 1`` (CHANGELOG), but a bad one is still refused
+    before the store is touched, on the semaphore's hot path too."""
+    with pytest.raises(InvalidArgumentError, match="task_id"):
+        store.service().lock("bad-task-id", limit=3, task_id="")
