@@ -51,6 +51,14 @@ class Acquiring:
         #: Whether the store takes a semaphore's first free slot in one call (checked once:
         #: a runtime Protocol check costs microseconds).
         self._any = isinstance(service.provider, AcquiresAny)
+        #: The provider when it has an ``acquire_any`` taking ``timeout=`` (every built-in one
+        #: does): then a semaphore's first attempt calls it without StoreCalls.call's frame,
+        #: as ``take`` calls ``acquire`` for one key.
+        self._any_direct: AcquiresAny | None = (
+            service.provider
+            if isinstance(service.provider, AcquiresAny) and accepts_timeout(service.provider.acquire_any)
+            else None
+        )
         #: Set-up still to run before the first lease's clock starts (None once done).
         self._set_up = service.provider if isinstance(service.provider, SetsUp) else None
         #: Whether the provider's acquire takes ``timeout=`` (checked once; every built-in
@@ -60,7 +68,7 @@ class Acquiring:
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
 
-    def take(
+    def take(  # noqa: PLR0912 - the hot paths of one key and of a semaphore, inline
         self,
         key: str,
         ttl: float | timedelta | None,
@@ -88,10 +96,14 @@ class Acquiring:
                 or service._closed
             ):
                 service._check_key(key)
-        else:
-            # The key itself first: its slot key ``{key}#N`` is a non-empty str whatever
-            # ``key`` is (an int, None, ""); then the slot key, the longest, for its length.
-            service._check_key(key)
+        elif (  # the same inline test, for the longest slot key ``{key}#<limit>``
+            type(key) is not str
+            or not key.isascii()
+            or "\x00" in key
+            or not 0 < len(key) <= self._room - (4 if limit < 10 else 5)
+            or service._closed
+        ):
+            service._check_key(key)  # an empty or non-str key, too, before its slot key is built
             service._check_key(semaphore.slot_key(key, limit))
         ttl_s, interval_s, lifetime_s = (
             (service.ttl, service.refresh_interval, service.max_lifetime)  # durations()'s first test
@@ -135,8 +147,30 @@ class Acquiring:
                 answer = self._after_failure(as_store_error("acquire", exc), start, sent, *args, once)
         else:
             keys = semaphore.store_slot_keys(service.prefix, key, limit)
-            slot, answer = self.acquire_slot(keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded)
-            store_key = keys[slot - 1]
+            direct = self._any_direct
+            if direct is not None:
+                # The first attempt in one store call, without acquire_slot's and _retried's
+                # frames and StoreCalls.call's (the hot path); a failed one goes to
+                # _any_after_failure (the same retry, by _retried's rules).
+                start = time.monotonic()
+                try:
+                    got = direct.acquire_any(
+                        keys, token, ttl_s, lifetime_s, encoded, timeout=service.call_timeout
+                    )
+                except BaseException as exc:
+                    error = as_store_error("acquire", exc)
+                    got = self._any_after_failure(
+                        error, start + service.call_timeout, sent, keys, token, (ttl_s, lifetime_s), encoded
+                    )
+                if type(got) is Held or isinstance(got, Held):
+                    answer = got
+                else:
+                    store_key, answer = keys[got[0]], got[1]
+            else:
+                slot, answer = self.acquire_slot(
+                    keys, token, ttl=ttl_s, max_lifetime=lifetime_s, holder=encoded
+                )
+                store_key = keys[slot - 1]
         if type(answer) is not Grant and not isinstance(answer, Grant):
             return self._refused(key, store_key, answer, name_holder=name_holder)
         heartbeat = service._heartbeat
@@ -251,7 +285,8 @@ class Acquiring:
         """The first free slot (1-based) of the semaphore whose slots' store keys are ``keys``
         and its Grant, or ``(1, Held)``: one store call where the provider has ``acquire_any``,
         else one acquire per slot in order; either way a retried attempt releases the token's
-        other slots, which its lost reply may hold."""
+        other slots, which its lost reply may hold. (``take`` makes a provider's ``acquire_any``
+        taking ``timeout=`` its first attempt itself, and :meth:`_any_after_failure` the retry.)"""
         service = self._service
         provider = service.provider
         life = min(ttl, max_lifetime)
@@ -294,6 +329,50 @@ class Acquiring:
         if isinstance(found, Done):  # pragma: no cover - no task_id is sent for a semaphore
             raise AssertionError("a completion record answered a semaphore acquire")
         return (index + 1, found) if isinstance(found, Grant) else (1, found)
+
+    def _any_after_failure(  # noqa: PLR0917 - take()'s state, by position
+        self,
+        exc: BaseException,
+        budget_end: float,
+        first: float,
+        keys: Sequence[str],
+        token: str,
+        durations: tuple[float, float],
+        holder: str,
+    ) -> tuple[int, Grant] | Held:
+        """:meth:`take`'s ``acquire_any`` call whose first attempt (sent at ``first`` on
+        the service clock) raised ``exc``, by :meth:`_retried`'s rules: a store failure with
+        time left before ``budget_end`` is retried once with the same token, and a retry's
+        grant releases the token's other slots (the lost reply may hold one); otherwise the
+        token is released from every slot in the background and the exception propagates."""
+        service = self._service
+        ttl, max_lifetime = durations
+        life = min(ttl, max_lifetime)
+        if not isinstance(exc, BackendError) or budget_end - time.monotonic() < ACQUIRE_RETRY_DELAY + 0.1:
+            self._release_in_background(keys, token, first + life)
+            raise exc
+        time.sleep(ACQUIRE_RETRY_DELAY)
+        sent = service.clock()
+        assert self._any_direct is not None  # the only caller's test
+        acquire_any = self._any_direct.acquire_any
+        try:
+            got = service._calls.call(
+                "acquire",
+                acquire_any,
+                keys,
+                token,
+                ttl,
+                max_lifetime,
+                holder,
+                timeout=budget_end - time.monotonic(),
+            )
+        except BaseException:
+            self._release_in_background(keys, token, sent + life)
+            raise
+        if not isinstance(got, Held):
+            for other in [*keys[: got[0]], *keys[got[0] + 1 :]]:
+                service.heartbeat.retry_release(other, token, until=first + life)
+        return got
 
     def _retried(self, call: Callable[[float], T], store_keys: Sequence[str], token: str, life: float) -> T:
         """``call(timeout)``, retried once with the same token: the store recognises its own

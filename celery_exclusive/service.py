@@ -46,6 +46,7 @@ from celery_exclusive.providers.base import (
     LockInfo,
     LockProvider,
 )
+from celery_exclusive.semaphore import MAX_LIMIT
 from celery_exclusive.urls import mask_url
 from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_task_id
 
@@ -154,6 +155,12 @@ class LockService(PrefixedStore):
         if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:  # the hot path
             taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
             return taken if type(taken) is Lease else None
+        if wait is None and hold_at_least is None and type(limit) is int and 1 < limit <= MAX_LIMIT:
+            # A semaphore's hot path (Leasing.try_lock's, limit checked so, without its call).
+            taken = self._acquiring.take(
+                key, ttl, refresh_interval, max_lifetime, holder, name_holder=False, limit=limit
+            )
+            return taken if type(taken) is Lease else None
         durations = (ttl, refresh_interval, max_lifetime)
         return self._leasing.try_lock(
             key, durations, holder=holder, wait=wait, hold_at_least=hold_at_least, limit=limit
@@ -212,6 +219,15 @@ class LockService(PrefixedStore):
                 if not self.keeps_records:
                     task_id = None
             taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
+            if isinstance(taken, Held):
+                raise LockedError(key, taken.holder)
+            return taken
+        if wait is None and hold_at_least is None and type(limit) is int and 1 < limit <= MAX_LIMIT:
+            # A semaphore's hot path: Leasing.lock's (limit checked so; task_id checked, then
+            # ignored), without its call.
+            if task_id is not None:
+                check_task_id(task_id, MAX_TASK_ID_LENGTH)
+            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, limit=limit)
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken

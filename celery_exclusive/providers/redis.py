@@ -92,6 +92,7 @@ from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
     ACQUIRE_ANY,
     ACQUIRE_UNLESS,
+    CHUNK,
     DONE,
     FENCES,
     FORGET,
@@ -370,8 +371,26 @@ class RedisLockProvider:
     ) -> tuple[int, Grant] | Held:
         """A semaphore's first free slot: one ``acquire_any.lua`` call over every slot key (on a
         cluster, one per hash slot in slot order: a semaphore's slots 2..N share one)."""
-        if any(key.startswith(FENCES) for key in keys):
-            raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
+        for key in keys:  # a loop, not any() over a generator: the hot path
+            if key.startswith(FENCES):
+                raise InvalidArgumentError(f"lock keys starting {FENCES!r} are the store's own (fences)")
+        if not self._cluster and len(keys) <= CHUNK:  # one group, one script call: groups() inline
+            # whole_ms of both, inline (as acquire's): whole ms rounded down, at least 1.
+            ttl_ms, life_ms = int(ttl * 1000 + 1e-6), int(max_lifetime * 1000 + 1e-6)
+            if ttl_ms < 1 or life_ms < 1:
+                ttl_ms, life_ms = whole_ms(ttl), whole_ms(max_lifetime)
+            numkeys = len(keys) + 1
+            if self._wait_replicas:
+                reply = self._granted(
+                    ACQUIRE_ANY, (numkeys, *keys, FENCES, token, ttl_ms, life_ms, holder), timeout
+                )
+            else:
+                reply = self._scripts.run(
+                    ACQUIRE_ANY, numkeys, *keys, FENCES, token, ttl_ms, life_ms, holder, timeout=timeout
+                )
+            if reply[0] == 1:
+                return reply[1] - 1, Grant(reply[2], reply[3] / 1e6)
+            return Held(self._info(keys[0], reply[1:7], reply[7]))
         deadline = None if timeout is None else time.monotonic() + timeout
         first: Held | None = None
         for group in self._server.groups(keys):

@@ -299,3 +299,61 @@ def test_a_peeking_store_retries_a_full_semaphore_by_reads_only(store: Store) ->
     assert got.store_key == leases[0].store_key
     got.release()
     leases[1].release()
+
+
+def test_a_lost_reply_is_retried_with_the_same_token_and_keeps_one_slot(store: Store) -> None:
+    """A semaphore acquire whose store call took a slot but failed in flight (a connection
+    error after the grant) is retried once with the same token: the store recognises it, the
+    lease is the slot the lost reply took, and no other slot is held."""
+    service = store.service()
+    original = service.provider.acquire_any  # type: ignore[attr-defined]
+    calls: list[str] = []
+
+    def lost_once(*args: object, **kwargs: object) -> object:
+        calls.append(str(args[1]))
+        answer = original(*args, **kwargs)
+        if len(calls) == 1:
+            raise ConnectionError("reply lost")
+        return answer
+
+    other = service.lock("lost-reply", limit=3, ttl=30)  # slot 1 held by someone else
+    service.provider.acquire_any = lost_once  # type: ignore[attr-defined]
+    lease = service.lock("lost-reply", limit=3, ttl=30)
+    assert len(calls) == 2, calls  # one retry
+    assert calls[0] == calls[1]  # with the same token
+    assert lease.store_key == service.prefix + slot_key("lost-reply", 2)
+    assert sorted(info.key for info in service.locks()) == ["lost-reply", slot_key("lost-reply", 2)]
+    lease.release()
+    other.release()
+
+
+def test_a_failure_that_is_not_the_stores_propagates_and_frees_the_slot(store: Store) -> None:
+    """An exception from the acquire that is not the store's (a signal handler's, say) is not
+    retried: it propagates unchanged, and the slot its call may have taken is released in the
+    background."""
+    service = store.service()
+    original = service.provider.acquire_any  # type: ignore[attr-defined]
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        original(*args, **kwargs)
+        raise RuntimeError("interrupted after the grant")
+
+    service.provider.acquire_any = interrupted  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="interrupted after the grant"):
+        service.lock("interrupted", limit=3, ttl=30)
+    service.provider.acquire_any = original  # type: ignore[attr-defined]
+    assert wait_until(lambda: not service.locks(), timeout=10 * store.slack)
+
+
+@pytest.mark.parametrize("key", ["", 5, "nul\x00key"])
+def test_a_bad_key_is_refused_for_a_semaphore_too(store: Store, key: object) -> None:
+    """The key itself is checked (not only its slot key ``{key}#N``, always a str)."""
+    with pytest.raises(InvalidArgumentError, match="lock key"):
+        store.service().lock(key, limit=3)  # type: ignore[arg-type]
+
+
+def test_a_bad_task_id_is_refused_for_a_semaphore_too(store: Store) -> None:
+    """``task_id`` is ignored for ``limit > 1`` (CHANGELOG), but a bad one is still refused
+    before the store is touched, on the semaphore's hot path too."""
+    with pytest.raises(InvalidArgumentError, match="task_id"):
+        store.service().lock("bad-task-id", limit=3, task_id="")

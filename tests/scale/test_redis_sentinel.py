@@ -29,7 +29,10 @@ from tests.contract import test_waiting as _waiting
 
 # The semaphore contract through the sentinel (on the `store` fixture below).
 from tests.contract.test_semaphore import (  # noqa: F401
+    test_a_bad_key_is_refused_for_a_semaphore_too,
     test_a_dead_holders_slot_is_reclaimed_after_its_ttl_and_not_before,
+    test_a_failure_that_is_not_the_stores_propagates_and_frees_the_slot,
+    test_a_lost_reply_is_retried_with_the_same_token_and_keeps_one_slot,
     test_a_waiter_on_a_full_semaphore_gets_the_slot_a_holder_releases,
     test_each_slot_has_its_own_fence,
     test_limit_one_is_the_single_lock,
