@@ -31,8 +31,9 @@ within :data:`CONFIRM_TIMEOUT` (a deadline armed on the socket per ``SSUBSCRIBE`
 watchdog of ``_deadline`` shuts the socket down and the reader fails; then waiters poll for
 :data:`STALLED_FOR` seconds before trying to subscribe again). A connection that dies
 silently is so noticed by the first subscription sent on it afterwards (within
-:data:`CONFIRM_TIMEOUT`); until then, and while no new key is subscribed, its waiters miss
-releases and see them by polling, within the poll bound. A child process never uses its
+:data:`CONFIRM_TIMEOUT`) or by TCP keepalive (:data:`KEEPALIVE`, about 25 s) while no new
+key is subscribed; until then its waiters miss releases and see them by polling, within
+the poll bound. A child process never uses its
 parent's connections: the provider makes a new ``ReleaseSignals`` when the pid changed,
 leaving the inherited one untouched.
 """
@@ -40,6 +41,7 @@ leaving the inherited one untouched.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +71,12 @@ SUBSCRIBE_WAIT = 0.05
 #: Seconds after a subscription went unconfirmed during which waiters poll without trying
 #: to subscribe (a server or proxy that swallows SSUBSCRIBE costs one wait, not every one).
 STALLED_FOR = 30.0
+#: TCP keepalive of a subscriber connection (seconds idle before the first probe, between
+#: probes, probes unanswered): one that died silently while its subscriptions stay (nothing
+#: is sent on it) fails after about 10 + 3 x 5 s, as PostgreSQL's connections do
+#: (``_sql_common``), and its waiters are told (they poll) instead of missing every
+#: release unheard; the next subscription opens a new connection.
+KEEPALIVE = (10, 5, 3)
 
 
 class _Link:
@@ -184,6 +192,7 @@ class ReleaseSignals:
             conn = make()
             _connect_within(conn, CONFIRM_TIMEOUT)
             conn._sock.settimeout(None)  # a subscriber waits for messages as long as it takes
+            _keep_alive(conn._sock)
             link = _Link(self, node, conn)
             with self._lock:
                 self._links[node] = link
@@ -276,3 +285,15 @@ class ReleaseSignals:
         for link in links:
             if link.thread is not threading.current_thread():
                 link.thread.join(CONFIRM_TIMEOUT)
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Turn on :data:`KEEPALIVE` probes on ``sock`` (where the platform has them)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):  # a Unix socket: no peer to lose
+        return
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)

@@ -149,6 +149,10 @@ def test_pg_silently_dead_listener_costs_only_latency_and_recovers(
     holder, waiter = pg_services
     assert handover(holder, waiter, "a") <= 0.05 + SLACK  # woken: the listener is up
     listener, sock = pg_listener_socket(waiter)
+    # An idle listener (a long wait: nothing sent) is noticed by libpq's keepalives, the
+    # URL defaults of _sql_common (10 s idle, 3 probes 5 s apart): not waited for here.
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
     dead_pid = listener.backend_pid
     with sock, blackholed(sock):
         # Cut while the waiter listens: its release notification is lost; it polls.
@@ -173,6 +177,7 @@ def test_redis_silently_dead_subscriber_costs_only_latency_and_recovers(
     monkeypatch.setattr(_redis_wake, "STALLED_FOR", 2.0)  # the test's recovery window, not 30 s
     assert handover(holder, waiter, "a") <= 0.05 + SLACK
     link, sock = redis_listener_socket(waiter)
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == _redis_wake.KEEPALIVE[0]
     with blackholed(sock):
         latency = handover(holder, waiter, "a")
         assert latency <= POLL_MAX + SLACK, latency
@@ -184,4 +189,25 @@ def test_redis_silently_dead_subscriber_costs_only_latency_and_recovers(
         assert wait_until(lambda: not link.alive, timeout=_redis_wake.CONFIRM_TIMEOUT + 2 * SLACK)
     # After STALLED_FOR a new connection is made and waits are woken again.
     time.sleep(2.0)
+    assert min(handover(holder, waiter, "d") for _ in range(3)) <= 0.05 + SLACK
+
+
+def test_redis_silently_dead_idle_subscriber_is_noticed_by_keepalive(
+    redis_services: tuple[LockService, LockService], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long wait subscribed before the cut sends nothing on the dead connection: TCP
+    keepalive (``KEEPALIVE``, lowered here to 1 + 2 x 1 s) fails it, its subscription breaks
+    (the waiter polls, and still acquires within the poll bound), and the next wait is woken
+    on a new connection. Without keepalive the connection stayed alive-looking forever."""
+    holder, waiter = redis_services
+    monkeypatch.setattr(_redis_wake, "KEEPALIVE", (1, 1, 2))
+    assert handover(holder, waiter, "a") <= 0.05 + SLACK  # the link, made with the lowered keepalive
+    link, sock = redis_listener_socket(waiter)
+    with contextlib.ExitStack() as cut:
+
+        def cut_then_until_lost() -> None:  # the waiter is subscribed already: nothing more is sent
+            cut.enter_context(blackholed(sock))
+            assert wait_until(lambda: not link.alive, timeout=3.0 + 3 * SLACK)
+
+        assert handover(holder, waiter, "a", before_release=cut_then_until_lost) <= POLL_MAX + SLACK
     assert min(handover(holder, waiter, "d") for _ in range(3)) <= 0.05 + SLACK
