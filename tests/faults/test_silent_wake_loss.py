@@ -7,10 +7,11 @@ loopback, both ways), the way a cut link or a firewall loses them: its socket lo
 no error comes, no notification arrives, while the pool's connections (the lock
 statements) keep working. The holder releases; the waiter must acquire within the poll
 bound (``waiting.POLL_MAX`` plus one attempt) all the same, a ``wait=`` must not overrun
-its timeout by more than the documented 100 ms, and the listener must notice the dead
-connection on its own and wake later waits again (docs/waiting.md, "A silently dead
-listener connection"). Each rule is deleted in ``finally`` (and at exit by netns.py's
-hook); only the private servers' connections are touched.
+its timeout by more than 100 ms (issue 13; README: one store round trip), and the
+listener must notice the dead connection on its own and wake later waits again
+(docs/scaling.md, "A listener connection that dies silently", "A subscriber connection
+that dies silently"). Each rule is deleted in ``finally``; only the private servers'
+connections are touched.
 """
 
 from __future__ import annotations
