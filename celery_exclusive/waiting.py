@@ -69,7 +69,8 @@ Wake-up, by store (the :class:`~celery_exclusive.providers.base.WakesWaiters` pr
   command, so one script serves all three; Redis < 7 has none and its waiters poll). A
   waiter subscribes on one connection per server (per primary on Cluster) per provider and
   process, read by a daemon thread, and returns from ``subscribe`` once the server
-  confirmed it. A lost connection breaks its subscriptions: the waiter polls. Chosen over a
+  confirmed it (or after 0.05 s, then signalled when it is, polling meanwhile). A lost
+  connection breaks its subscriptions: the waiter polls. Chosen over a
   per-key signal list (python-redis-lock's ``BLPOP``): a list needs a write per release
   even when nobody waits, its entries must expire, one waiter consumes the signal meant
   for all (the others then poll), and a blocking pop holds a pooled connection per waiter;

@@ -30,6 +30,10 @@ Losing the connection (a restart, a terminated backend, a failover) loses the no
 sent meanwhile: every subscription is then signalled spuriously (its waiter retries at
 once), and the thread reconnects with backoff and ``LISTEN``\\ s again, signalling once more
 when it did. A lost signal only costs latency: waiters poll at the poll bound anyway. A
+connection that dies silently (no reset, no error: a cut link) is noticed by the next
+command sent on it, which every wait on a key nobody else here waits for sends (its
+registration, and its removal when it leaves), within :data:`COMMAND_TIMEOUT`; until then
+its waiters poll (tests/faults/test_silent_wake_loss.py). A
 child process never uses its parent's listener (the provider makes a new one when the pid
 changed and leaves the inherited one untouched).
 """

@@ -14,39 +14,69 @@ publish to no one. Redis < 7 has no sharded pub/sub: the script's ``pcall`` fail
 server (per primary on Cluster: the one owning the key's slot), opened on the first
 subscription, with a daemon thread reading it and waking the subscriptions of the key a
 message names. A key is subscribed while someone waits for it and unsubscribed when the
-last one leaves. :meth:`ReleaseSignals.subscribe` returns only once the server confirmed
-the subscription, so a release after it is seen (the Protocol's "subscribe before the
-first try").
+last one leaves. :meth:`ReleaseSignals.subscribe` returns once the server confirmed the
+subscription, so a release after it is seen (the Protocol's "subscribe before the first
+try"), or after :data:`SUBSCRIBE_WAIT` seconds (the poll bound) if it did not yet: the
+subscription then signals once when the confirmation comes (a release meanwhile may have
+been missed), and the waiter polls meanwhile. It used to wait :data:`CONFIRM_TIMEOUT`
+seconds, so a subscriber connection that had died silently (a cut link: no reset, no
+error) held every waiter up to 1 s past a release and ``wait=0.3`` up to 0.7 s past its
+timeout (tests/faults/test_silent_wake_loss.py).
 
 Losing the connection (a kill, a restart, a Sentinel failover) breaks its subscriptions:
 their ``wait`` raises and the waiter polls for the rest of that wait (at the poll bound of
 :mod:`celery_exclusive.waiting`); the next subscription opens a new connection. So do a
 server-side ``sunsubscribe`` (a slot moved on Cluster) and a subscription not confirmed
-within :data:`CONFIRM_TIMEOUT` (after which waiters poll for :data:`STALLED_FOR` seconds
-before trying to subscribe again). A child process never uses its parent's connections: the
-provider makes a new ``ReleaseSignals`` when the pid changed, leaving the inherited one
-untouched.
+within :data:`CONFIRM_TIMEOUT` (a deadline armed on the socket per ``SSUBSCRIBE``: the
+watchdog of ``_deadline`` shuts the socket down and the reader fails; then waiters poll for
+:data:`STALLED_FOR` seconds before trying to subscribe again). A connection that dies
+silently is so noticed by the first subscription sent on it afterwards (within
+:data:`CONFIRM_TIMEOUT`) or by TCP keepalive (:data:`KEEPALIVE`, about 25 s) while no new
+key is subscribed; until then its waiters miss releases and see them by polling, within
+the poll bound. A child process never uses its
+parent's connections: the provider makes a new ``ReleaseSignals`` when the pid changed,
+leaving the inherited one untouched.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from celery_exclusive.providers import _deadline
 from celery_exclusive.providers._redis_wire import _connect_within, as_text
 from celery_exclusive.providers._signals import SignalsLost, Subscription, Watch, Woken
 
-__all__ = ["CONFIRM_TIMEOUT", "STALLED_FOR", "ReleaseSignals", "SignalsLost", "Subscription", "Woken"]
+__all__ = [
+    "CONFIRM_TIMEOUT",
+    "STALLED_FOR",
+    "SUBSCRIBE_WAIT",
+    "ReleaseSignals",
+    "SignalsLost",
+    "Subscription",
+    "Woken",
+]
 
 #: Seconds to connect the subscriber connection, and for the server to confirm a
-#: subscription; past it the waiter polls.
+#: subscription; past it the connection is given up (its waiters poll).
 CONFIRM_TIMEOUT = 1.0
+#: Seconds ``subscribe`` waits for the server's confirmation before returning anyway (the
+#: subscription then signals once when it comes, and the waiter polls meanwhile): at most
+#: the poll bound, so an unanswered subscription costs a waiter no more than polling does.
+SUBSCRIBE_WAIT = 0.05
 #: Seconds after a subscription went unconfirmed during which waiters poll without trying
 #: to subscribe (a server or proxy that swallows SSUBSCRIBE costs one wait, not every one).
 STALLED_FOR = 30.0
+#: TCP keepalive of a subscriber connection (seconds idle before the first probe, between
+#: probes, probes unanswered): one that died silently while its subscriptions stay (nothing
+#: is sent on it) fails after about 10 + 3 x 5 s, as PostgreSQL's connections do
+#: (``_sql_common``), and its waiters are told (they poll) instead of missing every
+#: release unheard; the next subscription opens a new connection.
+KEEPALIVE = (10, 5, 3)
 
 
 class _Link:
@@ -59,6 +89,11 @@ class _Link:
         #: Unsubscribes sent and not yet answered, per channel: any other ``sunsubscribe``
         #: is the server's (a slot moved away).
         self.leaving: dict[str, int] = {}
+        #: One armed deadline per SSUBSCRIBE sent and not yet confirmed, oldest first (the
+        #: server confirms in order): past :data:`CONFIRM_TIMEOUT` the watchdog shuts the
+        #: socket down, the reader fails, and the link is lost (a silently dead connection
+        #: is noticed by its next subscription).
+        self.pending: list[tuple[int, _deadline.Watch]] = []
         self.thread = threading.Thread(
             target=signals._listen, args=(self,), name=f"celery-exclusive-wake {node}", daemon=True
         )
@@ -67,12 +102,15 @@ class _Link:
 class _Watch(Watch):
     """A key's watch on one link; ``confirmed`` once the server answered its SSUBSCRIBE."""
 
-    __slots__ = ("confirmed", "link")
+    __slots__ = ("confirmed", "early", "link")
 
     def __init__(self, link: _Link, changed: threading.Condition) -> None:
         super().__init__(changed)
         self.link = link
         self.confirmed = False
+        #: A subscriber returned before the confirmation: signal when it comes (a release
+        #: meanwhile may have been missed).
+        self.early = False
 
 
 class ReleaseSignals:
@@ -96,8 +134,9 @@ class ReleaseSignals:
         self._stalled_until = 0.0
 
     def subscribe(self, key: str) -> Subscription:
-        """Subscribe to ``key``'s releases; returns once the server confirmed it. Raises a
-        driver error or :class:`SignalsLost` when it cannot (the waiter then polls)."""
+        """Subscribe to ``key``'s releases; returns once the server confirmed it, or after
+        :data:`SUBSCRIBE_WAIT` seconds (then it signals when it is). Raises a driver error or
+        :class:`SignalsLost` when it cannot (the waiter then polls)."""
         return self.subscribe_any([key])
 
     def subscribe_any(self, keys: Sequence[str]) -> Subscription:
@@ -119,6 +158,9 @@ class ReleaseSignals:
                     if found is None or found.broken or found.link is not link:
                         watch = self._watches[key] = _Watch(link, self._changed)
                         self._send(link, "SSUBSCRIBE", key)
+                        link.pending.append(
+                            _deadline.arm(link.conn._sock.fileno(), time.monotonic() + CONFIRM_TIMEOUT)
+                        )
                     else:
                         watch = found
                     watch.subscribers += 1
@@ -128,16 +170,15 @@ class ReleaseSignals:
                     self._leave(taken, watch)
                 raise
             subscription = Subscription(self._changed, watches, self._leave)
-            confirmed = self._changed.wait_for(
-                lambda: all(w.confirmed for w in watches.values()) or subscription.broken(), CONFIRM_TIMEOUT
+            self._changed.wait_for(
+                lambda: all(w.confirmed for w in watches.values()) or subscription.broken(), SUBSCRIBE_WAIT
             )
-            if confirmed and not subscription.broken():
+            if not subscription.broken():
+                for watch in watches.values():
+                    if not watch.confirmed:
+                        watch.early = True
                 return subscription
             subscription.close_locked()
-            if not confirmed:  # a connection that stopped answering: a new one, but not at once
-                self._stalled_until = time.monotonic() + STALLED_FOR
-                for link in {id(w.link): w.link for w in watches.values() if not w.confirmed}.values():
-                    self._lost(link)
         raise SignalsLost(self._unsupported or f"no subscription to releases of {', '.join(map(repr, keys))}")
 
     def _link(self, node: str, make: Callable[[], Any]) -> _Link:
@@ -151,6 +192,7 @@ class ReleaseSignals:
             conn = make()
             _connect_within(conn, CONFIRM_TIMEOUT)
             conn._sock.settimeout(None)  # a subscriber waits for messages as long as it takes
+            _keep_alive(conn._sock)
             link = _Link(self, node, conn)
             with self._lock:
                 self._links[node] = link
@@ -191,10 +233,15 @@ class ReleaseSignals:
             if "unknown command" in str(exc).lower():
                 self._unsupported = "this Redis has no sharded pub/sub (SSUBSCRIBE, Redis >= 7)"
         with self._lock:
+            if any(armed.fired for _, armed in link.pending):
+                # A connection that stopped answering: a new one, but not at once.
+                self._stalled_until = time.monotonic() + STALLED_FOR
             self._lost(link)
 
     def _dispatch(self, link: _Link, kind: str, key: str) -> None:
         with self._lock:
+            if kind == "ssubscribe" and link.pending:
+                _deadline.disarm(link.pending.pop(0)[0])
             if kind == "sunsubscribe" and link.leaving.get(key):
                 link.leaving[key] -= 1
                 if not link.leaving[key]:
@@ -207,13 +254,18 @@ class ReleaseSignals:
                 watch.signal()
             elif kind == "ssubscribe":
                 watch.confirmed = True
-                watch.changed.notify_all()
+                if watch.early:
+                    watch.signal()
+                else:
+                    watch.changed.notify_all()
             elif kind == "sunsubscribe":  # the server's: the slot moved; its waiters poll
                 del self._watches[key]
                 watch.break_off()
 
     def _lost(self, link: _Link) -> None:
         """``link`` is gone (holding the lock): its subscriptions break, its waiters poll."""
+        for ticket, _ in link.pending:  # before the socket closes (its number may be reused)
+            _deadline.disarm(ticket)
         if link.alive:
             link.alive = False
             if self._links.get(link.node) is link:
@@ -233,3 +285,15 @@ class ReleaseSignals:
         for link in links:
             if link.thread is not threading.current_thread():
                 link.thread.join(CONFIRM_TIMEOUT)
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Turn on :data:`KEEPALIVE` probes on ``sock`` (where the platform has them)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):  # a Unix socket: no peer to lose
+        return
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)

@@ -100,9 +100,10 @@ def test_the_server_gone_while_waiting_is_an_error_not_a_hang(
 def test_an_unconfirmed_subscription_is_given_up_and_waiters_poll(
     redis_server: PrivateRedis, services: tuple[LockService, LockService], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The server stops answering (CLIENT PAUSE ALL): a subscription unconfirmed within
-    CONFIRM_TIMEOUT fails (the waiter polls), the next ones fail at once for STALLED_FOR,
-    and after it subscribing works again."""
+    """The server stops answering (CLIENT PAUSE ALL): ``subscribe`` returns unconfirmed
+    after SUBSCRIBE_WAIT (the waiter polls), the connection is given up CONFIRM_TIMEOUT
+    after the unconfirmed SSUBSCRIBE (the subscription's wait raises), the next ones fail
+    at once for STALLED_FOR, and after it subscribing works again."""
     monkeypatch.setattr(_redis_wake, "STALLED_FOR", 1.5)
     holder, waiter = services
     provider = waiter.provider
@@ -110,9 +111,12 @@ def test_an_unconfirmed_subscription_is_given_up_and_waiters_poll(
     opened = provider.subscribe(holder.prefix + "open")  # the connection, made before the pause
     assert redis_server.command("CLIENT", "PAUSE", "1200", "ALL") == b"OK"
     started = time.monotonic()
+    unconfirmed = provider.subscribe(holder.prefix + "k")
+    assert time.monotonic() - started <= _redis_wake.SUBSCRIBE_WAIT + 0.3
     with pytest.raises(ConnectionError):
-        provider.subscribe(holder.prefix + "k")
+        unconfirmed.wait(_redis_wake.CONFIRM_TIMEOUT + 0.5)
     assert _redis_wake.CONFIRM_TIMEOUT <= time.monotonic() - started <= _redis_wake.CONFIRM_TIMEOUT + 0.5
+    unconfirmed.close()
     started = time.monotonic()
     with pytest.raises(ConnectionError):
         provider.subscribe(holder.prefix + "k")
