@@ -68,7 +68,7 @@ class Acquiring:
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
 
-    def take(  # noqa: PLR0912 - the hot paths of one key and of a semaphore, inline
+    def take(  # noqa: PLR0912, PLR0915 - the hot paths of one key and of a semaphore, inline
         self,
         key: str,
         ttl: float | timedelta | None,
