@@ -380,6 +380,19 @@ def faults(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Faults]:
         harness.teardown()
 
 
+def holder_and_waiter(url: str, tag: str) -> Iterator[tuple[LockService, LockService]]:
+    """Two services on ``url`` under one fresh prefix (``tag`` + 8 hex): a holder and a
+    waiter, closed afterwards. For fixtures: ``yield from holder_and_waiter(...)``."""
+    prefix = f"{tag}{uuid.uuid4().hex[:8]}:"
+    holder = LockService(url, prefix=prefix)
+    waiter = LockService(url, prefix=prefix)
+    try:
+        yield holder, waiter
+    finally:
+        holder.close()
+        waiter.close()
+
+
 def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.01) -> bool:
     """Poll ``predicate()`` until it is true or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -16,18 +15,13 @@ from celery_exclusive import BackendError, LockService, ReleaseOutcome
 from celery_exclusive.providers import _redis_wake
 from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.waiting import POLL_MAX
-from tests.faults.conftest import wait_until
+from tests.faults.conftest import holder_and_waiter, wait_until
 from tests.faults.servers import PrivateRedis
 
 
 @pytest.fixture
 def services(redis_server: PrivateRedis) -> Iterator[tuple[LockService, LockService]]:
-    prefix = f"wf{uuid.uuid4().hex[:8]}:"
-    holder = LockService(redis_server.url, prefix=prefix)
-    waiter = LockService(redis_server.url, prefix=prefix)
-    yield holder, waiter
-    holder.close()
-    waiter.close()
+    yield from holder_and_waiter(redis_server.url, "wf")
 
 
 def subscribed(server: PrivateRedis, key: str) -> bool:

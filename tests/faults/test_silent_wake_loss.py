@@ -23,7 +23,6 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +31,7 @@ import pytest
 from celery_exclusive import LockedError, LockService, ReleaseOutcome
 from celery_exclusive.providers import _pg_listen, _redis_wake
 from celery_exclusive.waiting import POLL_MAX
-from tests.faults.conftest import SLACK, wait_until
+from tests.faults.conftest import SLACK, holder_and_waiter, wait_until
 from tests.faults.servers import PrivatePostgres, PrivateRedis
 
 #: What a ``wait=`` may overrun its timeout by (issue 13: 100 ms), plus the machine's slack.
@@ -126,22 +125,12 @@ def timed_out_wait(holder: LockService, waiter: LockService, key: str, wait: flo
 
 @pytest.fixture
 def pg_services(pg_server: PrivatePostgres) -> Iterator[tuple[LockService, LockService]]:
-    prefix = f"sl{uuid.uuid4().hex[:8]}:"
-    holder = LockService(pg_server.url, prefix=prefix)
-    waiter = LockService(pg_server.url, prefix=prefix)
-    yield holder, waiter
-    holder.close()
-    waiter.close()
+    yield from holder_and_waiter(pg_server.url, "sl")
 
 
 @pytest.fixture
 def redis_services(redis_server: PrivateRedis) -> Iterator[tuple[LockService, LockService]]:
-    prefix = f"sl{uuid.uuid4().hex[:8]}:"
-    holder = LockService(redis_server.url, prefix=prefix)
-    waiter = LockService(redis_server.url, prefix=prefix)
-    yield holder, waiter
-    holder.close()
-    waiter.close()
+    yield from holder_and_waiter(redis_server.url, "sl")
 
 
 def test_pg_silently_dead_listener_costs_only_latency_and_recovers(
