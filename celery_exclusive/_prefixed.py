@@ -22,6 +22,7 @@ from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
     AcquiresUnless,
+    Completion,
     CompletionInfo,
     CompletionStore,
     Held,
@@ -71,12 +72,19 @@ class PrefixedStore:
             found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
         return [unprefixed(info, self.prefix) for info in found]
 
-    def force_release(self, key: str, token: str) -> bool:
-        """Release exactly the lease ``token`` holds on ``key`` (operators, worker hooks)."""
+    def force_release(self, key: str, token: str, *, completion: Completion | None = None) -> bool:
+        """Release exactly the lease ``token`` holds on ``key`` (operators, worker hooks).
+
+        With ``completion``, the same store call records it on ``key`` whether or not the
+        token still owned it, as a lease's own release does (a worker's main process ending
+        a run it killed); ignored by a store that keeps no records."""
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         if not isinstance(token, str) or not token:
             raise InvalidArgumentError("token must be a non-empty str")
-        return bool(self._call("release", self.provider.release, self.prefix + key, token))
+        done = self._records.for_release(completion)
+        if done is None:
+            return bool(self._call("release", self.provider.release, self.prefix + key, token))
+        return bool(self._call("release", self.provider.release, self.prefix + key, token, done))
 
     # -- markers ------------------------------------------------------------------------
 

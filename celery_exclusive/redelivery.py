@@ -177,6 +177,36 @@ def retried(task: TaskView) -> Completion | None:
     return completion(task, Retry())
 
 
+def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, Completion] | None:
+    """The record of a run of ``task_id`` killed at its hard time limit, and the key it goes
+    on (the carrier's: the first key, a semaphore's :func:`guard_key`), which the worker's
+    main process writes with the kill release; None when none may be written.
+
+    Celery acknowledges such a message (a final FAILURE) unless ``acks_late`` without
+    ``acks_on_timeout`` (``task_acks_on_failure_or_timeout``) requeues it, to run again: no
+    record then. The main process has no request, so the attempt is recorded as 0 (only a
+    ``retried`` record's attempt is compared)."""
+    task_id = usable_id(task_id)
+    keep = retention(task)
+    if task_id is None or keep is None or not keys:
+        return None
+    if getattr(task, "acks_late", False):
+        acks = getattr(task, "acks_on_timeout", None)  # Celery >= 5.6; before: the joint setting
+        if acks is None:
+            acks = getattr(task, "acks_on_failure_or_timeout", True)
+        if not acks:
+            return None
+    key = keys[0]
+    if task.lock_settings.limit > 1:
+        key = f"{key}{GUARD_INFIX}{task_id}"
+        service = task.lock_service
+        try:
+            check_key(key, prefix=service.prefix, max_length=service.provider.max_key_length)
+        except InvalidArgumentError:
+            return None
+    return key, Completion(task_id, "failure", 0, keep)
+
+
 def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
     """Whether the key is held by a run of this very task id: this message is its copy."""
     request = task.request

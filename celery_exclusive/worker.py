@@ -42,10 +42,10 @@ from celery import signals as celery_signals
 from celery.app import app_or_default
 from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
-from celery_exclusive import observe
+from celery_exclusive import observe, redelivery
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import ConfigurationError
-from celery_exclusive.providers.base import LockInfo
+from celery_exclusive.providers.base import Completion, LockInfo
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.urls import ENV_VAR, SETTING, resolve_url
@@ -59,6 +59,12 @@ KILL_RELEASE_WAIT = 30.0
 #: How long a kill hook looks for the killed run's lease, which it may be acquiring just now.
 KILL_LOOKUP_WINDOW = 1.0
 _POLL = 0.05
+#: The token of a release that only writes a completion record: no lease ever has it (a
+#: lease's token is random hex), so the release deletes nothing.
+RECORD_ONLY_TOKEN = "celery-exclusive:record-only"  # noqa: S105 - a marker, no secret
+#: Longest the main process waits for the record of a run killed at its hard time limit
+#: (it blocks the worker's loop meanwhile; the release thread writes the record again).
+RECORD_TIMEOUT = 2.0
 #: ``app.conf`` setting / environment variable: what a worker does at start when exclusive
 #: tasks cannot get a lock store: ``"log"`` (an ERROR line, the default), ``"fatal"``, ``"off"``.
 STARTUP_CHECK_SETTING = "exclusive_startup_check"
@@ -318,7 +324,7 @@ def release_on_hard_time_limit(
 ) -> None:
     """Release the lock of a task killed for its hard time limit once its process is gone."""
     if isinstance(exception, TimeLimitExceeded):
-        release_killed(sender, task_id, args, kwargs, "killed at its hard time limit")
+        release_killed(sender, task_id, args, kwargs, "killed at its hard time limit", record=True)
 
 
 for _signal, _receiver in (
@@ -338,12 +344,19 @@ def release_killed(
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
     why: str,
+    *,
+    record: bool = False,
 ) -> threading.Thread | None:
     """Release, in the background, the lease the killed run ``task_id`` of ``task`` held.
 
     Returns the thread doing it (None when ``task`` is not exclusive). Only a lease whose
     holder metadata names ``task_id``, this host and a process other than this one is
     released, and only after that process has exited; anything else is left alone.
+    ``record``: the run ended for good (a hard time limit: its message is acknowledged), so
+    its completion record (:func:`redelivery.killed`) is written at once, before this returns
+    and billiard kills the process (which may release its lease on its way out, without a
+    record), within :data:`RECORD_TIMEOUT`; the release writes it again. A copy of the
+    message then ends as ``already_done`` instead of running the body again.
     """
     keys_for = getattr(task, "lock_keys_for", None)
     if keys_for is None or not task_id:
@@ -351,12 +364,15 @@ def release_killed(
     try:
         keys = keys_for(tuple(args or ()), dict(kwargs or {}))
         service = get_lock_service(task.app)
+        done = redelivery.killed(task, keys, task_id) if record else None
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
         return None
+    if done is not None:
+        _record_now(service, *done, f"{task.name}[{task_id}] {why}")
     thread = threading.Thread(
         target=_release_all_when_gone,
-        args=(service, keys, task_id, f"{task.name}[{task_id}] {why}"),
+        args=(service, keys, task_id, f"{task.name}[{task_id}] {why}", done),
         name="celery-exclusive-kill-release",
         daemon=True,
     )
@@ -364,12 +380,20 @@ def release_killed(
     return thread
 
 
-def _release_all_when_gone(service: LockService, keys: list[str], task_id: str, what: str) -> None:
-    for key in keys:  # the run's keys (several for a multi-key task); once its process is gone
-        _release_when_gone(service, key, task_id, what)
+def _release_all_when_gone(
+    service: LockService, keys: list[str], task_id: str, what: str, done: tuple[str, Completion] | None
+) -> None:
+    carrier, record = done if done is not None else (None, None)
+    if carrier is not None and carrier not in keys:  # a semaphore's guard key
+        keys = [*keys, carrier]
+    # The run's keys (several for a multi-key task), the carrier last, once its process is gone.
+    for key in sorted(keys, key=lambda each: each == carrier):
+        _release_when_gone(service, key, task_id, what, record if key == carrier else None)
 
 
-def _release_when_gone(service: LockService, key: str, task_id: str, what: str) -> None:
+def _release_when_gone(
+    service: LockService, key: str, task_id: str, what: str, record: Completion | None = None
+) -> None:
     try:
         info = _lease_of(service, key, task_id)
         if info is None:
@@ -386,10 +410,20 @@ def _release_when_gone(service: LockService, key: str, task_id: str, what: str) 
                 key,
             )
             return
-        if service.force_release(key, info.token):
+        if service.force_release(key, info.token, completion=record):
             logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
     except Exception:
         logger.exception("%s: could not release its lock %r; it expires with its ttl", what, key)
+
+
+def _record_now(service: LockService, key: str, record: Completion, what: str) -> None:
+    """Write ``record`` on ``key`` without touching its lease, waiting at most :data:`RECORD_TIMEOUT`."""
+    try:
+        StoreCalls().call(
+            "record", service.force_release, key, RECORD_ONLY_TOKEN, completion=record, timeout=RECORD_TIMEOUT
+        )
+    except Exception as exc:
+        logger.warning("%s: could not record it as failed on lock %r yet: %s", what, key, exc)
 
 
 def _lease_of(service: LockService, key: str, task_id: str) -> LockInfo | None:

@@ -162,3 +162,53 @@ def test_holder_metadata_names_host_pid_and_task() -> None:
     assert seen["pid"] == os.getpid()
     assert seen["task_name"] == "ce_hooks_meta.t"
     assert seen["task_id"] == "the-id"
+
+
+def test_hard_time_limit_hook_records_the_run_before_billiard_kills_it(
+    sqlite_app: tuple[Celery, Any, LockService],
+) -> None:
+    """task_failure(TimeLimitExceeded) fires before billiard kills the child, which may
+    release its lease on its way out without a record: the hook has written the run's
+    failure record by the time it returns, the lease still held; the release comes after
+    the process is gone. A copy of that task id then ends as already_done."""
+    app, job, service = sqlite_app
+    child = hold_in_subprocess(app.conf.exclusive_url, "job:3", "T3")
+    try:
+        release_on_hard_time_limit(
+            sender=job, task_id="T3", exception=TimeLimitExceeded(1), args=[3], kwargs={}
+        )
+        record = service.completion("job:3", "T3")
+        assert record is not None
+        assert record.outcome == "failure"
+        assert service.peek("job:3") is not None, "released while its process was still alive"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 5
+        while service.peek("job:3") is not None:
+            assert time.monotonic() < deadline, "not released after the process died"
+            time.sleep(0.05)
+        assert service.completion("job:3", "T3") is not None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_hard_time_limit_hook_records_nothing_for_a_message_celery_requeues(
+    sqlite_app: tuple[Celery, Any, LockService],
+) -> None:
+    """acks_late without acks on timeout requeues the killed run's message, to run again: no
+    record (it would end that run); nor with records turned off."""
+    app, _, service = sqlite_app
+
+    @exclusive_task(app=app, key="late:{n}", name=f"{app.main}.late", shared=False, acks_late=True)
+    def late(n: int) -> None: ...
+
+    @exclusive_task(app=app, key="off:{n}", name=f"{app.main}.off", shared=False, done_retention=False)
+    def off(n: int) -> None: ...
+
+    late.acks_on_timeout = late.acks_on_failure_or_timeout = False
+    for task, key in ((late, "late:4"), (off, "off:4")):
+        release_on_hard_time_limit(
+            sender=task, task_id="T4", exception=TimeLimitExceeded(1), args=[4], kwargs={}
+        )
+        assert service.completion(key, "T4") is None, task.name

@@ -74,6 +74,26 @@ def test_record_is_written_even_when_the_lease_was_not_owned(store: Store) -> No
     taker.release()
 
 
+def test_force_release_records_whether_or_not_the_token_owns_the_key(store: Store) -> None:
+    """force_release(completion=...) (a worker's main process ending a run it killed) records
+    in the same call: with the holder's token it also deletes the lease; with a token that
+    owns nothing it deletes nothing and still records, so the holder keeps its lease."""
+    holder, operator = store.service(), store.service()
+    lease = holder.lock("killed")
+    failed = done("t-k", outcome="failure")
+    assert operator.force_release("killed", "owns-nothing", completion=failed) is False
+    assert lease.held
+    assert operator.peek("killed") is not None
+    record = operator.completion("killed", "t-k")
+    assert record is not None
+    assert record.outcome == "failure"
+    with pytest.raises(AlreadyDone):
+        operator.lock("killed", task_id="t-k")  # refused before the held key is even looked at
+    assert operator.force_release("killed", lease.token, completion=done("t-k2")) is True
+    assert operator.peek("killed") is None
+    assert operator.completion("killed", "t-k2") is not None
+
+
 def test_records_expire_by_the_store_clock(store: Store) -> None:
     """A record kept half a second is gone after it, for acquire, read and list alike."""
     service = store.service()
