@@ -267,6 +267,14 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             self.__dict__["_lock_settings_cache"] = cached
         return cached
 
+    def check_lock_settings(self) -> None:
+        """Raise the error every run would: the task's own lock options at odds with the
+        app's settings (a ``ttl`` above the app's ``max_lifetime``, an app-wide
+        ``on_locked="rerun"`` for a task of several keys...). The worker calls it at start."""
+        settings = self.lock_settings
+        if _key_builder_of(self).several:
+            _check_several(self.name, settings.on_locked, settings.cooldown, None, settings.limit)
+
     @property
     def lock_service(self) -> LockService:
         """This process's lock service for this task's app."""

@@ -44,7 +44,7 @@ from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
 from celery_exclusive import observe, redelivery
 from celery_exclusive._store import StoreCalls
-from celery_exclusive.errors import ConfigurationError
+from celery_exclusive.errors import ConfigurationError, ExclusiveError
 from celery_exclusive.providers.base import Completion, LockInfo
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
@@ -232,10 +232,36 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
             raise WorkerShutdown(EX_CONFIG) from None
         logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
         return
+    conflicts = task_setting_errors(app, names)
+    if conflicts:
+        message = (
+            f"celery-exclusive: {len(conflicts)} exclusive task(s) will fail at every run until "
+            f"their lock options agree with the app's settings: {'; '.join(conflicts)}"
+        )
+        if mode == "fatal":
+            logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
+            raise WorkerShutdown(EX_CONFIG) from None
+        logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
     if _pool_forks(instance):
         preload_driver(url)
     else:
         warm_up(app)
+
+
+def task_setting_errors(app: Any, names: Sequence[str]) -> list[str]:
+    """``"<task>: <error>"`` for each task of ``names`` whose own lock options are invalid
+    with the app's settings (``ttl`` above the app's ``max_lifetime``, an app-wide policy a
+    task of several keys cannot have...): each is checked when its class is made, but the
+    combination only when its settings are first read (``ExclusiveTask.check_lock_settings``)."""
+    errors = []
+    for name in names:
+        check = getattr(app.tasks[name], "check_lock_settings", None)
+        try:
+            if check is not None:
+                check()
+        except ExclusiveError as exc:
+            errors.append(f"{name}: {exc}")
+    return errors
 
 
 def preload_driver(url: str) -> None:

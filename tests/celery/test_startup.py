@@ -176,3 +176,53 @@ def test_a_prefork_child_on_a_silent_store_is_not_killed_for_a_late_up(celery_lo
     warned = [line for line in log.splitlines() if "could not open the lock store at process start" in line]
     assert len(warned) == 2, log[-3000:]  # the first child's, and its one replacement's
     assert len(replacements) == 1, replacements
+
+
+def test_a_task_option_at_odds_with_the_app_settings_stops_a_fatal_start(celery_logdir: Path) -> None:
+    """A task's own option that only the app's settings make invalid (``ttl=60`` under a
+    ``max_lifetime`` of 30 s) is reported at start, naming the task and the conflict, as a
+    missing store is: it used to pass the start and fail every run of that task."""
+    require_server(BROKER_URL)
+    conflicting = {"CELERY_EXCLUSIVE_MAX_LIFETIME": "30", STARTUP_CHECK_ENV: "fatal"}
+    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": "memory://", **conflicting})
+    try:
+        assert worker.popen.wait(60) == EX_CONFIG, worker.text()[-3000:]
+    finally:
+        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    critical = [line for line in worker.text().splitlines() if "CRITICAL/MainProcess" in line]
+    assert len(critical) == 1, worker.text()[-3000:]
+    assert "tests.celery.app.hold_long_ttl" in critical[0]
+    assert "ttl (60 s) must not exceed max_lifetime (30 s)" in critical[0]
+    assert "tests.celery.app.hold_short_ttl" not in critical[0], "a task whose options agree is not named"
+    assert " ready." not in worker.text()
+
+
+def test_a_task_option_at_odds_with_the_app_settings_is_an_error_line_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same in the default mode ("log"): one ERROR line at start naming the task, and
+    the worker goes on (the task's runs fail, saying the same)."""
+    from celery_exclusive.worker import check_at_worker_start
+
+    app = Celery(f"ce_start_{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.update(exclusive_url="memory://", exclusive_max_lifetime=60)
+
+    @exclusive_task(app=app, key="k:{n}", ttl=120, name=f"{app.main}.long", shared=False)
+    def long(n: int) -> None: ...
+
+    @exclusive_task(app=app, key="k:{n}", ttl=30, name=f"{app.main}.fine", shared=False)
+    def fine(n: int) -> None: ...
+
+    @exclusive_task(app=app, key=["a:{n}", "b:{n}"], name=f"{app.main}.several", shared=False)
+    def several(n: int) -> None: ...
+
+    app.conf.exclusive_on_locked = "rerun"  # what a task of several keys cannot do
+    worker = type("Worker", (), {"app": app, "pool_cls": "solo", "task_events": False})()
+    with caplog.at_level(logging.ERROR, logger="celery_exclusive"):
+        check_at_worker_start(instance=worker)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert f"{app.main}.long: ttl (120 s) must not exceed max_lifetime (60 s)" in errors[0]
+    assert f"{app.main}.several: {app.main}.several has several lock keys" in errors[0]
+    assert "on_locked='rerun'" in errors[0]
+    assert f"{app.main}.fine" not in errors[0]
