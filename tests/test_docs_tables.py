@@ -7,6 +7,7 @@ line left behind by a removed one) fails here rather than misleading a reader.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import click
 import pytest
 
+from celery_exclusive import LockService
+from celery_exclusive._leasing import DEFAULT_SWEEP_INTERVAL
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.service import DEFAULT_TTL
 from celery_exclusive.settings import OPTIONS, TASK_OPTIONS, ExclusiveSettings
@@ -171,3 +174,40 @@ def test_the_readme_lists_every_cli_command() -> None:
     block = section(read("README.md"), "## CLI")
     shown = set(re.findall(r"exclusive (?:--url \S+ )?([a-z]+)", block))
     assert shown == set(commands())
+
+
+#: LockService keywords README's API sketch leaves to its prose (test knobs).
+UNSKETCHED = {"clock", "thread_factory"}
+
+
+def sketched_calls(block: str) -> dict[str, ast.Call]:
+    """README's API sketch as calls: ``LockService(...)`` and each ``service.<method>(...)``."""
+    calls: dict[str, ast.Call] = {}
+    text = block.replace("*, ", "").replace("…, ", "").replace("[k1, k2, …]", "keys")
+    for found in re.finditer(r"^(LockService|service\.\w+)\((.*?)\)(?= *(?:->|#|$))", text, re.M | re.S):
+        call = ast.parse(f"f({' '.join(found.group(2).split())})", mode="eval").body
+        assert isinstance(call, ast.Call)
+        calls[found.group(1).removeprefix("service.")] = call
+    return calls
+
+
+def test_the_readme_api_sketch_names_real_parameters_with_their_defaults() -> None:
+    """README's lock core API: every parameter it shows exists, with the default shown; and
+    ``LockService`` shows all of its own but the test knobs."""
+    block = section(read("README.md"), "## The lock core API").split("```python\n", 1)[1].split("```", 1)[0]
+    calls = sketched_calls(block)
+    assert {"LockService", "run_exclusive", "lock", "try_lock", "lock_many", "peek", "close"} <= set(calls)
+    for name, call in calls.items():
+        target = LockService.__init__ if name == "LockService" else getattr(LockService, name)
+        parameters = inspect.signature(target).parameters
+        for argument in call.args:
+            assert isinstance(argument, ast.Name), (name, ast.dump(argument))
+            assert argument.id in parameters, f"{name}({argument.id}): no such parameter"
+        for keyword in call.keywords:
+            assert keyword.arg in parameters, f"{name}({keyword.arg}=): no such parameter"
+            default = parameters[keyword.arg].default
+            if keyword.arg == "sweep_interval":
+                default = DEFAULT_SWEEP_INTERVAL  # FROM_ENV: the environment, else this
+            assert ast.literal_eval(keyword.value) == default, f"{name}({keyword.arg}=) default"
+    shown = {keyword.arg for keyword in calls["LockService"].keywords} | {"store"}
+    assert shown | UNSKETCHED == {*inspect.signature(LockService.__init__).parameters} - {"self"}
