@@ -212,7 +212,8 @@ def printable(text: object) -> str:
 
 
 def describe_holder(info: LockInfo) -> str:
-    """Who holds a lease, for messages: task name and id, host and pid where known."""
+    """Who holds a lease, for messages: task name and id, host and pid where known; a holder
+    that is no task (a ``LockService`` caller) is "a process on host:pid"."""
     holder = info.holder
     parts = []
     if holder.get("task_name"):
@@ -221,7 +222,7 @@ def describe_holder(info: LockInfo) -> str:
         parts.append(f"[{holder['task_id']}]")
     where = ":".join(str(holder[k]) for k in ("host", "pid") if holder.get(k) not in (None, ""))
     if where:
-        parts.append(f"on {where}")
+        parts.append(f"on {where}" if parts else f"a process on {where}")
     return printable(" ".join(parts) or f"token {info.token}")
 
 
