@@ -162,6 +162,10 @@ def test_every_cli_command_and_flag_is_in_docs_cli() -> None:
         for flag in flags:
             if flag.startswith("--"):
                 assert flag in headings[name], f"{name} {flag} missing from its docs/cli.md heading"
+        body = section(text, f"### `{headings[name]}`")
+        for param in command.params:
+            if isinstance(param, click.Option) and type(param.default) is int:  # sweep --limit
+                assert f"`{param.opts[0]}` ({param.default})" in body, f"{name} {param.opts[0]}'s default"
     global_flags = {opt for param in cli.params for opt in param.opts if opt.startswith("--")}
     table = section(text, "## Global options")
     assert {
