@@ -1,4 +1,4 @@
-"""Operator commands: list, show, release, sweep and diagnose leases in a lock store.
+"""Operator commands: list, show, release and sweep leases, forget completion records, doctor.
 
 Two front ends share one set of sub-commands and differ only in where the store comes from:
 
@@ -9,9 +9,9 @@ Two front ends share one set of sub-commands and differ only in where the store 
 The prefix follows the workers' precedence: ``--prefix``, the app's ``exclusive_prefix``
 (Celery front end only), ``CELERY_EXCLUSIVE_PREFIX``, then ``task-lock:``.
 
-Exit codes: 0 success; 1 nothing released (mismatch or declined) or a doctor check failed;
-2 configuration or input error; 3 lock store error. Errors are one line on stderr, never
-a traceback, and never show a credential. See ``docs/cli.md``.
+Exit codes: 0 success; 1 nothing released (mismatch or declined), nothing to forget, or a
+doctor check failed; 2 configuration or input error; 3 lock store error. Errors are one
+line on stderr, never a traceback, and never show a credential. See ``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def printable(text: object) -> str:
 
 
 def describe_holder(info: LockInfo) -> str:
-    """Who holds a lease, for messages: task name and id, host and pid where known."""
+    """Who holds a lease, for messages: task name and id, host and pid where known; a holder
+    that is no task (a ``LockService`` caller) is "a process on host:pid"."""
     holder = info.holder
     parts = []
     if holder.get("task_name"):
@@ -221,7 +222,7 @@ def describe_holder(info: LockInfo) -> str:
         parts.append(f"[{holder['task_id']}]")
     where = ":".join(str(holder[k]) for k in ("host", "pid") if holder.get(k) not in (None, ""))
     if where:
-        parts.append(f"on {where}")
+        parts.append(f"on {where}" if parts else f"a process on {where}")
     return printable(" ".join(parts) or f"token {info.token}")
 
 

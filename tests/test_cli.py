@@ -374,6 +374,21 @@ def test_release_yes_frees_exactly_that_lease(store: Store, hold: Callable[..., 
     assert holder.lost(timeout=10) == {"alpha"}
 
 
+def test_release_names_a_lock_core_holder_as_a_process(store: Store) -> None:
+    """A lease taken by a ``LockService`` caller (no task) is "a process on host:pid" in the
+    prompt, the refusal and the result (it read "lease of on host:pid")."""
+    with store.service() as service:
+        lease = service.lock("core")
+        who = f"a process on {HOST}:{os.getpid()} (fence {lease.fence})"
+        refused = invoke(store, "release", "core", "--token", "not-the-token")
+        assert refused.stdout == f"'core': held by {who} with another token; nothing released\n"
+        declined = invoke(store, "release", "core", input="n\n")
+        assert f"Release the lease of {who} on 'core'?" in declined.stdout
+        released = invoke(store, "release", "core", "--yes")
+        assert released.stdout == f"'core': released lease of {who}\n"
+        lease.release()
+
+
 def test_release_with_the_holders_token_releases(store: Store, hold: Callable[..., Holder]) -> None:
     """``release KEY --token T --yes`` releases when T is the current holder's token."""
     holder = hold("alpha")

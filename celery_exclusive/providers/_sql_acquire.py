@@ -1,4 +1,4 @@
-"""The SQLite and MariaDB/MySQL store's acquire: one key, or a semaphore's first free slot.
+"""The SQLite and MariaDB/MySQL store's acquire: a key, a semaphore's free slot, a key unless another is held.
 
 Private to :mod:`celery_exclusive.providers.sql`. Each method is one attempt inside a
 transaction the caller runs (and retries): it bumps the fence counter first, which

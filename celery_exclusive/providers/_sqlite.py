@@ -1,4 +1,4 @@
-"""What SQLite needs beyond its statements: the lease clock, the fork gate, the busy timeout.
+"""What SQLite needs beyond its statements: lease clock, fork gate, busy timeout, waiter marks.
 
 Private to :mod:`celery_exclusive.providers.sql`. The fork gate is process-wide (one
 instance, hooked into ``os.register_at_fork``); the clock and the busy timeout are per
