@@ -363,8 +363,11 @@ def of(task: Task) -> OnLocked:
 
 def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
     """The answer to a held key: the redelivery check (policy-independent, and first: a copy
-    of this very message's run never reaches a policy), then the policy's ``locked`` hook."""
+    of this very message's run never reaches a policy, nor does a retry that finds its previous
+    attempt's lease cooling down), then the policy's ``locked`` hook."""
     if not call.inline and (redelivery.is_copy(task, holder) or redelivery.is_guard(task, key)):
+        if holder is not None and redelivery.is_predecessor(task, holder):
+            redelivery.after_cooldown(task, key, holder, call.args, call.kwargs)
         redelivery.end(task, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
     return of(task).locked(task, key, holder, call)
 

@@ -78,6 +78,8 @@ DEFAULT_RETENTION = 24 * 60 * 60.0
 GUARD_INFIX = "#id:"
 #: Message header counting how often a copy during the run deferred itself.
 DEFERRED_HEADER = "celery_exclusive_deferred"
+#: Message header of a retry whose previous attempt left its key cooling: that attempt's fences.
+COOLING_HEADER = "celery_exclusive_cooling"
 
 
 def retention(task: TaskView) -> float | None:
@@ -213,6 +215,32 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
     if request.called_directly or request.is_eager or holder is None or not request.id:
         return False
     return bool(holder.holder.get("task_id") == request.id)
+
+
+def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
+    """Whether ``holder`` is the cooling lease of an earlier attempt of this task id (its
+    fence is one the retry's message names, see the module docs), not a run in progress."""
+    fences = (task.request.headers or {}).get(COOLING_HEADER)
+    return holder is not None and isinstance(fences, list) and holder.fence in fences
+
+
+def after_cooldown(
+    task: TaskView, key: str, holder: LockInfo, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> NoReturn:
+    """End this retry's delivery, re-published to run once its previous attempt's cooldown
+    on ``key`` (``holder``) is over."""
+    request = task.request
+    deferred = _defer(task, holder, args, kwargs)
+    logger.info(
+        "cooling: %s[%s] is a retry, and lock %r still cools down from its previous attempt (%s); "
+        "it runs in %.1f s",
+        task.name,
+        request.id,
+        key,
+        holder.describe(),
+        deferred,
+    )
+    raise Ignore()
 
 
 def is_guard(task: TaskView, key: str) -> bool:

@@ -740,13 +740,22 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
 
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
-    """Release the run's lease before its retry is sent, and restart the lock-retry count."""
+    """Release the run's lease before its retry is sent, and restart the lock-retry count.
+
+    Under a ``cooldown`` the release leaves the key cooling, held by this very task id: the
+    retry's message names the fences of the leases released, so it tells that lease from
+    a copy of its own run (:func:`redelivery.is_predecessor`)."""
     lease = _runs.current(task)
+    cooling: list[int] = []
     if lease is not None:
         _runs.release_all(lease, redelivery.retried(task))
+        if task.lock_settings.cooldown is not None:
+            cooling = [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
     headers = task.request.headers
-    if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
-        options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
+    if "headers" not in options and (cooling or (headers and LOCK_RETRIES_HEADER in headers)):
+        options["headers"] = {k: v for k, v in (headers or {}).items() if k != LOCK_RETRIES_HEADER}
+    if cooling:
+        options["headers"] = {**(options["headers"] or {}), redelivery.COOLING_HEADER: cooling}
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:

@@ -175,6 +175,15 @@ def cooled_without_records(self: Any, key_id: str, tag: str, duration: float = 0
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="coolretry:{key_id}", cooldown=2, done_retention=False, bind=True)
+def cooled_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
+    """Runs, then retries once 0.2 s later, within its 2 s cooldown; keeps no completion records."""
+    result = _body(self, tag, 0.0)
+    if not self.request.retries:
+        raise self.retry(countdown=0.2)
+    return result
+
+
 @exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
 def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
     """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""

@@ -587,6 +587,20 @@ def test_the_cooldown_holds_without_completion_records(group: WorkerGroup) -> No
 
 
 @ONE_STORE
+def test_a_retry_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) -> None:
+    """cooldown=2, done_retention=False: the attempt's release before ``self.retry()`` leaves
+    its key cooling, held by its own task id. The retry is not a copy of a run in progress
+    (which, without records, is dropped): it runs, once the cooldown is over."""
+    from tests.celery.app import cooled_retrying
+
+    key_id, tag = uid(), uid()
+    result = group.send(cooled_retrying, key_id, tag).get(timeout=20)
+    assert result["retries"] == 1
+    first, second = sorted(r["start"] for r in records(tag) if r["kind"] == "run")
+    assert second - first > 1.9  # the cooldown (from the grant, just before the first start)
+
+
+@ONE_STORE
 def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
     """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a
     run longer than its cooldown frees the key when it ends."""
