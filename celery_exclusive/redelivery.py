@@ -126,9 +126,17 @@ def guard_key(task: TaskView, key: str, request: Any) -> str | None:
     """The key of the lease a semaphore's worker run (``limit > 1``) holds on its own task
     id besides its slot (see the module docs); None for a single lock (its key does that),
     an inline run, or an id that no key of the store can hold."""
-    if task.lock_settings.limit == 1 or request.called_directly or request.is_eager:
+    if request.called_directly or request.is_eager:
         return None
-    task_id = usable_id(request.id)
+    return guard_of(task, key, request.id)
+
+
+def guard_of(task: TaskView, key: str, task_id: object) -> str | None:
+    """The key of the lease a worker run of ``task_id`` of the semaphore ``task`` holds on its
+    own task id (:func:`guard_key`); None for a single lock or an id no key of the store can hold."""
+    if task.lock_settings.limit == 1:
+        return None
+    task_id = usable_id(task_id)
     if task_id is None:
         return None
     guard = f"{key}{GUARD_INFIX}{task_id}"
@@ -198,15 +206,8 @@ def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, C
             acks = getattr(task, "acks_on_failure_or_timeout", True)
         if not acks:
             return None
-    key = keys[0]
-    if task.lock_settings.limit > 1:
-        key = f"{key}{GUARD_INFIX}{task_id}"
-        service = task.lock_service
-        try:
-            check_key(key, prefix=service.prefix, max_length=service.provider.max_key_length)
-        except InvalidArgumentError:
-            return None
-    return key, Completion(task_id, "failure", 0, keep)
+    key = keys[0] if task.lock_settings.limit == 1 else guard_of(task, keys[0], task_id)
+    return None if key is None else (key, Completion(task_id, "failure", 0, keep))
 
 
 def is_copy(task: TaskView, holder: LockInfo | None) -> bool:

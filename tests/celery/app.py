@@ -208,6 +208,12 @@ def hold_long_ttl(
     return _body(self, tag, duration, block_term=block_term)
 
 
+@exclusive_task(app=app, key="hold2:{key_id}", limit=2, ttl=60, bind=True)
+def hold_long_ttl_limit2(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """``hold_long_ttl`` as a semaphore of 2: two runs hold its key at once, on 60 s leases."""
+    return _body(self, tag, duration)
+
+
 @exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)
 def soft_limited(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Runs into its soft time limit (SoftTimeLimitExceeded in the body)."""
