@@ -441,29 +441,66 @@ def _release_when_gone(
     service: LockService, keys: list[str], task_id: str, what: str, record: Completion | None = None
 ) -> None:
     """Release the lease run ``task_id`` holds on one of ``keys`` (writing ``record`` with it)
-    once its process is gone."""
+    once its process is gone; a lease with a cooldown is kept to the cooldown's end."""
     key = keys[0]
     try:
         found = _lease_of(service, keys, task_id)
         if found is None:
             return
         key, info = found
-        pid = info.holder.get("pid")
-        if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
-            return
-        if not _wait_gone(pid):
-            logger.warning(
-                "%s, but its process %d is still alive after %g s; lock %r is left to expire",
-                what,
-                pid,
-                KILL_RELEASE_WAIT,
-                key,
-            )
-            return
-        if service.force_release(key, info.token, completion=record):
-            logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
+        with _handling_mutex:  # Celery may report one hard time limit twice (task_failure)
+            if (key, info.token) in _handling:
+                return
+            _handling.add((key, info.token))
+        try:
+            _release_lease_when_gone(service, key, info, what, record)
+        finally:
+            with _handling_mutex:
+                _handling.discard((key, info.token))
     except Exception:
         logger.exception("%s: could not release its lock %r; it expires with its ttl", what, key)
+
+
+#: (key, token) of the leases a kill-release thread of this process is ending.
+_handling: set[tuple[str, str]] = set()
+_handling_mutex = threading.Lock()
+
+
+def _release_lease_when_gone(
+    service: LockService, key: str, info: LockInfo, what: str, record: Completion | None
+) -> None:
+    pid = info.holder.get("pid")
+    if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
+        return
+    if not _wait_gone(pid):
+        logger.warning(
+            "%s, but its process %d is still alive after %g s; lock %r is left to expire",
+            what,
+            pid,
+            KILL_RELEASE_WAIT,
+            key,
+        )
+        return
+    cooldown = info.holder.get("cooldown")
+    guard = key.endswith(f"{redelivery.GUARD_INFIX}{info.holder.get('task_id')}")
+    if isinstance(cooldown, (int, float)) and not guard:
+        # A run with a cooldown (its holder says so) keeps the key to the cooldown's end, as
+        # its own release would (not a semaphore run's task-id lease, which never cools):
+        # the rest of it on the store's clock, from the lease now.
+        now = service.peek(key)
+        if now is None or now.token != info.token:
+            return
+        left = cooldown - now.age
+        if left > _POLL:
+            if now.expires_in - left > _POLL and service.force_release(
+                key, now.token, completion=record, keep_for=left
+            ):
+                logger.warning(
+                    "%s: its lock %r (fence %d) ends with its cooldown, in %.1f s", what, key, now.fence, left
+                )
+            return
+    if service.force_release(key, info.token, completion=record):
+        logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
 
 
 def _record_now(service: LockService, key: str, record: Completion, what: str) -> None:

@@ -175,6 +175,12 @@ def cooled_without_records(self: Any, key_id: str, tag: str, duration: float = 0
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="cooldeaf:{key_id}", cooldown=4, ttl=60, bind=True)
+def cooled_deaf(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """``cooled`` on a 60 s lease, deaf to SIGTERM (only SIGKILL ends it: the kill hooks release)."""
+    return _body(self, tag, duration, block_term=True)
+
+
 @exclusive_task(app=app, key="coolretry:{key_id}", cooldown=2, done_retention=False, bind=True)
 def cooled_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
     """Runs, then retries once 0.2 s later, within its 2 s cooldown; keeps no completion records."""
