@@ -40,6 +40,14 @@ per semaphore run; an id too long for the store's keys gets no such lease (nor r
 records ``retried`` with the request's ``retries``; a message of a later attempt (the
 retry's own) runs, a copy of that attempt or an earlier one does not. Eager runs and
 direct calls neither check nor write records.
+
+A retry of a task with a ``cooldown`` can find its previous attempt's lease still held,
+cooling down (the release before the retry shortened it, it did not delete it): the same
+task id, yet no copy. The retry's message names the fences of that attempt's leases
+(header ``celery_exclusive_cooling``, :func:`is_predecessor`), so the retry re-publishes
+itself to run at the cooldown's end (:func:`after_cooldown`), with or without records,
+instead of ending as a copy (without records, that lost the retry); an eager retry waits
+for it inline.
 """
 
 from __future__ import annotations
@@ -221,8 +229,14 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
 def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
     """Whether ``holder`` is the cooling lease of an earlier attempt of this task id (its
     fence is one the retry's message names, see the module docs), not a run in progress."""
-    fences = (task.request.headers or {}).get(COOLING_HEADER)
-    return holder is not None and isinstance(fences, list) and holder.fence in fences
+    request = task.request
+    fences = (request.headers or {}).get(COOLING_HEADER)
+    return (
+        holder is not None
+        and isinstance(fences, list)
+        and holder.fence in fences
+        and holder.holder.get("task_id") == request.id
+    )
 
 
 def after_cooldown(
