@@ -351,6 +351,16 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         # celery-types says exc is an Exception; Celery takes any.
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)  # type: ignore[arg-type]
 
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
+        lease is released first, without a completion record (the id's work goes on in
+        ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
+        for a copy of this run."""
+        lease = _runs.current(self)
+        if lease is not None:
+            _runs.release_all(lease, None)
+        return super().on_replace(sig)
+
     # -- internals ------------------------------------------------------------------------
 
     def _acquire(self, key: str | list[str], once: str | None, request: Any) -> Lease | LeaseSet:

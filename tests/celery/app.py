@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, Task
 from celery.signals import worker_ready
 
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
@@ -218,6 +218,25 @@ def hold_long_ttl(
 def hold_long_ttl_limit2(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """``hold_long_ttl`` as a semaphore of 2: two runs hold its key at once, on 60 s leases."""
     return _body(self, tag, duration)
+
+
+class SlowReplace(Task):  # type: ignore[misc]  # celery-types' Task is generic; this base is not
+    """A base whose ``on_replace`` goes on for 0.5 s once the replacement is sent."""
+
+    def on_replace(self, sig: Any) -> Any:
+        try:
+            return super().on_replace(sig)
+        finally:
+            time.sleep(0.5)
+
+
+@exclusive_task(app=app, key="replace:{key_id}", base=SlowReplace, bind=True)
+def replacing(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
+    """Replaces itself (same task id, same key) with its next page, up to page 2."""
+    record("page", tag, page=page)
+    if page < 2:
+        raise self.replace(replacing.si(key_id, tag, page + 1))
+    return {"pages": page}
 
 
 @exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)

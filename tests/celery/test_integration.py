@@ -266,6 +266,16 @@ def test_revoke_terminate_frees_a_semaphore_runs_slot_within_seconds(group: Work
             result.revoke(terminate=True, signal="SIGKILL")
 
 
+def test_a_replacement_of_the_same_key_runs_at_once(group: WorkerGroup) -> None:
+    """``self.replace(same_task.si(...))`` hands the task id to a run of the same key; the run
+    releases its lease before the replacement is sent, so the replacement (which another
+    process may start while the base's on_replace still goes on) is not taken for a copy."""
+    tag = uid()
+    result = group.send(tasks.replacing, tag, tag, 1)
+    assert result.get(timeout=RESULT_TIMEOUT / 6) == {"pages": 2}
+    assert [r["page"] for r in records(tag)] == [1, 2]
+
+
 def test_soft_time_limit_fails_the_task_and_frees_the_lock(group: WorkerGroup) -> None:
     """A soft time limit raises in the body; the task fails with it and its lock is free at once."""
     tag = uid()
