@@ -355,10 +355,14 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
         lease is released first, without a completion record (the id's work goes on in
         ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
-        for a copy of this run."""
-        lease = _runs.current(self)
-        if lease is not None:
-            _runs.release_all(lease, None)
+        for a copy of this run. Under a ``cooldown`` a replacement signature names the
+        fences of the leases left cooling, as a retry does, and runs at the cooldown's end."""
+        cooling = _hand_on(self, None)
+        if cooling and sig.subtask_type is None:  # one task's signature, not a canvas
+            sig.options["headers"] = {
+                **(sig.options.get("headers") or {}),
+                redelivery.COOLING_HEADER: cooling,
+            }
         return super().on_replace(sig)
 
     # -- internals ------------------------------------------------------------------------
@@ -755,17 +759,25 @@ def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> Non
     Under a ``cooldown`` the release leaves the key cooling, held by this very task id: the
     retry's message names the fences of the leases released, so it tells that lease from
     a copy of its own run (:func:`redelivery.is_predecessor`)."""
-    lease = _runs.current(task)
-    cooling: list[int] = []
-    if lease is not None:
-        _runs.release_all(lease, redelivery.retried(task))
-        if task.lock_settings.cooldown is not None:
-            cooling = [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
+    cooling = _hand_on(task, redelivery.retried(task))
     headers = task.request.headers
     if "headers" not in options and (cooling or (headers and LOCK_RETRIES_HEADER in headers)):
         options["headers"] = {k: v for k, v in (headers or {}).items() if k != LOCK_RETRIES_HEADER}
     if cooling:
         options["headers"] = {**(options["headers"] or {}), redelivery.COOLING_HEADER: cooling}
+
+
+def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int]:
+    """Release the run's lease(s) before its task id is handed on (a retry, a replacement),
+    recording ``done``; the fences of the leases left cooling (a ``cooldown``), which the
+    next message of the id names (:data:`redelivery.COOLING_HEADER`), else []."""
+    lease = _runs.current(task)
+    if lease is None:
+        return []
+    _runs.release_all(lease, done)
+    if task.lock_settings.cooldown is None:
+        return []
+    return [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:

@@ -239,6 +239,15 @@ def replacing(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
     return {"pages": page}
 
 
+@exclusive_task(app=app, key="replacecool:{key_id}", cooldown=1, done_retention=False, bind=True)
+def replacing_cooled(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
+    """``replacing`` with a 1 s cooldown and no completion records."""
+    record("run", tag, start=time.time(), page=page)
+    if page < 2:
+        raise self.replace(replacing_cooled.si(key_id, tag, page + 1))
+    return {"pages": page}
+
+
 @exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)
 def soft_limited(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Runs into its soft time limit (SoftTimeLimitExceeded in the body)."""

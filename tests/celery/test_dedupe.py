@@ -623,6 +623,19 @@ def test_a_retry_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) ->
 
 
 @ONE_STORE
+def test_a_replacement_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) -> None:
+    """cooldown=1, done_retention=False: ``self.replace()`` by a run of the same key leaves
+    the key cooling under the task id the replacement takes over; the replacement is no copy
+    (which, without records, is dropped): it runs once the cooldown is over."""
+    from tests.celery.app import replacing_cooled
+
+    key_id, tag = uid(), uid()
+    assert group.send(replacing_cooled, key_id, tag, 1).get(timeout=20) == {"pages": 2}
+    first, second = sorted(r["start"] for r in records(tag) if r["kind"] == "run")
+    assert second - first > 0.9  # the cooldown (from the grant, just before the first start)
+
+
+@ONE_STORE
 def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
     """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a
     run longer than its cooldown frees the key when it ends."""
