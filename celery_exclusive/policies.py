@@ -365,7 +365,8 @@ def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
     """The answer to a held key: the redelivery check (policy-independent, and first: a copy
     of this very message's run never reaches a policy, nor does a retry that finds its previous
     attempt's lease cooling down), then the policy's ``locked`` hook."""
-    if holder is not None and redelivery.is_predecessor(task, holder):
+    # Only a cooldown's lease outlives its run (its holder says "cooldown"): no lookup else.
+    if holder is not None and "cooldown" in holder.holder and redelivery.is_predecessor(task, holder):
         if call.inline:  # an eager retry: no message to re-publish, so it waits here
             time.sleep(holder.expires_in + waiting.POLL_MIN)
             return AGAIN
