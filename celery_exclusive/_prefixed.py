@@ -29,6 +29,7 @@ from celery_exclusive.providers.base import (
     LockInfo,
     LockProvider,
     MarksLater,
+    RefreshRequest,
     Sweeps,
 )
 from celery_exclusive.validation import check_key, seconds, shown
@@ -72,16 +73,31 @@ class PrefixedStore:
             found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
         return [unprefixed(info, self.prefix) for info in found]
 
-    def force_release(self, key: str, token: str, *, completion: Completion | None = None) -> bool:
+    def force_release(
+        self, key: str, token: str, *, completion: Completion | None = None, keep_for: float | None = None
+    ) -> bool:
         """Release exactly the lease ``token`` holds on ``key`` (operators, worker hooks).
 
         With ``completion``, the same store call records it on ``key`` whether or not the
         token still owned it, as a lease's own release does (a worker's main process ending
-        a run it killed); ignored by a store that keeps no records."""
+        a run it killed); ignored by a store that keeps no records. With ``keep_for``
+        (seconds, > 0), the lease is not deleted but ends that long from now (never past
+        its hard deadline), as the release of a ``hold_at_least`` lease keeps the rest of
+        its cooldown; the record then takes a second call."""
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
         if not isinstance(token, str) or not token:
             raise InvalidArgumentError("token must be a non-empty str")
         done = self._records.for_release(completion)
+        if keep_for is not None:
+            left = seconds("keep_for", keep_for)
+            if left <= 0:
+                raise InvalidArgumentError(f"keep_for must be positive, got {shown(keep_for)}")
+            answers = self._call(
+                "release", self.provider.refresh, [RefreshRequest(self.prefix + key, token, left)]
+            )
+            if done is not None:  # a token that owns nothing: the store writes the record only
+                self._call("record", self.provider.release, self.prefix + key, "cooldown:" + token, done)
+            return bool(answers) and answers[0] is not None
         if done is None:
             return bool(self._call("release", self.provider.release, self.prefix + key, token))
         return bool(self._call("release", self.provider.release, self.prefix + key, token, done))

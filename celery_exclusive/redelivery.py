@@ -40,6 +40,14 @@ per semaphore run; an id too long for the store's keys gets no such lease (nor r
 records ``retried`` with the request's ``retries``; a message of a later attempt (the
 retry's own) runs, a copy of that attempt or an earlier one does not. Eager runs and
 direct calls neither check nor write records.
+
+A retry of a task with a ``cooldown`` can find its previous attempt's lease still held,
+cooling down (the release before the retry shortened it, it did not delete it): the same
+task id, yet no copy. The retry's message names the fences of that attempt's leases
+(header ``celery_exclusive_cooling``, :func:`is_predecessor`), so the retry re-publishes
+itself to run at the cooldown's end (:func:`after_cooldown`), with or without records,
+instead of ending as a copy (without records, that lost the retry); an eager retry waits
+for it inline.
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ DEFAULT_RETENTION = 24 * 60 * 60.0
 GUARD_INFIX = "#id:"
 #: Message header counting how often a copy during the run deferred itself.
 DEFERRED_HEADER = "celery_exclusive_deferred"
+#: Message header of a retry whose previous attempt left its key cooling: that attempt's fences.
+COOLING_HEADER = "celery_exclusive_cooling"
 
 
 def retention(task: TaskView) -> float | None:
@@ -124,9 +134,17 @@ def guard_key(task: TaskView, key: str, request: Any) -> str | None:
     """The key of the lease a semaphore's worker run (``limit > 1``) holds on its own task
     id besides its slot (see the module docs); None for a single lock (its key does that),
     an inline run, or an id that no key of the store can hold."""
-    if task.lock_settings.limit == 1 or request.called_directly or request.is_eager:
+    if request.called_directly or request.is_eager:
         return None
-    task_id = usable_id(request.id)
+    return guard_of(task, key, request.id)
+
+
+def guard_of(task: TaskView, key: str, task_id: object) -> str | None:
+    """The key of the lease a worker run of ``task_id`` of the semaphore ``task`` holds on its
+    own task id (:func:`guard_key`); None for a single lock or an id no key of the store can hold."""
+    if task.lock_settings.limit == 1:
+        return None
+    task_id = usable_id(task_id)
     if task_id is None:
         return None
     guard = f"{key}{GUARD_INFIX}{task_id}"
@@ -196,15 +214,8 @@ def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, C
             acks = getattr(task, "acks_on_failure_or_timeout", True)
         if not acks:
             return None
-    key = keys[0]
-    if task.lock_settings.limit > 1:
-        key = f"{key}{GUARD_INFIX}{task_id}"
-        service = task.lock_service
-        try:
-            check_key(key, prefix=service.prefix, max_length=service.provider.max_key_length)
-        except InvalidArgumentError:
-            return None
-    return key, Completion(task_id, "failure", 0, keep)
+    key = keys[0] if task.lock_settings.limit == 1 else guard_of(task, keys[0], task_id)
+    return None if key is None else (key, Completion(task_id, "failure", 0, keep))
 
 
 def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
@@ -213,6 +224,38 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
     if request.called_directly or request.is_eager or holder is None or not request.id:
         return False
     return bool(holder.holder.get("task_id") == request.id)
+
+
+def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
+    """Whether ``holder`` is the cooling lease of an earlier attempt of this task id (its
+    fence is one the retry's message names, see the module docs), not a run in progress."""
+    request = task.request
+    fences = (request.headers or {}).get(COOLING_HEADER)
+    return (
+        holder is not None
+        and isinstance(fences, list)
+        and holder.fence in fences
+        and holder.holder.get("task_id") == request.id
+    )
+
+
+def after_cooldown(
+    task: TaskView, key: str, holder: LockInfo, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> NoReturn:
+    """End this retry's delivery, re-published to run once its previous attempt's cooldown
+    on ``key`` (``holder``) is over."""
+    request = task.request
+    deferred = _defer(task, holder, args, kwargs)
+    logger.info(
+        "cooling: %s[%s] is a retry, and lock %r still cools down from its previous attempt (%s); "
+        "it runs in %.1f s",
+        task.name,
+        request.id,
+        key,
+        holder.describe(),
+        deferred,
+    )
+    raise Ignore()
 
 
 def is_guard(task: TaskView, key: str) -> bool:

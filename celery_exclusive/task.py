@@ -351,6 +351,20 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         # celery-types says exc is an Exception; Celery takes any.
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)  # type: ignore[arg-type]
 
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
+        lease is released first, without a completion record (the id's work goes on in
+        ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
+        for a copy of this run. Under a ``cooldown`` a replacement signature names the
+        fences of the leases left cooling, as a retry does, and runs at the cooldown's end."""
+        cooling = _hand_on(self, None)
+        if cooling and sig.subtask_type is None:  # one task's signature, not a canvas
+            sig.options["headers"] = {
+                **(sig.options.get("headers") or {}),
+                redelivery.COOLING_HEADER: cooling,
+            }
+        return super().on_replace(sig)
+
     # -- internals ------------------------------------------------------------------------
 
     def _acquire(self, key: str | list[str], once: str | None, request: Any) -> Lease | LeaseSet:
@@ -740,13 +754,30 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
 
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
-    """Release the run's lease before its retry is sent, and restart the lock-retry count."""
-    lease = _runs.current(task)
-    if lease is not None:
-        _runs.release_all(lease, redelivery.retried(task))
+    """Release the run's lease before its retry is sent, and restart the lock-retry count.
+
+    Under a ``cooldown`` the release leaves the key cooling, held by this very task id: the
+    retry's message names the fences of the leases released, so it tells that lease from
+    a copy of its own run (:func:`redelivery.is_predecessor`)."""
+    cooling = _hand_on(task, redelivery.retried(task))
     headers = task.request.headers
-    if "headers" not in options and headers and LOCK_RETRIES_HEADER in headers:
-        options["headers"] = {k: v for k, v in headers.items() if k != LOCK_RETRIES_HEADER}
+    if "headers" not in options and (cooling or (headers and LOCK_RETRIES_HEADER in headers)):
+        options["headers"] = {k: v for k, v in (headers or {}).items() if k != LOCK_RETRIES_HEADER}
+    if cooling:
+        options["headers"] = {**(options["headers"] or {}), redelivery.COOLING_HEADER: cooling}
+
+
+def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int]:
+    """Release the run's lease(s) before its task id is handed on (a retry, a replacement),
+    recording ``done``; the fences of the leases left cooling (a ``cooldown``), which the
+    next message of the id names (:data:`redelivery.COOLING_HEADER`), else []."""
+    lease = _runs.current(task)
+    if lease is None:
+        return []
+    _runs.release_all(lease, done)
+    if task.lock_settings.cooldown is None:
+        return []
+    return [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:

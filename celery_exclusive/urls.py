@@ -27,13 +27,17 @@ SETTING = "exclusive_url"
 MASK = "***"
 # Text is masked token by token; a token ends at whitespace or a quote (URLs are shown in
 # repr quotes), never at ",", ";" or brackets, which occur inside URLs (hosts, passwords).
-_TOKENS = re.compile(r"""([^\s'"]+)""")
+# A quote with an "@" after it in the same word is kept in the token: "'" is a valid
+# password character (an RFC 3986 sub-delimiter), and an opening quote then stays in front.
+_TOKENS = re.compile(r"""((?:[^\s'"]|['"](?=\S*@))+)""")
 _SCHEME_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 #: Query (or libpq ``key=value``) parameters whose value is a secret.
 _SECRET_PARAM = re.compile(
     r"(?i)(^|[?&;])([\w.-]*?(?:pass|pwd|token|secret|credential|api_?key)[\w.-]*)=([^&#]*)"
 )
-_BARE_USERINFO = re.compile(r"^([^:@/]*):(.+)@")
+#: ``user:password@`` at the start of a token without ``scheme://``, or after a broken
+#: scheme ending in "/" (``//user:pw@host``, ``redis//:pw@host``).
+_BARE_USERINFO = re.compile(r"^((?:[^:@]*/)?[^:@/]*):(.+)@")
 
 
 def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
@@ -45,7 +49,8 @@ def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
     query or libpq ``key=value`` parameter whose name contains ``pass``, ``pwd``,
     ``token``, ``secret``, ``credential`` or ``apikey`` (``password``, ``ssl_password``,
     ``sslpassword``, ``token``...), in each URL of a ``;``-separated list, in a URL
-    without ``scheme://`` (``user:pw@host``), and every exact occurrence of ``secrets``
+    without ``scheme://`` (``user:pw@host``, ``//user:pw@host``, ``redis//:pw@host``), a
+    password with quotes in it (``'`` is a valid URL character), and every exact occurrence of ``secrets``
     (the configured URL's, see :func:`url_secrets`, for drivers that echo them outside
     a URL). Everything else, including the rest of the message, is kept.
     """

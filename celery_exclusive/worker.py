@@ -21,8 +21,9 @@ this module is imported (``celery_exclusive.task`` imports it):
 * ``task_revoked`` (``terminated=True``) and ``task_failure`` with ``TimeLimitExceeded``:
   both fire in the worker's *main* process, the first right after the pool child was sent
   its signal, the second just *before* billiard kills the child for its hard time limit.
-  The hook recomputes the task's key from the request, peeks it, and once the process named
-  in the holder metadata is gone it force-releases exactly that lease (same task id, same
+  The hook recomputes the task's key from the request, peeks it (a semaphore's every slot,
+  and its run's task-id lease), and once the process named in the holder metadata is gone
+  it force-releases exactly that lease (same task id, same
   host, token-bound). A child SIGKILLed from outside (``WorkerLostError``) is left to the
   ttl: its lock is taken by the next task only after the lease expires.
 """
@@ -46,6 +47,7 @@ from celery_exclusive import observe, redelivery
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import ConfigurationError, ExclusiveError
 from celery_exclusive.providers.base import Completion, LockInfo
+from celery_exclusive.semaphore import slot_keys
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.urls import ENV_VAR, SETTING, resolve_url
@@ -391,6 +393,7 @@ def release_killed(
         keys = keys_for(tuple(args or ()), dict(kwargs or {}))
         service = get_lock_service(task.app)
         done = redelivery.killed(task, keys, task_id) if record else None
+        held = _held_by(task, keys, task_id)
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
         return None
@@ -398,7 +401,7 @@ def release_killed(
         _record_now(service, *done, f"{task.name}[{task_id}] {why}")
     thread = threading.Thread(
         target=_release_all_when_gone,
-        args=(service, keys, task_id, f"{task.name}[{task_id}] {why}", done),
+        args=(service, held, task_id, f"{task.name}[{task_id}] {why}", done),
         name="celery-exclusive-kill-release",
         daemon=True,
     )
@@ -406,40 +409,98 @@ def release_killed(
     return thread
 
 
+def _held_by(task: Any, keys: list[str], task_id: str) -> list[list[str]]:
+    """The keys a run of ``task_id`` with ``keys`` may hold, in groups of which it holds one
+    lease at most: each of its keys; for a semaphore, any one of its slots (slot 1 is the
+    key itself, see :mod:`celery_exclusive.semaphore`), then the lease on its own task id
+    (:func:`redelivery.guard_of`)."""
+    limit = task.lock_settings.limit
+    if limit == 1 or len(keys) != 1:  # several keys never make a semaphore
+        return [[key] for key in keys]
+    guard = redelivery.guard_of(task, keys[0], task_id)
+    return [slot_keys(keys[0], limit), *([[guard]] if guard is not None else [])]
+
+
 def _release_all_when_gone(
-    service: LockService, keys: list[str], task_id: str, what: str, done: tuple[str, Completion] | None
+    service: LockService,
+    held: list[list[str]],
+    task_id: str,
+    what: str,
+    done: tuple[str, Completion] | None,
 ) -> None:
     carrier, record = done if done is not None else (None, None)
-    if carrier is not None and carrier not in keys:  # a semaphore's guard key
-        keys = [*keys, carrier]
-    # The run's keys (several for a multi-key task), the carrier last, once its process is gone.
-    for key in sorted(keys, key=lambda each: each == carrier):
-        _release_when_gone(service, key, task_id, what, record if key == carrier else None)
+    if carrier is not None and not any(carrier in group for group in held):
+        held = [*held, [carrier]]
+    # The run's leases (several for a multi-key task or a semaphore), the carrier last, once
+    # its process is gone.
+    for group in sorted(held, key=lambda each: carrier in each):
+        _release_when_gone(service, group, task_id, what, record if carrier in group else None)
 
 
 def _release_when_gone(
-    service: LockService, key: str, task_id: str, what: str, record: Completion | None = None
+    service: LockService, keys: list[str], task_id: str, what: str, record: Completion | None = None
 ) -> None:
+    """Release the lease run ``task_id`` holds on one of ``keys`` (writing ``record`` with it)
+    once its process is gone; a lease with a cooldown is kept to the cooldown's end."""
+    key = keys[0]
     try:
-        info = _lease_of(service, key, task_id)
-        if info is None:
+        found = _lease_of(service, keys, task_id)
+        if found is None:
             return
-        pid = info.holder.get("pid")
-        if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
-            return
-        if not _wait_gone(pid):
-            logger.warning(
-                "%s, but its process %d is still alive after %g s; lock %r is left to expire",
-                what,
-                pid,
-                KILL_RELEASE_WAIT,
-                key,
-            )
-            return
-        if service.force_release(key, info.token, completion=record):
-            logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
+        key, info = found
+        with _handling_mutex:  # Celery may report one hard time limit twice (task_failure)
+            if (key, info.token) in _handling:
+                return
+            _handling.add((key, info.token))
+        try:
+            _release_lease_when_gone(service, key, info, what, record)
+        finally:
+            with _handling_mutex:
+                _handling.discard((key, info.token))
     except Exception:
         logger.exception("%s: could not release its lock %r; it expires with its ttl", what, key)
+
+
+#: (key, token) of the leases a kill-release thread of this process is ending.
+_handling: set[tuple[str, str]] = set()
+_handling_mutex = threading.Lock()
+
+
+def _release_lease_when_gone(
+    service: LockService, key: str, info: LockInfo, what: str, record: Completion | None
+) -> None:
+    pid = info.holder.get("pid")
+    if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
+        return
+    if not _wait_gone(pid):
+        logger.warning(
+            "%s, but its process %d is still alive after %g s; lock %r is left to expire",
+            what,
+            pid,
+            KILL_RELEASE_WAIT,
+            key,
+        )
+        return
+    cooldown = info.holder.get("cooldown")
+    guard = key.endswith(f"{redelivery.GUARD_INFIX}{info.holder.get('task_id')}")
+    if isinstance(cooldown, (int, float)) and not guard:
+        # A run with a cooldown (its holder says so) keeps the key to the cooldown's end, as
+        # its own release would (not a semaphore run's task-id lease, which never cools):
+        # the rest of it on the store's clock, from the lease now.
+        now = service.peek(key)
+        if now is None or now.token != info.token:
+            return
+        left = cooldown - now.age
+        if left > _POLL:
+            if now.expires_in - left > _POLL and service.force_release(
+                key, now.token, completion=record, keep_for=left
+            ):
+                logger.warning(
+                    "%s: its lock %r (fence %d) ends with its cooldown, in %.1f s", what, key, now.fence, left
+                )
+            return
+    if service.force_release(key, info.token, completion=record):
+        logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
 
 
 def _record_now(service: LockService, key: str, record: Completion, what: str) -> None:
@@ -452,13 +513,15 @@ def _record_now(service: LockService, key: str, record: Completion, what: str) -
         logger.warning("%s: could not record it as failed on lock %r yet: %s", what, key, exc)
 
 
-def _lease_of(service: LockService, key: str, task_id: str) -> LockInfo | None:
-    """The lease on ``key`` held by run ``task_id``, looked for during :data:`KILL_LOOKUP_WINDOW`."""
+def _lease_of(service: LockService, keys: list[str], task_id: str) -> tuple[str, LockInfo] | None:
+    """The lease on one of ``keys`` held by run ``task_id``, and its key, looked for during
+    :data:`KILL_LOOKUP_WINDOW`."""
     give_up = time.monotonic() + KILL_LOOKUP_WINDOW
     while True:
-        info = service.peek(key)
-        if info is not None and info.holder.get("task_id") == task_id:
-            return info
+        for key in keys:
+            info = service.peek(key)
+            if info is not None and info.holder.get("task_id") == task_id:
+                return key, info
         if time.monotonic() >= give_up:
             return None
         time.sleep(_POLL)

@@ -80,6 +80,18 @@ MASK_CASES: list[tuple[str, str, str]] = [
         "sentinel://h1:26379/m?password=***;sentinel://h2:26379",
     ),
     ("no-scheme", f"user:{PW}@host/db", "user:***@host/db"),
+    ("apostrophe-in-password", f"postgresql://u:a'{PW}@h/db", "postgresql://u:***@h/db"),
+    (
+        "apostrophe-in-password-in-a-message",
+        f"lock store 'redis://:{PW}'x@h/0': refused",
+        "lock store 'redis://:***@h/0': refused",
+    ),
+    ("scheme-missing-its-colon", f"redis//:{PW}@h:6379/0", "redis//:***@h:6379/0"),
+    (
+        "scheme-relative",
+        f"malformed lock store URL '//u:{PW}@h/db': expected",
+        "malformed lock store URL '//u:***@h/db': expected",
+    ),
     (
         "no-scheme-in-a-message",
         f"malformed lock store URL 'user:{PW}@host/db': expected scheme://...",

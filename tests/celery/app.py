@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, Task
 from celery.signals import worker_ready
 
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
@@ -175,6 +175,21 @@ def cooled_without_records(self: Any, key_id: str, tag: str, duration: float = 0
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="cooldeaf:{key_id}", cooldown=4, ttl=60, bind=True)
+def cooled_deaf(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """``cooled`` on a 60 s lease, deaf to SIGTERM (only SIGKILL ends it: the kill hooks release)."""
+    return _body(self, tag, duration, block_term=True)
+
+
+@exclusive_task(app=app, key="coolretry:{key_id}", cooldown=2, done_retention=False, bind=True)
+def cooled_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
+    """Runs, then retries once 0.2 s later, within its 2 s cooldown; keeps no completion records."""
+    result = _body(self, tag, 0.0)
+    if not self.request.retries:
+        raise self.retry(countdown=0.2)
+    return result
+
+
 @exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
 def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
     """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""
@@ -197,6 +212,40 @@ def hold_long_ttl(
 ) -> dict[str, Any]:
     """A long run on a 60 s lease; ``block_term`` makes it deaf to SIGTERM."""
     return _body(self, tag, duration, block_term=block_term)
+
+
+@exclusive_task(app=app, key="hold2:{key_id}", limit=2, ttl=60, bind=True)
+def hold_long_ttl_limit2(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """``hold_long_ttl`` as a semaphore of 2: two runs hold its key at once, on 60 s leases."""
+    return _body(self, tag, duration)
+
+
+class SlowReplace(Task):  # type: ignore[misc]  # celery-types' Task is generic; this base is not
+    """A base whose ``on_replace`` goes on for 0.5 s once the replacement is sent."""
+
+    def on_replace(self, sig: Any) -> Any:
+        try:
+            return super().on_replace(sig)
+        finally:
+            time.sleep(0.5)
+
+
+@exclusive_task(app=app, key="replace:{key_id}", base=SlowReplace, bind=True)
+def replacing(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
+    """Replaces itself (same task id, same key) with its next page, up to page 2."""
+    record("page", tag, page=page)
+    if page < 2:
+        raise self.replace(replacing.si(key_id, tag, page + 1))
+    return {"pages": page}
+
+
+@exclusive_task(app=app, key="replacecool:{key_id}", cooldown=1, done_retention=False, bind=True)
+def replacing_cooled(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
+    """``replacing`` with a 1 s cooldown and no completion records."""
+    record("run", tag, start=time.time(), page=page)
+    if page < 2:
+        raise self.replace(replacing_cooled.si(key_id, tag, page + 1))
+    return {"pages": page}
 
 
 @exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)

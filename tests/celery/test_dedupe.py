@@ -586,6 +586,55 @@ def test_the_cooldown_holds_without_completion_records(group: WorkerGroup) -> No
     assert 2.9 < time.time() - run["start"] < 3.0 + 1.5
 
 
+def test_a_run_killed_at_its_hard_time_limit_keeps_its_cooldown(group: WorkerGroup) -> None:
+    """cooldown=4, a 60 s lease, killed at its 1 s hard time limit: the worker's main process
+    ends the dead run's lease at the cooldown's end (4 s after the start), as the run's own
+    release would have; not at once (a second run within the cooldown), nor at the ttl."""
+    from celery.exceptions import TimeLimitExceeded
+
+    from tests.celery.app import cooled_deaf
+
+    key_id, tag = uid(), uid()
+    key = f"cooldeaf:{key_id}"
+    result = group.send(cooled_deaf, key_id, tag, 30.0, _options={"time_limit": 1})
+    (start,) = wait_for(
+        lambda: [r for r in records(tag) if r["kind"] == "start"], 20, what="the run to start"
+    )
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=20)
+    time.sleep(max(0.0, start["at"] + 2.5 - time.time()))  # the kill hook has acted by now
+    assert group.service.peek(key) is not None, "the kill ended the cooldown"
+    wait_for(lambda: group.service.peek(key) is None, 10, what="the cooldown's end")
+    assert time.time() - start["at"] < 4.0 + 1.5
+
+
+@ONE_STORE
+def test_a_retry_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) -> None:
+    """cooldown=2, done_retention=False: the attempt's release before ``self.retry()`` leaves
+    its key cooling, held by its own task id. The retry is not a copy of a run in progress
+    (which, without records, is dropped): it runs, once the cooldown is over."""
+    from tests.celery.app import cooled_retrying
+
+    key_id, tag = uid(), uid()
+    result = group.send(cooled_retrying, key_id, tag).get(timeout=20)
+    assert result["retries"] == 1
+    first, second = sorted(r["start"] for r in records(tag) if r["kind"] == "run")
+    assert second - first > 1.9  # the cooldown (from the grant, just before the first start)
+
+
+@ONE_STORE
+def test_a_replacement_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) -> None:
+    """cooldown=1, done_retention=False: ``self.replace()`` by a run of the same key leaves
+    the key cooling under the task id the replacement takes over; the replacement is no copy
+    (which, without records, is dropped): it runs once the cooldown is over."""
+    from tests.celery.app import replacing_cooled
+
+    key_id, tag = uid(), uid()
+    assert group.send(replacing_cooled, key_id, tag, 1).get(timeout=20) == {"pages": 2}
+    first, second = sorted(r["start"] for r in records(tag) if r["kind"] == "run")
+    assert second - first > 0.9  # the cooldown (from the grant, just before the first start)
+
+
 @ONE_STORE
 def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
     """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a

@@ -661,6 +661,21 @@ def test_always_eager_still_locks(locks: LockService, eager: None) -> None:
         raise_task.delay(n).get()
 
 
+@exclusive_task(app=app, key="coolretry:{n}", cooldown=0.5, bind=True)
+def cooled_retrying(self: Any, n: str) -> dict[str, Any]:
+    if not self.request.retries:
+        raise self.retry(countdown=0)
+    return {"retries": self.request.retries}
+
+
+def test_an_eager_retry_within_the_cooldown_waits_for_its_end(eager: None) -> None:
+    """Eager, as on a worker: a retry that finds its previous attempt's key cooling runs once
+    the cooldown is over (inline, as an eager lock retry waits), not skipped by it."""
+    started = time.monotonic()
+    assert cooled_retrying.delay(uid()).get() == {"retries": 1}
+    assert time.monotonic() - started >= 0.45
+
+
 def test_heartbeat_keeps_the_lease_under_the_solo_pool(locks: LockService) -> None:
     """Under the solo pool (the worker's own thread runs the task) the lease outlives its 1 s ttl."""
     n = uid()

@@ -240,6 +240,42 @@ def test_revoke_terminate_releases_lock_within_seconds(group: WorkerGroup, signa
         wait_for(lambda: released_by_main_process(group, result.id), 5, what="the main process's release log")
 
 
+def test_revoke_terminate_frees_a_semaphore_runs_slot_within_seconds(group: WorkerGroup) -> None:
+    """limit=2 on 60 s leases: SIGKILL of the run on slot 2 (``{key}#2``) by
+    revoke(terminate=True) frees that slot, and the lease on its own task id, within seconds;
+    the hook looks at every slot of the key, not only at the key itself (slot 1)."""
+    tag = uid()
+    key, slot2 = f"hold2:{tag}", f"{{hold2:{tag}}}#2"
+    results = [group.send(tasks.hold_long_ttl_limit2, tag, tag, 30) for _ in range(2)]
+    try:
+        wait_for(lambda: len(records(tag)) == 2, 20, what="both runs to start")
+        on_slot2 = group.service.peek(slot2)
+        assert on_slot2 is not None
+        (victim,) = [r for r in results if r.id == on_slot2.holder["task_id"]]
+        revoked_at = time.time()
+        victim.revoke(terminate=True, signal="SIGKILL")
+        wait_for(
+            lambda: group.service.peek(slot2) is None and group.service.peek(f"{key}#id:{victim.id}") is None,
+            10,
+            what="the killed run's slot and task-id lease to be released",
+        )
+        assert time.time() - revoked_at < 5.0, "left to the 60 s ttl"
+        assert group.service.peek(key) is not None  # the other run's slot 1 is untouched
+    finally:
+        for result in results:
+            result.revoke(terminate=True, signal="SIGKILL")
+
+
+def test_a_replacement_of_the_same_key_runs_at_once(group: WorkerGroup) -> None:
+    """``self.replace(same_task.si(...))`` hands the task id to a run of the same key; the run
+    releases its lease before the replacement is sent, so the replacement (which another
+    process may start while the base's on_replace still goes on) is not taken for a copy."""
+    tag = uid()
+    result = group.send(tasks.replacing, tag, tag, 1)
+    assert result.get(timeout=RESULT_TIMEOUT / 6) == {"pages": 2}
+    assert [r["page"] for r in records(tag)] == [1, 2]
+
+
 def test_soft_time_limit_fails_the_task_and_frees_the_lock(group: WorkerGroup) -> None:
     """A soft time limit raises in the body; the task fails with it and its lock is free at once."""
     tag = uid()

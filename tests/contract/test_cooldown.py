@@ -65,3 +65,30 @@ def test_a_cooldown_longer_than_max_lifetime_is_rejected_before_the_store(store:
     with pytest.raises(InvalidArgumentError, match="hold_at_least"):
         service.try_lock("k", hold_at_least=0)
     assert service.peek("k") is None
+
+
+def test_force_release_keep_for_ends_the_lease_then_instead_of_now(store: Store) -> None:
+    """``force_release(key, token, keep_for=s)`` (a worker's main process ending a killed run
+    with a cooldown) shortens the lease to end ``s`` from now, by token, and writes the record;
+    a token that does not own the key changes nothing; ``keep_for`` must be positive."""
+    holder, operator = store.service(), store.service()
+    lease = holder.lock("kept", ttl=30, task_id="t2")
+    holder.close(release=False)  # a dead run: nothing refreshes or releases it
+    keep = 1.5 * store.slack
+    assert not operator.force_release("kept", "not-its-token", keep_for=keep)
+    with pytest.raises(InvalidArgumentError, match="keep_for"):
+        operator.force_release("kept", lease.token, keep_for=0)
+    assert operator.force_release(
+        "kept", lease.token, completion=Completion("t2", "failure", 0, 60.0), keep_for=keep
+    )
+    info = operator.peek("kept")
+    assert info is not None
+    assert info.token == lease.token
+    assert info.expires_in <= keep
+    record = operator.completion("kept", "t2")
+    assert record is not None
+    assert record.outcome == "failure"
+    wait_until = time.monotonic() + 2 * keep
+    while operator.peek("kept") is not None:
+        assert time.monotonic() < wait_until, "kept past keep_for"
+        time.sleep(0.05)
