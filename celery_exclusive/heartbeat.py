@@ -230,6 +230,11 @@ class Heartbeat:
             self._adopt()
             return list(self._leases.values())
 
+    def inherited(self) -> list[Lease]:
+        """In a forked child, the leases this (the parent's) heartbeat kept: read without the
+        mutex, which a parent's thread may have held at the fork (the child has one thread)."""
+        return [*self._leases.values(), *self._fresh]
+
     @property
     def running(self) -> bool:
         """True while the heartbeat thread is alive."""
