@@ -294,6 +294,9 @@ def test_service_rejects_bad_input_before_the_store(
         ({"ttl": 10, "refresh_interval": 10}, "shorter"),
         ({"ttl": 100, "max_lifetime": 50}, "exceed"),
         ({"max_lifetime": 24 * 3600 + 1}, "hard cap"),
+        *[({"call_timeout": v}, "call_timeout must") for _, v, _ in BAD_DURATIONS],
+        # Beyond about 24.8 days psycopg's poll overflowed at the first call (OverflowError).
+        *[({"call_timeout": v}, "call_timeout must be at most") for v in (24 * 3600 + 1, 10**12)],
         *[({"heartbeat_batch_size": b}, "heartbeat_batch_size") for b in (0, -1, True, 1.5, "10", None)],
         ({"clock": 5}, "clock must be callable"),
         ({"thread_factory": "thread"}, "thread_factory must be callable"),
