@@ -31,7 +31,7 @@ from celery_exclusive.providers.base import (
     MarksLater,
     Sweeps,
 )
-from celery_exclusive.validation import check_key, seconds, shown
+from celery_exclusive.validation import check_key, check_token, seconds, shown
 
 T = TypeVar("T")
 
@@ -79,8 +79,7 @@ class PrefixedStore:
         token still owned it, as a lease's own release does (a worker's main process ending
         a run it killed); ignored by a store that keeps no records."""
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        if not isinstance(token, str) or not token:
-            raise InvalidArgumentError("token must be a non-empty str")
+        check_token(token)
         done = self._records.for_release(completion)
         if done is None:
             return bool(self._call("release", self.provider.release, self.prefix + key, token))
@@ -134,8 +133,7 @@ class PrefixedStore:
         ``answer()`` of what this returns reads its answer (exactly once: until then it
         holds a connection), so the caller can work during the round trip. Stores that cannot
         split a call (all but Redis) answer now: then ``ready`` is True."""
-        if not isinstance(token, str) or not token:  # else a marker no one could release
-            raise InvalidArgumentError("token must be a non-empty str")
+        check_token(token)  # else a marker no one could release
         lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
         return _marking.take_later(self, key, lifetime, holder, unless, token=token)
 

@@ -38,6 +38,7 @@ from celery_exclusive import (
     LockService,
     MemoryLockProvider,
     MissingDriverError,
+    ReleaseOutcome,
 )
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
@@ -182,6 +183,9 @@ SERVICE_CASES += [
     Case("token-empty", lambda s: s.force_release("k", ""), InvalidArgumentError, "token must be"),
     Case("token-none", lambda s: s.force_release("k", None), InvalidArgumentError, "token must be"),
     Case("token-int", lambda s: s.force_release("k", 5), InvalidArgumentError, "token must be"),
+    # A lone surrogate raised UnicodeEncodeError from the driver; a NUL reached the store.
+    Case("token-nul", lambda s: s.force_release("k", "t\x00"), InvalidArgumentError, "NUL"),
+    Case("token-surrogate", lambda s: s.force_release("k", "t\udc80"), InvalidArgumentError, "surrogates"),
     # begin_mark used to take the marker anyway (with a new token on the stores that answer
     # at once: a marker its caller could never release, until its ttl).
     *[
@@ -189,9 +193,9 @@ SERVICE_CASES += [
             f"begin-mark-token-{tid}",
             lambda s, t=t: s.begin_mark("k", token=t),
             InvalidArgumentError,
-            "token must be",
+            "token must",
         )
-        for tid, t in (("empty", ""), ("none", None), ("int", 5), ("bytes", b"t"))
+        for tid, t in (("empty", ""), ("none", None), ("int", 5), ("bytes", b"t"), ("nul", "t\x00"))
     ],
     # A wait beyond any float raised OverflowError.
     *[
@@ -863,6 +867,19 @@ def test_rejected_input_writes_nothing(real_store: RealStore) -> None:
             _declare(app, ttl=10, refresh_interval=10)(1)
         _close_app_service(app)
     assert real_store.written() == []
+
+
+def test_a_token_with_a_nul_releases_nothing(real_store: RealStore) -> None:
+    """``force_release`` with a live lease's token followed by a NUL is refused, and the lease
+    stays: PostgreSQL's text parameters end at a NUL, so that token released the lease."""
+    service = real_store.service()
+    lease = service.lock("held")
+    with pytest.raises(InvalidArgumentError, match="NUL"):
+        service.force_release("held", lease.token + "\x00forged")
+    found = service.peek("held")
+    assert found is not None
+    assert found.token == lease.token
+    assert lease.release() is ReleaseOutcome.RELEASED
 
 
 SQL_LOOKING = "'; DROP TABLE x; --"
