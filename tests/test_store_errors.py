@@ -127,3 +127,28 @@ def test_an_interrupted_rollback_of_lock_many_still_releases_every_key(flaky: An
     assert service.peek("a") is None
     assert service.peek("b") is None
     blocker.close()
+
+
+def test_an_interrupted_release_of_a_lease_set_still_releases_every_key(flaky: Any) -> None:
+    """A LeaseSet's release (its ``with`` block's exit) interrupted in its first lease's
+    release goes on with the others, then raises: they used to stay held, kept alive by the
+    heartbeat (until max_lifetime, 24 h) with nothing left to release them."""
+    provider, service = flaky
+    interrupted: list[object] = []
+
+    def release(*args: Any, timeout: float | None = None) -> bool:
+        if not interrupted:
+            interrupted.append(args)
+            raise SoftTimeLimitExceeded
+        return MemoryLockProvider.release(provider, *args, timeout=timeout)
+
+    leases = service.lock_many(["a", "b", "c"], ttl=30)
+    provider.release = release
+    with pytest.raises(SoftTimeLimitExceeded), leases:
+        pass
+    assert service.held() == []
+    del provider.release
+    deadline = time.monotonic() + 5
+    while any(service.peek(key) for key in "abc") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [service.peek(key) for key in "abc"] == [None, None, None]
