@@ -68,7 +68,8 @@ class PrefixedStore:
         the higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys."""
         found = self._call("scan", self.provider.scan, self.prefix + check_filter(prefix))
         if prefix and not prefix.startswith("{"):  # "" already covers every slot key
-            slots = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
+            braced = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
+            slots = [info for info in braced if _slot_of_filtered(info.key[len(self.prefix) :], prefix)]
             found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
         return [unprefixed(info, self.prefix) for info in found]
 
@@ -206,3 +207,10 @@ class PrefixedStore:
 
     def _after_fork_in_child(self) -> None:
         self._calls = StoreCalls()  # the parent's stuck calls have no thread here
+
+
+def _slot_of_filtered(key: str, prefix: str) -> bool:
+    """Whether ``key`` (found by its start ``"{" + prefix``) is a higher slot of a semaphore
+    whose key starts with ``prefix``, not a plain key that only starts so."""
+    semaphore_key, slot = semaphore.slot_of(key)
+    return slot > 1 and semaphore_key.startswith(prefix)
