@@ -16,7 +16,7 @@ from typing import Any
 from celery_exclusive import many, semaphore, signals, waiting
 from celery_exclusive._acquiring import Acquiring
 from celery_exclusive._core import Service
-from celery_exclusive._process import check_holder
+from celery_exclusive._process import holder_json
 from celery_exclusive._releasing import Releasing
 from celery_exclusive.errors import LockedError
 from celery_exclusive.heartbeat import Heartbeat
@@ -174,7 +174,7 @@ class Leasing:
         for key in keys:
             self._service._check_key(key)
         self._acquiring.durations(*durations)
-        check_holder(holder)
+        holder_json(holder)
 
     # -- upkeep -------------------------------------------------------------------------
 

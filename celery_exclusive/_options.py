@@ -21,6 +21,9 @@ from celery_exclusive.validation import check_prefix, lease_durations, seconds
 SWEEP_ENV_VAR = "CELERY_EXCLUSIVE_SWEEP_INTERVAL"
 #: The default of ``sweep_interval``: read :data:`SWEEP_ENV_VAR`.
 FROM_ENV: Any = object()
+#: Longest ``call_timeout`` accepted, in seconds (a day, as for ``wait``): a driver's poll
+#: takes its timeout in int milliseconds (psycopg's overflows past about 24.8 days).
+MAX_CALL_TIMEOUT = 24 * 60 * 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ def checked(
     options = Options(
         check_prefix(prefix),
         _sweep_interval(sweep_interval),
-        seconds("call_timeout", call_timeout),
+        _call_timeout(call_timeout),
         lease_durations(
             seconds("ttl", ttl),
             None if refresh_interval is None else seconds("refresh_interval", refresh_interval),
@@ -76,6 +79,15 @@ def store_from(store: LockProvider | str | None) -> tuple[str | None, LockProvid
     if isinstance(store, LockProvider):
         return None, store
     raise InvalidArgumentError(f"store must be a URL or a LockProvider, got {type(store).__name__}")
+
+
+def _call_timeout(value: object) -> float:
+    timeout = seconds("call_timeout", value)
+    if timeout > MAX_CALL_TIMEOUT:
+        raise InvalidArgumentError(
+            f"call_timeout must be at most {MAX_CALL_TIMEOUT:g} s (24 h), got {timeout:g}"
+        )
+    return timeout
 
 
 def _check_batch_size(size: object) -> int:

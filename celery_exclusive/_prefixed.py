@@ -32,7 +32,7 @@ from celery_exclusive.providers.base import (
     RefreshRequest,
     Sweeps,
 )
-from celery_exclusive.validation import check_key, seconds, shown
+from celery_exclusive.validation import check_key, check_token, seconds, shown
 
 T = TypeVar("T")
 
@@ -69,7 +69,8 @@ class PrefixedStore:
         the higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys."""
         found = self._call("scan", self.provider.scan, self.prefix + check_filter(prefix))
         if prefix and not prefix.startswith("{"):  # "" already covers every slot key
-            slots = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
+            braced = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
+            slots = [info for info in braced if _slot_of_filtered(info.key[len(self.prefix) :], prefix)]
             found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
         return [unprefixed(info, self.prefix) for info in found]
 
@@ -85,8 +86,7 @@ class PrefixedStore:
         its hard deadline), as the release of a ``hold_at_least`` lease keeps the rest of
         its cooldown; the record then takes a second call."""
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)
-        if not isinstance(token, str) or not token:
-            raise InvalidArgumentError("token must be a non-empty str")
+        check_token(token)
         done = self._records.for_release(completion)
         if keep_for is not None:
             left = seconds("keep_for", keep_for)
@@ -150,8 +150,7 @@ class PrefixedStore:
         ``answer()`` of what this returns reads its answer (exactly once: until then it
         holds a connection), so the caller can work during the round trip. Stores that cannot
         split a call (all but Redis) answer now: then ``ready`` is True."""
-        if not isinstance(token, str) or not token:  # else a marker no one could release
-            raise InvalidArgumentError("token must be a non-empty str")
+        check_token(token)  # else a marker no one could release
         lifetime = self.max_lifetime if ttl is None else seconds("ttl", ttl)
         return _marking.take_later(self, key, lifetime, holder, unless, token=token)
 
@@ -224,3 +223,10 @@ class PrefixedStore:
 
     def _after_fork_in_child(self) -> None:
         self._calls = StoreCalls()  # the parent's stuck calls have no thread here
+
+
+def _slot_of_filtered(key: str, prefix: str) -> bool:
+    """Whether ``key`` (found by its start ``"{" + prefix``) is a higher slot of a semaphore
+    whose key starts with ``prefix``, not a plain key that only starts so."""
+    semaphore_key, slot = semaphore.slot_of(key)
+    return slot > 1 and semaphore_key.startswith(prefix)

@@ -101,14 +101,25 @@ def _token_after_refill(used_up: _RandomPool) -> str:
     return new_token()
 
 
+#: Longest stored holder JSON, in characters (bytes too: it is ASCII): MariaDB's ``TEXT``
+#: column, the smallest of the stores'.
+MAX_HOLDER_LENGTH = 65535
+
+
 def holder_json(holder: Mapping[str, Any] | None) -> str:
     """The stored JSON of a lease's holder: this process's ``host`` and ``pid``, then
-    ``holder`` (checked: InvalidArgumentError unless a mapping with str keys)."""
+    ``holder`` (checked: InvalidArgumentError unless a mapping with str keys whose JSON
+    takes at most :data:`MAX_HOLDER_LENGTH` characters)."""
     if holder is None:
         return this.holder
     if type(holder) is EncodedHolder and holder.made_for is this.holder:
         return holder.json  # a HolderTemplate's, checked and encoded as below, in this process
-    return _encode({**this.meta, **check_holder(holder)})
+    encoded = _encode({**this.meta, **check_holder(holder)})
+    if len(encoded) > MAX_HOLDER_LENGTH:
+        raise InvalidArgumentError(
+            f"holder is {len(encoded)} characters as JSON; a store takes at most {MAX_HOLDER_LENGTH}"
+        )
+    return encoded
 
 
 class EncodedHolder(dict[str, Any]):

@@ -43,6 +43,10 @@ class Releasing:
         self.turns = waiting.Turns(service.provider)
         self._had_waiters = self.turns.had_waiters
 
+    def after_fork_in_child(self) -> None:
+        """Forget the parent's cooldowns: its leases are not the child's to release."""
+        self._cooldowns = {}
+
     def check_cooldown(self, hold_at_least: float | timedelta, max_lifetime: object) -> float:
         cooldown = seconds("hold_at_least", hold_at_least)
         lifetime = (

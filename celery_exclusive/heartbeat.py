@@ -61,6 +61,8 @@ logger = logging.getLogger("celery_exclusive")
 #: release costs as much as a fast round trip), so this bounds how long it takes to see
 #: that the last lease is gone; one idle wake a second is negligible.
 MAX_SLEEP = 1.0
+#: Why a lease past its local deadline is lost (as ``Lease.state`` says it too).
+_PAST_DEADLINE = "the lease was not confirmed before its local deadline"
 #: The thread exits after this many seconds with no lease held or added; the next lease
 #: starts a new one. Counted from the last acquisition, not the last release: a stream of
 #: short locks keeps one thread (waking once a second), instead of a thread started, with
@@ -230,6 +232,11 @@ class Heartbeat:
             self._adopt()
             return list(self._leases.values())
 
+    def inherited(self) -> list[Lease]:
+        """In a forked child, the leases this (the parent's) heartbeat kept: read without the
+        mutex, which a parent's thread may have held at the fork (the child has one thread)."""
+        return [*self._leases.values(), *self._fresh]
+
     @property
     def running(self) -> bool:
         """True while the heartbeat thread is alive."""
@@ -267,7 +274,7 @@ class Heartbeat:
             if self._stop.is_set():
                 return
             try:
-                self._pass()
+                self._pass(apart=True)
                 delay = self._next_delay()
             except Exception:  # the heartbeat must outlive any bug or outage
                 logger.warning("celery-exclusive heartbeat pass failed; retrying in 1 s", exc_info=True)
@@ -302,11 +309,19 @@ class Heartbeat:
         self._refreshing.abandon_overdue(self._clock())
         return self._next_delay()
 
-    def _pass(self) -> list[Call]:
-        """Lose what is past its deadline, give up overdue calls, start calls for what is due."""
+    def _pass(self, *, apart: bool = False) -> list[Call]:
+        """Lose what is past its deadline (``apart``: in a thread of its own, see
+        :meth:`_lose_apart`), give up overdue calls, start calls for what is due."""
         now = self._clock()
         self._refreshing.abandon_overdue(now)
-        due = self._due(now)
+        lost: list[Lease] = []
+        due = self._due(now, lost)
+        if lost:
+            if apart:
+                self._lose_apart(lost)
+            else:
+                for lease in lost:
+                    self._lose(lease, _PAST_DEADLINE)
         started = self._refreshing.start(due, now, self._batch_size) if due else []
         pending = self._inflight.releases_due()
         if pending:
@@ -327,9 +342,27 @@ class Heartbeat:
                 self._sweep.running = False
         return started
 
-    def _due(self, now: float) -> list[Lease]:
+    def _lose_apart(self, lost: list[Lease]) -> None:
+        """Lose ``lost`` (past their local deadlines) in a thread of their own: a loss runs the
+        holder's ``on_lost`` callbacks and ``lock_lost`` receivers, and one that blocks (a
+        release of the lost lease while the store is down takes 2 s) must not keep this
+        thread from refreshing the other leases, which would be lost in turn."""
+
+        def lose() -> None:
+            for lease in lost:
+                self._lose(lease, _PAST_DEADLINE)
+
+        with self.mutex:  # not looked at again meanwhile (the thread's next pass may come first)
+            for lease in lost:
+                self.discard(lease)
+        try:
+            self._thread_factory(target=lose, name="celery-exclusive-lost", daemon=True).start()
+        except RuntimeError:  # no new thread (the interpreter is shutting down): here, then
+            lose()
+
+    def _due(self, now: float, lost: list[Lease]) -> list[Lease]:
         """The leases to refresh now (none unless one is strictly due: the others ride along);
-        the ones past their local deadline are lost on the way."""
+        the ones past their local deadline go to ``lost``."""
         with self.mutex:
             self._adopt()
             active = list(self._leases.values())
@@ -339,7 +372,7 @@ class Heartbeat:
         for lease in active:
             what = lease._due(now)
             if what == "lost":
-                self._lose(lease, "the lease was not confirmed before its local deadline")
+                lost.append(lease)
             elif what != "later" and id(lease) not in busy:
                 due.append(lease)
                 strictly_due = strictly_due or what == "now"

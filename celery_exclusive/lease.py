@@ -306,6 +306,16 @@ class Lease:
         callbacks, self._on_lost = self._on_lost or [], None
         return callbacks, self._lost
 
+    def _left_to_parent(self, mutex: threading.Lock) -> None:
+        """In a forked child, this copy of a parent's lease: RELEASED here (never refreshed
+        or released by the child: ``release()`` answers NOT_OWNED without a store call, and
+        its callbacks are dropped), guarded by the child's ``mutex`` (the parent's may have
+        been held at the fork by a thread the child does not have)."""
+        self._mutex = mutex
+        if self._state in _LIVE:
+            self._state = _RELEASED
+        self._on_lost = None
+
     def _mark_released(self) -> bool | None:
         """Make the lease RELEASED; None if it already was, else whether it had been LOST."""
         if self._state is _RELEASED:

@@ -100,8 +100,10 @@ class LeaseSet:
             lease.check()
 
     def release(self) -> dict[str, ReleaseOutcome]:
-        """Release every lease (never raises for an outage; see ``Lease.release``)."""
-        return {lease.key: lease.release() for lease in reversed(self._leases)}
+        """Release every lease (never raises for an outage; see ``Lease.release``). An
+        exception that is not the store's (a signal handler's) is raised after the others
+        are released too (see :func:`_release_each`)."""
+        return _release_each(reversed(self._leases))
 
     def __enter__(self) -> LeaseSet:
         return self
@@ -157,8 +159,25 @@ def _attempt_once(
 
 
 def _roll_back(taken: list[Lease]) -> None:
-    for lease in reversed(taken):
-        lease.release()
+    _release_each(reversed(taken))
+
+
+def _release_each(leases: Iterable[Lease]) -> dict[str, ReleaseOutcome]:
+    """Release each of ``leases`` in turn, each key's outcome; an exception a release raises
+    (Celery's SoftTimeLimitExceeded, KeyboardInterrupt: the heartbeat finishes that release)
+    is raised again once every other lease is released, else those would stay held, kept
+    alive by the heartbeat until their max lifetime, with nothing left to release them."""
+    outcomes: dict[str, ReleaseOutcome] = {}
+    raised: BaseException | None = None
+    for lease in leases:
+        try:
+            outcomes[lease.key] = lease.release()
+        except BaseException as exc:
+            if raised is None:
+                raised = exc
+    if raised is not None:
+        raise raised
+    return outcomes
 
 
 __all__ = ["MAX_KEYS", "LeaseSet", "check_keys", "take_all"]

@@ -76,7 +76,8 @@ class LockService(PrefixedStore):
     ``store`` is a provider or a URL; None reads ``CELERY_EXCLUSIVE_URL``. One service per
     process is the intended use: it owns one heartbeat thread for all its leases. Safe to
     use from several threads, and across ``fork`` (a child starts with no leases and never
-    reuses the parent's connections).
+    reuses the parent's connections; its copies of the parent's leases are RELEASED, and
+    releasing one there answers NOT_OWNED without touching the store).
 
     Every store call has a deadline: ``call_timeout`` for acquiring (its retry included),
     inspecting (``peek``, ``locks``, the completion records) and ``force_release``; at most
@@ -342,7 +343,13 @@ class LockService(PrefixedStore):
 
     def _after_fork_in_child(self) -> None:
         # The parent's leases are the parent's: the child neither refreshes nor releases them.
+        # Its copies are RELEASED, so a release there (a ``with`` block the child leaves, a
+        # ``finally``) cannot delete the parent's lease with the token the copy carries.
+        inherited = self._heartbeat.inherited()
         self._heartbeat = self._leasing.new_heartbeat()
+        self._releasing.after_fork_in_child()
+        for lease in inherited:
+            lease._left_to_parent(self._heartbeat.mutex)
         super()._after_fork_in_child()
 
     # -- internals ------------------------------------------------------------------------

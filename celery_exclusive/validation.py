@@ -65,6 +65,21 @@ def check_key(key: object, *, prefix: str = "", max_length: int | None = None) -
     return key
 
 
+def check_token(token: object) -> str:
+    """An owner token given by a caller: a non-empty str, UTF-8 encodable, without NUL (which
+    PostgreSQL's text parameters end at: ``token + "\\x00…"`` would match ``token``)."""
+    if not isinstance(token, str) or not token:
+        raise InvalidArgumentError("token must be a non-empty str")
+    if "\x00" in token:
+        raise InvalidArgumentError("token must not contain NUL characters")
+    if not token.isascii():  # every token new_token() makes is ASCII
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError("token must be valid Unicode text (no lone surrogates)") from None
+    return token
+
+
 def check_prefix(prefix: object) -> str:
     """A key prefix: at most 64 printable ASCII characters without spaces."""
     if not isinstance(prefix, str) or not _PREFIX.match(prefix):

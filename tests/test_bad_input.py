@@ -38,6 +38,7 @@ from celery_exclusive import (
     LockService,
     MemoryLockProvider,
     MissingDriverError,
+    ReleaseOutcome,
 )
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
@@ -136,6 +137,10 @@ DURATION_METHODS: dict[str, Callable[..., object]] = {
 }
 
 
+#: Holder metadata whose JSON is one character too long for every store.
+HUGE_HOLDER = {"x": "y" * 65535}
+
+
 def _key_case(method: str, key: object) -> Callable[[LockService], object]:
     return lambda s: KEY_METHODS[method](s, key)
 
@@ -172,6 +177,16 @@ SERVICE_CASES += [
     Case("holder-str", lambda s: s.lock("k", holder="me"), InvalidArgumentError, "holder must be a mapping"),
     Case("holder-int-keys", lambda s: s.lock("k", holder={1: 2}), InvalidArgumentError, "str keys"),
     Case("holder-pairs", lambda s: s.lock("k", holder=[("a", 1)]), InvalidArgumentError, "holder must"),
+    # Beyond MariaDB's TEXT column: a BackendError there ("Data too long"), after the write.
+    *[
+        Case(f"holder-too-long-{mid}", lambda s, call=call: call(s), InvalidArgumentError, "holder is")
+        for mid, call in (
+            ("lock", lambda s: s.lock("k", holder=HUGE_HOLDER)),
+            ("try_lock-wait", lambda s: s.try_lock("k", holder=HUGE_HOLDER, wait=0.5)),
+            ("lock_many", lambda s: s.lock_many(["a", "b"], holder=HUGE_HOLDER)),
+            ("mark", lambda s: s.mark("k", holder=HUGE_HOLDER)),
+        )
+    ],
     Case("fn-not-callable", lambda s: s.run_exclusive("k", 5), InvalidArgumentError, "fn must be callable"),
     Case(
         "on-locked-not-callable",
@@ -182,6 +197,9 @@ SERVICE_CASES += [
     Case("token-empty", lambda s: s.force_release("k", ""), InvalidArgumentError, "token must be"),
     Case("token-none", lambda s: s.force_release("k", None), InvalidArgumentError, "token must be"),
     Case("token-int", lambda s: s.force_release("k", 5), InvalidArgumentError, "token must be"),
+    # A lone surrogate raised UnicodeEncodeError from the driver; a NUL reached the store.
+    Case("token-nul", lambda s: s.force_release("k", "t\x00"), InvalidArgumentError, "NUL"),
+    Case("token-surrogate", lambda s: s.force_release("k", "t\udc80"), InvalidArgumentError, "surrogates"),
     # begin_mark used to take the marker anyway (with a new token on the stores that answer
     # at once: a marker its caller could never release, until its ttl).
     *[
@@ -189,9 +207,9 @@ SERVICE_CASES += [
             f"begin-mark-token-{tid}",
             lambda s, t=t: s.begin_mark("k", token=t),
             InvalidArgumentError,
-            "token must be",
+            "token must",
         )
-        for tid, t in (("empty", ""), ("none", None), ("int", 5), ("bytes", b"t"))
+        for tid, t in (("empty", ""), ("none", None), ("int", 5), ("bytes", b"t"), ("nul", "t\x00"))
     ],
     # A wait beyond any float raised OverflowError.
     *[
@@ -294,6 +312,9 @@ def test_service_rejects_bad_input_before_the_store(
         ({"ttl": 10, "refresh_interval": 10}, "shorter"),
         ({"ttl": 100, "max_lifetime": 50}, "exceed"),
         ({"max_lifetime": 24 * 3600 + 1}, "hard cap"),
+        *[({"call_timeout": v}, "call_timeout must") for _, v, _ in BAD_DURATIONS],
+        # Beyond about 24.8 days psycopg's poll overflowed at the first call (OverflowError).
+        *[({"call_timeout": v}, "call_timeout must be at most") for v in (24 * 3600 + 1, 10**12)],
         *[({"heartbeat_batch_size": b}, "heartbeat_batch_size") for b in (0, -1, True, 1.5, "10", None)],
         ({"clock": 5}, "clock must be callable"),
         ({"thread_factory": "thread"}, "thread_factory must be callable"),
@@ -860,6 +881,19 @@ def test_rejected_input_writes_nothing(real_store: RealStore) -> None:
             _declare(app, ttl=10, refresh_interval=10)(1)
         _close_app_service(app)
     assert real_store.written() == []
+
+
+def test_a_token_with_a_nul_releases_nothing(real_store: RealStore) -> None:
+    """``force_release`` with a live lease's token followed by a NUL is refused, and the lease
+    stays: PostgreSQL's text parameters end at a NUL, so that token released the lease."""
+    service = real_store.service()
+    lease = service.lock("held")
+    with pytest.raises(InvalidArgumentError, match="NUL"):
+        service.force_release("held", lease.token + "\x00forged")
+    found = service.peek("held")
+    assert found is not None
+    assert found.token == lease.token
+    assert lease.release() is ReleaseOutcome.RELEASED
 
 
 SQL_LOOKING = "'; DROP TABLE x; --"

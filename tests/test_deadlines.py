@@ -114,6 +114,32 @@ def test_a_stuck_refresh_does_not_starve_the_other_leases() -> None:
         service.close()
 
 
+def test_a_blocking_on_lost_callback_does_not_starve_the_other_leases() -> None:
+    """A lease lost at its deadline runs its ``on_lost`` callbacks off the heartbeat thread:
+    one that blocks (here until the end) used to stop every refresh, and a healthy lease
+    went LOST at its own deadline, about 0.9 s later."""
+    provider = MemoryLockProvider()
+    service = LockService(provider, ttl=1.0, refresh_interval=0.2)
+    unblock = threading.Event()
+    called = threading.Event()
+
+    def blocking(_lease: object, _reason: str) -> None:
+        called.set()
+        unblock.wait(30)
+
+    try:
+        ending = service.lock("ending", max_lifetime=1.0)  # never refreshed: LOST at its deadline
+        ending.on_lost(blocking)
+        healthy = service.lock("healthy")
+        assert called.wait(5 * TIME_SLACK), "the ending lease's on_lost was never called"
+        time.sleep(2.0)
+        assert healthy.state is LeaseState.HELD
+        assert ending.state is LeaseState.LOST
+    finally:
+        unblock.set()
+        service.close()
+
+
 def test_store_calls_get_their_deadlines() -> None:
     """acquire: call_timeout (less what it used); release: at most RELEASE_TIMEOUT."""
     provider = StuckProvider()

@@ -17,12 +17,14 @@ from celery_exclusive.providers.memory import MemoryLockProvider
 
 
 class _Flaky(MemoryLockProvider):
-    """Raises ``acquire_error`` / ``release_error`` (when set) instead of answering."""
+    """Raises ``acquire_error`` / ``release_error`` (when set) instead of answering, and
+    ``release_error_once`` at the next release only."""
 
     def __init__(self) -> None:
         super().__init__()
         self.acquire_error: BaseException | None = None
         self.release_error: BaseException | None = None
+        self.release_error_once: BaseException | None = None
         self.acquires = 0
 
     def acquire(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -32,6 +34,9 @@ class _Flaky(MemoryLockProvider):
         return super().acquire(*args, timeout=timeout, **kwargs)
 
     def release(self, *args: Any, timeout: float | None = None) -> bool:
+        once, self.release_error_once = self.release_error_once, None
+        if once is not None:
+            raise once
         if self.release_error is not None:
             raise self.release_error
         return super().release(*args, timeout=timeout)
@@ -108,22 +113,29 @@ def test_an_interrupted_rollback_of_lock_many_still_releases_every_key(flaky: An
     provider, service = flaky
     blocker = LockService(provider, prefix=service.prefix)
     blocker.lock("z", ttl=30)
-    interrupted: list[object] = []
-
-    def release(*args: Any, timeout: float | None = None) -> bool:
-        if not interrupted:
-            interrupted.append(args)
-            raise KeyboardInterrupt
-        return MemoryLockProvider.release(provider, *args, timeout=timeout)
-
-    provider.release = release
+    provider.release_error_once = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
         service.lock_many(["a", "b", "z"], ttl=30)
     assert service.held() == []
-    del provider.release
     deadline = time.monotonic() + 5
     while (service.peek("a") or service.peek("b")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert service.peek("a") is None
     assert service.peek("b") is None
     blocker.close()
+
+
+def test_an_interrupted_release_of_a_lease_set_still_releases_every_key(flaky: Any) -> None:
+    """A LeaseSet's release (its ``with`` block's exit) interrupted in its first lease's
+    release goes on with the others, then raises: they used to stay held, kept alive by the
+    heartbeat (until max_lifetime, 24 h) with nothing left to release them."""
+    provider, service = flaky
+    leases = service.lock_many(["a", "b", "c"], ttl=30)
+    provider.release_error_once = SoftTimeLimitExceeded()
+    with pytest.raises(SoftTimeLimitExceeded), leases:
+        pass
+    assert service.held() == []
+    deadline = time.monotonic() + 5
+    while any(service.peek(key) for key in "abc") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [service.peek(key) for key in "abc"] == [None, None, None]

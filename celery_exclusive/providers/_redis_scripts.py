@@ -122,7 +122,7 @@ class ScriptRunner:
         wait: tuple[int, int],
         node_of: Callable[[str], tuple[str, Any]] | None = None,
         moved: tuple[tuple[type[Exception], ...], Callable[[], None]] = ((), lambda: None),
-        wire_of: Callable[[str], tuple[str, Wire]] | None = None,
+        wire_of: Callable[[str, float], tuple[str, Wire]] | None = None,
         wire_at: Callable[[str, int], Wire | None] | None = None,
     ) -> None:
         self._client = client
@@ -138,7 +138,8 @@ class ScriptRunner:
         #: The MOVED/ASK error replies, and what to call on one (the slot map is stale).
         self._redirects, self._moved = moved
         #: On a cluster the provider built: the node owning a key, as (name, its Wire), for
-        #: calls with a ``timeout`` (enforced on that node's socket, as on one server).
+        #: calls with a ``timeout`` (enforced on that node's socket, as on one server), and
+        #: the call's deadline (monotonic), which waiting for the cluster client keeps too.
         self._wire_of = wire_of
         #: The same, for the node at (host, port) (an ASK redirection's target; None: unknown).
         self._wire_at = wire_at
@@ -176,7 +177,7 @@ class ScriptRunner:
         assert self._wire_of is not None
         deadline = time.monotonic() + timeout
         for attempt in range(2):
-            wire = self._wire_of(args[0])[1]
+            wire = self._wire_of(args[0], deadline)[1]
             try:
                 try:
                     return wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=left(deadline))
@@ -254,7 +255,7 @@ class ScriptRunner:
         assert self._wire_of is not None
         by_node: dict[str, tuple[Wire, list[int]]] = {}
         for i, command in enumerate(commands):
-            name, wire = self._wire_of(command[3])
+            name, wire = self._wire_of(command[3], deadline)
             by_node.setdefault(name, (wire, []))[1].append(i)
         replies: list[Any] = [None] * len(commands)
         for wire, indices in by_node.values():
@@ -320,7 +321,7 @@ class ScriptRunner:
         """The cluster node owning ``key`` and a function pipelining commands on one of its
         connections: its Wire within ``deadline`` if there is one, else its own client."""
         if self._wire_of is not None and deadline is not None:
-            name, wire = self._wire_of(key)
+            name, wire = self._wire_of(key, deadline)
             return name, lambda batch: wire.send_many(batch, left(deadline))
         assert self._node_of is not None
         name, node = self._node_of(key)

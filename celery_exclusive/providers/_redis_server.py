@@ -13,6 +13,7 @@ every primary). The provider (providers/redis.py) keeps the lock operations.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,8 @@ class RedisServer:
         self._slot_of = key_slot
         self.wait_replicas, self.wait_ms = wait_settings(target)
         self._connecting = threading.Lock()
+        #: The cluster client being built, or the last build (see :meth:`client_by`).
+        self._build: _Build | None = None
         # RedisClusterException (no reachable node, say) is not a RedisError.
         self.errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
         self.response_error = redis.ResponseError
@@ -76,24 +79,61 @@ class RedisServer:
     @property
     def client(self) -> Any:
         """The redis-py client; a cluster client from a URL is built on first use."""
+        return self.client_by(None)
+
+    def client_by(self, deadline: float | None) -> Any:
+        """:attr:`client`, waiting for a cluster client being built until ``deadline``
+        (monotonic; None: as long as it takes), then BackendError.
+
+        Building one asks the startup nodes for the slot map on sockets with the client's
+        own timeouts (10 s), which no call's deadline reaches, so it runs in a thread of its
+        own, one at a time (the next caller after a failure starts another): a cold client
+        on an unreachable cluster made each call wait 10 s, and calls queued behind the
+        heartbeat's retried releases, each building in turn, for minutes."""
         target = self.target
         client = target.client
-        if client is None:
-            with self._connecting:
-                if target.client is None and target.factory is not None:
-                    target.client = target.factory()
-                client = target.client
-        return client
+        if client is not None or target.factory is None:
+            return client
+        with self._connecting:
+            if target.client is not None:
+                return target.client
+            build = self._build
+            if build is None or build.done.is_set():  # none yet, or the last one failed
+                build = self._build = _Build()
+                threading.Thread(
+                    target=self._make, args=(build,), name="celery-exclusive-redis-cluster", daemon=True
+                ).start()
+        if not build.done.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+            raise BackendError(f"redis {self.display}: the cluster gave no slot map by the call's deadline")
+        if build.error is not None:
+            if isinstance(build.error, self.errors):
+                raise self.fail(build.error) from build.error
+            raise build.error
+        return target.client
 
-    def _node_client(self, key: str) -> tuple[str, Any]:
+    def _make(self, build: _Build) -> None:
+        """Build the cluster client (in its own thread, see :meth:`client_by`)."""
+        target = self.target
+        assert target.factory is not None  # client_by's test
+        try:
+            made = target.factory()
+            with self._connecting:
+                target.client = made
+        except Exception as exc:  # handed to the callers waiting for it
+            build.error = exc
+        finally:
+            build.done.set()
+
+    def _node_client(self, key: str, deadline: float | None = None) -> tuple[str, Any]:
         """The cluster node owning ``key``: its name and its own one-node client."""
-        node = self.client.get_node_from_key(key)
+        node = self.client_by(deadline).get_node_from_key(key)
         return node.name, node.redis_connection
 
-    def _node_wire(self, key: str) -> tuple[str, Wire]:
+    def _node_wire(self, key: str, deadline: float | None) -> tuple[str, Wire]:
         """The cluster node owning ``key``: its name and the Wire to it (its kept
-        connections, a per-call timeout enforced on their sockets)."""
-        name, node = self._node_client(key)
+        connections, a per-call timeout enforced on their sockets); the client waited for
+        until ``deadline``."""
+        name, node = self._node_client(key, deadline)
         return name, self._wire_to(name, node)
 
     def _wire_at(self, host: str, port: int) -> Wire | None:
@@ -177,7 +217,7 @@ class RedisServer:
                 names = _scan_wire(self.wire, pattern, deadline)
             elif deadline is not None and self.cluster and self.target.built:
                 names = set()  # each primary in turn, on its Wire, all within the deadline
-                for node in self.client.get_primaries():
+                for node in self.client_by(deadline).get_primaries():
                     names |= _scan_wire(self._wire_to(node.name, node.redis_connection), pattern, deadline)
             else:
                 client = self.client
@@ -194,6 +234,14 @@ class RedisServer:
                 wire.close()
         if self.target.built and self.target.client is not None:
             self.target.client.close()
+
+
+class _Build:
+    """One build of a cluster client: ``done`` once it ended, ``error`` if it failed."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: Exception | None = None
 
 
 def _scan_wire(wire: Wire, pattern: str, deadline: float) -> set[str]:

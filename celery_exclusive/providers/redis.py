@@ -425,6 +425,8 @@ class RedisLockProvider:
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
+        if key.startswith(FENCES):  # _check_key, inline: force_release, a record's release
+            _check_key(key)
         if completion is None:
             reply = self._scripts.run(RELEASE, 1, key, token, timeout=timeout)
         else:
@@ -469,6 +471,7 @@ class RedisLockProvider:
         return sorted(records, key=lambda r: (r.key, r.task_id))
 
     def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
+        _check_key(key)
         return bool(self._scripts.run(FORGET, 1, key, task_id, timeout=timeout))
 
     def _record(self, key: str, field: Any, value: Any, now: Any) -> CompletionInfo:

@@ -247,12 +247,14 @@ def test_sigkilled_holders_slots_free_after_the_ttl_only(store: Store) -> None:
 
 
 def test_locks_with_a_filter_include_the_higher_slots(store: Store) -> None:
-    """locks("listed") finds {listed}#2 too, ordered with its key; unrelated keys stay out."""
+    """locks("listed") finds {listed}#2 too, ordered with its key; unrelated keys stay out,
+    those starting "{listed" that are no slot of such a key too (they used to be listed)."""
     service = store.service()
     leases = [service.lock("filtered", limit=3, ttl=30) for _ in range(3)]
     other = service.lock("other", limit=2, ttl=30)
+    braced = [service.lock(key, ttl=30) for key in ("{filtered-not-a-slot", "{filtered}x", "{filtered}#1")]
     assert [info.key for info in service.locks("filtered")] == slot_keys("filtered", 3)
-    for lease in (*leases, other):
+    for lease in (*leases, other, *braced):
         lease.release()
 
 

@@ -251,10 +251,16 @@ def test_acquire_any_grants_like_acquire(provider: RedisLockProvider, prefix: st
 
 
 def test_the_fence_keys_are_refused_as_lock_keys(provider: RedisLockProvider) -> None:
-    """A lock key naming the store's own high-water keys is bad input, refused before Redis."""
+    """A lock key naming the store's own high-water keys is bad input, refused before Redis
+    (a release or forget of one, as ``force_release`` and ``forget`` send, used to reach it:
+    a BackendError, WRONGTYPE)."""
     for key in (FENCES, fence_key(0), FENCES + "x"):
         with pytest.raises(InvalidArgumentError, match="fences"):
             provider.acquire(key, "tok", 30.0, 60.0, "{}")
+        with pytest.raises(InvalidArgumentError, match="fences"):
+            provider.release(key, "tok")
+        with pytest.raises(InvalidArgumentError, match="fences"):
+            provider.forget(key, "task-id")
 
 
 def test_every_cluster_slot_has_its_own_pinned_fence_key() -> None:

@@ -21,6 +21,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from celery_exclusive import LockService
 from celery_exclusive.errors import BackendError
 from celery_exclusive.providers.base import Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
@@ -96,6 +97,55 @@ def test_every_call_ends_at_its_deadline_on_a_silent_node(provider: RedisLockPro
     finally:
         for k in (key, other, elsewhere):
             provider.release(k, "tok")
+
+
+def test_a_cold_client_on_a_silent_cluster_ends_each_call_at_its_deadline(redis_cluster: str) -> None:
+    """A new service's first calls on a cluster whose every node is frozen: each lock()
+    a BackendError within call_timeout plus slack, the second too (its client still being
+    built); thawed, the service works. Building the client (the slot map) used to take the
+    client's socket timeout, 30 s here, and every later call queued behind the heartbeat's
+    retried releases of the failed acquires, each building in turn (minutes)."""
+    seeing = RedisLockProvider(redis_cluster)
+    try:
+        cluster = cast(RedisCluster, seeing._client)
+        pids = [_node_pid(cluster, key) for key in _one_key_per_node(cluster)]
+    finally:
+        seeing.close()
+    service = LockService(redis_cluster + "?socket_timeout=30", call_timeout=1.0, prefix="cold-cluster:")
+    bound = 1.0 + 0.5 * TIME_SLACK
+    try:
+        with contextlib.ExitStack() as frozen:
+            for pid in pids:
+                frozen.enter_context(_silent(pid, 2 * bound + 0.5))
+            for attempt in (1, 2):
+                started = time.monotonic()
+                with pytest.raises(BackendError):
+                    service.try_lock(f"cold-{attempt}")
+                elapsed = time.monotonic() - started
+                assert elapsed <= bound, (attempt, elapsed)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                lease = service.lock("cold-after")
+                break
+            except BackendError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert lease.release().value == "released"
+    finally:
+        service.close()
+
+
+def _one_key_per_node(cluster: RedisCluster) -> list[str]:
+    """A key on each primary of ``cluster``."""
+    found: dict[str, str] = {}
+    for i in range(10_000):
+        key = f"node-{i}"
+        found.setdefault(cluster.get_node_from_key(key).name, key)
+        if len(found) == len(cluster.get_primaries()):
+            return list(found.values())
+    raise AssertionError("no key found for some primary")
 
 
 def _key_not_on(cluster: RedisCluster, node: str) -> str:
