@@ -150,6 +150,18 @@ class FloorProgram:
 # -- Redis -----------------------------------------------------------------------------------
 
 
+def _unpacked(data: bytes) -> tuple[bytes, ...]:
+    """The arguments of one command packed as RESP (an array of bulk strings)."""
+    end = data.index(b"\r\n")
+    count, at, args = int(data[1:end]), end + 2, []
+    for _ in range(count):
+        end = data.index(b"\r\n", at)
+        start = end + 2
+        args.append(data[start : start + int(data[at + 1 : end])])
+        at = start + len(args[-1]) + 2
+    return tuple(args)
+
+
 def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     """The two commands ``service.lock(k).release()`` sends, as words with ``{key}`` and
     ``{token}`` placeholders; or why they could not be seen (the provider changed shape)."""
@@ -166,8 +178,12 @@ def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     seen: list[tuple[Any, ...]] = []
 
     def record(*command: Any, **options: Any) -> Any:
-        if owner is wire:
-            seen.extend(command[0])  # send_many(commands, timeout)
+        if owner is wire:  # send_many(commands, timeout): command tuples, or one packed
+            commands = command[0]
+            if isinstance(commands, bytes):
+                seen.append(_unpacked(commands))
+            else:
+                seen.extend(commands)
         else:
             seen.append(command)
         return original(*command, **options)

@@ -25,6 +25,9 @@ class _Running(threading.local):
 
 
 _running = _Running()
+#: The members as module constants: ``LeaseState.LOST`` is a class attribute read through
+#: Python 3.11's ``EnumType.__getattr__`` hook (lease.py's ``_HELD``...), three per run here.
+_LOST, _RELEASED, _NOT_OWNED = LeaseState.LOST, LeaseState.RELEASED, ReleaseOutcome.NOT_OWNED
 
 
 class Guarded(LeaseSet):
@@ -81,9 +84,9 @@ def _pop(lease: Lease | LeaseSet) -> None:
 def release(lease: Lease, done: Completion | None) -> bool:
     """Release ``lease`` (recording ``done``) unless released already; True if it had been lost."""
     state = lease.state
-    lost = state is LeaseState.LOST
-    if state is not LeaseState.RELEASED:
-        lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
+    lost = state is _LOST
+    if state is not _RELEASED:
+        lost = lease.release(done) is _NOT_OWNED or lost
     return lost
 
 
@@ -102,9 +105,9 @@ def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
             lost.add(id(carrier))
         return next((each for each in lease.leases if id(each) in lost), None)
     state = lease.state  # release() inlined: the single-key path makes no extra call
-    gone = state is LeaseState.LOST
-    if state is not LeaseState.RELEASED:
-        gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
+    gone = state is _LOST
+    if state is not _RELEASED:
+        gone = lease.release(done) is _NOT_OWNED or gone
     return lease if gone else None
 
 
