@@ -73,7 +73,13 @@ UNTIMED = (
     "scale/test_redis_cluster_records.py",
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
+    "stress/test_fence_order.py",
 )
+#: Modules whose tests the parallel part runs on every store already (the lock contract, the
+#: semaphore contract), their few bounds sized for its load (``TIME_SLACK``): collected
+#: again in a :data:`SERIAL` file (on the private Redis Cluster, through PgBouncer, through
+#: Sentinel), they run in the parallel part too. That file's own tests stay serial.
+CONTRACT_MODULES = ("celery_exclusive.testing.contract", "tests.contract.test_semaphore")
 #: The parallel part's longest files (summed durations under ``CI=true``, 20-110 s each),
 #: longest first. scripts/test hands whole files to its three pytest processes in the order
 #: collected (``--no-loadscope-reorder``); these are put first so that the short files fill
@@ -108,13 +114,15 @@ def _path(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of the :data:`SERIAL` files ``serial``, but for the :data:`UNTIMED` ones;
+    """Mark the tests of the :data:`SERIAL` files ``serial``, but for the :data:`UNTIMED` ones
+    and those of the :data:`CONTRACT_MODULES`;
     in a pytest-xdist worker, order the files :data:`PARALLEL_FIRST` first, the others by
     their number of tests (a file's tests keep their order)."""
     for item in items:
         path = _path(item)
         test = f"{path}::{item.originalname}" if isinstance(item, pytest.Function) else path
-        if path.startswith(SERIAL) and path not in UNTIMED and test not in UNTIMED:
+        contract = isinstance(item, pytest.Function) and item.function.__module__ in CONTRACT_MODULES
+        if path.startswith(SERIAL) and path not in UNTIMED and test not in UNTIMED and not contract:
             item.add_marker(pytest.mark.serial)
     if hasattr(config, "workerinput"):
         counts = collections.Counter(_path(item) for item in items)
