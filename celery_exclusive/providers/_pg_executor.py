@@ -123,7 +123,11 @@ class DirectExecutor:
         hot = self.statements.get(op)
         if hot is None:
             return self._run_cursor(op, params, timeout)
-        end = None if timeout is None else time.monotonic() + timeout
+        if timeout is None:
+            now = end = None
+        else:
+            now = time.monotonic()
+            end = now + timeout
         kept = self.kept
         taken = None if kept is None else kept.take()  # _connection's first step inline
         fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
@@ -143,8 +147,10 @@ class DirectExecutor:
         except BaseException:
             self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
             raise
-        if fairy is None and kept is not None and kept.give(dbapi):
-            return rows  # _put_back's usual case inline: a kept connection goes back
+        # _put_back's usual case inline: a kept connection goes back, its last use the call's
+        # start (no second clock read: nothing reads a PostgreSQL connection's last use).
+        if fairy is None and kept is not None and kept.give(dbapi, now):
+            return rows
         self._put_back(fairy, dbapi)
         return rows
 
