@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -123,6 +124,14 @@ class DirectExecutor:
         hot = self.statements.get(op)
         if hot is None:
             return self._run_cursor(op, params, timeout)
+        return self.run_text(op, _libpq.utf8_text(hot.values(params)), timeout)
+
+    def run_text(self, op: str, values: Sequence[bytes | None], timeout: float | None) -> Rows:
+        """:meth:`run` of a libpq statement (``statements``) whose parameters the caller
+        made: UTF-8 text in the statement's order (``statements[op].params``), None as NULL
+        (as :func:`._libpq.utf8_text` makes them); the provider's acquire and release skip
+        the parameter mapping that way."""
+        hot = self.statements[op]
         if timeout is None:
             now = end = None
         else:
@@ -132,7 +141,7 @@ class DirectExecutor:
         taken = None if kept is None else kept.take()  # _connection's first step inline
         fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
         try:
-            rows: Rows = self.runner.run(dbapi, hot, params, end)
+            rows: Rows = self.runner.run_text(dbapi, hot, values, end)
             # An engine the caller built without autocommit: commit what psycopg began. The
             # session's transaction status first (a C getter; psycopg's ``autocommit`` is a
             # Python property): idle, there is nothing to commit (psycopg's commit() returns

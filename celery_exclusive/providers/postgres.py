@@ -70,6 +70,9 @@ from celery_exclusive.providers.base import (
 _bounded_connect = _deadline.bounded_connect  # its old name here
 logger = logging.getLogger("celery_exclusive.providers.postgres")
 _channel = _pg_listen.channel
+_float_texts, _float_text = _libpq.FLOAT_TEXT, _libpq.float_text
+#: The parameters of the statements whose text acquire and release make themselves, in order.
+_TEXT_ORDERS = {"acquire": ("key", "token", "ttl", "life", "holder"), "release": ("key", "token", "channel")}
 T = TypeVar("T")
 
 
@@ -226,6 +229,14 @@ class PostgresLockProvider(SqlStore):
             masked=self._masked,
         )
         self._driver_errors = self._executor.errors
+        #: The direct executor's ``run_text`` (None for other drivers): acquire and release
+        #: make their statements' text parameters themselves, in these orders.
+        self._run_text = None
+        if isinstance(self._executor, _pg_executor.DirectExecutor):
+            for op, order in _TEXT_ORDERS.items():
+                if self._executor.statements[op].params != order:  # pragma: no cover - a SQL edit
+                    raise RuntimeError(f"{op} takes {self._executor.statements[op].params}, not {order}")
+            self._run_text = self._executor.run_text
         # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`); the release statements
         # notify whatever the driver, for waiters in other processes.
         self._listening = _pg_listen.PerProcess(
@@ -269,18 +280,34 @@ class PostgresLockProvider(SqlStore):
         if granted.__class__ is not float:
             granted = float(granted)
         life = max_lifetime if max_lifetime.__class__ is float else float(max_lifetime)
-        params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
+        params = None
         if task_id is not None and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
         if task_id is None:  # _call and _run_pg inline: two Python frames fewer on the hot path
             if not self._ready:
                 self._ensure_schema(timeout)
+            run_text = self._run_text
             try:
-                rows = self._executor.run("acquire", params, timeout)
+                if run_text is not None and key.__class__ is str is token.__class__ is holder.__class__:
+                    # The statement's text parameters made here, in its order (see _setup),
+                    # as the runner would make them from a mapping (_libpq.utf8_text).
+                    texts = _float_texts
+                    values = [
+                        key.encode(),
+                        token.encode(),
+                        texts.get(granted) or _float_text(granted),
+                        texts.get(life) or _float_text(life),
+                        holder.encode(),
+                    ]
+                    rows = run_text("acquire", values, timeout)
+                else:
+                    params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
+                    rows = self._executor.run("acquire", params, timeout)
             except self._driver_errors as exc:
                 raise self._error("acquire", exc) from exc
         else:
+            params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
             rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
             if rows and rows[0][0] is None:  # the completion record's row
                 _, outcome, _, tries, age, left, *_ = rows[0]
@@ -290,6 +317,8 @@ class PostgresLockProvider(SqlStore):
             return Grant(fence if fence.__class__ is int else int(fence), granted)
         answer = _answer(rows, token, granted)
         if answer is None:  # a dead row (its holder crashed or lost it): take it over
+            if params is None:
+                params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
             left = None if end is None else max(end - time.monotonic(), 0.001)
             # No rows: it lost the key to a racing grant and wrote nothing; asked once more,
             # it names the new holder (or takes the key, if that grant rolled back).
@@ -351,32 +380,38 @@ class PostgresLockProvider(SqlStore):
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
-        params: dict[str, Any] = {"key": key, "token": token, "channel": _channel(self.table.name, key)}
+        channel = _channel(self.table.name, key)
         if completion is not None and not self._records_on():
             completion = None
-        if completion is None:
-            op = "release"
-        else:
-            op = "release_done" + prune_suffix(completion)
-            params.update(record_params(completion))
         # Our own listener may still hold the key's registration for a wait that just ended
         # (its unlock is sent by the listener's thread): a notify then may be ours alone,
         # and the release does not count it (a give-way missed, never one for nobody).
         # No listener in this process (nobody here ever waited): nothing is ours and nothing
         # lingers, so PerProcess.releasing's answer, (False, None), without its two calls.
         listening = self._listening
-        ours, mark = (False, None) if listening.listener is None else listening.releasing(params["channel"])
+        ours, mark = (False, None) if listening.listener is None else listening.releasing(channel)
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
         if not self._ready:  # _call and _run_pg inline: two frames fewer
             self._ensure_schema(timeout)
+        run_text = self._run_text
         try:
-            rows = self._executor.run(op, params, timeout)
+            if completion is None and run_text is not None and key.__class__ is str is token.__class__:
+                op = "release"  # its text parameters made here, in its order (see _setup)
+                rows = run_text(op, [key.encode(), token.encode(), channel.encode()], timeout)
+            else:
+                params: dict[str, Any] = {"key": key, "token": token, "channel": channel}
+                if completion is None:
+                    op = "release"
+                else:
+                    op = "release_done" + prune_suffix(completion)
+                    params.update(record_params(completion))
+                rows = self._executor.run(op, params, timeout)
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
         # Each row a 1-tuple, compared as one (no list made).
         notified = (2,) in rows
         if mark is not None:  # PerProcess.released does nothing without a mark
-            listening.released(params["channel"], mark, notified)
+            listening.released(channel, mark, notified)
         reached = notified and not ours
         if reached or self._woken._keys:  # Woken.note(key, False) with no key noted: nothing to do
             self._woken.note(key, reached)

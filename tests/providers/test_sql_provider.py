@@ -605,13 +605,20 @@ def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -
     holder crashed) costs a second, the take-over, which also raises the fence."""
     provider = pg.provider()
     sent: list[str] = []
-    run = provider._executor.run  # every statement goes through it (acquire's without _run_pg)
+    # Every statement goes through one of them (acquire's own text parameters through run_text).
+    run, run_text = provider._executor.run, provider._run_text
+    assert run_text is not None
 
     def counting(op: str, params: dict[str, Any], timeout: float | None) -> Any:
         sent.append(op)
         return run(op, params, timeout)
 
+    def counting_text(op: str, values: list[bytes | None], timeout: float | None) -> Any:
+        sent.append(op)
+        return run_text(op, values, timeout)
+
     provider._executor.run = counting  # type: ignore[method-assign]
+    provider._run_text = counting_text
     try:
         first = provider.acquire("k", "a", 0.3, 60, "{}")
         assert isinstance(first, Grant)
@@ -647,6 +654,28 @@ def test_pg_hot_statements_use_the_connection_encoding(pg: Db) -> None:
         assert provider._kept[0].info.encoding == "iso8859-1"
         assert pg.rows()["café"][1] == "jeton-é"  # read back through a UTF-8 session
         assert provider.release("café", "jeton-é")
+    finally:
+        provider.close()
+
+
+def test_pg_hot_statements_take_str_subclasses_through_the_parameter_mapping(pg: Db) -> None:
+    """acquire and release make their statements' text parameters themselves for plain
+    strs only; a str subclass (or anything else) goes through the runner's mapping, with
+    the same answers."""
+
+    class Text(str):
+        pass
+
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire(Text("k"), Text("t"), 5, 60, Text('{"pid":1}')), Grant)
+        held = provider.acquire("k", "u", 5, 60, "{}")
+        assert isinstance(held, Held)
+        assert held.holder is not None
+        assert (held.holder.token, held.holder.holder) == ("t", {"pid": 1})
+        assert provider.release(Text("k"), "u") is False
+        assert provider.release("k", Text("t")) is True
+        assert pg.rows() == {}
     finally:
         provider.close()
 
@@ -918,6 +947,7 @@ def test_pg_statements_also_run_through_sqlalchemy(pg: Db) -> None:
     """The path for PostgreSQL drivers other than psycopg 3 runs the same statements."""
     provider = pg.provider()
     provider._executor = _pg_executor.PooledExecutor(provider._engine, provider._pg_sql)
+    provider._run_text = None  # as _setup leaves it for this executor
     try:
         first = provider.acquire("k", "a", 5, 60, '{"pid":1}')
         assert isinstance(first, Grant)
