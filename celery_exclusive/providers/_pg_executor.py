@@ -142,11 +142,12 @@ class DirectExecutor:
         fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
         try:
             rows: Rows = self.runner.run_text(dbapi, hot, values, end)
-            # An engine the caller built without autocommit: commit what psycopg began. The
-            # session's transaction status first (a C getter; psycopg's ``autocommit`` is a
-            # Python property): idle, there is nothing to commit (psycopg's commit() returns
-            # then too), as after every statement the runner sends on its own.
-            if dbapi.pgconn.transaction_status and not dbapi.autocommit:
+            # A pooled connection of an engine the caller built without autocommit: commit
+            # what psycopg began. The session's transaction status first (a C getter;
+            # psycopg's ``autocommit`` is a Python property): idle, there is nothing to
+            # commit (psycopg's commit() returns then too), as after every statement the
+            # runner sends on its own. A kept connection is in autocommit (see keep()).
+            if fairy is not None and dbapi.pgconn.transaction_status and not dbapi.autocommit:
                 dbapi.commit()
         except _libpq.TooSlow:
             raise self._too_slow(fairy, dbapi, op, timeout or 0.0) from None
@@ -221,8 +222,12 @@ class DirectExecutor:
             fairy.close()
 
     def keep(self, dbapi: Any) -> None:
-        """Keep an owned connection for the next statement, or close it if full or closed."""
-        if self.kept is None or not self.kept.give(dbapi):
+        """Keep an owned connection for the next statement, or close it if full or closed.
+
+        Only a connection in autocommit is kept (every one of the engine a provider builds,
+        the only engine whose connections are kept, is): :meth:`run_text` commits nothing on
+        a kept connection."""
+        if self.kept is None or not dbapi.autocommit or not self.kept.give(dbapi):
             dbapi.close()
 
     def _abandon(self, fairy: Any, dbapi: Any) -> None:
