@@ -36,9 +36,9 @@ LIBPQ_COLUMNS = {
     "release_done": "i",
     "release_done_prune": "i",
 }
-#: The statements whose one-row grant (first column true) is read for its fence only
-#: (column 3), the other columns left None: the acquire statements set nothing else in a
-#: grant's row (providers/_pg_sql.py), and the provider reads nothing else of it (_answer).
+#: The statements whose one-row grant (first column true) is answered as its fence alone
+#: (column 3, an int): the acquire statements set nothing else in a grant's row
+#: (providers/_pg_sql.py), and the provider reads nothing else of it.
 LIBPQ_GRANTS = {"acquire": 3, "acquire_once": 3}
 #: Which of the server sessions given by pid still exist (:meth:`DirectExecutor.settled`).
 ALIVE = "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%(pids)s)"
@@ -114,8 +114,9 @@ class DirectExecutor:
         self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
         self._broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
 
-    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
-        """One statement, autocommit, on a kept or pooled connection; its rows.
+    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> _libpq.Answer:
+        """One statement, autocommit, on a kept or pooled connection; its rows (a grant row
+        of a statement in :data:`LIBPQ_GRANTS`: its fence, an int).
 
         With ``timeout`` the call gives up after about that long: connecting is bounded by
         ``connect_timeout`` (whole seconds, at least 2); acquire and release by the libpq
@@ -126,7 +127,7 @@ class DirectExecutor:
             return self._run_cursor(op, params, timeout)
         return self.run_text(op, _libpq.utf8_text(hot.values(params)), timeout)
 
-    def run_text(self, op: str, values: Sequence[bytes | None], timeout: float | None) -> Rows:
+    def run_text(self, op: str, values: Sequence[bytes | None], timeout: float | None) -> _libpq.Answer:
         """:meth:`run` of a libpq statement (``statements``) whose parameters the caller
         made: UTF-8 text in the statement's order (``statements[op].params``), None as NULL
         (as :func:`._libpq.utf8_text` makes them); the provider's acquire and release skip
@@ -141,7 +142,7 @@ class DirectExecutor:
         taken = None if kept is None else kept.take()  # _connection's first step inline
         fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
         try:
-            rows: Rows = self.runner.run_text(dbapi, hot, values, end)
+            rows = self.runner.run_text(dbapi, hot, values, end)
             # A pooled connection of an engine the caller built without autocommit: commit
             # what psycopg began. The session's transaction status first (a C getter;
             # psycopg's ``autocommit`` is a Python property): idle, there is nothing to

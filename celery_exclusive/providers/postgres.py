@@ -262,7 +262,7 @@ class PostgresLockProvider(SqlStore):
 
     # -- the LockProvider operations -------------------------------------------------
 
-    def acquire(
+    def acquire(  # noqa: PLR0912 - the plain and the once statement's hot paths, inline
         self,
         key: str,
         token: str,
@@ -306,15 +306,21 @@ class PostgresLockProvider(SqlStore):
                     rows = self._executor.run("acquire", params, timeout)
             except self._driver_errors as exc:
                 raise self._error("acquire", exc) from exc
-        else:
+        else:  # _call inline too: a grant's int answer never reaches _run_pg's callers
             params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
-            rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
-            if rows and rows[0][0] is None:  # the completion record's row
+            if not self._ready:
+                self._ensure_schema(timeout)
+            try:
+                rows = self._executor.run("acquire_once", {**params, "task_id": task_id}, timeout)
+            except self._driver_errors as exc:
+                raise self._error("acquire_once", exc) from exc
+            if not isinstance(rows, int) and rows and rows[0][0] is None:  # the completion record's row
                 _, outcome, _, tries, age, left, *_ = rows[0]
                 return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
-        if rows and rows[0][0]:  # granted (_answer's first case, without its frame)
-            fence = rows[0][3]  # an int already from the libpq runner: no int() call for it
-            return Grant(fence if fence.__class__ is int else int(fence), granted)
+        if isinstance(rows, int):  # granted: the libpq runner answers a grant row as its fence
+            return Grant(rows, granted)
+        if rows and rows[0][0]:  # granted, from another driver (_answer's first case, inline)
+            return Grant(int(rows[0][3]), granted)
         answer = _answer(rows, token, granted)
         if answer is None:  # a dead row (its holder crashed or lost it): take it over
             if params is None:
@@ -406,6 +412,7 @@ class PostgresLockProvider(SqlStore):
                     op = "release_done" + prune_suffix(completion)
                     params.update(record_params(completion))
                 rows = self._executor.run(op, params, timeout)
+            assert not isinstance(rows, int)  # no release statement is in LIBPQ_GRANTS
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
         # Each row a 1-tuple, compared as one (no list made).
@@ -561,9 +568,12 @@ class PostgresLockProvider(SqlStore):
         if not self._ready:
             self._ensure_schema(timeout)
         try:
-            return self._executor.run(op, params, timeout)
+            rows = self._executor.run(op, params, timeout)
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
+        # Only a grant statement (LIBPQ_GRANTS) answers an int, and acquire() runs those itself.
+        assert not isinstance(rows, int)
+        return rows
 
     def settled(self, *, timeout: float | None = None) -> bool:
         """Whether a release that found nothing of a token's is final: True once no session

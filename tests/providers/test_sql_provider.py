@@ -760,9 +760,9 @@ def test_pg_runner_converts_every_row_with_and_without_nulls(pg: Db) -> None:
 
 def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
     """A statement built with ``grant``: a one-row result whose first column is true comes
-    back with that column converted and every other one None (what the acquire's grant row
-    holds, and all its reader uses); any other result (first column false or NULL, several
-    rows, no row) is converted whole."""
+    back as that column's int alone (what the acquire's grant row holds, and all its reader
+    uses); any other result (first column false or NULL, several rows, no row) is
+    converted whole."""
     from celery_exclusive.providers import _libpq
 
     provider = pg.provider()
@@ -775,7 +775,7 @@ def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
         )
         granted = _libpq.Statement.build(sql, "btif", grant=2)
         whole = _libpq.Statement.build(sql, "btif")
-        assert runner.run(kept, granted, {"flag": True, "n": 1}) == [(True, None, 10, None)]
+        assert runner.run(kept, granted, {"flag": True, "n": 1}) == 10
         assert runner.run(kept, whole, {"flag": True, "n": 1}) == [
             (True, "x1", 10, 0.25)
         ]  # same shape, own builder
@@ -790,6 +790,8 @@ def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
             _libpq.Statement.build(sql, "btif", grant=0)
         with pytest.raises(ValueError, match="grant column"):
             _libpq.Statement.build(sql, "tbif", grant=2)
+        with pytest.raises(ValueError, match="grant column"):
+            _libpq.Statement.build(sql, "btif", grant=1)
     finally:
         provider.close()
 
