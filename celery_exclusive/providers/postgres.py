@@ -71,6 +71,12 @@ _bounded_connect = _deadline.bounded_connect  # its old name here
 logger = logging.getLogger("celery_exclusive.providers.postgres")
 _channel = _pg_listen.channel
 _float_texts, _float_text = _libpq.FLOAT_TEXT, _libpq.float_text
+#: ``Grant(fence, ttl)`` in three C calls (see acquire): its slots' descriptors set them.
+_new_grant, _set_fence, _set_ttl = (
+    object.__new__,
+    Grant.__dict__["fence"].__set__,
+    Grant.__dict__["ttl"].__set__,
+)
 #: The parameters of the statements whose text acquire and release make themselves, in order.
 _TEXT_ORDERS = {"acquire": ("key", "token", "ttl", "life", "holder"), "release": ("key", "token", "channel")}
 T = TypeVar("T")
@@ -318,7 +324,12 @@ class PostgresLockProvider(SqlStore):
                 _, outcome, _, tries, age, left, *_ = rows[0]
                 return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
         if isinstance(rows, int):  # granted: the libpq runner answers a grant row as its fence
-            return Grant(rows, granted)
+            # Grant(rows, granted) without type.__call__'s way to its Python __init__: the
+            # same object (Grant defines no __new__), its two slots set as __init__ sets them.
+            grant = _new_grant(Grant)
+            _set_fence(grant, rows)
+            _set_ttl(grant, granted)
+            return grant
         if rows and rows[0][0]:  # granted, from another driver (_answer's first case, inline)
             return Grant(int(rows[0][3]), granted)
         answer = _answer(rows, token, granted)
