@@ -78,7 +78,32 @@ _new_grant, _set_fence, _set_ttl = (
     Grant.__dict__["ttl"].__set__,
 )
 #: The parameters of the statements whose text acquire and release make themselves, in order.
-_TEXT_ORDERS = {"acquire": ("key", "token", "ttl", "life", "holder"), "release": ("key", "token", "channel")}
+_TEXT_ORDERS = {
+    "acquire": ("key", "token", "ttl", "life", "holder"),
+    "acquire_once": ("key", "task_id", "token", "ttl", "life", "holder"),
+    "release": ("key", "token", "channel"),
+    **dict.fromkeys(
+        ("release_done", "release_done_prune"),
+        ("key", "token", "task_id", "outcome", "attempt", "retain", "channel"),
+    ),
+}
+
+
+def _record_text(completion: Completion) -> list[bytes | None]:
+    """The text parameters of ``completion``'s record (task id, outcome, attempt, retain),
+    as the runner makes them from :func:`record_params`'s mapping."""
+    task_id, outcome = completion.task_id, completion.outcome
+    if task_id.__class__ is str is outcome.__class__:
+        retain = float(completion.retain)
+        return [
+            task_id.encode(),
+            outcome.encode(),
+            str(int(completion.attempt)).encode(),
+            _float_texts.get(retain) or _float_text(retain),
+        ]
+    return _libpq.utf8_text(tuple(record_params(completion).values()))
+
+
 T = TypeVar("T")
 
 
@@ -268,7 +293,7 @@ class PostgresLockProvider(SqlStore):
 
     # -- the LockProvider operations -------------------------------------------------
 
-    def acquire(  # noqa: PLR0912 - the plain and the once statement's hot paths, inline
+    def acquire(
         self,
         key: str,
         token: str,
@@ -290,39 +315,39 @@ class PostgresLockProvider(SqlStore):
         if task_id is not None and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
-        if task_id is None:  # _call and _run_pg inline: two Python frames fewer on the hot path
-            if not self._ready:
-                self._ensure_schema(timeout)
-            run_text = self._run_text
-            try:
-                if run_text is not None and key.__class__ is str is token.__class__ is holder.__class__:
-                    # The statement's text parameters made here, in its order (see _setup),
-                    # as the runner would make them from a mapping (_libpq.utf8_text).
-                    texts = _float_texts
-                    values = [
-                        key.encode(),
-                        token.encode(),
-                        texts.get(granted) or _float_text(granted),
-                        texts.get(life) or _float_text(life),
-                        holder.encode(),
-                    ]
-                    rows = run_text("acquire", values, timeout)
-                else:
-                    params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
-                    rows = self._executor.run("acquire", params, timeout)
-            except self._driver_errors as exc:
-                raise self._error("acquire", exc) from exc
-        else:  # _call inline too: a grant's int answer never reaches _run_pg's callers
-            params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
-            if not self._ready:
-                self._ensure_schema(timeout)
-            try:
-                rows = self._executor.run("acquire_once", {**params, "task_id": task_id}, timeout)
-            except self._driver_errors as exc:
-                raise self._error("acquire_once", exc) from exc
-            if not isinstance(rows, int) and rows and rows[0][0] is None:  # the completion record's row
-                _, outcome, _, tries, age, left, *_ = rows[0]
-                return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
+        op = "acquire" if task_id is None else "acquire_once"
+        if not self._ready:  # _call and _run_pg inline: two Python frames fewer on the hot path
+            self._ensure_schema(timeout)
+        run_text = self._run_text
+        try:
+            if (
+                run_text is not None
+                and key.__class__ is str is token.__class__ is holder.__class__
+                and (task_id is None or task_id.__class__ is str)
+            ):
+                # The statement's text parameters made here, in its order (see _setup), as
+                # the runner would make them from a mapping (_libpq.utf8_text).
+                texts = _float_texts
+                values = [
+                    key.encode(),
+                    token.encode(),
+                    texts.get(granted) or _float_text(granted),
+                    texts.get(life) or _float_text(life),
+                    holder.encode(),
+                ]
+                if task_id is not None:
+                    values.insert(1, task_id.encode())
+                rows = run_text(op, values, timeout)
+            else:
+                params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
+                rows = self._executor.run(
+                    op, params if task_id is None else {**params, "task_id": task_id}, timeout
+                )
+        except self._driver_errors as exc:
+            raise self._error(op, exc) from exc
+        if task_id is not None and not isinstance(rows, int) and rows and rows[0][0] is None:
+            _, outcome, _, tries, age, left, *_ = rows[0]  # the completion record's row
+            return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
         if isinstance(rows, int):  # granted: the libpq runner answers a grant row as its fence
             # Grant(rows, granted) without type.__call__'s way to its Python __init__: the
             # same object (Grant defines no __new__), its two slots set as __init__ sets them.
@@ -410,17 +435,23 @@ class PostgresLockProvider(SqlStore):
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
         if not self._ready:  # _call and _run_pg inline: two frames fewer
             self._ensure_schema(timeout)
+        op = "release" if completion is None else "release_done" + prune_suffix(completion)
         run_text = self._run_text
         try:
-            if completion is None and run_text is not None and key.__class__ is str is token.__class__:
-                op = "release"  # its text parameters made here, in its order (see _setup)
-                rows = run_text(op, [key.encode(), token.encode(), channel.encode()], timeout)
+            if run_text is not None and key.__class__ is str is token.__class__:
+                # The statement's text parameters made here, in its order (see _setup), as
+                # the runner would make them from a mapping (_libpq.utf8_text).
+                if completion is None:
+                    rows = run_text(op, [key.encode(), token.encode(), channel.encode()], timeout)
+                else:
+                    rows = run_text(
+                        op,
+                        [key.encode(), token.encode(), *_record_text(completion), channel.encode()],
+                        timeout,
+                    )
             else:
                 params: dict[str, Any] = {"key": key, "token": token, "channel": channel}
-                if completion is None:
-                    op = "release"
-                else:
-                    op = "release_done" + prune_suffix(completion)
+                if completion is not None:
                     params.update(record_params(completion))
                 rows = self._executor.run(op, params, timeout)
             assert not isinstance(rows, int)  # no release statement is in LIBPQ_GRANTS

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers import _pg_executor
-from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.base import Completion, Done, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import TIME_SLACK, drop_lock_table
 from tests.contract._processes import process_context
@@ -659,9 +659,9 @@ def test_pg_hot_statements_use_the_connection_encoding(pg: Db) -> None:
 
 
 def test_pg_hot_statements_take_str_subclasses_through_the_parameter_mapping(pg: Db) -> None:
-    """acquire and release make their statements' text parameters themselves for plain
-    strs only; a str subclass (or anything else) goes through the runner's mapping, with
-    the same answers."""
+    """acquire and release (with and without a completion record) make their statements'
+    text parameters themselves for plain strs only; a str subclass (or anything else) goes
+    through the runner's mapping, with the same answers."""
 
     class Text(str):
         pass
@@ -676,6 +676,12 @@ def test_pg_hot_statements_take_str_subclasses_through_the_parameter_mapping(pg:
         assert provider.release(Text("k"), "u") is False
         assert provider.release("k", Text("t")) is True
         assert pg.rows() == {}
+        # The completion record's statements too: acquire_once and release_done.
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}", task_id=Text("id-1")), Grant)
+        assert provider.release("k", "t", Completion(Text("id-1"), Text("success"), 2, 60.0)) is True
+        done = provider.acquire("k", "u", 5, 60, "{}", task_id="id-1")
+        assert isinstance(done, Done)
+        assert (done.record.outcome, done.record.attempt) == ("success", 2)
     finally:
         provider.close()
 
