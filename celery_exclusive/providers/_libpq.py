@@ -48,6 +48,9 @@ _DUPLICATE = "42P05"  # duplicate_prepared_statement: already prepared on this s
 _UTF8 = ("utf-8", "utf8")  # psycopg's name of a UTF8 session's encoding (and an alias)
 
 
+_monotonic = time.monotonic  # one global read per wait, not a global and an attribute
+
+
 class TooSlow(Exception):
     """No reply came by the statement's deadline: the connection is mid-protocol (drop it)."""
 
@@ -270,16 +273,17 @@ class Runner:
         if not session.utf8:
             values = _transcoded(values, session.encoding)
         pgconn = connection.pgconn
-        if self._prepare and statement.name in session.prepared:
+        name = statement.name
+        if name in session.prepared and self._prepare:
             # _execute's and _result's usual case inline (two Python frames per statement):
             # the statement is prepared on this session, its reply awaited on the socket.
-            pgconn.send_query_prepared(statement.name, values)
+            pgconn.send_query_prepared(name, values)
             poll = session.poll  # no is_busy() first: see _result
             while True:
                 if end is None:
                     poll()
                 else:
-                    left = end - time.monotonic()
+                    left = end - _monotonic()
                     if left <= 0 or not poll(left * 1000.0):
                         raise TooSlow()
                 pgconn.consume_input()
@@ -386,7 +390,7 @@ class Runner:
             if end is None:
                 poll()
             else:
-                left = end - time.monotonic()
+                left = end - _monotonic()
                 if left <= 0 or not poll(left * 1000.0):
                     raise TooSlow()
             pgconn.consume_input()

@@ -24,6 +24,7 @@ from celery_exclusive.providers import _deadline, _libpq
 from celery_exclusive.providers._kept import KeptConnections
 from celery_exclusive.providers._sql_common import INHERITED, Rows
 
+_monotonic = time.monotonic  # one global read per call, not a global and an attribute
 #: The hot statements sent through libpq directly, with their result column types.
 LIBPQ_COLUMNS = {
     "acquire": "bttiffft",
@@ -136,11 +137,14 @@ class DirectExecutor:
         if timeout is None:
             now = end = None
         else:
-            now = time.monotonic()
+            now = _monotonic()
             end = now + timeout
         kept = self.kept
         taken = None if kept is None else kept.take()  # _connection's first step inline
-        fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
+        if taken is not None:
+            fairy, dbapi = None, taken[0]
+        else:
+            fairy, dbapi = self._connection(timeout)
         try:
             rows = self.runner.run_text(dbapi, hot, values, end)
             # A pooled connection of an engine the caller built without autocommit: commit
