@@ -4,8 +4,10 @@ psycopg's cursor layer (query conversion, adaptation, row making, its non-blocki
 loop) costs about 50 µs of Python per statement: more than the statement's own execution
 on the server. The lock's hot path is a few fixed statements with text parameters and a
 handful of result columns, so it needs none of that: each runs as one prepared statement
-(``PQsendQueryPrepared``) and its text results are converted here. Errors come back as the
-psycopg exception psycopg would have raised, its diagnostics (``exc.diag``) included.
+(``PQsendQueryPrepared``) and its text results are converted here. Its parameters come
+as UTF-8 text (:meth:`Runner.run_text`: the provider's acquire and release make them
+themselves) or from a mapping (:meth:`Runner.run`). Errors come back as the psycopg
+exception psycopg would have raised, its diagnostics (``exc.diag``) included.
 
 Statements are prepared once per connection under a name derived from their text.
 A connection that lost them (``DISCARD ALL``, a pooler that moved the session) prepares
