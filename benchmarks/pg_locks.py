@@ -191,9 +191,18 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
 
 
 class Cursors:
-    """The provider's libpq runner's interface (``run(connection, statement, params)``) on
-    psycopg's supported API: per connection a kept ``RawCursor`` (``$n`` placeholders, as
-    the runner's statements have them), each statement ``execute(..., prepare=True)``."""
+    """The provider's libpq runner's interface (``run(connection, statement, params)``,
+    ``run_text(connection, statement, values)``) on psycopg's supported API: per connection
+    a kept ``RawCursor`` (``$n`` placeholders, as the runner's statements have them), each
+    statement ``execute(..., prepare=True)``. The text values the provider made for
+    ``run_text`` are passed as strs (psycopg sends a str untyped: the server reads a
+    number's text as the number)."""
+
+    def run_text(
+        self, connection: Any, statement: Any, values: list[bytes | None], end: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        texts = (None if value is None else value.decode() for value in values)
+        return self.run(connection, statement, dict(zip(statement.params, texts, strict=True)), end)
 
     def __init__(self) -> None:
         import psycopg

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers import _pg_executor
-from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.base import Completion, Done, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import TIME_SLACK, drop_lock_table
 from tests.contract._processes import process_context
@@ -609,13 +609,20 @@ def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -
     holder crashed) costs a second, the take-over, which also raises the fence."""
     provider = pg.provider()
     sent: list[str] = []
-    run = provider._executor.run  # every statement goes through it (acquire's without _run_pg)
+    # Every statement goes through one of them (acquire's own text parameters through run_text).
+    run, run_text = provider._executor.run, provider._run_text
+    assert run_text is not None
 
     def counting(op: str, params: dict[str, Any], timeout: float | None) -> Any:
         sent.append(op)
         return run(op, params, timeout)
 
+    def counting_text(op: str, values: list[bytes | None], timeout: float | None) -> Any:
+        sent.append(op)
+        return run_text(op, values, timeout)
+
     provider._executor.run = counting  # type: ignore[method-assign]
+    provider._run_text = counting_text
     try:
         first = provider.acquire("k", "a", 0.3, 60, "{}")
         assert isinstance(first, Grant)
@@ -651,6 +658,34 @@ def test_pg_hot_statements_use_the_connection_encoding(pg: Db) -> None:
         assert provider._kept[0].info.encoding == "iso8859-1"
         assert pg.rows()["café"][1] == "jeton-é"  # read back through a UTF-8 session
         assert provider.release("café", "jeton-é")
+    finally:
+        provider.close()
+
+
+def test_pg_hot_statements_take_str_subclasses_through_the_parameter_mapping(pg: Db) -> None:
+    """acquire and release (with and without a completion record) make their statements'
+    text parameters themselves for plain strs only; a str subclass (or anything else) goes
+    through the runner's mapping, with the same answers."""
+
+    class Text(str):
+        pass
+
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire(Text("k"), Text("t"), 5, 60, Text('{"pid":1}')), Grant)
+        held = provider.acquire("k", "u", 5, 60, "{}")
+        assert isinstance(held, Held)
+        assert held.holder is not None
+        assert (held.holder.token, held.holder.holder) == ("t", {"pid": 1})
+        assert provider.release(Text("k"), "u") is False
+        assert provider.release("k", Text("t")) is True
+        assert pg.rows() == {}
+        # The completion record's statements too: acquire_once and release_done.
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}", task_id=Text("id-1")), Grant)
+        assert provider.release("k", "t", Completion(Text("id-1"), Text("success"), 2, 60.0)) is True
+        done = provider.acquire("k", "u", 5, 60, "{}", task_id="id-1")
+        assert isinstance(done, Done)
+        assert (done.record.outcome, done.record.attempt) == ("success", 2)
     finally:
         provider.close()
 
@@ -735,9 +770,9 @@ def test_pg_runner_converts_every_row_with_and_without_nulls(pg: Db) -> None:
 
 def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
     """A statement built with ``grant``: a one-row result whose first column is true comes
-    back with that column converted and every other one None (what the acquire's grant row
-    holds, and all its reader uses); any other result (first column false or NULL, several
-    rows, no row) is converted whole."""
+    back as that column's int alone (what the acquire's grant row holds, and all its reader
+    uses); any other result (first column false or NULL, several rows, no row) is
+    converted whole."""
     from celery_exclusive.providers import _libpq
 
     provider = pg.provider()
@@ -750,7 +785,7 @@ def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
         )
         granted = _libpq.Statement.build(sql, "btif", grant=2)
         whole = _libpq.Statement.build(sql, "btif")
-        assert runner.run(kept, granted, {"flag": True, "n": 1}) == [(True, None, 10, None)]
+        assert runner.run(kept, granted, {"flag": True, "n": 1}) == 10
         assert runner.run(kept, whole, {"flag": True, "n": 1}) == [
             (True, "x1", 10, 0.25)
         ]  # same shape, own builder
@@ -765,6 +800,8 @@ def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
             _libpq.Statement.build(sql, "btif", grant=0)
         with pytest.raises(ValueError, match="grant column"):
             _libpq.Statement.build(sql, "tbif", grant=2)
+        with pytest.raises(ValueError, match="grant column"):
+            _libpq.Statement.build(sql, "btif", grant=1)
     finally:
         provider.close()
 
@@ -922,6 +959,7 @@ def test_pg_statements_also_run_through_sqlalchemy(pg: Db) -> None:
     """The path for PostgreSQL drivers other than psycopg 3 runs the same statements."""
     provider = pg.provider()
     provider._executor = _pg_executor.PooledExecutor(provider._engine, provider._pg_sql)
+    provider._run_text = None  # as _setup leaves it for this executor
     try:
         first = provider.acquire("k", "a", 5, 60, '{"pid":1}')
         assert isinstance(first, Grant)
