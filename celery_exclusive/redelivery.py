@@ -36,10 +36,12 @@ taken before the slot and released after it, and that lease plays the single loc
 (the copy finds it held; its release writes the record). One acquire and one release more
 per semaphore run; an id too long for the store's keys gets no such lease (nor records).
 
-``self.retry()`` is told from a redelivery by the attempt: the release before a retry
-records ``retried`` with the request's ``retries``; a message of a later attempt (the
-retry's own) runs, a copy of that attempt or an earlier one does not. Eager runs and
-direct calls neither check nor write records.
+``self.retry()`` is told from a redelivery by the attempt: every record names the
+request's ``retries`` (the release before a retry records ``retried``); a message of a
+later attempt (the retry's own) runs, a copy of that attempt or an earlier one does not.
+So a retry sent by ``self.retry(throw=False)`` runs even if its attempt then ends otherwise
+(killed at its hard time limit, recorded as failed). Eager runs and direct calls neither
+check nor write records.
 
 A retry of a task with a ``cooldown`` can find its previous attempt's lease still held,
 cooling down (the release before the retry shortened it, it did not delete it): the same
@@ -62,6 +64,7 @@ from celery.utils.log import get_task_logger
 from celery_exclusive import signals
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
+    MAX_ATTEMPT,
     MAX_RETAIN,
     MAX_TASK_ID_LENGTH,
     Completion,
@@ -195,15 +198,17 @@ def retried(task: TaskView) -> Completion | None:
     return completion(task, Retry())
 
 
-def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, Completion] | None:
+def killed(
+    task: TaskView, keys: Sequence[str], task_id: object, attempt: int | None
+) -> tuple[str, Completion] | None:
     """The record of a run of ``task_id`` killed at its hard time limit, and the key it goes
     on (the carrier's: the first key, a semaphore's :func:`guard_key`), which the worker's
     main process writes with the kill release; None when none may be written.
 
     Celery acknowledges such a message (a final FAILURE) unless ``acks_late`` without
     ``acks_on_timeout`` (``task_acks_on_failure_or_timeout``) requeues it, to run again: no
-    record then. The main process has no request, so the attempt is recorded as 0 (only a
-    ``retried`` record's attempt is compared)."""
+    record then. ``attempt`` is the killed run's ``retries``; None (not known) records
+    :data:`MAX_ATTEMPT`, which ends a message of any attempt of the id."""
     task_id = usable_id(task_id)
     keep = retention(task)
     if task_id is None or keep is None or not keys:
@@ -215,7 +220,8 @@ def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, C
         if not acks:
             return None
     key = keys[0] if task.lock_settings.limit == 1 else guard_of(task, keys[0], task_id)
-    return None if key is None else (key, Completion(task_id, "failure", 0, keep))
+    attempt = MAX_ATTEMPT if attempt is None else attempt
+    return None if key is None else (key, Completion(task_id, "failure", attempt, keep))
 
 
 def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
@@ -272,8 +278,9 @@ def settle(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> None:
-    """End this delivery if ``record`` covers it; return if it is a later attempt (a retry)."""
-    if record.outcome == "retried" and int(task.request.retries or 0) > record.attempt:
+    """End this delivery if ``record`` covers it; return if it is a later attempt (a retry
+    its attempt sent, whatever the attempt's own outcome)."""
+    if int(task.request.retries or 0) > record.attempt:
         return
     end(task, key, ALREADY_DONE, args, kwargs, record=record)
 

@@ -262,3 +262,23 @@ def test_a_copy_after_a_hard_time_limit_does_not_run(rabbit: Group, dump: list[G
     time.sleep(0.5)
     assert rd.runs(result.id) == 1
     assert result.state == "FAILURE"
+
+
+def test_a_retry_sent_before_a_hard_time_limit_still_runs(rabbit: Group, dump: list[Group]) -> None:
+    """``self.retry(throw=False)``, then the hard time limit: the main process records the
+    killed attempt as failed, and the retry it had sent (the next attempt of the same id)
+    still runs, and its result replaces the failure. The killed attempt's record used to
+    end the retry as already_done."""
+    dump.append(rabbit)
+    key_id = f"hang-{uuid.uuid4().hex[:6]}"
+    rabbit.send(rd.ONCE["skip"], "warm", 0.0).get(timeout=30)  # the connection, for the option below
+    result = rd.retry_then_hang.apply_async(
+        (key_id, 2.0), queue=rabbit.queue, connection=rabbit._connection, time_limit=1
+    )
+    wait_for(
+        lambda: _lines(rabbit, "already_done", result.id) or rd.runs(result.id) > 1,
+        30,
+        what="the retry to end or to run",
+    )
+    assert rd.runs(result.id) == 2
+    assert result.get(timeout=10)["real"] is True
