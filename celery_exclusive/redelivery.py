@@ -71,6 +71,7 @@ from celery_exclusive.providers.base import (
     CompletionInfo,
     LockInfo,
 )
+from celery_exclusive.semaphore import slot_keys
 from celery_exclusive.validation import check_key
 
 if TYPE_CHECKING:
@@ -243,6 +244,24 @@ def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
         and holder.fence in fences
         and holder.holder.get("task_id") == request.id
     )
+
+
+def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo | None:
+    """The cooling lease of this retry's previous attempt (:func:`is_predecessor`) among
+    the holders of ``key``: ``holder``, which the store named, or for a semaphore whose
+    every slot is full, whichever slot's holder it is (the store names slot 1's only), or
+    None. Slots are looked up only by a retry whose message names cooling fences."""
+    if is_predecessor(task, holder):
+        return holder
+    limit = task.lock_settings.limit
+    if limit == 1 or not (task.request.headers or {}).get(COOLING_HEADER):
+        return None
+    service = task.lock_service
+    for slot in slot_keys(key, limit)[1:]:
+        info = service.peek(slot)
+        if is_predecessor(task, info):
+            return info
+    return None
 
 
 def after_cooldown(

@@ -191,6 +191,15 @@ def cooled_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
     return result
 
 
+@exclusive_task(app=app, key="coolsem:{key_id}", limit=2, cooldown=2, bind=True)
+def cooled_semaphore_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
+    """``cooled_retrying`` on a semaphore of 2 (skips when both slots are held)."""
+    result = _body(self, tag, 0.0)
+    if not self.request.retries:
+        raise self.retry(countdown=0.2)
+    return result
+
+
 @exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
 def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
     """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""
