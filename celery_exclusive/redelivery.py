@@ -344,13 +344,23 @@ def end(
     raise Ignore()
 
 
+def visibility_cap(app: Any) -> float | None:
+    """Half the ``visibility_timeout`` of ``app``'s broker if it is Redis (a URL, a failover
+    list or ``;``-separated URLs, Sentinel), else None: a message deferred longer than the
+    timeout would be restored as yet another copy while the worker holds it for its eta."""
+    with app.connection_for_read() as connection:  # kombu's parsing; nothing is connected
+        if not str(connection.transport_cls).startswith(("redis", "sentinel")):  # rediss too
+            return None
+        options = connection.transport_options or {}
+    return float(options.get("visibility_timeout", 3600)) / 2
+
+
 def _defer(task: TaskView, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
     """Re-publish this delivery to look again once the holder's lease could have expired."""
     request = task.request
     countdown = max(0.5, (holder.expires_in if holder is not None else task.lock_settings.lease_ttl) + 0.25)
-    transport = task.app.conf.broker_transport_options or {}
-    if str(task.app.conf.broker_url or "").startswith(("redis", "rediss", "sentinel")):
-        countdown = min(countdown, float(transport.get("visibility_timeout", 3600)) / 2)
+    cap = visibility_cap(task.app)
+    countdown = countdown if cap is None else min(countdown, cap)
     headers = dict(request.headers or {})
     headers[DEFERRED_HEADER] = int(headers.get(DEFERRED_HEADER) or 0) + 1
     signature = task.signature_from_request(

@@ -15,17 +15,24 @@ takes about 40 s; ``CE_LONG=1`` publishes more duplicates.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis
+from celery import Celery
 
+from celery_exclusive import redelivery
+from celery_exclusive._info import LockInfo
+from celery_exclusive.task import exclusive_task
 from tests.celery.conftest import (
     SESSION,
     Process,
@@ -138,6 +145,38 @@ def dump(request: pytest.FixtureRequest) -> Iterator[list[Group]]:
     if getattr(getattr(request.node, "rep_call", None), "failed", False):
         for group in groups:
             print(f"===== {group.worker.name} =====\n{group.log()[-30000:]}")
+
+
+@pytest.mark.parametrize("failover", ["list", "semicolons"])
+def test_a_deferred_copy_is_capped_by_a_failover_redis_brokers_visibility_timeout(failover: str) -> None:
+    """A copy deferred behind a 60 s lease is re-published to Redis (a failover list of
+    URLs, or one string of ``;``-separated URLs) with at most half the transport's
+    ``visibility_timeout`` (4 s) as its countdown, else the worker holding it for its eta
+    would see it restored as yet another copy; only a single Redis URL was capped."""
+    require_server(REDIS_URL)
+    prefix = f"{KEYPREFIX}defer-{uuid.uuid4().hex[:6]}:"
+    app = Celery("defer", broker=[BACKEND, BACKEND] if failover == "list" else f"{BACKEND};{BACKEND}")
+    app.conf.update(
+        broker_transport_options={"visibility_timeout": 4, "global_keyprefix": prefix},
+        task_default_queue="q",
+    )
+
+    @exclusive_task(app=app, key="k", shared=False, bind=True)
+    def job(self: Any) -> None: ...
+
+    held = LockInfo("k", "token", 1, 0.0, 60.0, 60.0, {"task_id": "tid"})
+    client = redis.Redis.from_url(BACKEND)
+    job.push_request(id="tid", headers={}, retries=0, delivery_info={"routing_key": "q"})
+    try:
+        sent = datetime.now(UTC)
+        assert redelivery._defer(job, held, (), {}) == 2.0
+        (raw,) = client.lrange(prefix + "q", 0, -1)
+        eta = datetime.fromisoformat(json.loads(raw)["headers"]["eta"])
+        assert eta - sent < timedelta(seconds=3)
+    finally:
+        job.pop_request()
+        client.delete(prefix + "q")
+        client.close()
 
 
 def _lines(group: Group, reason: str, task_id: str) -> int:
