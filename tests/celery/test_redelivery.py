@@ -277,26 +277,28 @@ def test_same_task_id_published_twice_runs_once(rabbit: Group, dump: list[Group]
     assert all(result.get(timeout=5)["real"] is True for result in results)
 
 
-def test_a_copy_after_a_hard_time_limit_does_not_run(rabbit: Group, dump: list[Group]) -> None:
+@pytest.mark.parametrize("attempt", [0, 2])
+def test_a_copy_after_a_hard_time_limit_does_not_run(rabbit: Group, dump: list[Group], attempt: int) -> None:
     """A run killed at its hard time limit is a final FAILURE (the message is acknowledged,
     task_acks_on_failure_or_timeout): a copy of its id published afterwards finds the record
     the worker's main process wrote with the kill release, and neither runs the body again
-    nor replaces the stored failure with a result."""
+    nor replaces the stored failure with a result. The record names the killed run's
+    attempt (``retries``), which a copy of a later attempt (a retry) would pass."""
     from billiard.exceptions import TimeLimitExceeded
 
     dump.append(rabbit)
     key_id = f"hard-{uuid.uuid4().hex[:6]}"
     rabbit.send(rd.ONCE["skip"], "warm", 0.0).get(timeout=30)  # the connection, for the option below
-    result = rd.ONCE["skip"].apply_async(
-        (key_id, 6.0), queue=rabbit.queue, connection=rabbit._connection, time_limit=1
-    )
+    options = {"queue": rabbit.queue, "connection": rabbit._connection, "retries": attempt}
+    result = rd.ONCE["skip"].apply_async((key_id, 6.0), time_limit=1, **options)
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=30, propagate=True)
     rabbit.send(rd.ONCE["skip"], key_id, 0.0, task_id=result.id)
+    rd.ONCE["skip"].apply_async((key_id, 0.0), task_id=result.id, **options)
     wait_for(
-        lambda: _lines(rabbit, "already_done", result.id) or rd.runs(result.id) > 1,
+        lambda: _lines(rabbit, "already_done", result.id) >= 2 or rd.runs(result.id) > 1,
         30,
-        what="the copy to end or to run",
+        what="the copies to end or to run",
     )
     time.sleep(0.5)
     assert rd.runs(result.id) == 1
