@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import threading
 import time
 import uuid
@@ -194,8 +195,13 @@ def test_constructor_refuses_url_options_it_would_not_read() -> None:
     assert "pw-SECRET" not in str(raised.value)
 
 
-def test_missing_driver_names_the_extra() -> None:
-    """A driver that is not installed raises MissingDriverError naming the pip extra."""
+def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that is not installed raises MissingDriverError naming the pip extra.
+
+    ``MySQLdb`` is hidden for the test (None in ``sys.modules`` makes its import fail):
+    tests/django's settings make PyMySQL pose as it for the rest of an xdist worker's
+    session, so whether it imports depended on which files ran first in that worker."""
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)
     with pytest.raises(MissingDriverError) as raised:
         SqlLockProvider("mysql+mysqldb://root:pw-SECRET@127.0.0.1/test")
     assert raised.value.extra == "mysql"
