@@ -1,4 +1,5 @@
-"""The physical floors of lock + release: C programs, and a hand-written RESP client in Python.
+"""The physical floors of lock + release: C programs, and the least Python can do (a
+hand-written RESP client; the PostgreSQL statements through ``psycopg.pq``).
 
 The C sources live in ``benchmarks/c/``; each run compiles them with ``cc`` into a
 temporary directory (removed at the end), so nothing built is ever committed. Without a
@@ -150,6 +151,18 @@ class FloorProgram:
 # -- Redis -----------------------------------------------------------------------------------
 
 
+def _unpacked(data: bytes) -> tuple[bytes, ...]:
+    """The arguments of one command packed as RESP (an array of bulk strings)."""
+    end = data.index(b"\r\n")
+    count, at, args = int(data[1:end]), end + 2, []
+    for _ in range(count):
+        end = data.index(b"\r\n", at)
+        start = end + 2
+        args.append(data[start : start + int(data[at + 1 : end])])
+        at = start + len(args[-1]) + 2
+    return tuple(args)
+
+
 def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     """The two commands ``service.lock(k).release()`` sends, as words with ``{key}`` and
     ``{token}`` placeholders; or why they could not be seen (the provider changed shape)."""
@@ -166,8 +179,12 @@ def capture_redis_commands(service: Any) -> tuple[list[str], list[str]] | str:
     seen: list[tuple[Any, ...]] = []
 
     def record(*command: Any, **options: Any) -> Any:
-        if owner is wire:
-            seen.extend(command[0])  # send_many(commands, timeout)
+        if owner is wire:  # send_many(commands, timeout): command tuples, or one packed
+            commands = command[0]
+            if isinstance(commands, bytes):
+                seen.append(_unpacked(commands))
+            else:
+                seen.extend(commands)
         else:
             seen.append(command)
         return original(*command, **options)
@@ -324,6 +341,80 @@ def pg_floor(
         ",".join(release[1]),
     ]
     return FloorProgram(argv, "pg_floor")
+
+
+class PgPythonFloor:
+    """The least Python can do for the package's two PostgreSQL statements (the Python floor,
+    as :func:`python_floor` is for Redis): one ``psycopg.pq`` connection, both statements
+    prepared, each sent with ``PQsendQueryPrepared`` and its reply awaited by ``poll`` on the
+    socket in Python (as the package must, so that signal handlers run and deadlines hold;
+    ``PQexecPrepared`` would block inside libpq), parameters made as bytes in place. No
+    token from ``secrets``, no holder made per call, no result converted: what is left is
+    the driver's binding and the interpreter."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        key_prefix: str,
+        ttl: float,
+        life: float,
+        holder: str,
+        acquire: tuple[bytes, Sequence[str]],
+        release: tuple[bytes, Sequence[str]],
+    ) -> None:
+        import select
+
+        from psycopg import pq
+
+        self.conn = pq.PGconn.connect(dsn.encode())
+        if self.conn.status != pq.ConnStatus.OK:
+            raise RuntimeError(f"python floor: {self.conn.get_error_message()}")
+        for name, (sql, _) in ((b"a", acquire), (b"r", release)):
+            result = self.conn.prepare(name, sql)
+            if result.status != pq.ExecStatus.COMMAND_OK:
+                raise RuntimeError(f"python floor: {result.get_error_message()}")
+        self._poll = select.poll()
+        self._poll.register(self.conn.socket, select.POLLIN)
+        self._fixed = {
+            "ttl": repr(float(ttl)).encode(),
+            "life": repr(float(life)).encode(),
+            "holder": holder.encode(),
+        }
+        self._acquire = acquire[1]
+        # The release notifies a channel when it frees the lease: the key serves (as the C floor's).
+        self._release = tuple("key" if p == "channel" else p for p in release[1])
+        self._keys = [f"{key_prefix}{i}".encode() for i in range(256)]
+        self._prefix = token_prefix()
+        self._serial = itertools.count(1)
+
+    def _run(self, name: bytes, params: list[bytes | None]) -> Any:
+        conn = self.conn
+        conn.send_query_prepared(name, params)
+        while True:
+            conn.consume_input()
+            if not conn.is_busy():
+                break
+            self._poll.poll()
+        result = conn.get_result()
+        while conn.get_result() is not None:
+            pass
+        return result
+
+    def op(self, i: int) -> None:
+        """One acquire + release of key ``i`` (mod 256), for ``interleave``."""
+        key = self._keys[i % 256]
+        bits = (0x9E3779B97F4A7C15 * next(self._serial)) & 0xFFFFFFFFFFFFFFFF
+        token = f"{self._prefix}{int(time.time() * 1000)}:{bits:016x}".encode()
+        values = {**self._fixed, "key": key, "token": token}
+        granted = self._run(b"a", [values.get(p) for p in self._acquire])
+        if granted.ntuples != 1 or granted.get_value(0, 0) in (None, b"f", b"0"):
+            raise RuntimeError("python floor: key unexpectedly held")
+        self._run(b"r", [values.get(p) for p in self._release])
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.finish()
 
 
 #: The clause by which the package's release commits without waiting for its WAL flush.

@@ -1,15 +1,26 @@
-"""Instructions per task of the Celery layer, counted by callgrind (issue #16).
+"""Instructions per task of the Celery layer, and per bare lock cycle, counted by callgrind
+(issue #16).
 
-``python -m benchmarks.instructions [--store memory|redis] [--variant NAME ...]`` runs each
-variant of :func:`benchmarks.profiling.celery_layer` (a plain no-op, the floor: plain plus
-one provider acquire + release, plain plus ``LockService.lock + release``, an exclusive
-no-op) through Celery's own tracer in a process of its own under ``valgrind
---tool=callgrind``, once with ``--warm`` tasks and once with ``--warm + --count``, and prints
-``(I(warm + count) - I(warm)) / count``: the instructions one more task costs, start-up,
-imports and warm-up cancelled out. Instruction counts do not move with the machine's load
-(two runs of the same code differ by well under 1 %), which wall-clock rates on a shared
-machine cannot say. ``PYTHONHASHSEED=0``; with ``--package DIR`` the package is imported
-from ``DIR`` (a frozen copy of another commit, e.g. ``git archive``), for before/after rows.
+``python -m benchmarks.instructions [--store memory|redis|postgres] [--variant NAME ...]``
+runs each variant in a process of its own under ``valgrind --tool=callgrind``: ``--warm``
+runs uninstrumented, then ``--count`` runs counted between two client requests, and prints
+the instructions per run (start-up, imports and warm-up left out). The variants of
+:func:`benchmarks.profiling.celery_layer` (a plain no-op, the floor: plain plus one provider
+acquire + release, plain plus ``LockService.lock + release``, an exclusive no-op) run
+through Celery's own tracer, one task per run; the bare cycles run no Celery at all:
+``provider_cycle`` is one provider ``acquire + release`` with the deadlines the service
+passes (``call_timeout``, and at most 5 s for the release), ``lock_cycle`` one
+``LockService.lock(key).release()``, each over 256 keys with a new token per cycle.
+
+The PostgreSQL store runs on ``CE_BENCH_POSTGRES_URL`` (default: the shared server's
+``test`` database) in a table of this run's own, dropped at the end; the counts do not
+depend on the server's load (only the client process is counted). Instruction counts do not
+move with the machine's load (two runs of the same code differ by well under 1 %; a
+heartbeat pass falling into the counted window adds up to ~0.6k per cycle), which wall-clock
+rates on a shared machine cannot say. ``PYTHONHASHSEED=0``; with ``--package DIR`` the
+package is imported from ``DIR`` (a frozen copy of another commit, e.g. ``git archive``),
+for before/after rows. ``--callgrind-out FILE`` keeps the last variant's profile for
+``callgrind_annotate`` (per C function; Python frames show as ``_PyEval_EvalFrameDefault``).
 """
 
 from __future__ import annotations
@@ -17,13 +28,60 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 VARIANTS = ("plain", "floor", "floor_once", "service", "service_once", "exclusive")
+#: Cycles counted outside Celery (see the module docstring).
+BARE = ("provider_cycle", "lock_cycle")
+STORES = ("memory", "redis", "postgres")
 _TOTALS = re.compile(r"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
+
+
+def _url(store: str) -> str:
+    """The lock store URL of ``store`` (PostgreSQL: in ``CE_INSTR_TABLE``, the driver's table)."""
+    if store == "memory":
+        return "memory://"
+    if store == "redis":
+        return os.environ.get("CE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    from benchmarks.harness import POSTGRES_URL, with_table
+
+    return with_table(POSTGRES_URL, os.environ["CE_INSTR_TABLE"])
+
+
+def _bare(variant: str, store: str, warm: int, count: int, control: Any) -> None:
+    """``warm`` then ``count`` bare cycles (``BARE``) of a LockService on ``store``, counted
+    between ``control``'s client requests."""
+    import secrets
+
+    from celery_exclusive import LockService
+    from celery_exclusive.providers.base import encode_holder
+
+    service = LockService(_url(store), prefix=f"ceinstr-{os.getpid()}:")
+    provider: Any = service.provider
+    holder = encode_holder({"host": "instr-host", "pid": os.getpid()})
+    ttl, life = service.ttl, service.max_lifetime
+    acquire_timeout, release_timeout = service.call_timeout, min(service.call_timeout, 5.0)
+    keys = [f"{service.prefix}k{i}" for i in range(256)]
+    lock = service.lock
+    try:
+        for i in range(warm + count):
+            if i == warm and control is not None:
+                control.cg_start()
+            if variant == "lock_cycle":
+                lock(f"k{i % 256}").release()
+            else:
+                key, token = keys[i % 256], secrets.token_hex(16)
+                provider.acquire(key, token, ttl, life, holder, timeout=acquire_timeout)
+                provider.release(key, token, timeout=release_timeout)
+        if control is not None:
+            control.cg_stop()
+    finally:
+        service.close()
 
 
 def _child(variant: str, store: str, warm: int, count: int) -> None:
@@ -35,16 +93,21 @@ def _child(variant: str, store: str, warm: int, count: int) -> None:
     import ctypes
     import gc
 
+    control = ctypes.CDLL(os.environ["CE_CALLGRIND_LIB"]) if os.environ.get("CE_CALLGRIND_LIB") else None
+    if variant in BARE:
+        _bare(variant, store, warm, count, control)
+        import celery_exclusive
+
+        print(f"package: {celery_exclusive.__file__}", file=sys.stderr)
+        return
+
     from celery import Celery
     from celery.app.trace import build_tracer
 
     from benchmarks.profiling import layer_tasks
     from celery_exclusive.worker import close_lock_services
 
-    if store == "memory":
-        url = "memory://"
-    else:
-        url = os.environ.get("CE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = _url(store)
     prefix = f"ceinstr-{os.getpid()}:"
     app = Celery("ce-instructions", broker="memory://", set_as_current=False)
     app.conf.update(exclusive_url=url, exclusive_prefix=prefix, task_ignore_result=True)
@@ -55,7 +118,6 @@ def _child(variant: str, store: str, warm: int, count: int) -> None:
     tag = f"{os.getpid()}"
     ballast = [[] for _ in range(int(os.environ.get("CE_INSTR_BALLAST", "0")))]
     gc.collect()  # the ballast in the oldest generation, as a worker's long-lived objects are
-    control = ctypes.CDLL(os.environ["CE_CALLGRIND_LIB"]) if os.environ.get("CE_CALLGRIND_LIB") else None
     try:
         for i in range(warm + count):
             if i == warm and control is not None:
@@ -80,9 +142,12 @@ void cg_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS_AT("measured
 """
 
 
-def _count(variant: str, store: str, warm: int, count: int, package: str | None) -> int:
-    """Instructions of ``count`` tasks after ``warm`` in one child process under callgrind
-    (start-up and warm-up run uninstrumented, so a run takes seconds, not minutes)."""
+def _count(
+    variant: str, store: str, warm: int, count: int, package: str | None, *, keep: str | None = None
+) -> int:
+    """Instructions of ``count`` runs after ``warm`` in one child process under callgrind
+    (start-up and warm-up run uninstrumented, so a run takes seconds, not minutes); ``keep``:
+    a path to copy the counted profile to."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if package:
         env["PYTHONPATH"] = os.pathsep.join([package, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -109,6 +174,8 @@ def _count(variant: str, store: str, warm: int, count: int, package: str | None)
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         dumps = [p for p in Path(out).glob("callgrind.out*") if "measured" in p.read_text(errors="replace")]
         totals = [_TOTALS.search(p.read_text(errors="replace")) for p in dumps]
+        if keep and dumps:
+            shutil.copyfile(dumps[0], keep)
     found = [int(m.group(1)) for m in totals if m is not None]
     if done.returncode != 0 or not found:
         raise SystemExit(f"{variant} on {store} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -119,14 +186,15 @@ def _count(variant: str, store: str, warm: int, count: int, package: str | None)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", choices=("memory", "redis"), default="memory")
-    parser.add_argument("--variant", action="append", choices=VARIANTS)
+    parser.add_argument("--store", choices=STORES, default="memory")
+    parser.add_argument("--variant", action="append", choices=VARIANTS + BARE)
     parser.add_argument("--warm", type=int, default=300)
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--package", help="import celery_exclusive from this directory")
     parser.add_argument(
         "--ballast", type=int, default=0, help="long-lived objects in the heap (a worker's: 1000000)"
     )
+    parser.add_argument("--callgrind-out", help="copy the last variant's counted profile here")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -134,14 +202,28 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.ballast:
         os.environ["CE_INSTR_BALLAST"] = str(args.ballast)
+    if args.store == "postgres":
+        from benchmarks.harness import drop_pg_tables
+
+        table = os.environ["CE_INSTR_TABLE"] = f"ce_instr_{os.getpid()}"
     per_task: dict[str, float] = {}
-    for variant in args.variant or VARIANTS:
-        per_task[variant] = _count(variant, args.store, args.warm, args.count, args.package) / args.count
-        plain = per_task.get("plain")
-        over = (
-            "" if plain is None or variant == "plain" else f"  (+{per_task[variant] - plain:,.0f} over plain)"
-        )
-        print(f"{variant:10} {per_task[variant]:10,.0f} instructions per task{over}", flush=True)
+    try:
+        for variant in args.variant or VARIANTS:
+            counted = _count(
+                variant, args.store, args.warm, args.count, args.package, keep=args.callgrind_out
+            )
+            per_task[variant] = counted / args.count
+            plain = per_task.get("plain")
+            over = (
+                ""
+                if plain is None or variant == "plain" or variant in BARE
+                else f"  (+{per_task[variant] - plain:,.0f} over plain)"
+            )
+            unit = "cycle" if variant in BARE else "task"
+            print(f"{variant:14} {per_task[variant]:10,.0f} instructions per {unit}{over}", flush=True)
+    finally:
+        if args.store == "postgres":
+            drop_pg_tables(table)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,13 @@ CURSORS = "LockService.lock + release, hot path on psycopg's RawCursor(prepare=T
 ORIGIN = "origin design on SQLAlchemy: DELETE expired; INSERT; SELECT on conflict"
 C_FLOOR = "C libpq floor: the package's 2 statements, prepared, its durability"
 C_DURABLE = "C libpq: the same 2 statements, both committed durably"
+PY_FLOOR = "Python floor: the package's 2 statements, prepared, psycopg.pq with a poll() wait"
 WHERE_SERVICE = "where a cycle goes: LockService.lock + release"
 WHERE_PROVIDER = "where a cycle goes: provider acquire + release"
 WHERE_C = "where a cycle goes: C libpq floor"
 C_THINK = "C libpq floor + the service's extra client CPU, busy-waited"
 WHERE = [WHERE_SERVICE, WHERE_PROVIDER, WHERE_C, C_THINK]
-ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, CURSORS, ORIGIN, C_FLOOR, C_DURABLE, *WHERE]
+ROWS = [RAW, ADVISORY, PROVIDER, SERVICE, CURSORS, ORIGIN, C_FLOOR, C_DURABLE, PY_FLOOR, *WHERE]
 TARGET_RAW = "postgres: LockService vs raw psycopg (same SQL)"
 TARGET_ORIGIN = "postgres: LockService vs origin design"
 TARGET_C = "postgres: LockService vs C libpq floor (same statements, same durability)"
@@ -81,6 +82,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
     origin = OriginLock(engine, table)
     holder = encode_holder({"host": "benchmark-host", "pid": os.getpid()})
     programs: list[floors.FloorProgram] = []
+    python_floor: floors.PgPythonFloor | None = None
     try:
 
         def raw_sql(i: int) -> None:
@@ -124,6 +126,7 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             CURSORS: on_cursors,
         }
         missing = _c_floors(approaches, programs, provider, cleanup)
+        python_floor = _python_floor(approaches, missing, provider, holder)
         series = interleave(approaches, rounds=plan.rounds, ops=plan.pg_ops, warmup=max(20, plan.pg_ops // 5))
         # The origin is 3-4x slower: its own (smaller) batches, interleaved with the service's.
         slow = interleave(
@@ -145,6 +148,9 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
                 f"supported API; {_vs(series, CURSORS, SERVICE)} the libpq runner's rate, "
                 f"{_vs(series, CURSORS, C_FLOOR)} the C floor's",
                 C_DURABLE: "info: release without its synchronous_commit=off clause",
+                PY_FLOOR: "reference: the least Python can do for the same 2 statements; "
+                f"{_vs(series, PY_FLOOR, C_FLOOR)} the C floor's rate, the service "
+                f"{_vs(series, SERVICE, PY_FLOOR)} of it",
             },
         )
         for name, reason in missing.items():
@@ -167,6 +173,9 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
             if C_DURABLE in series:
                 vs_d = median(round_ratios(series[SERVICE], series[C_DURABLE]))
                 durable = f"; {vs_d:.2f}x the C client that commits both durably"
+            if PY_FLOOR in series:
+                vs_py = median(round_ratios(series[PY_FLOOR], series[C_FLOOR]))
+                durable += f"; the Python floor is {vs_py:.2f}x the C floor"
             report.target(
                 TARGET_C,
                 median(vs_c),
@@ -183,6 +192,8 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
     finally:
         for program in programs:
             program.close()
+        if python_floor is not None:
+            python_floor.close()
         raw.close()
         advisory.close()
         engine.dispose()
@@ -191,9 +202,18 @@ def run(report: Report, plan: Plan, cleanup: Cleanup) -> None:
 
 
 class Cursors:
-    """The provider's libpq runner's interface (``run(connection, statement, params)``) on
-    psycopg's supported API: per connection a kept ``RawCursor`` (``$n`` placeholders, as
-    the runner's statements have them), each statement ``execute(..., prepare=True)``."""
+    """The provider's libpq runner's interface (``run(connection, statement, params)``,
+    ``run_text(connection, statement, values)``) on psycopg's supported API: per connection
+    a kept ``RawCursor`` (``$n`` placeholders, as the runner's statements have them), each
+    statement ``execute(..., prepare=True)``. The text values the provider made for
+    ``run_text`` are passed as strs (psycopg sends a str untyped: the server reads a
+    number's text as the number)."""
+
+    def run_text(
+        self, connection: Any, statement: Any, values: list[bytes | None], end: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        texts = (None if value is None else value.decode() for value in values)
+        return self.run(connection, statement, dict(zip(statement.params, texts, strict=True)), end)
 
     def __init__(self) -> None:
         import psycopg
@@ -276,6 +296,29 @@ def _c_floors(
         programs.append(program_run)
         approaches[name] = program_run.as_approach()
     return missing
+
+
+def _python_floor(
+    approaches: dict[str, Op], missing: dict[str, str], provider: Any, holder: str
+) -> floors.PgPythonFloor | None:
+    """Add the Python floor to ``approaches`` (beside the C floor, on the same statements);
+    None, and a reason in ``missing``, where the provider's statements are not found."""
+    statements = getattr(getattr(provider, "_executor", None), "statements", None)
+    if not statements or "acquire" not in statements or "release" not in statements:
+        missing[PY_FLOOR] = "the provider's libpq statements (acquire, release) are not where they were"
+        return None
+    acquire, release = statements["acquire"], statements["release"]
+    floor = floors.PgPythonFloor(
+        psycopg_dsn(),
+        key_prefix="pyfloor:",
+        ttl=TTL,
+        life=LIFE,
+        holder=holder,
+        acquire=(acquire.sql, acquire.params),
+        release=(release.sql, release.params),
+    )
+    approaches[PY_FLOOR] = floor.op
+    return floor
 
 
 def _where_time_goes(

@@ -19,7 +19,7 @@ from celery_exclusive._process import EncodedHolder, holder_json, new_token, thi
 from celery_exclusive._records import Records
 from celery_exclusive._store import as_store_error
 from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError
-from celery_exclusive.lease import Lease
+from celery_exclusive.lease import Lease, LostCallback
 from celery_exclusive.providers.base import (
     AcquiresAny,
     Done,
@@ -79,11 +79,13 @@ class Acquiring:
         name_holder: bool = True,
         task_id: str | None = None,
         limit: int = 1,
+        on_lost: LostCallback | None = None,
     ) -> Lease | Held:
         """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
         raises as LockedError, without the cost of an exception on the contended path.
         Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
-        as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed."""
+        as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed.
+        ``on_lost`` (checked callable by the caller) is the lease's first loss callback."""
         service = self._service
         if limit == 1:
             # check_key's whole test of the usual key (ASCII, no NUL, within the store's
@@ -191,6 +193,8 @@ class Acquiring:
             answer.ttl,
             heartbeat.mutex,
         )
+        if on_lost is not None:  # lease.on_lost's list, set before the heartbeat can see the lease
+            lease._on_lost = [on_lost]
         heartbeat.add(lease)
         if service._closed:  # close() began since the test above: the lease is given back
             service._give_back(lease)

@@ -20,7 +20,7 @@ from celery_exclusive._process import holder_json
 from celery_exclusive._releasing import Releasing
 from celery_exclusive.errors import LockedError
 from celery_exclusive.heartbeat import Heartbeat
-from celery_exclusive.lease import Lease
+from celery_exclusive.lease import Lease, LostCallback
 from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, SWEEP_LIMIT, Held, Sweeps, accepts_timeout
 from celery_exclusive.validation import check_task_id
 
@@ -47,8 +47,9 @@ class Leasing:
         hold_at_least: float | timedelta | None,
         *,
         limit: int,
-        task_id: str | None,
+        task_id: str | None = None,
         name_holder: bool,
+        on_lost: LostCallback | None,
     ) -> Lease | Held:
         """The lease on ``key`` (its cooldown kept) or Held; with ``wait``, retrying until
         that many seconds have passed."""
@@ -57,7 +58,15 @@ class Leasing:
         )
         take = self._acquiring.take
         if wait is None:  # the hot path: no extra call
-            taken = take(key, *durations, holder, name_holder=name_holder, task_id=task_id, limit=limit)
+            taken = take(
+                key,
+                *durations,
+                holder,
+                name_holder=name_holder,
+                task_id=task_id,
+                limit=limit,
+                on_lost=on_lost,
+            )
         else:
             seconds = waiting.check_wait(wait)
             # Each attempt checks these too, but a waiter subscribes to releases (or, on
@@ -66,7 +75,13 @@ class Leasing:
             self._check([key] if limit == 1 else [key, semaphore.slot_key(key, limit)], durations, holder)
             taken = waiting.take_waiting(
                 lambda final: take(
-                    key, *durations, holder, name_holder=name_holder and final, task_id=task_id, limit=limit
+                    key,
+                    *durations,
+                    holder,
+                    name_holder=name_holder and final,
+                    task_id=task_id,
+                    limit=limit,
+                    on_lost=on_lost,
                 ),
                 self._service.provider,
                 self._service.prefix + key,
@@ -100,11 +115,12 @@ class Leasing:
         wait: float | None,
         hold_at_least: float | timedelta | None,
         limit: int,
+        on_lost: LostCallback | None,
     ) -> Lease | None:
         """See :meth:`LockService.try_lock <celery_exclusive.service.LockService.try_lock>`."""
         semaphore.check_limit(limit)
         taken = self._take(
-            key, durations, holder, wait, hold_at_least, limit=limit, task_id=None, name_holder=False
+            key, durations, holder, wait, hold_at_least, limit=limit, name_holder=False, on_lost=on_lost
         )
         return taken if isinstance(taken, Lease) else None
 
@@ -118,6 +134,7 @@ class Leasing:
         wait: float | None,
         hold_at_least: float | timedelta | None,
         limit: int,
+        on_lost: LostCallback | None,
     ) -> Lease:
         """See :meth:`LockService.lock <celery_exclusive.service.LockService.lock>`."""
         # check_limit's answer for 1 without its call (True == 1, but is refused there).
@@ -128,10 +145,20 @@ class Leasing:
         if (type(limit) is not int or limit != 1) and semaphore.check_limit(limit) > 1:
             task_id = None
         if wait is None and hold_at_least is None:  # _take's hot path, without its call
-            taken = self._acquiring.take(key, *durations, holder, task_id=task_id, limit=limit)
+            taken = self._acquiring.take(
+                key, *durations, holder, task_id=task_id, limit=limit, on_lost=on_lost
+            )
         else:
             taken = self._take(
-                key, durations, holder, wait, hold_at_least, limit=limit, task_id=task_id, name_holder=True
+                key,
+                durations,
+                holder,
+                wait,
+                hold_at_least,
+                limit=limit,
+                task_id=task_id,
+                name_holder=True,
+                on_lost=on_lost,
             )
         if isinstance(taken, Held):
             raise LockedError(key, taken.holder)

@@ -10,11 +10,14 @@ last, a semaphore run its task id's lease: that lease carries the completion rec
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from celery_exclusive.lease import Lease, LeaseState, ReleaseOutcome
-from celery_exclusive.many import LeaseSet
+from celery_exclusive.many import LeaseSet, release_each
 from celery_exclusive.providers.base import Completion
+
+_Outcome = TypeVar("_Outcome")
 
 
 class _Running(threading.local):
@@ -25,6 +28,9 @@ class _Running(threading.local):
 
 
 _running = _Running()
+#: The members as module constants: ``LeaseState.LOST`` is a class attribute read through
+#: Python 3.11's ``EnumType.__getattr__`` hook (lease.py's ``_HELD``...), three per run here.
+_LOST, _RELEASED, _NOT_OWNED = LeaseState.LOST, LeaseState.RELEASED, ReleaseOutcome.NOT_OWNED
 
 
 class Guarded(LeaseSet):
@@ -40,6 +46,15 @@ def _carrier(leases: LeaseSet) -> tuple[Lease, list[Lease]]:
         return guard, rest[::-1]
     first, *rest = leases.leases
     return first, rest[::-1]
+
+
+def _release_set(
+    leases: LeaseSet, release: Callable[[Lease, Completion | None], _Outcome], done: Completion | None
+) -> dict[str, _Outcome]:
+    """``release`` each lease, the carrier last with ``done``: every one, even past a release
+    that raises (:func:`~celery_exclusive.many.release_each`)."""
+    carrier, others = _carrier(leases)
+    return release_each([*others, carrier], lambda each: release(each, done if each is carrier else None))
 
 
 def push(task: object, lease: Lease | LeaseSet) -> None:
@@ -81,40 +96,36 @@ def _pop(lease: Lease | LeaseSet) -> None:
 def release(lease: Lease, done: Completion | None) -> bool:
     """Release ``lease`` (recording ``done``) unless released already; True if it had been lost."""
     state = lease.state
-    lost = state is LeaseState.LOST
-    if state is not LeaseState.RELEASED:
-        lost = lease.release(done) is ReleaseOutcome.NOT_OWNED or lost
+    lost = state is _LOST
+    if state is not _RELEASED:
+        lost = lease.release(done) is _NOT_OWNED or lost
     return lost
 
 
 def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
     """Pop the run's lease(s) and release them, recording ``done`` on the first key in the
-    same store call. The lease that had been lost (the first in canonical order), or None."""
+    same store call. The lease that had been lost (the first in canonical order), or None.
+    A signal handler's exception raised in one release is raised once all are released."""
     stack = _running.stack
     if stack and stack[-1][1] is lease:  # the innermost run, as usual: _pop without its loop
         del stack[-1]
     else:
         _pop(lease)
     if isinstance(lease, LeaseSet):
-        carrier, others = _carrier(lease)
-        lost = {id(each) for each in others if release(each, None)}  # the carrier last
-        if release(carrier, done):
-            lost.add(id(carrier))
-        return next((each for each in lease.leases if id(each) in lost), None)
+        lost = _release_set(lease, release, done)
+        return next((each for each in lease.leases if lost[each.key]), None)
     state = lease.state  # release() inlined: the single-key path makes no extra call
-    gone = state is LeaseState.LOST
-    if state is not LeaseState.RELEASED:
-        gone = lease.release(done) is ReleaseOutcome.NOT_OWNED or gone
+    gone = state is _LOST
+    if state is not _RELEASED:
+        gone = lease.release(done) is _NOT_OWNED or gone
     return lease if gone else None
 
 
 def release_all(lease: Lease | LeaseSet, done: Completion | None) -> None:
-    """Release every lease of a run (before ``self.retry()``), ``done`` on the carrier, last."""
+    """Release every lease of a run (before ``self.retry()``), ``done`` on the carrier, last;
+    all of them even if one release raises."""
     if isinstance(lease, LeaseSet):
-        carrier, others = _carrier(lease)
-        for each in others:
-            each.release()
-        carrier.release(done)
+        _release_set(lease, Lease.release, done)
     else:
         lease.release(done)
 

@@ -31,6 +31,17 @@ SAFETY_MARGIN_FRACTION = 0.1
 SAFETY_MARGIN_CAP = 10.0
 
 
+#: What ``lease.on_lost`` and ``lock(on_lost=)`` take: called as ``callback(lease, reason)``.
+LostCallback = Callable[["Lease", str], object]
+
+
+def check_lost_callback(callback: object) -> None:
+    """InvalidArgumentError unless ``callback`` (an ``on_lost`` callback) is callable: else
+    it would fail only at the loss, in the heartbeat's log."""
+    if not callable(callback):
+        raise InvalidArgumentError(f"on_lost callback must be callable, got {type(callback).__name__}")
+
+
 class LeaseState(str, enum.Enum):
     """Health of a lease, as far as its holder can know."""
 
@@ -246,8 +257,7 @@ class Lease:
 
     def on_lost(self, callback: Callable[[Lease, str], object]) -> None:
         """Call ``callback(lease, reason)`` once when the lease is lost (now, if it already is)."""
-        if not callable(callback):  # else it would fail only at the loss, in the heartbeat's log
-            raise InvalidArgumentError(f"on_lost callback must be callable, got {type(callback).__name__}")
+        check_lost_callback(callback)
         with self._mutex:
             if self._state is not _LOST:
                 if self._on_lost is None:

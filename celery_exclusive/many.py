@@ -22,11 +22,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
+from typing import TypeVar
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.lease import Lease, ReleaseOutcome
 from celery_exclusive.providers.base import Held
 from celery_exclusive.waiting import Waiter
+
+_Outcome = TypeVar("_Outcome")
 
 #: Most keys one ``lock_many`` call takes (each is a round trip to the store).
 MAX_KEYS = 64
@@ -102,8 +105,8 @@ class LeaseSet:
     def release(self) -> dict[str, ReleaseOutcome]:
         """Release every lease (never raises for an outage; see ``Lease.release``). An
         exception that is not the store's (a signal handler's) is raised after the others
-        are released too (see :func:`_release_each`)."""
-        return _release_each(reversed(self._leases))
+        are released too (see :func:`release_each`)."""
+        return release_each(reversed(self._leases), Lease.release)
 
     def __enter__(self) -> LeaseSet:
         return self
@@ -159,19 +162,20 @@ def _attempt_once(
 
 
 def _roll_back(taken: list[Lease]) -> None:
-    _release_each(reversed(taken))
+    release_each(reversed(taken), Lease.release)
 
 
-def _release_each(leases: Iterable[Lease]) -> dict[str, ReleaseOutcome]:
-    """Release each of ``leases`` in turn, each key's outcome; an exception a release raises
-    (Celery's SoftTimeLimitExceeded, KeyboardInterrupt: the heartbeat finishes that release)
-    is raised again once every other lease is released, else those would stay held, kept
-    alive by the heartbeat until their max lifetime, with nothing left to release them."""
-    outcomes: dict[str, ReleaseOutcome] = {}
+def release_each(leases: Iterable[Lease], release: Callable[[Lease], _Outcome]) -> dict[str, _Outcome]:
+    """``release(lease)`` for each of ``leases`` in turn, each key's outcome; an exception a
+    release raises (Celery's SoftTimeLimitExceeded, KeyboardInterrupt: the heartbeat
+    finishes that release) is raised again once every other lease is released, else those
+    would stay held, kept alive by the heartbeat until their max lifetime, with nothing
+    left to release them."""
+    outcomes: dict[str, _Outcome] = {}
     raised: BaseException | None = None
     for lease in leases:
         try:
-            outcomes[lease.key] = lease.release()
+            outcomes[lease.key] = release(lease)
         except BaseException as exc:
             if raised is None:
                 raised = exc
@@ -180,4 +184,4 @@ def _release_each(leases: Iterable[Lease]) -> dict[str, ReleaseOutcome]:
     return outcomes
 
 
-__all__ = ["MAX_KEYS", "LeaseSet", "check_keys", "take_all"]
+__all__ = ["MAX_KEYS", "LeaseSet", "check_keys", "release_each", "take_all"]

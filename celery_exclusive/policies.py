@@ -366,11 +366,13 @@ def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
     of this very message's run never reaches a policy, nor does a retry that finds its previous
     attempt's lease cooling down), then the policy's ``locked`` hook."""
     # Only a cooldown's lease outlives its run (its holder says "cooldown"): no lookup else.
-    if holder is not None and "cooldown" in holder.holder and redelivery.is_predecessor(task, holder):
+    cools = task.lock_settings.cooldown or (holder is not None and "cooldown" in holder.holder)
+    cooling = redelivery.predecessor(task, key, holder) if cools else None
+    if cooling is not None:
         if call.inline:  # an eager retry: no message to re-publish, so it waits here
-            time.sleep(holder.expires_in + waiting.POLL_MIN)
+            time.sleep(cooling.expires_in + waiting.POLL_MIN)
             return AGAIN
-        redelivery.after_cooldown(task, key, holder, call.args, call.kwargs)
+        redelivery.after_cooldown(task, key, cooling, call.args, call.kwargs)
     if not call.inline and (redelivery.is_copy(task, holder) or redelivery.is_guard(task, key)):
         redelivery.end(task, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
     return of(task).locked(task, key, holder, call)

@@ -36,10 +36,12 @@ taken before the slot and released after it, and that lease plays the single loc
 (the copy finds it held; its release writes the record). One acquire and one release more
 per semaphore run; an id too long for the store's keys gets no such lease (nor records).
 
-``self.retry()`` is told from a redelivery by the attempt: the release before a retry
-records ``retried`` with the request's ``retries``; a message of a later attempt (the
-retry's own) runs, a copy of that attempt or an earlier one does not. Eager runs and
-direct calls neither check nor write records.
+``self.retry()`` is told from a redelivery by the attempt: every record names the
+request's ``retries`` (the release before a retry records ``retried``); a message of a
+later attempt (the retry's own) runs, a copy of that attempt or an earlier one does not.
+So a retry sent by ``self.retry(throw=False)`` runs even if its attempt then ends otherwise
+(killed at its hard time limit, recorded as failed). Eager runs and direct calls neither
+check nor write records.
 
 A retry of a task with a ``cooldown`` can find its previous attempt's lease still held,
 cooling down (the release before the retry shortened it, it did not delete it): the same
@@ -62,12 +64,14 @@ from celery.utils.log import get_task_logger
 from celery_exclusive import signals
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
+    MAX_ATTEMPT,
     MAX_RETAIN,
     MAX_TASK_ID_LENGTH,
     Completion,
     CompletionInfo,
     LockInfo,
 )
+from celery_exclusive.semaphore import slot_keys
 from celery_exclusive.validation import check_key
 
 if TYPE_CHECKING:
@@ -195,15 +199,17 @@ def retried(task: TaskView) -> Completion | None:
     return completion(task, Retry())
 
 
-def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, Completion] | None:
+def killed(
+    task: TaskView, keys: Sequence[str], task_id: object, attempt: int | None
+) -> tuple[str, Completion] | None:
     """The record of a run of ``task_id`` killed at its hard time limit, and the key it goes
     on (the carrier's: the first key, a semaphore's :func:`guard_key`), which the worker's
     main process writes with the kill release; None when none may be written.
 
     Celery acknowledges such a message (a final FAILURE) unless ``acks_late`` without
     ``acks_on_timeout`` (``task_acks_on_failure_or_timeout``) requeues it, to run again: no
-    record then. The main process has no request, so the attempt is recorded as 0 (only a
-    ``retried`` record's attempt is compared)."""
+    record then. ``attempt`` is the killed run's ``retries``; None (not known) records
+    :data:`MAX_ATTEMPT`, which ends a message of any attempt of the id."""
     task_id = usable_id(task_id)
     keep = retention(task)
     if task_id is None or keep is None or not keys:
@@ -215,7 +221,8 @@ def killed(task: TaskView, keys: Sequence[str], task_id: object) -> tuple[str, C
         if not acks:
             return None
     key = keys[0] if task.lock_settings.limit == 1 else guard_of(task, keys[0], task_id)
-    return None if key is None else (key, Completion(task_id, "failure", 0, keep))
+    attempt = MAX_ATTEMPT if attempt is None else attempt
+    return None if key is None else (key, Completion(task_id, "failure", attempt, keep))
 
 
 def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
@@ -237,6 +244,24 @@ def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
         and holder.fence in fences
         and holder.holder.get("task_id") == request.id
     )
+
+
+def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo | None:
+    """The cooling lease of this retry's previous attempt (:func:`is_predecessor`) among
+    the holders of ``key``: ``holder``, which the store named, or for a semaphore whose
+    every slot is full, whichever slot's holder it is (the store names slot 1's only), or
+    None. Slots are looked up only by a retry whose message names cooling fences."""
+    if is_predecessor(task, holder):
+        return holder
+    limit = task.lock_settings.limit
+    if limit == 1 or not (task.request.headers or {}).get(COOLING_HEADER):
+        return None
+    service = task.lock_service
+    for slot in slot_keys(key, limit)[1:]:
+        info = service.peek(slot)
+        if is_predecessor(task, info):
+            return info
+    return None
 
 
 def after_cooldown(
@@ -272,8 +297,9 @@ def settle(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> None:
-    """End this delivery if ``record`` covers it; return if it is a later attempt (a retry)."""
-    if record.outcome == "retried" and int(task.request.retries or 0) > record.attempt:
+    """End this delivery if ``record`` covers it; return if it is a later attempt (a retry
+    its attempt sent, whatever the attempt's own outcome)."""
+    if int(task.request.retries or 0) > record.attempt:
         return
     end(task, key, ALREADY_DONE, args, kwargs, record=record)
 
@@ -318,13 +344,23 @@ def end(
     raise Ignore()
 
 
+def visibility_cap(app: Any) -> float | None:
+    """Half the ``visibility_timeout`` of ``app``'s broker if it is Redis (a URL, a failover
+    list or ``;``-separated URLs, Sentinel), else None: a message deferred longer than the
+    timeout would be restored as yet another copy while the worker holds it for its eta."""
+    with app.connection_for_read() as connection:  # kombu's parsing; nothing is connected
+        if not str(connection.transport_cls).startswith(("redis", "sentinel")):  # rediss too
+            return None
+        options = connection.transport_options or {}
+    return float(options.get("visibility_timeout", 3600)) / 2
+
+
 def _defer(task: TaskView, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
     """Re-publish this delivery to look again once the holder's lease could have expired."""
     request = task.request
     countdown = max(0.5, (holder.expires_in if holder is not None else task.lock_settings.lease_ttl) + 0.25)
-    transport = task.app.conf.broker_transport_options or {}
-    if str(task.app.conf.broker_url or "").startswith(("redis", "rediss", "sentinel")):
-        countdown = min(countdown, float(transport.get("visibility_timeout", 3600)) / 2)
+    cap = visibility_cap(task.app)
+    countdown = countdown if cap is None else min(countdown, cap)
     headers = dict(request.headers or {})
     headers[DEFERRED_HEADER] = int(headers.get(DEFERRED_HEADER) or 0) + 1
     signature = task.signature_from_request(

@@ -38,7 +38,7 @@ from celery_exclusive._store import (
 )
 from celery_exclusive.errors import InvalidArgumentError, LockedError
 from celery_exclusive.heartbeat import Heartbeat
-from celery_exclusive.lease import Lease, ReleaseOutcome
+from celery_exclusive.lease import Lease, LostCallback, ReleaseOutcome, check_lost_callback
 from celery_exclusive.providers.base import (
     MAX_TASK_ID_LENGTH,
     Completion,
@@ -51,6 +51,8 @@ from celery_exclusive.urls import mask_url
 from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_task_id
 
 T = TypeVar("T")
+#: ``callable``, typed so that testing a value typed callable is not unreachable code to mypy.
+_callable: Callable[[object], bool] = callable
 
 DEFAULT_PREFIX = "task-lock:"
 DEFAULT_TTL = 15 * 60.0
@@ -145,25 +147,43 @@ class LockService(PrefixedStore):
         wait: float | None = None,
         hold_at_least: float | timedelta | None = None,
         limit: int = 1,
+        on_lost: LostCallback | None = None,
     ) -> Lease | None:
         """Acquire ``key`` and keep it alive; None if someone else holds it (with ``limit``,
         if ``limit`` others do).
 
         With ``wait`` (seconds), retry until it is free or the time is up (see
-        :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``, ``limit``: see
-        :meth:`lock`."""
+        :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``, ``limit``,
+        ``on_lost``: see :meth:`lock`."""
+        if on_lost is not None and not _callable(on_lost):  # check_lost_callback's test, inline
+            check_lost_callback(on_lost)
         if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:  # the hot path
-            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, name_holder=False)
+            taken = self._acquiring.take(
+                key, ttl, refresh_interval, max_lifetime, holder, name_holder=False, on_lost=on_lost
+            )
             return taken if type(taken) is Lease else None
         if wait is None and hold_at_least is None and type(limit) is int and 1 < limit <= MAX_LIMIT:
             # A semaphore's hot path (Leasing.try_lock's, limit checked so, without its call).
             taken = self._acquiring.take(
-                key, ttl, refresh_interval, max_lifetime, holder, name_holder=False, limit=limit
+                key,
+                ttl,
+                refresh_interval,
+                max_lifetime,
+                holder,
+                name_holder=False,
+                limit=limit,
+                on_lost=on_lost,
             )
             return taken if type(taken) is Lease else None
         durations = (ttl, refresh_interval, max_lifetime)
         return self._leasing.try_lock(
-            key, durations, holder=holder, wait=wait, hold_at_least=hold_at_least, limit=limit
+            key,
+            durations,
+            holder=holder,
+            wait=wait,
+            hold_at_least=hold_at_least,
+            limit=limit,
+            on_lost=on_lost,
         )
 
     def lock(
@@ -178,6 +198,7 @@ class LockService(PrefixedStore):
         wait: float | None = None,
         hold_at_least: float | timedelta | None = None,
         limit: int = 1,
+        on_lost: LostCallback | None = None,
     ) -> Lease:
         """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
 
@@ -203,7 +224,14 @@ class LockService(PrefixedStore):
         fence, heartbeat, release); LockedError names a holder when all slots are taken. See
         :mod:`celery_exclusive.semaphore` (slot keys, changing the limit; ``task_id`` is
         ignored for ``limit > 1``).
+
+        ``on_lost``: called as ``on_lost(lease, reason)`` once if the lease is lost, as
+        :meth:`Lease.on_lost <celery_exclusive.lease.Lease.on_lost>` registers it, but in
+        place from the grant on (no lock taken, no loss between the grant and the call to
+        miss); not callable: :class:`InvalidArgumentError` before the store is asked.
         """
+        if on_lost is not None and not _callable(on_lost):  # check_lost_callback's test, inline
+            check_lost_callback(on_lost)
         if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:
             # The hot path: Leasing.lock's, without its call.
             if task_id is not None:
@@ -218,7 +246,9 @@ class LockService(PrefixedStore):
                     check_task_id(task_id, MAX_TASK_ID_LENGTH)
                 if not self.keeps_records:
                     task_id = None
-            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id)
+            taken = self._acquiring.take(
+                key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id, on_lost=on_lost
+            )
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken
@@ -227,7 +257,9 @@ class LockService(PrefixedStore):
             # ignored), without its call.
             if task_id is not None:
                 check_task_id(task_id, MAX_TASK_ID_LENGTH)
-            taken = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder, limit=limit)
+            taken = self._acquiring.take(
+                key, ttl, refresh_interval, max_lifetime, holder, limit=limit, on_lost=on_lost
+            )
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken
@@ -239,6 +271,7 @@ class LockService(PrefixedStore):
             wait=wait,
             hold_at_least=hold_at_least,
             limit=limit,
+            on_lost=on_lost,
         )
 
     def lock_many(

@@ -415,6 +415,11 @@ def _parse_env(name: str, env_name: str, raw: str) -> Any:
     raw = raw.strip()
     if name in ("done_retention", "dedupe", "sweep_interval") and raw.lower() in ("false", "off", "no"):
         return False
+    if name == "dedupe" and raw not in DEDUPE_MODES:  # its check's message says True, which text is not
+        modes = " or ".join(map(repr, DEDUPE_MODES))
+        raise ConfigurationError(
+            f"{env_name}={raw!r}: must be {modes}, or 'false', 'off' or 'no' to turn deduplication off"
+        )
     try:
         if name in ("done_retention", "sweep_interval"):
             return float(raw)

@@ -433,6 +433,7 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
     call: policies.Call | None = None  # made once the key is found held (its waits' state)
     lease: Lease | LeaseSet
     while True:
+        watched = False  # whether the lease came with _hold's loss report (quiet_run's)
         try:
             if spans:
                 lease = _acquire(task, plan, key, once, request)  # timed, for the span
@@ -440,7 +441,12 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 # _lock inline for the usual run (one key, limit 1), and plan.holder's lookup.
                 template = plan._templates.get(request.hostname)
                 holder = plan.holder(task, request) if template is None else template.holder(task_id)
-                lease = plan.service.lock(key, task_id=once, holder=holder, **plan.options)
+                if observe.events.enabled:
+                    lease = plan.service.lock(key, task_id=once, holder=holder, **plan.options)
+                else:  # _hold's quiet report, given at the grant: no lease.on_lost call after it
+                    lost = observe.quiet_run(task.name, request.id)
+                    lease = plan.service.lock(key, task_id=once, holder=holder, on_lost=lost, **plan.options)
+                    watched = True
             else:
                 lease = _lock(task, plan, key, once, request)
         except AlreadyDone as done:
@@ -461,7 +467,16 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 continue
             return result
         return _hold(
-            task, plan, lease, args, kwargs, request=request, record=record, marked=marked, span=span
+            task,
+            plan,
+            lease,
+            args,
+            kwargs,
+            request=request,
+            record=record,
+            marked=marked,
+            span=span,
+            watched=watched,
         )
 
 
@@ -489,16 +504,21 @@ def _hold(  # noqa: PLR0912 - the usual run's release inline
     record: str | None,
     marked: bool,
     span: Any = observe._ASK,
+    watched: bool = False,
 ) -> Any:
     """``task._run_holding`` with the task's plan (``marked``: as for :func:`_run`; ``span``:
-    the run's recording span or None, if :func:`_run` looked it up)."""
+    the run's recording span or None, if :func:`_run` looked it up; ``watched``: the lease
+    has its :func:`observe.quiet_run` loss report already, given to ``lock`` by :func:`_run`)."""
     if marked and _may_carry_marker(request) and dedupe.marker_of(request) is not None:
         dedupe.acquired(task, request)
     report: observe.Run | None
     if isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
         report = observe.holding(task, leases, request, span)
-    elif span is None and not observe.events.enabled:  # no span or event to report on: most runs
+    elif watched:  # quiet_run's report given to lock() by _run: most runs
+        leases = (lease,)
+        report = None
+    elif span is None and not observe.events.enabled:  # no span or event to report on
         leases = (lease,)
         report = None
         lease.on_lost(observe.quiet_run(task.name, request.id))

@@ -348,11 +348,32 @@ def release_on_hard_time_limit(
     exception: BaseException | None = None,
     args: Sequence[Any] | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    *,
+    traceback: Any = None,
     **_: Any,
 ) -> None:
     """Release the lock of a task killed for its hard time limit once its process is gone."""
     if isinstance(exception, TimeLimitExceeded):
-        release_killed(sender, task_id, args, kwargs, "killed at its hard time limit", record=True)
+        attempt = _timed_out_attempt(traceback)
+        release_killed(
+            sender, task_id, args, kwargs, "killed at its hard time limit", record=True, attempt=attempt
+        )
+
+
+def _timed_out_attempt(traceback: Any) -> int | None:
+    """The ``retries`` of the run whose hard time limit Celery's ``Request.on_timeout``
+    reports, or None. Its ``task_failure`` carries no request, but its traceback is of the
+    ``TimeLimitExceeded`` that method raises and catches itself: the frame's ``self`` is
+    that request (the same task id's retry may be queued here already, so the request by
+    id could be the wrong attempt)."""
+    from celery.worker.request import Request  # the worker's main process has it imported
+
+    frame = getattr(traceback, "tb_frame", None)
+    request = None if frame is None else frame.f_locals.get("self")
+    if not isinstance(request, Request) or request.id is None:
+        return None
+    retries = request.request_dict.get("retries")
+    return retries if type(retries) is int and retries >= 0 else None
 
 
 for _signal, _receiver in (
@@ -374,6 +395,7 @@ def release_killed(
     why: str,
     *,
     record: bool = False,
+    attempt: int | None = None,
 ) -> threading.Thread | None:
     """Release, in the background, the lease the killed run ``task_id`` of ``task`` held.
 
@@ -384,7 +406,8 @@ def release_killed(
     its completion record (:func:`redelivery.killed`) is written at once, before this returns
     and billiard kills the process (which may release its lease on its way out, without a
     record), within :data:`RECORD_TIMEOUT`; the release writes it again. A copy of the
-    message then ends as ``already_done`` instead of running the body again.
+    message then ends as ``already_done`` instead of running the body again (a retry the
+    run sent still runs: ``attempt`` is the run's ``retries``, None when not known).
     """
     keys_for = getattr(task, "lock_keys_for", None)
     if keys_for is None or not task_id:
@@ -392,7 +415,7 @@ def release_killed(
     try:
         keys = keys_for(tuple(args or ()), dict(kwargs or {}))
         service = get_lock_service(task.app)
-        done = redelivery.killed(task, keys, task_id) if record else None
+        done = redelivery.killed(task, keys, task_id, attempt) if record else None
         held = _held_by(task, keys, task_id)
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)

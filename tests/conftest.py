@@ -8,6 +8,7 @@ server is unreachable skips locally with the reason, and fails when ``CI=true``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import socket
@@ -72,17 +73,61 @@ UNTIMED = (
     "scale/test_redis_cluster_records.py",
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
+    "stress/test_fence_order.py",
+)
+#: Modules whose tests the parallel part runs on every store already (the lock contract, the
+#: semaphore contract), their few bounds sized for its load (``TIME_SLACK``): collected
+#: again in a :data:`SERIAL` file (on the private Redis Cluster, through PgBouncer, through
+#: Sentinel), they run in the parallel part too. That file's own tests stay serial.
+CONTRACT_MODULES = ("celery_exclusive.testing.contract", "tests.contract.test_semaphore")
+#: The parallel part's longest files (summed durations under ``CI=true``, 20-110 s each),
+#: longest first. scripts/test hands whole files to its three pytest processes in the order
+#: collected (``--no-loadscope-reorder``); these are put first so that the short files fill
+#: in at the end. pytest-xdist's own order (most tests first) left the one-test benchmark,
+#: the docs build and the demo for last, one worker running them while the others idled.
+#: Paths under tests/; the other files follow, most tests first.
+PARALLEL_FIRST = (
+    "contract/test_lock_contract.py",
+    "celery/test_dedupe.py",
+    "test_benchmarks_quick.py",
+    "test_cli.py",
+    "celery/test_integration.py",
+    "test_model.py",
+    "test_demo.py",
+    "celery/test_wait_workers.py",
+    "celery/test_startup.py",
+    "django/test_django_contract.py",
+    "celery/test_multikey.py",
+    "celery/test_redelivery.py",
+    "providers/test_sweep.py",
+    "contract/test_semaphore.py",
+    "providers/test_sql_prune.py",
+    "contract/test_third_party.py",
+    "test_docs_build.py",
 )
 TESTS = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests of the :data:`SERIAL` files ``serial``, but for the :data:`UNTIMED` ones."""
+def _path(item: pytest.Item) -> str:
+    """``item``'s file, relative to tests/ ("" outside it)."""
+    return item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of the :data:`SERIAL` files ``serial``, but for the :data:`UNTIMED` ones
+    and those of the :data:`CONTRACT_MODULES`;
+    in a pytest-xdist worker, order the files :data:`PARALLEL_FIRST` first, the others by
+    their number of tests (a file's tests keep their order)."""
     for item in items:
-        path = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        path = _path(item)
         test = f"{path}::{item.originalname}" if isinstance(item, pytest.Function) else path
-        if path.startswith(SERIAL) and path not in UNTIMED and test not in UNTIMED:
+        contract = isinstance(item, pytest.Function) and item.function.__module__ in CONTRACT_MODULES
+        if path.startswith(SERIAL) and path not in UNTIMED and test not in UNTIMED and not contract:
             item.add_marker(pytest.mark.serial)
+    if hasattr(config, "workerinput"):
+        counts = collections.Counter(_path(item) for item in items)
+        first = {path: rank for rank, path in enumerate(PARALLEL_FIRST)}
+        items.sort(key=lambda item: (first.get(_path(item), len(first)), -counts[_path(item)]))
 
 
 #: Seconds spent per test file (setup, call and teardown of its tests), summed as reports

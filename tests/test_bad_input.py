@@ -194,6 +194,23 @@ SERVICE_CASES += [
         InvalidArgumentError,
         "on_locked must be callable",
     ),
+    # lock(on_lost=) and try_lock(on_lost=) on each of their paths (the plain and the
+    # semaphore's hot paths, wait, hold_at_least): checked before the store is asked.
+    *[
+        Case(
+            f"{method}-on-lost-{name}",
+            lambda s, method=method, options=options: getattr(s, method)("k", on_lost="log", **options),
+            InvalidArgumentError,
+            "on_lost callback must be callable",
+        )
+        for method in ("lock", "try_lock")
+        for name, options in (
+            ("plain", {}),
+            ("limit", {"limit": 2}),
+            ("wait", {"wait": 1}),
+            ("cooldown", {"hold_at_least": 1}),
+        )
+    ],
     Case("token-empty", lambda s: s.force_release("k", ""), InvalidArgumentError, "token must be"),
     Case("token-none", lambda s: s.force_release("k", None), InvalidArgumentError, "token must be"),
     Case("token-int", lambda s: s.force_release("k", 5), InvalidArgumentError, "token must be"),

@@ -49,3 +49,23 @@ def test_import_loads_no_driver() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_c_floor_sees_the_two_commands_of_a_redis_lock_cycle() -> None:
+    """The C floor replays the two commands ``lock() + release()`` sends, however the wire
+    gets them (command tuples, or one command packed already): not an n/a row."""
+    from benchmarks.floors import capture_redis_commands
+    from celery_exclusive import LockService
+    from tests.conftest import REDIS_URL, require_server
+
+    require_server(REDIS_URL)
+    service = LockService(REDIS_URL, prefix="ce-test-floor-probe:")
+    try:
+        captured = capture_redis_commands(service)
+    finally:
+        service.close()
+    assert not isinstance(captured, str), captured
+    acquire, release = captured
+    assert acquire[0] == release[0] == "EVALSHA"
+    assert acquire[3:6] == ["{key}", "celery-exclusive:fences", "{token}"]
+    assert release[3:] == ["{key}", "{token}"]

@@ -59,6 +59,19 @@ def test_bad_app_settings_name_the_setting(conf: dict[str, Any], fragment: str) 
         ExclusiveSettings.from_conf(conf, environ={})
 
 
+@pytest.mark.parametrize("raw", ["true", "on", "until_queued"])
+def test_a_bad_dedupe_environment_variable_names_the_strings_it_takes(raw: str) -> None:
+    """The environment's text cannot say True: the error names the strings it takes."""
+    with pytest.raises(ConfigurationError) as caught:
+        ExclusiveSettings.from_conf({}, environ={"CELERY_EXCLUSIVE_DEDUPE": raw})
+    message = str(caught.value)
+    assert message.startswith(f"CELERY_EXCLUSIVE_DEDUPE={raw!r}")
+    assert "'until_start'" in message
+    assert "'until_done'" in message
+    assert "'off'" in message
+    assert "True" not in message
+
+
 def test_good_values_resolve() -> None:
     settings = ExclusiveSettings.from_conf(
         {"exclusive_dedupe": True, "exclusive_dedupe_ttl": 30},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,6 +24,7 @@ from celery_exclusive.providers import _deadline, _libpq
 from celery_exclusive.providers._kept import KeptConnections
 from celery_exclusive.providers._sql_common import INHERITED, Rows
 
+_monotonic = time.monotonic  # one global read per call, not a global and an attribute
 #: The hot statements sent through libpq directly, with their result column types.
 LIBPQ_COLUMNS = {
     "acquire": "bttiffft",
@@ -35,9 +37,9 @@ LIBPQ_COLUMNS = {
     "release_done": "i",
     "release_done_prune": "i",
 }
-#: The statements whose one-row grant (first column true) is read for its fence only
-#: (column 3), the other columns left None: the acquire statements set nothing else in a
-#: grant's row (providers/_pg_sql.py), and the provider reads nothing else of it (_answer).
+#: The statements whose one-row grant (first column true) is answered as its fence alone
+#: (column 3, an int): the acquire statements set nothing else in a grant's row
+#: (providers/_pg_sql.py), and the provider reads nothing else of it.
 LIBPQ_GRANTS = {"acquire": 3, "acquire_once": 3}
 #: Which of the server sessions given by pid still exist (:meth:`DirectExecutor.settled`).
 ALIVE = "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%(pids)s)"
@@ -113,8 +115,9 @@ class DirectExecutor:
         self.errors: tuple[type[BaseException], ...] = (sa_exc.SQLAlchemyError, psycopg.Error)
         self._broken: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
 
-    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> Rows:
-        """One statement, autocommit, on a kept or pooled connection; its rows.
+    def run(self, op: str, params: dict[str, Any], timeout: float | None) -> _libpq.Answer:
+        """One statement, autocommit, on a kept or pooled connection; its rows (a grant row
+        of a statement in :data:`LIBPQ_GRANTS`: its fence, an int).
 
         With ``timeout`` the call gives up after about that long: connecting is bounded by
         ``connect_timeout`` (whole seconds, at least 2); acquire and release by the libpq
@@ -123,17 +126,33 @@ class DirectExecutor:
         hot = self.statements.get(op)
         if hot is None:
             return self._run_cursor(op, params, timeout)
-        end = None if timeout is None else time.monotonic() + timeout
+        return self.run_text(op, _libpq.utf8_text(hot.values(params)), timeout)
+
+    def run_text(self, op: str, values: Sequence[bytes | None], timeout: float | None) -> _libpq.Answer:
+        """:meth:`run` of a libpq statement (``statements``) whose parameters the caller
+        made: UTF-8 text in the statement's order (``statements[op].params``), None as NULL
+        (as :func:`._libpq.utf8_text` makes them); the provider's acquire and release skip
+        the parameter mapping that way."""
+        hot = self.statements[op]
+        if timeout is None:
+            now = end = None
+        else:
+            now = _monotonic()
+            end = now + timeout
         kept = self.kept
         taken = None if kept is None else kept.take()  # _connection's first step inline
-        fairy, dbapi = (None, taken[0]) if taken is not None else self._connection(timeout)
+        if taken is not None:
+            fairy, dbapi = None, taken[0]
+        else:
+            fairy, dbapi = self._connection(timeout)
         try:
-            rows: Rows = self.runner.run(dbapi, hot, params, end)
-            # An engine the caller built without autocommit: commit what psycopg began. The
-            # session's transaction status first (a C getter; psycopg's ``autocommit`` is a
-            # Python property): idle, there is nothing to commit (psycopg's commit() returns
-            # then too), as after every statement the runner sends on its own.
-            if dbapi.pgconn.transaction_status and not dbapi.autocommit:
+            rows = self.runner.run_text(dbapi, hot, values, end)
+            # A pooled connection of an engine the caller built without autocommit: commit
+            # what psycopg began. The session's transaction status first (a C getter;
+            # psycopg's ``autocommit`` is a Python property): idle, there is nothing to
+            # commit (psycopg's commit() returns then too), as after every statement the
+            # runner sends on its own. A kept connection is in autocommit (see keep()).
+            if fairy is not None and dbapi.pgconn.transaction_status and not dbapi.autocommit:
                 dbapi.commit()
         except _libpq.TooSlow:
             raise self._too_slow(fairy, dbapi, op, timeout or 0.0) from None
@@ -143,8 +162,10 @@ class DirectExecutor:
         except BaseException:
             self._abandon(fairy, dbapi)  # interrupted mid-protocol: the connection's state is unknown
             raise
-        if fairy is None and kept is not None and kept.give(dbapi):
-            return rows  # _put_back's usual case inline: a kept connection goes back
+        # _put_back's usual case inline: a kept connection goes back, its last use the call's
+        # start (no second clock read: nothing reads a PostgreSQL connection's last use).
+        if fairy is None and kept is not None and kept.give(dbapi, now):
+            return rows
         self._put_back(fairy, dbapi)
         return rows
 
@@ -206,8 +227,12 @@ class DirectExecutor:
             fairy.close()
 
     def keep(self, dbapi: Any) -> None:
-        """Keep an owned connection for the next statement, or close it if full or closed."""
-        if self.kept is None or not self.kept.give(dbapi):
+        """Keep an owned connection for the next statement, or close it if full or closed.
+
+        Only a connection in autocommit is kept (every one of the engine a provider builds,
+        the only engine whose connections are kept, is): :meth:`run_text` commits nothing on
+        a kept connection."""
+        if self.kept is None or not dbapi.autocommit or not self.kept.give(dbapi):
             dbapi.close()
 
     def _abandon(self, fairy: Any, dbapi: Any) -> None:

@@ -143,22 +143,31 @@ class ScriptRunner:
         self._wire_of = wire_of
         #: The same, for the node at (host, port) (an ASK redirection's target; None: unknown).
         self._wire_at = wire_at
+        #: Whether :meth:`run` may send a ``packed`` command (on a Wire): else it is unused.
+        self.packs = wire is not None or wire_of is not None
 
-    def run(self, script: str, numkeys: int, *args: Any, timeout: float | None = None) -> Any:
+    def run(
+        self, script: str, numkeys: int, *args: Any, timeout: float | None = None, packed: bytes | None = None
+    ) -> Any:
         """Run ``script`` by SHA; on NOSCRIPT (never executed) send its source once.
+        ``packed``: that ``EVALSHA`` as RESP (``_redis_resp``; worth making when
+        :attr:`packs`), sent as it is on a Wire.
 
         The hot path, so the translation is spelt out: a ``with`` block costs two Python
         calls per command (about 0.5 µs per lock + release), the same rule as
         :class:`Translating` (its ``errors`` and ``fail``)."""
         try:
-            if timeout is not None and self._wire is not None:
-                deadline = time.monotonic() + timeout
+            if self._wire is not None:  # (without a timeout, _execute is this Wire's send)
+                start = time.monotonic()
                 try:  # Wire.send's one command, without its call
+                    if packed is not None:
+                        return self._wire.send_many(packed, timeout)[0]
                     return self._wire.send_many((("EVALSHA", SHA[script], numkeys, *args),), timeout)[0]
                 except self._noscript:
-                    return self._wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))
+                    rest = None if timeout is None else left(start + timeout)
+                    return self._wire.send("EVAL", script, numkeys, *args, timeout=rest)
             if timeout is not None and self._wire_of is not None:
-                return self._run_on_node(script, numkeys, args, timeout)
+                return self._run_on_node(script, numkeys, args, timeout, packed)
             try:
                 return self._execute("EVALSHA", SHA[script], numkeys, *args)
             except self._noscript:
@@ -166,7 +175,9 @@ class ScriptRunner:
         except self._errors as exc:
             raise self._fail(exc) from exc
 
-    def _run_on_node(self, script: str, numkeys: int, args: tuple[Any, ...], timeout: float) -> Any:
+    def _run_on_node(
+        self, script: str, numkeys: int, args: tuple[Any, ...], timeout: float, packed: bytes | None
+    ) -> Any:
         """``script`` on the Wire of its first key's cluster node, within ``timeout`` s.
 
         A cluster node answering MOVED or ASK ran nothing. MOVED: the slot map is read again
@@ -180,6 +191,8 @@ class ScriptRunner:
             wire = self._wire_of(args[0], deadline)[1]
             try:
                 try:
+                    if packed is not None:
+                        return wire.send_many(packed, left(deadline))[0]
                     return wire.send("EVALSHA", SHA[script], numkeys, *args, timeout=left(deadline))
                 except self._noscript:
                     return wire.send("EVAL", script, numkeys, *args, timeout=left(deadline))

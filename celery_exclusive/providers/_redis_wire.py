@@ -305,26 +305,31 @@ class Wire:
         """Send one command and read its reply (an error reply is raised)."""
         return self.send_many((command,), timeout)[0]
 
-    def send_many(self, commands: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Any]:
+    def send_many(self, commands: Sequence[tuple[Any, ...]] | bytes, timeout: float | None) -> list[Any]:
         """Send ``commands`` pipelined on one kept connection and read every reply; an error
-        reply is raised for one command, returned in its place for several.
+        reply is raised for one command, returned in its place for several. ``commands`` as
+        bytes is one command packed already (RESP, ``_redis_resp``), sent as it is.
 
         The hot path of every lock operation: a connection used a moment ago is checked
         here, not in :meth:`_ready`."""
         now = _monotonic()
         deadline = None if timeout is None else now + timeout
+        one = isinstance(commands, bytes) or len(commands) == 1
         conn, used = self._taken()
         try:
             line = conn.__dict__.get("_ce_line")
             if line is None or now - used > POLL_AFTER or line.sock is not conn._sock:
                 line = self._ready(conn, now - used, deadline)
                 if line is None:
-                    self._send(conn, commands)
-                    if len(commands) == 1:
+                    if isinstance(commands, bytes):
+                        conn.send_packed_command(commands)
+                    else:
+                        self._send(conn, commands)
+                    if one:
                         return [conn.read_response()]
                     return self._replies(conn, len(commands))
-            line.put(self._packed(commands), deadline)
-            if len(commands) == 1:
+            line.put(commands if isinstance(commands, bytes) else self._packed(commands), deadline)
+            if one:
                 reply = line.read(deadline)
                 if isinstance(reply, self._response_error):
                     raise reply

@@ -70,6 +70,40 @@ from celery_exclusive.providers.base import (
 _bounded_connect = _deadline.bounded_connect  # its old name here
 logger = logging.getLogger("celery_exclusive.providers.postgres")
 _channel = _pg_listen.channel
+_float_texts, _float_text = _libpq.FLOAT_TEXT, _libpq.float_text
+#: ``Grant(fence, ttl)`` in three C calls (see acquire): its slots' descriptors set them.
+_new_grant, _set_fence, _set_ttl = (
+    object.__new__,
+    Grant.__dict__["fence"].__set__,
+    Grant.__dict__["ttl"].__set__,
+)
+#: The parameters of the statements whose text acquire and release make themselves, in order.
+_TEXT_ORDERS = {
+    "acquire": ("key", "token", "ttl", "life", "holder"),
+    "acquire_once": ("key", "task_id", "token", "ttl", "life", "holder"),
+    "release": ("key", "token", "channel"),
+    **dict.fromkeys(
+        ("release_done", "release_done_prune"),
+        ("key", "token", "task_id", "outcome", "attempt", "retain", "channel"),
+    ),
+}
+
+
+def _record_text(completion: Completion) -> list[bytes | None]:
+    """The text parameters of ``completion``'s record (task id, outcome, attempt, retain),
+    as the runner makes them from :func:`record_params`'s mapping."""
+    task_id, outcome = completion.task_id, completion.outcome
+    if task_id.__class__ is str is outcome.__class__:
+        retain = float(completion.retain)
+        return [
+            task_id.encode(),
+            outcome.encode(),
+            str(int(completion.attempt)).encode(),
+            _float_texts.get(retain) or _float_text(retain),
+        ]
+    return _libpq.utf8_text(tuple(record_params(completion).values()))
+
+
 T = TypeVar("T")
 
 
@@ -226,6 +260,14 @@ class PostgresLockProvider(SqlStore):
             masked=self._masked,
         )
         self._driver_errors = self._executor.errors
+        #: The direct executor's ``run_text`` (None for other drivers): acquire and release
+        #: make their statements' text parameters themselves, in these orders.
+        self._run_text = None
+        if isinstance(self._executor, _pg_executor.DirectExecutor):
+            for op, order in _TEXT_ORDERS.items():
+                if self._executor.statements[op].params != order:  # pragma: no cover - a SQL edit
+                    raise RuntimeError(f"{op} takes {self._executor.statements[op].params}, not {order}")
+            self._run_text = self._executor.run_text
         # Waiters are woken by LISTEN/NOTIFY (:mod:`._pg_listen`); the release statements
         # notify whatever the driver, for waiters in other processes.
         self._listening = _pg_listen.PerProcess(
@@ -269,27 +311,56 @@ class PostgresLockProvider(SqlStore):
         if granted.__class__ is not float:
             granted = float(granted)
         life = max_lifetime if max_lifetime.__class__ is float else float(max_lifetime)
-        params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
+        params = None
         if task_id is not None and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
-        if task_id is None:  # _call and _run_pg inline: two Python frames fewer on the hot path
-            if not self._ready:
-                self._ensure_schema(timeout)
-            try:
-                rows = self._executor.run("acquire", params, timeout)
-            except self._driver_errors as exc:
-                raise self._error("acquire", exc) from exc
-        else:
-            rows = self._call("acquire_once", {**params, "task_id": task_id}, timeout)
-            if rows and rows[0][0] is None:  # the completion record's row
-                _, outcome, _, tries, age, left, *_ = rows[0]
-                return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
-        if rows and rows[0][0]:  # granted (_answer's first case, without its frame)
-            fence = rows[0][3]  # an int already from the libpq runner: no int() call for it
-            return Grant(fence if fence.__class__ is int else int(fence), granted)
+        op = "acquire" if task_id is None else "acquire_once"
+        if not self._ready:  # _call and _run_pg inline: two Python frames fewer on the hot path
+            self._ensure_schema(timeout)
+        run_text = self._run_text
+        try:
+            if (
+                run_text is not None
+                and key.__class__ is str is token.__class__ is holder.__class__
+                and (task_id is None or task_id.__class__ is str)
+            ):
+                # The statement's text parameters made here, in its order (see _setup), as
+                # the runner would make them from a mapping (_libpq.utf8_text).
+                texts = _float_texts
+                values = [
+                    key.encode(),
+                    token.encode(),
+                    texts.get(granted) or _float_text(granted),
+                    texts.get(life) or _float_text(life),
+                    holder.encode(),
+                ]
+                if task_id is not None:
+                    values.insert(1, task_id.encode())
+                rows = run_text(op, values, timeout)
+            else:
+                params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
+                rows = self._executor.run(
+                    op, params if task_id is None else {**params, "task_id": task_id}, timeout
+                )
+        except self._driver_errors as exc:
+            raise self._error(op, exc) from exc
+        if task_id is not None and not isinstance(rows, int) and rows and rows[0][0] is None:
+            _, outcome, _, tries, age, left, *_ = rows[0]  # the completion record's row
+            return Done(CompletionInfo(key, task_id, str(outcome), int(tries), float(age), float(left)))
+        if isinstance(rows, int):  # granted: the libpq runner answers a grant row as its fence
+            # Grant(rows, granted) without type.__call__'s way to its Python __init__: the
+            # same object (Grant defines no __new__), its two slots set as __init__ sets them.
+            grant = _new_grant(Grant)
+            _set_fence(grant, rows)
+            _set_ttl(grant, granted)
+            return grant
+        if rows and rows[0][0]:  # granted, from another driver (_answer's first case, inline)
+            return Grant(int(rows[0][3]), granted)
         answer = _answer(rows, token, granted)
         if answer is None:  # a dead row (its holder crashed or lost it): take it over
+            if params is None:
+                params = {"key": key, "token": token, "ttl": granted, "life": life, "holder": holder}
             left = None if end is None else max(end - time.monotonic(), 0.001)
             # No rows: it lost the key to a racing grant and wrote nothing; asked once more,
             # it names the new holder (or takes the key, if that grant rolled back).
@@ -351,32 +422,45 @@ class PostgresLockProvider(SqlStore):
     def release(
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
-        params: dict[str, Any] = {"key": key, "token": token, "channel": _channel(self.table.name, key)}
+        channel = _channel(self.table.name, key)
         if completion is not None and not self._records_on():
             completion = None
-        if completion is None:
-            op = "release"
-        else:
-            op = "release_done" + prune_suffix(completion)
-            params.update(record_params(completion))
         # Our own listener may still hold the key's registration for a wait that just ended
         # (its unlock is sent by the listener's thread): a notify then may be ours alone,
         # and the release does not count it (a give-way missed, never one for nobody).
         # No listener in this process (nobody here ever waited): nothing is ours and nothing
         # lingers, so PerProcess.releasing's answer, (False, None), without its two calls.
         listening = self._listening
-        ours, mark = (False, None) if listening.listener is None else listening.releasing(params["channel"])
+        ours, mark = (False, None) if listening.listener is None else listening.releasing(channel)
         # Per deleted row: 0 (it was no live lease), 1 (freed), 2 (freed and a waiter notified).
         if not self._ready:  # _call and _run_pg inline: two frames fewer
             self._ensure_schema(timeout)
+        op = "release" if completion is None else "release_done" + prune_suffix(completion)
+        run_text = self._run_text
         try:
-            rows = self._executor.run(op, params, timeout)
+            if run_text is not None and key.__class__ is str is token.__class__:
+                # The statement's text parameters made here, in its order (see _setup), as
+                # the runner would make them from a mapping (_libpq.utf8_text).
+                if completion is None:
+                    rows = run_text(op, [key.encode(), token.encode(), channel.encode()], timeout)
+                else:
+                    rows = run_text(
+                        op,
+                        [key.encode(), token.encode(), *_record_text(completion), channel.encode()],
+                        timeout,
+                    )
+            else:
+                params: dict[str, Any] = {"key": key, "token": token, "channel": channel}
+                if completion is not None:
+                    params.update(record_params(completion))
+                rows = self._executor.run(op, params, timeout)
+            assert not isinstance(rows, int)  # no release statement is in LIBPQ_GRANTS
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
         # Each row a 1-tuple, compared as one (no list made).
         notified = (2,) in rows
         if mark is not None:  # PerProcess.released does nothing without a mark
-            listening.released(params["channel"], mark, notified)
+            listening.released(channel, mark, notified)
         reached = notified and not ours
         if reached or self._woken._keys:  # Woken.note(key, False) with no key noted: nothing to do
             self._woken.note(key, reached)
@@ -526,9 +610,12 @@ class PostgresLockProvider(SqlStore):
         if not self._ready:
             self._ensure_schema(timeout)
         try:
-            return self._executor.run(op, params, timeout)
+            rows = self._executor.run(op, params, timeout)
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
+        # Only a grant statement (LIBPQ_GRANTS) answers an int, and acquire() runs those itself.
+        assert not isinstance(rows, int)
+        return rows
 
     def settled(self, *, timeout: float | None = None) -> bool:
         """Whether a release that found nothing of a token's is final: True once no session

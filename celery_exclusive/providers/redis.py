@@ -87,6 +87,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError, MissingDriverError
+from celery_exclusive.providers import _redis_resp as resp
 from celery_exclusive.providers._redis_diagnose import diagnose_servers
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
@@ -221,6 +222,7 @@ class RedisLockProvider:
             raise ConfigurationError("RedisLockProvider needs a url or a client")
         self._server = server = RedisServer(target)
         self._scripts = server.scripts
+        self._packs = server.scripts.packs
         self._translated = server.translated
         self._wait_replicas = server.wait_replicas
         self._cluster = server.cluster  # fixed for the provider: one fence key per server if not
@@ -273,14 +275,28 @@ class RedisLockProvider:
         if self._wait_replicas:
             once = () if task_id is None else (task_id,)
             reply = self._granted(ACQUIRE, (2, key, fences, token, ttl_ms, life_ms, holder, *once), timeout)
-        elif task_id is None:
-            reply = self._scripts.run(
-                ACQUIRE, 2, key, fences, token, ttl_ms, life_ms, holder, timeout=timeout
-            )
         else:
-            reply = self._scripts.run(
-                ACQUIRE, 2, key, fences, token, ttl_ms, life_ms, holder, task_id, timeout=timeout
-            )
+            packed = None
+            if self._packs:  # the RESP here, not hiredis's (_redis_resp)
+                packed = resp.acquire(key, fences, token, ttl_ms, life_ms, holder, task_id)
+            if task_id is None:
+                reply = self._scripts.run(
+                    ACQUIRE, 2, key, fences, token, ttl_ms, life_ms, holder, timeout=timeout, packed=packed
+                )
+            else:
+                reply = self._scripts.run(
+                    ACQUIRE,
+                    2,
+                    key,
+                    fences,
+                    token,
+                    ttl_ms,
+                    life_ms,
+                    holder,
+                    task_id,
+                    timeout=timeout,
+                    packed=packed,
+                )
         if reply[0] == 1:
             return Grant(reply[1], reply[2] / 1e6)
         if reply[0] == 2:
@@ -428,9 +444,12 @@ class RedisLockProvider:
         if key.startswith(FENCES):  # _check_key, inline: force_release, a record's release
             _check_key(key)
         if completion is None:
-            reply = self._scripts.run(RELEASE, 1, key, token, timeout=timeout)
+            packed = resp.release(key, token) if self._packs else None
+            reply = self._scripts.run(RELEASE, 1, key, token, timeout=timeout, packed=packed)
         else:
-            reply = self._scripts.run(RELEASE, 1, key, token, *_record_args(completion), timeout=timeout)
+            record = _record_args(completion)
+            packed = resp.release_done(key, token, *record) if self._packs else None
+            reply = self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout, packed=packed)
         self._woken.note(key, reply == 2)  # 2: its release signal reached a waiter (release.lua)
         return bool(reply)
 

@@ -42,6 +42,7 @@ from celery_exclusive import (
     BackendError,
     ExclusiveResult,
     InvalidArgumentError,
+    Lease,
     LeaseState,
     LockedError,
     LockLost,
@@ -456,6 +457,36 @@ def test_heartbeat_stops_at_max_lifetime_and_the_lock_then_expires(store: Store)
     with pytest.raises(LockLost):
         lease.check()
     assert lease.release() is ReleaseOutcome.NOT_OWNED
+
+
+def test_on_lost_given_to_lock_is_called_once_at_the_loss(store: Store) -> None:
+    """``lock(on_lost=)`` and ``try_lock(on_lost=)`` (one key; a semaphore's slot; with
+    ``wait``): the callback is called once, with the lease and a reason, when the heartbeat
+    finds the lease gone (released by its token from another service)."""
+    holder, other = store.service(), store.service()
+    called: list[tuple[Lease, str]] = []
+
+    def lost(lease: Lease, reason: str) -> None:
+        called.append((lease, reason))
+
+    options: dict[str, Any] = {"ttl": 0.9 * store.slack, "on_lost": lost}
+    tried = holder.try_lock("lost-b", **options)
+    assert tried is not None
+    leases = [
+        holder.lock("lost-a", **options),
+        tried,
+        holder.lock("lost-c", wait=0, **options),
+        holder.lock("lost-d", limit=2, **options),
+    ]
+    for lease in leases:
+        assert lease.state is LeaseState.HELD
+        assert other.force_release(lease.store_key[len(holder.prefix) :], lease.token)
+    assert wait_until(lambda: len(called) == len(leases), timeout=3.0 * store.slack)
+    assert sorted(id(lease) for lease, _ in called) == sorted(map(id, leases))
+    assert all(isinstance(reason, str) and reason for _, reason in called)
+    assert all(lease.state is LeaseState.LOST for lease in leases)
+    time.sleep(0.1)
+    assert len(called) == len(leases)  # once each
 
 
 def test_release_runs_when_the_work_raises(store: Store) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_ready
 
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
@@ -190,6 +191,15 @@ def cooled_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
     return result
 
 
+@exclusive_task(app=app, key="coolsem:{key_id}", limit=2, cooldown=2, bind=True)
+def cooled_semaphore_retrying(self: Any, key_id: str, tag: str) -> dict[str, Any]:
+    """``cooled_retrying`` on a semaphore of 2 (skips when both slots are held)."""
+    result = _body(self, tag, 0.0)
+    if not self.request.retries:
+        raise self.retry(countdown=0.2)
+    return result
+
+
 @exclusive_task(app=app, key="latest:{key_id}", on_locked="rerun", rerun_args="latest", bind=True)
 def rerun_latest(self: Any, key_id: str, tag: str, n: int, duration: float = 0.0) -> dict[str, Any]:
     """A debounced rerun: the follow-up runs with the last coalesced request's arguments."""
@@ -303,6 +313,20 @@ def multi_raise(self: Any, a: str, b: str, tag: str, duration: float = 0.0) -> d
 def multi_callable(self: Any, ids: list[str], tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Its key callable returns one key per id."""
     return _multi_body(self, tag, duration)
+
+
+@exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], bind=True)
+def multi_release_interrupted(self: Any, a: str, b: str, tag: str) -> dict[str, Any]:
+    """Holds two keys; the first store release after its body is interrupted by
+    SoftTimeLimitExceeded (as a soft time limit firing during the release would)."""
+    provider = get_lock_service(app).provider
+
+    def interrupted(*args: Any, **kwargs: Any) -> bool:
+        del provider.release  # once: the class's release again
+        raise SoftTimeLimitExceeded()
+
+    provider.release = interrupted  # type: ignore[method-assign]
+    return _multi_body(self, tag, 0.0)
 
 
 @exclusive_task(app=app, key=["multi:{a}", "multi:{b}"], ttl=2, on_lost="raise", bind=True)

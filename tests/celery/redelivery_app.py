@@ -167,3 +167,14 @@ def retrying(self: Any, key_id: str) -> dict[str, Any]:
     if self.request.retries < 3:
         raise self.retry(countdown=0.1)
     return result
+
+
+@exclusive_task(app=app, name="rd.retry_then_hang", key="rdh:{key_id}", ttl=TTL, max_retries=1, bind=True)
+def retry_then_hang(self: Any, key_id: str, countdown: float) -> dict[str, Any]:
+    """Its first attempt sends its retry (``throw=False``), then runs on into its hard time
+    limit; the retry returns."""
+    result = _body(self, 0.0, None)
+    if not self.request.retries:
+        self.retry(countdown=countdown, throw=False)
+        time.sleep(30)
+    return result

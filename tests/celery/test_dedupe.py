@@ -623,6 +623,26 @@ def test_a_retry_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) ->
 
 
 @ONE_STORE
+def test_a_semaphore_retry_waits_for_its_own_cooling_slot_when_every_slot_is_full(
+    group: WorkerGroup,
+) -> None:
+    """limit=2, cooldown=2: slot 1 held by another holder, the attempt runs on slot 2 and
+    retries, leaving slot 2 cooling. The store names slot 1's holder only, yet the retry
+    finds its own previous attempt cooling on slot 2 and runs once the cooldown is over (it
+    used to meet on_locked and skip)."""
+    from celery_exclusive import is_skipped
+    from tests.celery.app import cooled_semaphore_retrying
+
+    key_id, tag = uid(), uid()
+    with group.service.lock(f"coolsem:{key_id}", limit=2, ttl=30, holder={"task_id": "other"}):
+        result = group.send(cooled_semaphore_retrying, key_id, tag).get(timeout=20)
+    assert not is_skipped(result)
+    assert result["retries"] == 1
+    first, second = sorted(r["start"] for r in records(tag) if r["kind"] == "run")
+    assert second - first > 1.9
+
+
+@ONE_STORE
 def test_a_replacement_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) -> None:
     """cooldown=1, done_retention=False: ``self.replace()`` by a run of the same key leaves
     the key cooling under the task id the replacement takes over; the replacement is no copy

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_exclusive import InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.task import is_skipped
@@ -119,6 +120,20 @@ def test_refused_run_retries_until_every_key_is_free(group: WorkerGroup) -> None
 
 def _retried(workers: WorkerGroup, key: str) -> bool:
     return any(f"lock {key!r} is held" in worker.text() for worker in workers.workers)
+
+
+def test_an_interrupted_release_still_releases_every_key(group: WorkerGroup) -> None:
+    """SoftTimeLimitExceeded raised inside the release of one key of a finished run: the
+    run fails with it, and the other key is released too (it used to stay held, kept alive
+    by the heartbeat until its max lifetime, 24 h by default); the heartbeat finishes the
+    interrupted release."""
+    tag = uid()
+    a, b = f"{tag}-a", f"{tag}-b"
+    result = group.send(tasks.multi_release_interrupted, a, b, tag)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=RESULT_TIMEOUT)
+    assert len(runs(tag)) == 1
+    wait_for(lambda: group.service.locks("multi:" + tag) == [], 5, what="every key to be released")
 
 
 @pytest.mark.parametrize("task", ["multi_lost_raise", "multi_lost_terminate"])

@@ -15,17 +15,24 @@ takes about 40 s; ``CE_LONG=1`` publishes more duplicates.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis
+from celery import Celery
 
+from celery_exclusive import redelivery
+from celery_exclusive._info import LockInfo
+from celery_exclusive.task import exclusive_task
 from tests.celery.conftest import (
     SESSION,
     Process,
@@ -140,6 +147,38 @@ def dump(request: pytest.FixtureRequest) -> Iterator[list[Group]]:
             print(f"===== {group.worker.name} =====\n{group.log()[-30000:]}")
 
 
+@pytest.mark.parametrize("failover", ["list", "semicolons"])
+def test_a_deferred_copy_is_capped_by_a_failover_redis_brokers_visibility_timeout(failover: str) -> None:
+    """A copy deferred behind a 60 s lease is re-published to Redis (a failover list of
+    URLs, or one string of ``;``-separated URLs) with at most half the transport's
+    ``visibility_timeout`` (4 s) as its countdown, else the worker holding it for its eta
+    would see it restored as yet another copy; only a single Redis URL was capped."""
+    require_server(REDIS_URL)
+    prefix = f"{KEYPREFIX}defer-{uuid.uuid4().hex[:6]}:"
+    app = Celery("defer", broker=[BACKEND, BACKEND] if failover == "list" else f"{BACKEND};{BACKEND}")
+    app.conf.update(
+        broker_transport_options={"visibility_timeout": 4, "global_keyprefix": prefix},
+        task_default_queue="q",
+    )
+
+    @exclusive_task(app=app, key="k", shared=False, bind=True)
+    def job(self: Any) -> None: ...
+
+    held = LockInfo("k", "token", 1, 0.0, 60.0, 60.0, {"task_id": "tid"})
+    client = redis.Redis.from_url(BACKEND)
+    job.push_request(id="tid", headers={}, retries=0, delivery_info={"routing_key": "q"})
+    try:
+        sent = datetime.now(UTC)
+        assert redelivery._defer(job, held, (), {}) == 2.0
+        (raw,) = client.lrange(prefix + "q", 0, -1)
+        eta = datetime.fromisoformat(json.loads(raw)["headers"]["eta"])
+        assert eta - sent < timedelta(seconds=3)
+    finally:
+        job.pop_request()
+        client.delete(prefix + "q")
+        client.close()
+
+
 def _lines(group: Group, reason: str, task_id: str) -> int:
     return len(re.findall(rf"{reason}: \S+\[{re.escape(task_id)}\]", group.log()))
 
@@ -238,27 +277,49 @@ def test_same_task_id_published_twice_runs_once(rabbit: Group, dump: list[Group]
     assert all(result.get(timeout=5)["real"] is True for result in results)
 
 
-def test_a_copy_after_a_hard_time_limit_does_not_run(rabbit: Group, dump: list[Group]) -> None:
+@pytest.mark.parametrize("attempt", [0, 2])
+def test_a_copy_after_a_hard_time_limit_does_not_run(rabbit: Group, dump: list[Group], attempt: int) -> None:
     """A run killed at its hard time limit is a final FAILURE (the message is acknowledged,
     task_acks_on_failure_or_timeout): a copy of its id published afterwards finds the record
     the worker's main process wrote with the kill release, and neither runs the body again
-    nor replaces the stored failure with a result."""
+    nor replaces the stored failure with a result. The record names the killed run's
+    attempt (``retries``), which a copy of a later attempt (a retry) would pass."""
     from billiard.exceptions import TimeLimitExceeded
 
     dump.append(rabbit)
     key_id = f"hard-{uuid.uuid4().hex[:6]}"
     rabbit.send(rd.ONCE["skip"], "warm", 0.0).get(timeout=30)  # the connection, for the option below
-    result = rd.ONCE["skip"].apply_async(
-        (key_id, 6.0), queue=rabbit.queue, connection=rabbit._connection, time_limit=1
-    )
+    options = {"queue": rabbit.queue, "connection": rabbit._connection, "retries": attempt}
+    result = rd.ONCE["skip"].apply_async((key_id, 6.0), time_limit=1, **options)
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=30, propagate=True)
     rabbit.send(rd.ONCE["skip"], key_id, 0.0, task_id=result.id)
+    rd.ONCE["skip"].apply_async((key_id, 0.0), task_id=result.id, **options)
     wait_for(
-        lambda: _lines(rabbit, "already_done", result.id) or rd.runs(result.id) > 1,
+        lambda: _lines(rabbit, "already_done", result.id) >= 2 or rd.runs(result.id) > 1,
         30,
-        what="the copy to end or to run",
+        what="the copies to end or to run",
     )
     time.sleep(0.5)
     assert rd.runs(result.id) == 1
     assert result.state == "FAILURE"
+
+
+def test_a_retry_sent_before_a_hard_time_limit_still_runs(rabbit: Group, dump: list[Group]) -> None:
+    """``self.retry(throw=False)``, then the hard time limit: the main process records the
+    killed attempt as failed, and the retry it had sent (the next attempt of the same id)
+    still runs, and its result replaces the failure. The killed attempt's record used to
+    end the retry as already_done."""
+    dump.append(rabbit)
+    key_id = f"hang-{uuid.uuid4().hex[:6]}"
+    rabbit.send(rd.ONCE["skip"], "warm", 0.0).get(timeout=30)  # the connection, for the option below
+    result = rd.retry_then_hang.apply_async(
+        (key_id, 2.0), queue=rabbit.queue, connection=rabbit._connection, time_limit=1
+    )
+    wait_for(
+        lambda: _lines(rabbit, "already_done", result.id) or rd.runs(result.id) > 1,
+        30,
+        what="the retry to end or to run",
+    )
+    assert rd.runs(result.id) == 2
+    assert result.get(timeout=10)["real"] is True

@@ -8,6 +8,7 @@ start their own ``redis-server``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import socket
@@ -442,6 +443,48 @@ def test_scripts_are_reloaded_after_script_flush(private_redis: str) -> None:
         assert provider.release(keys[0], "tok") is True
     finally:
         admin.delete(*admin.keys("flush:*"))
+        admin.close()
+        provider.close()
+
+
+@pytest.mark.parametrize("text", ["packed", "pâcked"])  # packed in Python; by hiredis
+def test_the_hot_commands_run_alike_however_packed(private_redis: str, text: str) -> None:
+    """acquire (with and without a task id) and release (with and without a completion
+    record), with a deadline and without, store what they were given whether packed in
+    Python (ASCII) or by hiredis (not): the script loaded, and as the first call after SCRIPT
+    FLUSH (NOSCRIPT: the source sent once)."""
+    provider = RedisLockProvider(private_redis)
+    admin = redis.Redis.from_url(private_redis)
+    key, holder, fences = f"{text}:k", f'{{"host": "{text}", "pid": 1}}', []
+    runs = itertools.product((True, False), (None, 5.0), (False, True))
+    try:
+        for i, (flush, timeout, once) in enumerate(runs):
+            task_id = f"{text}-{i}" if once else None
+            if flush:
+                admin.script_flush()
+            token = f"tok-{text}"
+            grant = provider.acquire(key, token, 30.0, 600.0, holder, task_id=task_id, timeout=timeout)
+            assert isinstance(grant, Grant)
+            fences.append(grant.fence)
+            info = provider.peek(key)
+            assert info is not None
+            assert (info.token, info.holder, info.fence) == (token, {"host": text, "pid": 1}, grant.fence)
+            assert 29.0 < info.expires_in <= 30.0
+            assert 599.0 < info.hard_expires_in <= 600.0
+            if flush:
+                admin.script_flush()
+            done = None if task_id is None else Completion(task_id, f"{text}!", 2, 300.0)
+            assert provider.release(key, "tok-other", done, timeout=timeout) is False
+            assert provider.release(key, token, done, timeout=timeout) is True
+            assert provider.peek(key) is None
+            if task_id is not None:
+                record = provider.completion(key, task_id)
+                assert record is not None
+                assert (record.outcome, record.attempt) == (f"{text}!", 2)
+                assert 299_000 < admin.pttl(key) <= 300_000
+        assert fences == sorted(set(fences))
+    finally:
+        admin.delete(key)
         admin.close()
         provider.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ import sqlalchemy as sa
 
 from celery_exclusive.errors import BackendError, ConfigurationError, MissingDriverError
 from celery_exclusive.providers import _pg_executor
-from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
+from celery_exclusive.providers.base import Completion, Done, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from tests.conftest import TIME_SLACK, drop_lock_table
 from tests.contract._processes import process_context
@@ -194,8 +195,13 @@ def test_constructor_refuses_url_options_it_would_not_read() -> None:
     assert "pw-SECRET" not in str(raised.value)
 
 
-def test_missing_driver_names_the_extra() -> None:
-    """A driver that is not installed raises MissingDriverError naming the pip extra."""
+def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that is not installed raises MissingDriverError naming the pip extra.
+
+    ``MySQLdb`` is hidden for the test (None in ``sys.modules`` makes its import fail):
+    tests/django's settings make PyMySQL pose as it for the rest of an xdist worker's
+    session, so whether it imports depended on which files ran first in that worker."""
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)
     with pytest.raises(MissingDriverError) as raised:
         SqlLockProvider("mysql+mysqldb://root:pw-SECRET@127.0.0.1/test")
     assert raised.value.extra == "mysql"
@@ -292,8 +298,12 @@ def test_retry_with_own_token_returns_the_existing_lease(db: Db, provider: SqlLo
 
 
 def test_live_foreign_row_is_untouched_and_a_dead_one_replaced(db: Db, provider: SqlLockProvider) -> None:
-    """A live lease is reported with its holder and not modified; an expired one is taken over."""
-    first = provider.acquire("k", "a", 0.5, 60, '{"host":"h1","pid":7}')
+    """A live lease is reported with its holder and not modified; an expired one is taken over.
+    The lease is 0.5 s x TIME_SLACK (1 s by default): at 0.5 s a busy MariaDB took that long
+    for the grant, the read and the refused acquire. The takeover waits out what the store
+    said was left of it."""
+    ttl = 0.5 * TIME_SLACK
+    first = provider.acquire("k", "a", ttl, 60, '{"host":"h1","pid":7}')
     assert isinstance(first, Grant)
     before = db.rows()["k"]
     held = provider.acquire("k", "b", 5, 60, "{}")
@@ -304,10 +314,10 @@ def test_live_foreign_row_is_untouched_and_a_dead_one_replaced(db: Db, provider:
         first.fence,
         {"host": "h1", "pid": 7},
     )
-    assert 0 < held.holder.expires_in <= 0.5
+    assert 0 < held.holder.expires_in <= ttl
     assert held.holder.age >= 0
     assert db.rows()["k"] == before
-    time.sleep(0.7)
+    time.sleep(held.holder.expires_in + 0.2)
     taken = provider.acquire("k", "b", 5, 60, "{}")
     assert isinstance(taken, Grant)
     assert taken.fence > first.fence
@@ -605,13 +615,20 @@ def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -
     holder crashed) costs a second, the take-over, which also raises the fence."""
     provider = pg.provider()
     sent: list[str] = []
-    run = provider._executor.run  # every statement goes through it (acquire's without _run_pg)
+    # Every statement goes through one of them (acquire's own text parameters through run_text).
+    run, run_text = provider._executor.run, provider._run_text
+    assert run_text is not None
 
     def counting(op: str, params: dict[str, Any], timeout: float | None) -> Any:
         sent.append(op)
         return run(op, params, timeout)
 
+    def counting_text(op: str, values: list[bytes | None], timeout: float | None) -> Any:
+        sent.append(op)
+        return run_text(op, values, timeout)
+
     provider._executor.run = counting  # type: ignore[method-assign]
+    provider._run_text = counting_text
     try:
         first = provider.acquire("k", "a", 0.3, 60, "{}")
         assert isinstance(first, Grant)
@@ -647,6 +664,34 @@ def test_pg_hot_statements_use_the_connection_encoding(pg: Db) -> None:
         assert provider._kept[0].info.encoding == "iso8859-1"
         assert pg.rows()["café"][1] == "jeton-é"  # read back through a UTF-8 session
         assert provider.release("café", "jeton-é")
+    finally:
+        provider.close()
+
+
+def test_pg_hot_statements_take_str_subclasses_through_the_parameter_mapping(pg: Db) -> None:
+    """acquire and release (with and without a completion record) make their statements'
+    text parameters themselves for plain strs only; a str subclass (or anything else) goes
+    through the runner's mapping, with the same answers."""
+
+    class Text(str):
+        pass
+
+    provider = pg.provider()
+    try:
+        assert isinstance(provider.acquire(Text("k"), Text("t"), 5, 60, Text('{"pid":1}')), Grant)
+        held = provider.acquire("k", "u", 5, 60, "{}")
+        assert isinstance(held, Held)
+        assert held.holder is not None
+        assert (held.holder.token, held.holder.holder) == ("t", {"pid": 1})
+        assert provider.release(Text("k"), "u") is False
+        assert provider.release("k", Text("t")) is True
+        assert pg.rows() == {}
+        # The completion record's statements too: acquire_once and release_done.
+        assert isinstance(provider.acquire("k", "t", 5, 60, "{}", task_id=Text("id-1")), Grant)
+        assert provider.release("k", "t", Completion(Text("id-1"), Text("success"), 2, 60.0)) is True
+        done = provider.acquire("k", "u", 5, 60, "{}", task_id="id-1")
+        assert isinstance(done, Done)
+        assert (done.record.outcome, done.record.attempt) == ("success", 2)
     finally:
         provider.close()
 
@@ -731,9 +776,9 @@ def test_pg_runner_converts_every_row_with_and_without_nulls(pg: Db) -> None:
 
 def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
     """A statement built with ``grant``: a one-row result whose first column is true comes
-    back with that column converted and every other one None (what the acquire's grant row
-    holds, and all its reader uses); any other result (first column false or NULL, several
-    rows, no row) is converted whole."""
+    back as that column's int alone (what the acquire's grant row holds, and all its reader
+    uses); any other result (first column false or NULL, several rows, no row) is
+    converted whole."""
     from celery_exclusive.providers import _libpq
 
     provider = pg.provider()
@@ -746,7 +791,7 @@ def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
         )
         granted = _libpq.Statement.build(sql, "btif", grant=2)
         whole = _libpq.Statement.build(sql, "btif")
-        assert runner.run(kept, granted, {"flag": True, "n": 1}) == [(True, None, 10, None)]
+        assert runner.run(kept, granted, {"flag": True, "n": 1}) == 10
         assert runner.run(kept, whole, {"flag": True, "n": 1}) == [
             (True, "x1", 10, 0.25)
         ]  # same shape, own builder
@@ -761,6 +806,8 @@ def test_pg_runner_reads_a_grant_row_for_its_grant_column_only(pg: Db) -> None:
             _libpq.Statement.build(sql, "btif", grant=0)
         with pytest.raises(ValueError, match="grant column"):
             _libpq.Statement.build(sql, "tbif", grant=2)
+        with pytest.raises(ValueError, match="grant column"):
+            _libpq.Statement.build(sql, "btif", grant=1)
     finally:
         provider.close()
 
@@ -918,6 +965,7 @@ def test_pg_statements_also_run_through_sqlalchemy(pg: Db) -> None:
     """The path for PostgreSQL drivers other than psycopg 3 runs the same statements."""
     provider = pg.provider()
     provider._executor = _pg_executor.PooledExecutor(provider._engine, provider._pg_sql)
+    provider._run_text = None  # as _setup leaves it for this executor
     try:
         first = provider.acquire("k", "a", 5, 60, '{"pid":1}')
         assert isinstance(first, Grant)

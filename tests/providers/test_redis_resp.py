@@ -1,0 +1,61 @@
+"""The hot commands packed in Python (``_redis_resp``) are the bytes hiredis packs, or None."""
+
+from __future__ import annotations
+
+import pytest
+from hiredis import pack_command
+
+from celery_exclusive.providers import _redis_resp as resp
+from celery_exclusive.providers._redis_scripts import ACQUIRE, FENCES, RELEASE, SHA
+
+HOLDER = '{"host":"h","pid":1,"task_id":"t-1"}'
+
+
+class Text(str):
+    """A str subclass: packed by hiredis, never here."""
+
+
+@pytest.mark.parametrize("key", ["k", "ce:" + "x" * 150, "a b\r\n$3"])
+@pytest.mark.parametrize(("ttl_ms", "life_ms"), [(1, 1), (900_000, 3_600_000), (2**40, 10**12)])
+@pytest.mark.parametrize("task_id", [None, "", "0123-abcd"])
+def test_acquire_is_what_hiredis_packs(key: str, ttl_ms: int, life_ms: int, task_id: str | None) -> None:
+    token = "0123456789abcdef" * 2
+    once = () if task_id is None else (task_id,)
+    expected = pack_command(("EVALSHA", SHA[ACQUIRE], 2, key, FENCES, token, ttl_ms, life_ms, HOLDER, *once))
+    assert resp.acquire(key, FENCES, token, ttl_ms, life_ms, HOLDER, task_id) == expected
+
+
+@pytest.mark.parametrize("key", ["k", "ce:" + "x" * 1000])
+def test_release_is_what_hiredis_packs(key: str) -> None:
+    token = "f" * 32
+    assert resp.release(key, token) == pack_command(("EVALSHA", SHA[RELEASE], 1, key, token))
+    for retain_ms in (1, 86_400_000):
+        expected = pack_command(("EVALSHA", SHA[RELEASE], 1, key, token, "t-9", "0|success", retain_ms))
+        assert resp.release_done(key, token, "t-9", "0|success", retain_ms) == expected
+
+
+def test_anything_but_ascii_text_is_left_to_hiredis() -> None:
+    token = "f" * 32
+    for key, holder, task_id in [
+        ("clé", HOLDER, None),
+        ("k", '{"host":"hôte"}', None),
+        ("k", HOLDER, "tâche"),
+        (Text("k"), HOLDER, None),
+        ("k", Text(HOLDER), None),
+        ("k", HOLDER, Text("t")),
+        ("k", HOLDER, 7),
+    ]:
+        assert resp.acquire(key, FENCES, token, 1000, 1000, holder, task_id) is None  # type: ignore[arg-type]
+    assert resp.acquire("k", FENCES, Text(token), 1000, 1000, HOLDER, None) is None
+    assert resp.release("clé", token) is None
+    assert resp.release("k", Text(token)) is None
+    assert resp.release_done("k", token, "tâche", "0|success", 1) is None
+    assert resp.release_done("k", token, b"t", "0|success", 1) is None  # type: ignore[arg-type]
+
+
+def test_the_durations_kept_are_bounded() -> None:
+    for ms in range(10_000, 10_300):
+        assert resp.acquire("k", FENCES, "t", ms, ms + 1, HOLDER, None) == pack_command(
+            ("EVALSHA", SHA[ACQUIRE], 2, "k", FENCES, "t", ms, ms + 1, HOLDER)
+        )
+    assert len(resp._NUMBERS) <= resp._MAX_NUMBERS
