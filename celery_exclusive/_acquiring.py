@@ -18,7 +18,7 @@ from celery_exclusive._core import Service
 from celery_exclusive._process import EncodedHolder, holder_json, new_token, this, unprefixed
 from celery_exclusive._records import Records
 from celery_exclusive._store import as_store_error
-from celery_exclusive.errors import AlreadyDone, BackendError
+from celery_exclusive.errors import AlreadyDone, BackendError, InvalidArgumentError
 from celery_exclusive.lease import Lease, LostCallback
 from celery_exclusive.providers.base import (
     AcquiresAny,
@@ -196,6 +196,9 @@ class Acquiring:
         if on_lost is not None:  # lease.on_lost's list, set before the heartbeat can see the lease
             lease._on_lost = [on_lost]
         heartbeat.add(lease)
+        if service._closed:  # close() began since the test above: the lease is given back
+            service._give_back(lease)
+            raise InvalidArgumentError("this LockService is closed")
         if signals.lock_acquired.receivers:  # signals.send's test, without its call
             signals.lock_acquired.send(sender=service, key=key, lease=lease)
         return lease

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.heartbeat import Heartbeat
-from celery_exclusive.lease import LeaseOwner
+from celery_exclusive.lease import Lease, LeaseOwner
 from celery_exclusive.providers.base import LockProvider
 
 T = TypeVar("T")
@@ -50,10 +50,14 @@ class Service(Store, LeaseOwner, Protocol):
     _batch_size: int
     #: Read on the hot path instead of ``heartbeat`` (a property) and ``_check_key``'s test.
     _heartbeat: Heartbeat
+    #: close() began (no lease is taken), then ended (the store is closed: no call is made).
     _closed: bool
+    _ended: bool
     _thread_factory: Callable[..., threading.Thread]
 
     @property
     def heartbeat(self) -> Heartbeat: ...
 
     def _check_key(self, key: str) -> None: ...
+
+    def _give_back(self, lease: Lease) -> None: ...

@@ -49,6 +49,10 @@ class PrefixedStore:
         self.call_timeout = call_timeout
         self._url = url
         self.provider = provider
+        #: LockService.close() began: no lease is taken from then on.
+        self._closed = False
+        #: LockService.close() closed the store: no call is made from then on.
+        self._ended = False
         #: Whether the store keeps completion records (see ``completion()``).
         self.keeps_records = isinstance(provider, CompletionStore)
         self._calls = StoreCalls()
@@ -216,10 +220,22 @@ class PrefixedStore:
         self, what: str, method: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> T:
         """Call the provider within ``timeout`` seconds (default ``call_timeout``); the
-        driver's and the network's exceptions become BackendError, any other propagates."""
-        return self._calls.call(
-            what, method, *args, timeout=self.call_timeout if timeout is None else timeout, **kwargs
-        )
+        driver's and the network's exceptions become BackendError, any other propagates.
+        InvalidArgumentError once the store is closed; a call under way then closes again
+        what it opened."""
+        if self._ended:
+            raise InvalidArgumentError("this LockService is closed")
+        try:
+            return self._calls.call(
+                what, method, *args, timeout=self.call_timeout if timeout is None else timeout, **kwargs
+            )
+        finally:
+            self._close_again()
+
+    def _close_again(self) -> None:
+        """Close the store again if LockService.close() closed it during a call."""
+        if self._ended:
+            self.provider.close()
 
     def _after_fork_in_child(self) -> None:
         self._calls = StoreCalls()  # the parent's stuck calls have no thread here

@@ -108,7 +108,7 @@ class Releasing:
         )
         return outcome
 
-    def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:
+    def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:  # noqa: PLR0912 - the hot path, inline
         """See :meth:`LockService.release` (``completion`` already checked)."""
         service = self._service
         try:
@@ -129,6 +129,18 @@ class Releasing:
             if was_lost is None:
                 return ReleaseOutcome.NOT_OWNED
             heartbeat.discard(lease)
+        if service._ended:
+            logger.warning(
+                "lock %r (fence %d) released after its service was closed: it ends at its ttl",
+                lease.key,
+                lease.fence,
+            )
+            held_for = service.clock() - lease.acquired_at
+            outcome = ReleaseOutcome.UNKNOWN
+            signals.send(
+                signals.lock_released, service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
+            )
+            return outcome
         cooling = self._cooldowns.pop(lease, None) if self._cooldowns else None
         if cooling is not None and not was_lost:
             left = cooling[0] - (service.clock() - cooling[1])
@@ -168,12 +180,35 @@ class Releasing:
             outcome = _RELEASED if owned else self._not_owned(lease, warn=not was_lost)
             if owned and self._had_waiters is not None and self._had_waiters(lease.store_key):
                 self.turns.note(lease.key)  # Turns.released, without its frame
+        if self._service._ended:  # close() closed the store during the call: closed again
+            service.provider.close()
         if signals.lock_released.receivers:  # signals.send's test, before reading the clock
             held_for = service.clock() - lease.acquired_at
             signals.lock_released.send(
                 sender=service, key=lease.key, lease=lease, outcome=outcome, held_for=held_for
             )
         return outcome
+
+    def give_back(self, lease: Lease) -> None:
+        """Delete ``lease``, taken while close() ran, from the store (unless close() released
+        it already), even if close() closed the store: then closed again after. Logged if
+        the store does not answer (the key ends at its ttl: the heartbeat has stopped)."""
+        service = self._service
+        heartbeat = service._heartbeat
+        with heartbeat.mutex:
+            if lease._mark_released() is None:
+                return
+            heartbeat.discard(lease)
+        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
+        try:
+            service._calls.call(
+                "release", service.provider.release, lease.store_key, lease.token, timeout=timeout
+            )
+        except BackendError as exc:
+            logger.warning("could not release lock %r (fence %d) at close: %s", lease.key, lease.fence, exc)
+        finally:
+            if service._ended:
+                service.provider.close()
 
     def _unanswered(self, lease: Lease, exc: BackendError) -> ReleaseOutcome:
         """UNKNOWN, the release retried by the heartbeat in the background."""

@@ -154,6 +154,8 @@ class Heartbeat:
         self._inflight = self._refreshing.inflight
         self._pending_release = self._inflight.pending_release  # the same dict (tests look at it)
         self._stop = threading.Event()
+        #: Set by stop(): no thread starts again (the service is closed).
+        self._ended = False
         self._thread: threading.Thread | None = None
         # When the sleeping thread wakes by itself (clock time); +inf while it is awake
         # (or starting), when it scans every lease before it sleeps again.
@@ -190,8 +192,9 @@ class Heartbeat:
                 leases[id(lease)] = lease
 
     def _start_thread(self) -> bool:
-        """Start the thread unless it is running (caller holds ``mutex``); True if started."""
-        if self._thread is not None and self._thread.is_alive():
+        """Start the thread unless it is running or the heartbeat was stopped (caller holds
+        ``mutex``); True if started."""
+        if self._ended or (self._thread is not None and self._thread.is_alive()):
             return False
         self._stop.clear()
         self._wake_at = math.inf
@@ -243,11 +246,14 @@ class Heartbeat:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread, then wait for the store calls it started, each until its own
-        deadline, all within ``timeout`` (leases are not released: that is the service's
-        job). The service closes the store next: a call still running then would open a
-        connection the closed store never closes."""
+        """Stop the thread for good (no lease added or release retried later starts it
+        again), then wait for the store calls it started, each until its own deadline, all
+        within ``timeout`` (leases are not released: that is the service's job). The
+        service closes the store next: a call still running then would open a connection
+        the closed store never closes."""
         end = time.monotonic() + timeout
+        with self.mutex:
+            self._ended = True
         self._stop.set()
         self._wake.set()
         thread = self._thread

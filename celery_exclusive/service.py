@@ -118,7 +118,6 @@ class LockService(PrefixedStore):
         self._acquiring = Acquiring(self, self._records)
         self._releasing = Releasing(self)
         self._leasing = Leasing(self, self._acquiring, self._releasing)
-        self._closed = False
         self._heartbeat = self._leasing.new_heartbeat()
         _live_services.add(self)
 
@@ -340,7 +339,8 @@ class LockService(PrefixedStore):
 
         Returns RELEASED, NOT_OWNED (it had expired or been taken over: the work may have
         overlapped another holder's, so this is logged as a warning) or UNKNOWN (the store
-        did not answer; the heartbeat keeps retrying the release until it can tell).
+        did not answer; the heartbeat keeps retrying the release until it can tell; or the
+        service was closed: nothing is sent, see :meth:`close`).
         With ``completion``, the same store call records it on the lease's key (see
         :meth:`completion`); on UNKNOWN the record may be missing (the retried release
         does not carry it). An exception that is not the store's (a signal handler's, such
@@ -358,14 +358,25 @@ class LockService(PrefixedStore):
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self, *, release: bool = True) -> None:
-        """Stop the heartbeat, release held leases (unless ``release=False``), close the store."""
-        if self._closed:
-            return
+        """End the service, for good.
+
+        From when close() begins no lease is taken: lock() and the other acquiring calls
+        raise InvalidArgumentError, and one under way gives back the lease it got and raises
+        so too. Then the leases held are released (with ``release=False`` they are left to
+        end at their ttl, nothing refreshing them), the heartbeat stops and the store is
+        closed. From then on nothing touches the store: peek, locks, force_release, mark,
+        the completion records and sweep raise InvalidArgumentError, a lease's release()
+        answers UNKNOWN without a store call (its key ends at its ttl), and a call under
+        way when the store was closed closes again the connection it opened."""
+        with self._heartbeat.mutex:
+            if self._closed:
+                return
+            self._closed = True
         if release:
             for lease in self.held():
                 self.release(lease)
-        self._closed = True
         self._heartbeat.stop()
+        self._ended = True  # before the store is closed: a call ending after closes it again
         self.provider.close()
 
     def __enter__(self) -> LockService:
@@ -392,6 +403,10 @@ class LockService(PrefixedStore):
         if self._closed:
             raise InvalidArgumentError("this LockService is closed")
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)  # PrefixedStore's
+
+    def _give_back(self, lease: Lease) -> None:
+        """Delete ``lease``, taken while close() ran (see :meth:`close`)."""
+        self._releasing.give_back(lease)
 
     def _lose(self, lease: Lease, reason: str) -> None:
         """Make ``lease`` LOST (if it is live) and tell everyone: log, signal, callbacks."""

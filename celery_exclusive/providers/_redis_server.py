@@ -12,6 +12,7 @@ every primary). The provider (providers/redis.py) keeps the lock operations.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -87,9 +88,10 @@ class RedisServer:
 
         Building one asks the startup nodes for the slot map on sockets with the client's
         own timeouts (10 s), which no call's deadline reaches, so it runs in a thread of its
-        own, one at a time (the next caller after a failure starts another): a cold client
-        on an unreachable cluster made each call wait 10 s, and calls queued behind the
-        heartbeat's retried releases, each building in turn, for minutes."""
+        own, one at a time (the next caller after a failure starts another, and a forked
+        child its own): a cold client on an unreachable cluster made each call wait 10 s,
+        and calls queued behind the heartbeat's retried releases, each building in turn,
+        for minutes."""
         target = self.target
         client = target.client
         if client is not None or target.factory is None:
@@ -98,7 +100,8 @@ class RedisServer:
             if target.client is not None:
                 return target.client
             build = self._build
-            if build is None or build.done.is_set():  # none yet, or the last one failed
+            # None yet, the last one failed, or a copy by fork (its thread stayed in the parent).
+            if build is None or build.done.is_set() or build.pid != os.getpid():
                 build = self._build = _Build()
                 threading.Thread(
                     target=self._make, args=(build,), name="celery-exclusive-redis-cluster", daemon=True
@@ -241,6 +244,7 @@ class _Build:
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        self.pid = os.getpid()
         self.error: Exception | None = None
 
 

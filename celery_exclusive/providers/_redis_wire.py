@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_exclusive.providers._kept import KeptConnections
+from celery_exclusive.providers._redis_sentinel import primary_of
 
 #: Seconds a kept connection may sit idle before it is checked for a server-side close;
 #: under Redis's smallest idle ``timeout`` (1 s) so no live connection goes unchecked.
@@ -61,12 +62,19 @@ def left(deadline: float) -> float:
 
 
 def _connect_within(conn: Any, timeout: float) -> None:
-    """Connect ``conn`` (TCP, TLS and the AUTH/HELLO/SELECT handshake) within ``timeout`` s."""
+    """Connect ``conn`` (TCP, TLS and the AUTH/HELLO/SELECT handshake; a Sentinel-managed
+    one's lookup of the primary first) within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
     connect_timeout, socket_timeout = conn.socket_connect_timeout, conn.socket_timeout
-    conn.socket_connect_timeout = min(connect_timeout or timeout, timeout)
-    conn.socket_timeout = min(socket_timeout or timeout, timeout)
     try:
-        conn.connect()
+        primary = primary_of(conn, deadline)
+        timeout = left(deadline)
+        conn.socket_connect_timeout = min(connect_timeout or timeout, timeout)
+        conn.socket_timeout = min(socket_timeout or timeout, timeout)
+        if primary is None:
+            conn.connect()
+        else:
+            conn.connect_to(primary)  # as redis-py's connect() does, with the address found
     finally:
         conn.socket_connect_timeout, conn.socket_timeout = connect_timeout, socket_timeout
 

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -134,6 +135,44 @@ def test_a_cold_client_on_a_silent_cluster_ends_each_call_at_its_deadline(redis_
                 time.sleep(0.2)
         assert lease.release().value == "released"
     finally:
+        service.close()
+
+
+def test_a_child_forked_during_a_cold_build_builds_its_own_client(redis_cluster: str) -> None:
+    """A child forked while its parent's cluster client is being built (every node frozen)
+    builds its own once the nodes are thawed: its lock() succeeds. The parent's build
+    thread is not in the child: waiting for it failed every call there."""
+    seeing = RedisLockProvider(redis_cluster)
+    try:
+        cluster = cast(RedisCluster, seeing._client)
+        pids = [_node_pid(cluster, key) for key in _one_key_per_node(cluster)]
+    finally:
+        seeing.close()
+    service = LockService(redis_cluster + "?socket_timeout=30", call_timeout=1.0, prefix="fork-cluster:")
+    go_r, go_w = os.pipe()
+    try:
+        with contextlib.ExitStack() as frozen:
+            for pid in pids:
+                frozen.enter_context(_silent(pid, 4.0))
+            with pytest.raises(BackendError):
+                service.try_lock("parent")  # its build still waits for the nodes
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
+                child = os.fork()
+            if child == 0:
+                code = 1
+                try:
+                    os.read(go_r, 1)
+                    service.lock("child").release()
+                    code = 0
+                finally:
+                    os._exit(code)
+        os.write(go_w, b"1")  # thawed
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(go_r)
+        os.close(go_w)
         service.close()
 
 

@@ -9,12 +9,15 @@ tests/faults/test_failover.py and documented in docs/scaling.md.
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import redis
@@ -24,7 +27,7 @@ from celery_exclusive.providers.base import AcquiresAny, Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
 from celery_exclusive.testing.contract import wait_until
-from tests.conftest import Store
+from tests.conftest import TIME_SLACK, Store
 from tests.contract import test_waiting as _waiting
 
 # The semaphore contract through the sentinel (on the `store` fixture below).
@@ -65,6 +68,7 @@ from tests.contract.test_waiting import (  # noqa: F401
 )
 from tests.scale._servers import binary, free_port, processes, start, wait_for
 from tests.scale.conftest import contract_store
+from tests.scale.test_redis_cluster_deadlines import _silent
 
 #: The 8-process waiting tests (~7 s each here, at load ~24) run only with CE_LONG=1 through
 #: the sentinel: once it has named the primary, the provider's code is the standalone
@@ -275,3 +279,120 @@ def _wait_and_release(service: LockService, acquired: list[float]) -> None:
     lease = service.lock("job", ttl=30, wait=10)
     acquired.append(time.monotonic())
     lease.release()
+
+
+def test_every_call_ends_at_its_deadline_on_a_silent_sentinel() -> None:
+    """A sentinel that accepts connections and never answers: every entry point of a new
+    service (call_timeout=0.5) raises BackendError within its deadline plus slack. The
+    lookup of the primary ran on the sentinel's sockets with their own timeout (10 s)."""
+    silent = socket.create_server(("127.0.0.1", 0), backlog=64)  # never accepts
+    url = f"redis+sentinel://127.0.0.1:{silent.getsockname()[1]}/mymaster/0"
+    service = LockService(url, call_timeout=0.5, prefix="silent-sentinel:")
+    bound = 0.5 + 0.5 * TIME_SLACK
+    calls: dict[str, tuple[float, Callable[[], object]]] = {
+        "lock": (0, lambda: service.lock("k")),
+        "try_lock": (0, lambda: service.try_lock("k")),
+        "try_lock wait": (0.3, lambda: service.try_lock("k", wait=0.3)),
+        "lock wait": (0.3, lambda: service.lock("k", wait=0.3)),
+        "lock_many": (0, lambda: service.lock_many(["a", "b"])),
+        "peek": (0, lambda: service.peek("k")),
+        "locks": (0, service.locks),
+        "force_release": (0, lambda: service.force_release("k", "a-token")),
+        "mark": (0, lambda: service.mark("k")),
+        "run_exclusive": (0, lambda: service.run_exclusive("k", lambda: None)),
+    }
+    try:
+        for name, (wait, call) in calls.items():
+            started = time.monotonic()
+            with pytest.raises(BackendError, match="sentinel"):
+                call()
+            elapsed = time.monotonic() - started
+            assert elapsed <= wait + bound, (name, elapsed)
+    finally:
+        silent.close()  # first: the failed acquires' background releases then fail at once
+        service.close(release=False)
+
+
+def test_calls_end_at_their_deadline_on_a_silent_primary_the_sentinel_names(
+    sentinel: tuple[int, int],
+) -> None:
+    """The sentinel answers, the primary it names is frozen (SIGSTOP): a new service's
+    lock, peek and locks (call_timeout=0.5) each raise BackendError within the deadline
+    plus slack; thawed, the service works, and each later call is one round trip to the
+    primary only (the sentinel is asked when a connection is made, never per call)."""
+    primary_port, sentinel_port = sentinel
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster/0"
+    direct = redis.Redis(port=primary_port, socket_timeout=5)
+    watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
+    service = LockService(url, call_timeout=0.5, prefix=f"silent-primary{uuid.uuid4().hex[:8]}:")
+    bound = 0.5 + 0.5 * TIME_SLACK
+    try:
+        pid = int(cast(dict[str, Any], direct.info("server"))["process_id"])
+        with _silent(pid, 3 * bound + 1):
+            for name, call in (
+                ("lock", lambda: service.lock("k")),
+                ("peek", lambda: service.peek("k")),
+                ("locks", service.locks),
+            ):
+                started = time.monotonic()
+                with pytest.raises(BackendError):
+                    call()
+                elapsed = time.monotonic() - started
+                assert elapsed <= bound, (name, elapsed)
+        assert wait_until(lambda: _locked_once(service), 10.0)
+        asked = _commands(watcher)
+        for _ in range(20):
+            service.lock("k").release()
+            assert service.peek("k") is None
+        assert _commands(watcher) == asked + 1  # the INFO asking it
+    finally:
+        service.close()
+        direct.close()
+        watcher.close()
+
+
+def _locked_once(service: LockService) -> bool:
+    try:
+        service.lock("k").release()
+    except BackendError:
+        return False
+    return True
+
+
+def _commands(sentinel: redis.Redis) -> int:
+    return int(cast(dict[str, Any], sentinel.info("stats"))["total_commands_processed"])
+
+
+def test_a_child_forked_during_a_lookup_asks_the_sentinel_itself(sentinel: tuple[int, int]) -> None:
+    """A child forked while its parent's lookup of the primary hangs on the frozen sentinel
+    looks the primary up on its own once the sentinel is thawed: its lock() succeeds. The
+    parent's lookup thread is not in the child: waiting for it failed every call there."""
+    _, sentinel_port = sentinel
+    watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster/0"
+    service = LockService(url, call_timeout=0.5, prefix=f"fork-lookup{uuid.uuid4().hex[:8]}:")
+    go_r, go_w = os.pipe()
+    try:
+        pid = int(cast(dict[str, Any], watcher.info("server"))["process_id"])
+        with _silent(pid, 5.0):
+            with pytest.raises(BackendError):
+                service.lock("parent")  # its lookup still waits for the sentinel
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
+                child = os.fork()
+            if child == 0:
+                code = 1
+                try:
+                    os.read(go_r, 1)
+                    service.lock("child").release()
+                    code = 0
+                finally:
+                    os._exit(code)
+        os.write(go_w, b"1")  # thawed
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(go_r)
+        os.close(go_w)
+        service.close()
+        watcher.close()
