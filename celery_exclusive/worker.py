@@ -355,6 +355,8 @@ def release_on_hard_time_limit(
     """Release the lock of a task killed for its hard time limit once its process is gone."""
     if isinstance(exception, TimeLimitExceeded):
         attempt = _timed_out_attempt(traceback)
+        if attempt is None:
+            attempt = _failing_attempt(sender, task_id)
         release_killed(
             sender, task_id, args, kwargs, "killed at its hard time limit", record=True, attempt=attempt
         )
@@ -373,6 +375,21 @@ def _timed_out_attempt(traceback: Any) -> int | None:
     if not isinstance(request, Request) or request.id is None:
         return None
     retries = request.request_dict.get("retries")
+    return retries if type(retries) is int and retries >= 0 else None
+
+
+def _failing_attempt(task: Any, task_id: str | None) -> int | None:
+    """The ``retries`` of the run ``task_id`` whose failure Celery's ``Request.on_failure``
+    reports, or None. billiard's hard time limit first ends the job with the exception
+    (``on_failure``: a traceback as text) and only then calls ``on_timeout``: the first
+    ``task_failure`` must name the attempt too, since a record never goes back to an
+    earlier attempt (a first one naming the highest would refuse the retry the run sent).
+    ``on_failure`` pushes the failing request's context on the task's request stack for
+    the signal's receivers."""
+    context = getattr(task, "request", None)
+    if task_id is None or getattr(context, "id", None) != task_id:
+        return None
+    retries = getattr(context, "retries", None)
     return retries if type(retries) is int and retries >= 0 else None
 
 

@@ -158,6 +158,9 @@ SELECT false, {cols("cur")} FROM cur CROSS JOIN n WHERE cur.live"""
             f"ELSE 1 + (pg_notify({channel}, '') IS NOT NULL)::int END"
         )
 
+    # The record replaces a stored one of the same or an earlier attempt, or an expired one,
+    # never a live one of a later attempt: a late writer of an earlier attempt's record (a
+    # killed run recorded after the retry it had sent finished) must not turn it back.
     release_done = f"""WITH rel AS (
   DELETE FROM {t} WHERE key = :key AND value = :token
     AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
@@ -168,6 +171,7 @@ rec AS (
           {clock}, {clock} + make_interval(secs => CAST(:retain AS float8)))
   ON CONFLICT (key, task_id) DO UPDATE SET outcome = EXCLUDED.outcome, attempt = EXCLUDED.attempt,
     created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+    WHERE r.attempt <= EXCLUDED.attempt OR r.expires_at <= EXCLUDED.created_at
   RETURNING 1)"""
     return {
         "acquire": acquire,

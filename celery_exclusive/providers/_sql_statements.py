@@ -96,12 +96,31 @@ def generic_statements(dialect: Dialect, name: str) -> dict[str, sa.TextClause]:
         f"(SELECT {joined} FROM {d} WHERE {k} = :key AND task_id = :task_id AND {secs('expires_at')} > 0)"
     )
     pick = f"{k} = :key AND task_id = :task_id"
+    # The record, unless the stored one is live and of a later attempt: a late writer of an
+    # earlier attempt's record (a killed run recorded after its retry finished) must not
+    # turn it back. MariaDB's SET runs left to right, each seeing the values set before it:
+    # `attempt`, in the condition, is set last but one, `expires_at` last, so every column
+    # sees the condition as it was.
+    put = (
+        f"INTO {d} ({k}, task_id, outcome, attempt, created_at, expires_at) "
+        f"VALUES (:key, :task_id, :outcome, :attempt, {stamp('0')}, {stamp(':retain')})"
+    )
+    if dialect.name == "sqlite":
+        done_put = (
+            f"INSERT {put} ON CONFLICT ({k}, task_id) DO UPDATE SET outcome = excluded.outcome, "
+            "attempt = excluded.attempt, created_at = excluded.created_at, expires_at = excluded.expires_at "
+            f"WHERE attempt <= excluded.attempt OR {secs('expires_at')} <= 0"
+        )
+    else:
+        later = f"(attempt <= VALUES(attempt) OR {secs('expires_at')} <= 0)"
+        done_put = f"INSERT {put} ON DUPLICATE KEY UPDATE " + ", ".join(
+            f"{c} = IF({later}, VALUES({c}), {c})" for c in ("outcome", "created_at", "attempt", "expires_at")
+        )
     expired = f"expires_at <= {stamp('0')} AND NOT ({pick})"
     sql.update(
         {
             "done_get": f"SELECT {done_cols} FROM {d} WHERE {pick} AND {secs('expires_at')} > 0",
-            "done_put": f"REPLACE INTO {d} ({k}, task_id, outcome, attempt, created_at, expires_at) "
-            f"VALUES (:key, :task_id, :outcome, :attempt, {stamp('0')}, {stamp(':retain')})",
+            "done_put": done_put,
             # One release in _PRUNE_EVERY also removes expired records (any key), up to
             # PRUNE_BATCH: the table stays small at a fraction of a statement per release.
             "done_prune": f"DELETE FROM {d} WHERE rowid IN (SELECT rowid FROM {d} WHERE {expired} "

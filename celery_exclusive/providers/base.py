@@ -168,10 +168,12 @@ class LockProvider(Protocol):
 
         With ``completion`` (only passed to a :class:`CompletionStore`), the same statement
         or script also records it on ``key``
-        (whether or not the lease was still owned: the run did end), replacing any record
-        of the same task id; it expires ``completion.retain`` seconds from now on the
-        store's clock. Records live apart from leases (no lease key, no row of the shared
-        table) and never change what any other method answers about leases.
+        (whether or not the lease was still owned: the run did end), replacing the record
+        of the same task id unless that one is live and of a later ``attempt`` (then the
+        record is not written, and the release is the same); it expires
+        ``completion.retain`` seconds from now on the store's clock. Records live apart
+        from leases (no lease key, no row of the shared table) and never change what any
+        other method answers about leases.
         """
         ...
 

@@ -232,12 +232,14 @@ class MemoryLockProvider:
         with self._mutex:
             now = self._clock()
             if completion is not None:
-                self._done[(key, completion.task_id)] = (
-                    completion.outcome,
-                    completion.attempt,
-                    now,
-                    now + completion.retain,
-                )
+                stored = self._record(key, completion.task_id, now)
+                if stored is None or stored.attempt <= completion.attempt:  # never an earlier attempt
+                    self._done[(key, completion.task_id)] = (
+                        completion.outcome,
+                        completion.attempt,
+                        now,
+                        now + completion.retain,
+                    )
             row = self._live(key, now)
             if row is None or row.token != token:
                 return False

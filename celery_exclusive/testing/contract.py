@@ -573,6 +573,37 @@ def test_every_call_takes_a_deadline_and_answers_the_same(store: Store) -> None:
     assert provider.peek(key, timeout=t) is None
 
 
+def test_a_record_never_goes_back_to_an_earlier_attempt(store: Store) -> None:
+    """A store that keeps completion records never replaces a live record by one of an
+    earlier attempt (a late writer: the record of a run killed at its hard time limit,
+    written after the retry it had sent finished), while the release carrying it frees its
+    lease all the same; a record of the same attempt or a later one replaces it, and so
+    does any record once the stored one has expired."""
+    service = store.service()
+    if not isinstance(service.provider, CompletionStore):
+        pytest.skip(f"store {store.name!r} keeps no completion records")
+
+    def record() -> tuple[str, int] | None:
+        found = service.completion("order", "t")
+        return None if found is None else (found.outcome, found.attempt)
+
+    service.lock("order", task_id="t").release(Completion("t", "success", 2, 60.0))
+    # The worker's main process recording a run it killed: a token that owns nothing.
+    assert not service.force_release("order", "record-only", completion=Completion("t", "failure", 1, 60.0))
+    assert record() == ("success", 2)
+    lease = service.lock("order", task_id="other")
+    assert lease.release(Completion("t", "retried", 0, 60.0)) is ReleaseOutcome.RELEASED
+    assert service.peek("order") is None
+    assert record() == ("success", 2)
+    service.force_release("order", "record-only", completion=Completion("t", "failure", 2, 60.0))
+    assert record() == ("failure", 2)
+    service.force_release("order", "record-only", completion=Completion("t", "retried", 3, 0.2))
+    assert record() == ("retried", 3)
+    time.sleep(0.5)  # the store's clock: attempt 3's record has expired, so it is none
+    service.force_release("order", "record-only", completion=Completion("t", "failure", 1, 60.0))
+    assert record() == ("failure", 1)
+
+
 def test_acquire_unless_where_the_store_offers_it(store: Store) -> None:
     """A store with the optional ``AcquiresUnless`` (dedupe's ``until_done`` marker) takes the
     key only while the blocker is free: refused, it takes nothing and names the lease that

@@ -170,11 +170,20 @@ def retrying(self: Any, key_id: str) -> dict[str, Any]:
 
 
 @exclusive_task(app=app, name="rd.retry_then_hang", key="rdh:{key_id}", ttl=TTL, max_retries=1, bind=True)
-def retry_then_hang(self: Any, key_id: str, countdown: float) -> dict[str, Any]:
+def retry_then_hang(self: Any, key_id: str, countdown: float, after_retry: bool = False) -> dict[str, Any]:
     """Its first attempt sends its retry (``throw=False``), then runs on into its hard time
-    limit; the retry returns."""
+    limit; the retry returns. ``after_retry``: the first attempt first waits (up to 20 s)
+    for the retry's record, and notes ``<prefix>saw:<task id>`` once it is there, so its
+    kill is recorded after the retry finished."""
     result = _body(self, 0.0, None)
     if not self.request.retries:
         self.retry(countdown=countdown, throw=False)
+        deadline = time.monotonic() + 20
+        while after_retry and time.monotonic() < deadline:
+            record = self.lock_service.completion(f"rdh:{key_id}", self.request.id)
+            if record is not None and (record.outcome, record.attempt) == ("success", 1):
+                client().set(f"{KEYPREFIX}saw:{self.request.id}", 1)
+                break
+            time.sleep(0.05)
         time.sleep(30)
     return result

@@ -323,3 +323,44 @@ def test_a_retry_sent_before_a_hard_time_limit_still_runs(rabbit: Group, dump: l
     )
     assert rd.runs(result.id) == 2
     assert result.get(timeout=10)["real"] is True
+
+
+def test_a_kill_recorded_after_its_retry_finished_does_not_rerun_the_retry(
+    rabbit: Group, dump: list[Group]
+) -> None:
+    """``self.retry(countdown=0, throw=False)``, the retry runs and records its success,
+    and only then the first attempt meets its hard time limit: the main process's record
+    of the killed attempt 0 must not replace the retry's record of attempt 1, so a copy of
+    the retry's message (attempt 1) ends as already_done. It used to run the body again."""
+    dump.append(rabbit)
+    key_id = f"late-{uuid.uuid4().hex[:6]}"
+    rabbit.send(rd.ONCE["skip"], "warm", 0.0).get(timeout=30)  # the connection, for the option below
+    result = rd.retry_then_hang.apply_async(
+        (key_id, 0.0, True), queue=rabbit.queue, connection=rabbit._connection, time_limit=4
+    )
+    first = wait_for(
+        lambda: next((e for e in rd.events() if e["task_id"] == result.id and e["retries"] == 0), None),
+        30,
+        what="the first attempt to start",
+    )
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    # The main process records the kill before billiard signals the child.
+    wait_for(lambda: gone(first["pid"]), 30, what="the first attempt's child to be killed")
+    assert rd.client().get(f"{rd.KEYPREFIX}saw:{result.id}"), "the retry did not finish before the kill"
+    assert rd.runs(result.id) == 2
+    rd.retry_then_hang.apply_async(
+        (key_id, 0.0, True), task_id=result.id, retries=1, queue=rabbit.queue, connection=rabbit._connection
+    )
+    wait_for(
+        lambda: _lines(rabbit, "already_done", result.id) or rd.runs(result.id) > 2,
+        30,
+        what="the copy to end or to run",
+    )
+    assert rd.runs(result.id) == 2

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.app.task import Context
 from celery.exceptions import TimeLimitExceeded
 
 from celery_exclusive.lease import LeaseState
@@ -191,6 +192,32 @@ def test_hard_time_limit_hook_records_the_run_before_billiard_kills_it(
     finally:
         child.kill()
         child.wait()
+
+
+def test_hard_time_limit_hook_names_the_attempt_of_the_request_celery_fails(
+    sqlite_app: tuple[Celery, Any, LockService],
+) -> None:
+    """billiard ends a job killed at its hard time limit first through Celery's
+    ``Request.on_failure`` (its traceback as text; the failing request's context pushed on
+    the task's request stack), and only then through ``on_timeout``: that first
+    task_failure names the run's attempt too. The highest attempt would stay (a record
+    never goes back to an earlier attempt) and refuse the retry the run had sent."""
+    _, job, service = sqlite_app
+    job.request_stack.push(Context(id="T5", retries=2))
+    try:
+        release_on_hard_time_limit(
+            sender=job,
+            task_id="T5",
+            exception=TimeLimitExceeded(1),
+            args=[5],
+            kwargs={},
+            traceback="Traceback (most recent call last): ...",
+        )
+    finally:
+        job.request_stack.pop()
+    record = service.completion("job:5", "T5")
+    assert record is not None
+    assert (record.outcome, record.attempt) == ("failure", 2)
 
 
 def test_hard_time_limit_hook_records_nothing_for_a_message_celery_requeues(

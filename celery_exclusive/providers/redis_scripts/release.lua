@@ -6,11 +6,14 @@
 --          cleared either way); clearing deletes the hash, unless completion records keep
 --          it (as long as the longest-kept one, field 'done_max'): the key's next fence
 --          comes from the high-water key (acquire.lua)
--- A record is field 'done:<task id>' of the same hash (no key of its own, so one slot);
+-- A record is field 'done:<task id>' of the same hash (no key of its own, so one slot),
+-- never replacing a live one of a later attempt (read by the first HMGET; the release goes
+-- on without writing it);
 -- expired records are pruned when the hash has doubled since the last pruning.
 -- Runs after prelude.lua: cat prelude.lua release.lua > /tmp/release.lua &&
 --   redis-cli --eval /tmp/release.lua KEY , TOKEN [TASK_ID 'ATTEMPT|OUTCOME' RETAIN_MS]
-local r = redis.call('HMGET', KEYS[1], 'token', 'expires', 'done_max')
+local field = ARGV[2] and 'done:' .. ARGV[2]
+local r = redis.call('HMGET', KEYS[1], 'token', 'expires', 'done_max', field or 'done_max')
 local owned, cleared = 0, false
 if r[1] then
   local live = (tonumber(r[2]) or 0) > now
@@ -28,9 +31,19 @@ if owned == 1 then
   if type(reached) == 'number' and reached > 0 then owned = 2 end
 end
 local keep = (tonumber(r[3]) or 0) - now
-if ARGV[2] then
+if field and r[4] then
+  -- A live record of a later attempt stays: a late writer of an earlier attempt's record
+  -- (a killed run recorded after the retry it had sent finished) must not turn it back.
+  -- Its expiry is parsed only then (each parse costs the server a few thousand instructions).
+  local attempt = tonumber(string.match(r[4], '^%d+|%d+|(%d+)|'))
+  if attempt and attempt > tonumber(string.match(ARGV[3], '^%d+'))
+      and tonumber(string.match(r[4], '^%d+')) > now then
+    field = nil
+  end
+end
+if field then
   local until_ms = now + tonumber(ARGV[4])
-  redis.call('HSET', KEYS[1], 'done:' .. ARGV[2], int(until_ms) .. '|' .. int(now) .. '|' .. ARGV[3])
+  redis.call('HSET', KEYS[1], field, int(until_ms) .. '|' .. int(now) .. '|' .. ARGV[3])
   if until_ms - now > keep then
     keep = until_ms - now
     redis.call('HSET', KEYS[1], 'done_max', int(until_ms))
