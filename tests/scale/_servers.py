@@ -10,9 +10,12 @@ import os
 import pwd
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +25,56 @@ import psycopg
 import pytest
 import redis
 
+from celery_exclusive import BackendError, LockService
 from tests.conftest import IN_CI
+
+
+@contextmanager
+def frozen(*pids: int, at_most: float) -> Iterator[None]:
+    """Servers ``pids`` stopped (SIGSTOP) for the block, and never longer than ``at_most`` s
+    (a timer thaws them: a call that does not time out then completes, and no cluster or
+    sentinel fails a server over)."""
+    thaw = [threading.Timer(at_most, os.kill, (pid, signal.SIGCONT)) for pid in pids]
+    try:
+        for pid, timer in zip(pids, thaw, strict=True):
+            os.kill(pid, signal.SIGSTOP)
+            timer.start()
+        yield
+    finally:
+        for pid, timer in zip(pids, thaw, strict=True):
+            timer.cancel()
+            os.kill(pid, signal.SIGCONT)
+
+
+def assert_child_forked_mid_connect_connects_itself(
+    service: LockService, pids: Sequence[int], at_most: float
+) -> None:
+    """With ``pids`` frozen, ``service``'s first lock() fails at its deadline while its
+    connect (a cluster's slot map, a sentinel's lookup) still waits in a thread of its own;
+    a child forked then, once the servers thaw, must connect by itself and lock: the
+    parent's thread is not in the child, and waiting for it would fail every call there."""
+    go_r, go_w = os.pipe()
+    try:
+        with frozen(*pids, at_most=at_most):
+            with pytest.raises(BackendError):
+                service.lock("parent")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
+                child = os.fork()
+            if child == 0:
+                code = 1
+                try:
+                    os.read(go_r, 1)
+                    service.lock("child").release()
+                    code = 0
+                finally:
+                    os._exit(code)
+        os.write(go_w, b"1")  # thawed
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(go_r)
+        os.close(go_w)
 
 
 def unavailable(reason: str) -> None:

@@ -8,13 +8,8 @@ Each call freezes the node for about 1 s only: under the fixture's cluster node 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -27,6 +22,7 @@ from celery_exclusive.errors import BackendError
 from celery_exclusive.providers.base import Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
 from tests.conftest import TIME_SLACK
+from tests.scale._servers import assert_child_forked_mid_connect_connects_itself, frozen
 
 
 @pytest.fixture
@@ -35,20 +31,6 @@ def provider(redis_cluster: str) -> Iterator[RedisLockProvider]:
     p = RedisLockProvider(redis_cluster + "?socket_timeout=30")
     yield p
     p.close()
-
-
-@contextlib.contextmanager
-def _silent(pid: int, at_most: float) -> Iterator[None]:
-    """Node ``pid`` frozen for the block, and never longer than ``at_most`` s (a timer thaws
-    it: a call that does not time out then completes, and the cluster never fails it)."""
-    thaw = threading.Timer(at_most, os.kill, (pid, signal.SIGCONT))
-    os.kill(pid, signal.SIGSTOP)
-    thaw.start()
-    try:
-        yield
-    finally:
-        thaw.cancel()
-        os.kill(pid, signal.SIGCONT)
 
 
 def _node_pid(cluster: RedisCluster, key: str) -> int:
@@ -83,7 +65,7 @@ def test_every_call_ends_at_its_deadline_on_a_silent_node(provider: RedisLockPro
     bound = 1.0 + 0.5 * TIME_SLACK
     try:
         for name, call in calls.items():
-            with _silent(pid if name == "acquire" else key_pid, bound + 0.5):
+            with frozen(pid if name == "acquire" else key_pid, at_most=bound + 0.5):
                 started = time.monotonic()
                 with pytest.raises(BackendError):
                     call()
@@ -115,9 +97,7 @@ def test_a_cold_client_on_a_silent_cluster_ends_each_call_at_its_deadline(redis_
     service = LockService(redis_cluster + "?socket_timeout=30", call_timeout=1.0, prefix="cold-cluster:")
     bound = 1.0 + 0.5 * TIME_SLACK
     try:
-        with contextlib.ExitStack() as frozen:
-            for pid in pids:
-                frozen.enter_context(_silent(pid, 2 * bound + 0.5))
+        with frozen(*pids, at_most=2 * bound + 0.5):
             for attempt in (1, 2):
                 started = time.monotonic()
                 with pytest.raises(BackendError):
@@ -149,30 +129,9 @@ def test_a_child_forked_during_a_cold_build_builds_its_own_client(redis_cluster:
     finally:
         seeing.close()
     service = LockService(redis_cluster + "?socket_timeout=30", call_timeout=1.0, prefix="fork-cluster:")
-    go_r, go_w = os.pipe()
     try:
-        with contextlib.ExitStack() as frozen:
-            for pid in pids:
-                frozen.enter_context(_silent(pid, 4.0))
-            with pytest.raises(BackendError):
-                service.try_lock("parent")  # its build still waits for the nodes
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
-                child = os.fork()
-            if child == 0:
-                code = 1
-                try:
-                    os.read(go_r, 1)
-                    service.lock("child").release()
-                    code = 0
-                finally:
-                    os._exit(code)
-        os.write(go_w, b"1")  # thawed
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert_child_forked_mid_connect_connects_itself(service, pids, at_most=4.0)
     finally:
-        os.close(go_r)
-        os.close(go_w)
         service.close()
 
 
@@ -264,7 +223,7 @@ def test_a_slot_being_migrated_is_followed_by_asking_within_the_deadline(
         assert len(moving) == 2  # the lease and the slot's fence high-water
         source.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *moving)
         pid = int(cast(dict[str, Any], importing.info("server"))["process_id"])
-        with _silent(pid, bound + 0.5):
+        with frozen(pid, at_most=bound + 0.5):
             started = time.monotonic()
             with pytest.raises(BackendError):
                 provider.refresh([RefreshRequest(held, "tok", 30.0)], timeout=1.0)

@@ -14,7 +14,6 @@ import statistics
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -66,9 +65,16 @@ from tests.contract.test_waiting import (  # noqa: F401
     test_lock_many_waits_without_holding_anything,
     test_wait_ends_at_its_timeout_and_answers_as_without_wait,
 )
-from tests.scale._servers import binary, free_port, processes, start, wait_for
+from tests.scale._servers import (
+    assert_child_forked_mid_connect_connects_itself,
+    binary,
+    free_port,
+    frozen,
+    processes,
+    start,
+    wait_for,
+)
 from tests.scale.conftest import contract_store
-from tests.scale.test_redis_cluster_deadlines import _silent
 
 #: The 8-process waiting tests (~7 s each here, at load ~24) run only with CE_LONG=1 through
 #: the sentinel: once it has named the primary, the provider's code is the standalone
@@ -328,7 +334,7 @@ def test_calls_end_at_their_deadline_on_a_silent_primary_the_sentinel_names(
     bound = 0.5 + 0.5 * TIME_SLACK
     try:
         pid = int(cast(dict[str, Any], direct.info("server"))["process_id"])
-        with _silent(pid, 3 * bound + 1):
+        with frozen(pid, at_most=3 * bound + 1):
             for name, call in (
                 ("lock", lambda: service.lock("k")),
                 ("peek", lambda: service.peek("k")),
@@ -371,28 +377,9 @@ def test_a_child_forked_during_a_lookup_asks_the_sentinel_itself(sentinel: tuple
     watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
     url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster/0"
     service = LockService(url, call_timeout=0.5, prefix=f"fork-lookup{uuid.uuid4().hex[:8]}:")
-    go_r, go_w = os.pipe()
     try:
         pid = int(cast(dict[str, Any], watcher.info("server"))["process_id"])
-        with _silent(pid, 5.0):
-            with pytest.raises(BackendError):
-                service.lock("parent")  # its lookup still waits for the sentinel
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
-                child = os.fork()
-            if child == 0:
-                code = 1
-                try:
-                    os.read(go_r, 1)
-                    service.lock("child").release()
-                    code = 0
-                finally:
-                    os._exit(code)
-        os.write(go_w, b"1")  # thawed
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert_child_forked_mid_connect_connects_itself(service, [pid], at_most=5.0)
     finally:
-        os.close(go_r)
-        os.close(go_w)
         service.close()
         watcher.close()
