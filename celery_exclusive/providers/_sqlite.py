@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Dialect
 
+from celery_exclusive.errors import ConfigurationError
 from celery_exclusive.providers._sql_common import logger
 
 try:
@@ -154,6 +155,23 @@ if hasattr(os, "register_at_fork"):
         after_in_parent=FORK_GATE.after_fork_in_parent,
         after_in_child=FORK_GATE.after_fork_in_child,
     )
+
+
+#: The oldest SQLite library the store runs on: a completion record is written by an upsert
+#: with a condition (``INSERT ... ON CONFLICT ... DO UPDATE ... WHERE``), SQLite 3.24 (2018).
+MIN_VERSION = (3, 24, 0)
+
+
+def check_version(dialect: Dialect) -> None:
+    """Raise ConfigurationError, before any connection, if the SQLite library Python links
+    is older than :data:`MIN_VERSION` (its statements would fail at first use, as syntax
+    errors)."""
+    found = getattr(dialect.dbapi, "sqlite_version_info", None)
+    if found is not None and tuple(found) < MIN_VERSION:
+        raise ConfigurationError(
+            f"the SQLite lock store needs SQLite {'.'.join(map(str, MIN_VERSION))} or later; "
+            f"this Python links SQLite {'.'.join(map(str, found))}"
+        )
 
 
 def busy_timeout(conn: Connection, timeout: float | None) -> None:

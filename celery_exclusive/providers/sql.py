@@ -52,6 +52,7 @@ from celery_exclusive.providers._sqlite import (
     LocalWaiters,
     WaiterMarks,
     busy_timeout,
+    check_version,
 )
 from celery_exclusive.providers.base import (
     SWEEP_LIMIT,
@@ -130,6 +131,9 @@ class SqlLockProvider(LocalWaiters, SqlStore):
             busy_timeout(conn, max(end - time.monotonic(), 0.001))
 
     def _setup(self, *, pgbouncer: bool) -> None:
+        sqlite = self._engine.dialect.name == "sqlite"
+        if sqlite:
+            check_version(self._engine.dialect)
         self._sql = generic_statements(self._engine.dialect, self.table.name)
         self._sql.update(generic_sweep_statements(self._engine.dialect, self.table.name))
         self._tx = Transactions(self._engine, self._sql)
@@ -138,7 +142,6 @@ class SqlLockProvider(LocalWaiters, SqlStore):
         if self._owns_engine and self._engine.dialect.name != "sqlite":
             event.listen(self._engine, "do_connect", _deadline.bounded_connect)
         self._clock = self._tx.clock
-        sqlite = self._engine.dialect.name == "sqlite"
         self._marks = WaiterMarks.of(self._engine.url.database) if sqlite else None
 
     # -- the LockProvider operations -------------------------------------------------

@@ -1091,3 +1091,16 @@ def test_sqlite_waiter_marks_are_seen_across_processes_and_die_with_them(tmp_pat
         proc.join(30)
     assert provider.had_waiters("p:k") is False
     provider.close()
+
+
+def test_an_sqlite_library_too_old_for_the_store_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SQLite before 3.24 has no conditional upsert (the completion records' write): the
+    store refuses it when made, naming both versions, before any file is created or
+    opened, instead of failing its first recorded release with a syntax error."""
+    monkeypatch.setattr(sqlite3.dbapi2, "sqlite_version_info", (3, 22, 0))  # what SQLAlchemy reads
+    database = tmp_path / "old.db"
+    with pytest.raises(ConfigurationError, match=r"3\.24\.0 or later.*3\.22\.0"):
+        SqlLockProvider(f"sqlite:///{database}")
+    assert not database.exists()
