@@ -88,12 +88,7 @@ def test_a_cold_client_on_a_silent_cluster_ends_each_call_at_its_deadline(redis_
     built); thawed, the service works. Building the client (the slot map) used to take the
     client's socket timeout, 30 s here, and every later call queued behind the heartbeat's
     retried releases of the failed acquires, each building in turn (minutes)."""
-    seeing = RedisLockProvider(redis_cluster)
-    try:
-        cluster = cast(RedisCluster, seeing._client)
-        pids = [_node_pid(cluster, key) for key in _one_key_per_node(cluster)]
-    finally:
-        seeing.close()
+    pids = _primary_pids(redis_cluster)
     service = LockService(redis_cluster + "?socket_timeout=30", call_timeout=1.0, prefix="cold-cluster:")
     bound = 1.0 + 0.5 * TIME_SLACK
     try:
@@ -122,17 +117,22 @@ def test_a_child_forked_during_a_cold_build_builds_its_own_client(redis_cluster:
     """A child forked while its parent's cluster client is being built (every node frozen)
     builds its own once the nodes are thawed: its lock() succeeds. The parent's build
     thread is not in the child: waiting for it failed every call there."""
-    seeing = RedisLockProvider(redis_cluster)
-    try:
-        cluster = cast(RedisCluster, seeing._client)
-        pids = [_node_pid(cluster, key) for key in _one_key_per_node(cluster)]
-    finally:
-        seeing.close()
+    pids = _primary_pids(redis_cluster)
     service = LockService(redis_cluster + "?socket_timeout=30", call_timeout=1.0, prefix="fork-cluster:")
     try:
         assert_child_forked_mid_connect_connects_itself(service, pids, at_most=4.0)
     finally:
         service.close()
+
+
+def _primary_pids(url: str) -> list[int]:
+    """The process ids of the cluster's primaries (one key on each asks its node)."""
+    seeing = RedisLockProvider(url)
+    try:
+        cluster = cast(RedisCluster, seeing._client)
+        return [_node_pid(cluster, key) for key in _one_key_per_node(cluster)]
+    finally:
+        seeing.close()
 
 
 def _one_key_per_node(cluster: RedisCluster) -> list[str]:
