@@ -273,15 +273,22 @@ class Rerun(OnLocked):
 
 def hand_on(task: Task, key: str, fence: int) -> None:
     """Send the rerun recorded on ``key`` if this call deletes its marker; ``fence``: the
-    sending holder's, named by the rerun (:data:`RERUN_OF_HEADER`). Raises what the store
-    calls raise (the marker is then still there, or was deleted by this call and the rerun
-    not sent: the window of one round trip the docs describe)."""
+    sending holder's, named by the rerun (:data:`RERUN_OF_HEADER`).
+
+    Raises what the store calls raise: the marker is then still there for a later hand-on
+    (unless the store deleted it and the answer was lost: the window of one round trip the
+    docs describe). A rerun the broker refuses once the marker is deleted is logged and
+    lost, as before: sending it again could send it twice (a publish may fail after the
+    broker took the message)."""
     marker_key = key + RERUN_SUFFIX
     service = task.lock_service
     info = service.peek(marker_key)
     if info is None or not service.force_release(marker_key, info.token):
         return
-    _send_rerun(task, key, info.holder.get("rerun") or {}, fence)
+    try:
+        _send_rerun(task, key, info.holder.get("rerun") or {}, fence)
+    except Exception:
+        logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
 
 
 #: Seconds before the first background attempt of a hand-on the store did not answer; each
@@ -310,7 +317,13 @@ class _HandOns:
             if self.running:
                 return
             self.running = True
-        threading.Thread(target=self._run, name="celery-exclusive-hand-on", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="celery-exclusive-hand-on", daemon=True).start()
+        except RuntimeError as exc:  # no new thread (the interpreter is shutting down)
+            with self.mutex:
+                self.running = False
+                self.pending.pop((id(task.app), key), None)
+            logger.error("%s: cannot retry handing on the rerun recorded on lock %r: %s", task.name, key, exc)
 
     def _run(self) -> None:
         delay = HAND_ON_RETRY_FIRST

@@ -26,6 +26,7 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
   rerun uses the arguments recorded by the *first* coalesced request (``rerun_args="latest"``:
   by the *last* one, a debounce). Requests that were
   coalesced succeed with a ``"coalesced"`` marker (``is_skipped`` is true for it too).
+  The holder hands the rerun on even if its release fails (see :class:`policies.Rerun`).
 * ``"wait"``: the run waits up to ``lock_wait`` seconds for the key (woken by the holder's
   release where the store signals it, else polling), **blocking its worker slot** meanwhile;
   then ``lock_wait_fallback`` (``"skip"``, ``"retry"`` or ``"raise"``) decides.
