@@ -18,10 +18,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
 import pytest
 import redis
+import redis.sentinel
 
 from celery_exclusive import BackendError, LockService, ReleaseOutcome
+from celery_exclusive.providers._redis_wire import POLL_AFTER
 from celery_exclusive.providers.base import AcquiresAny, Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
@@ -94,21 +97,38 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
     _waiting.test_overlapping_random_key_sets_never_deadlock_or_overlap(store, tmp_path)
 
 
+def _start_sentinel(started: list[Any], folder: Path, primary_port: int) -> int:
+    """Start a sentinel monitoring the primary on ``primary_port`` as ``mymaster`` (never
+    failing it over: down after 60 s); its port once it names the primary."""
+    sentinel_port = free_port()
+    while sentinel_port == primary_port:
+        sentinel_port = free_port()
+    config = folder / f"sentinel-{sentinel_port}.conf"  # sentinel rewrites it: must be writable
+    config.write_text(
+        f"port {sentinel_port}\nbind 127.0.0.1\ndir {folder}\n"
+        f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
+        "sentinel down-after-milliseconds mymaster 60000\n"
+    )
+    proc = start(
+        started, [binary("redis-server"), str(config), "--sentinel"], folder / f"{sentinel_port}.log"
+    )
+    watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
+    found = [b"127.0.0.1", str(primary_port).encode()]
+    wait_for(
+        lambda: watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster") == found,
+        f"private sentinel on port {sentinel_port}",
+        proc,
+    )
+    watcher.close()
+    return sentinel_port
+
+
 @pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]:
     """A private primary and one sentinel monitoring it as ``mymaster``: (primary, sentinel) ports."""
     server = binary("redis-server")
     folder: Path = tmp_path_factory.mktemp("sentinel")
     primary_port = free_port()
-    sentinel_port = free_port()
-    while sentinel_port == primary_port:
-        sentinel_port = free_port()
-    config = folder / "sentinel.conf"  # sentinel rewrites it: must be writable
-    config.write_text(
-        f"port {sentinel_port}\nbind 127.0.0.1\ndir {folder}\n"
-        f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
-        "sentinel down-after-milliseconds mymaster 60000\n"
-    )
     with processes() as started:
         args = [
             server,
@@ -125,16 +145,14 @@ def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, in
         primary = redis.Redis(port=primary_port, socket_timeout=5)
         wait_for(primary.ping, "private primary", proc)
         primary.close()
-        proc = start(started, [server, str(config), "--sentinel"], folder / "sentinel.log")
-        watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
-        found = [b"127.0.0.1", str(primary_port).encode()]
-        wait_for(
-            lambda: watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster") == found,
-            "private sentinel",
-            proc,
-        )
-        watcher.close()
-        yield primary_port, sentinel_port
+        yield primary_port, _start_sentinel(started, folder, primary_port)
+
+
+@pytest.fixture(scope="module")
+def second_sentinel(sentinel: tuple[int, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A second sentinel monitoring the ``sentinel`` fixture's primary: its port."""
+    with processes() as started:
+        yield _start_sentinel(started, tmp_path_factory.mktemp("sentinel2"), sentinel[0])
 
 
 @pytest.fixture
@@ -383,3 +401,81 @@ def test_a_child_forked_during_a_lookup_asks_the_sentinel_itself(sentinel: tuple
     finally:
         service.close()
         watcher.close()
+
+
+def _pid(port: int) -> int:
+    client = redis.Redis(port=port, socket_timeout=5)
+    try:
+        return int(cast(dict[str, Any], client.info("server"))["process_id"])
+    finally:
+        client.close()
+
+
+def _sockets_to(*ports: int) -> int:
+    """This process's open TCP sockets connected to ``ports`` on loopback."""
+    return sum(
+        1
+        for conn in psutil.Process().net_connections(kind="tcp")
+        if conn.raddr and conn.raddr.port in ports and conn.status == psutil.CONN_ESTABLISHED
+    )
+
+
+def _drop_connections_to(port: int, direct: redis.Redis) -> None:
+    """The server on ``port`` closes every connection this process has to it but ``direct``'s."""
+    own = direct.client_info()["addr"]
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.raddr.port == port and conn.status == psutil.CONN_ESTABLISHED:
+            addr = f"{conn.laddr.ip}:{conn.laddr.port}"
+            if addr != own:
+                direct.client_kill(addr)
+
+
+def test_a_frozen_first_sentinel_is_passed_over_within_the_call_deadline(
+    sentinel: tuple[int, int], second_sentinel: int
+) -> None:
+    """Sentinels [frozen (SIGSTOP), live], the primary live: a new service's lock() and
+    release() succeed within call_timeout (the lookup waited out the frozen sentinel's
+    10 s socket timeout, failing every call meanwhile), and the live sentinel, which
+    answered, is asked first from then on: a reconnect's lookup opens no second
+    connection to the frozen one."""
+    primary_port, first = sentinel
+    url = f"redis+sentinel://127.0.0.1:{first},127.0.0.1:{second_sentinel}/mymaster/0"
+    service = LockService(url, call_timeout=TIME_SLACK, prefix=f"frozen-first{uuid.uuid4().hex[:8]}:")
+    direct = redis.Redis(port=primary_port, socket_timeout=5)
+    try:
+        with frozen(_pid(first), at_most=30.0):
+            lease = service.lock("k")
+            assert lease.release() is ReleaseOutcome.RELEASED
+            asked = _sockets_to(first)  # the first lookup's ask, waiting on it still (or timed out)
+            _drop_connections_to(primary_port, direct)
+            time.sleep(POLL_AFTER + 0.1)  # idle long enough to be checked, found closed, reconnected
+            lease = service.lock("k")  # a new connection: a new lookup
+            assert lease.release() is ReleaseOutcome.RELEASED
+            assert _sockets_to(first) <= asked
+    finally:
+        service.close(release=False)
+        direct.close()
+
+
+def test_a_call_joining_a_longer_calls_lookup_is_answered_within_its_own_deadline(
+    sentinel: tuple[int, int], second_sentinel: int
+) -> None:
+    """Sentinels [frozen, live]: a lookup started by a call with 60 s to go is hurried by a
+    lock() (call_timeout 2 s * slack) joining it, which succeeds: the lookup used to keep
+    to the first call's time, and the joiner failed at its deadline."""
+    _, first = sentinel
+    url = f"redis+sentinel://127.0.0.1:{first},127.0.0.1:{second_sentinel}/mymaster/0"
+    service = LockService(url, call_timeout=TIME_SLACK, prefix=f"join-lookup{uuid.uuid4().hex[:8]}:")
+    slow: list[object] = []
+    before = _sockets_to(first)
+    try:
+        with frozen(_pid(first), at_most=30.0):
+            thread = threading.Thread(target=lambda: slow.append(service.provider.peek("x", timeout=60.0)))
+            thread.start()
+            assert wait_until(lambda: _sockets_to(first) > before, 5.0)  # its lookup asks the frozen one
+            lease = service.lock("k")
+            assert lease.release() is ReleaseOutcome.RELEASED
+            thread.join(30)
+            assert slow == [None]  # the long call was answered by the same lookup
+    finally:
+        service.close(release=False)
