@@ -479,3 +479,22 @@ def test_a_call_joining_a_longer_calls_lookup_is_answered_within_its_own_deadlin
             assert slow == [None]  # the long call was answered by the same lookup
     finally:
         service.close(release=False)
+
+
+def test_closing_a_service_closes_its_connections_to_the_sentinels(
+    sentinel: tuple[int, int], second_sentinel: int
+) -> None:
+    """Five services made, used and closed in turn leave no connection to the sentinels
+    open (each kept its connection to the sentinel that named the primary after close())."""
+    ports = (sentinel[1], second_sentinel)
+    url = f"redis+sentinel://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/mymaster/0"
+    prefix = f"close-sentinels{uuid.uuid4().hex[:8]}:"
+    before = _sockets_to(*ports)
+    services = []  # kept: a closed service's sockets must not wait for the garbage collector
+    for _ in range(5):
+        service = LockService(url, prefix=prefix)
+        services.append(service)
+        service.lock("k").release()
+        assert _sockets_to(*ports) > before  # it did ask a sentinel
+        service.close()
+    assert _sockets_to(*ports) == before
