@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -498,3 +499,38 @@ def test_closing_a_service_closes_its_connections_to_the_sentinels(
         assert _sockets_to(*ports) > before  # it did ask a sentinel
         service.close()
     assert _sockets_to(*ports) == before
+
+
+def test_no_password_in_errors_when_the_sentinels_are_unreachable(sentinel: tuple[int, int]) -> None:
+    """Sentinels [refusing, silent]: the BackendError of a service from a URL with the
+    primary's password, and of one on a client you built with a sentinel password
+    (``sentinel_kwargs``) too, names neither password, nor does any error it chains."""
+    silent = socket.create_server(("127.0.0.1", 0), backlog=64)  # never accepts
+    hosts = [("127.0.0.1", free_port()), ("127.0.0.1", silent.getsockname()[1])]
+    listed = ",".join(f"{host}:{port}" for host, port in hosts)
+    url = f"redis+sentinel://:primary-s3cret@{listed}/mymaster/0?socket_timeout=0.3"
+    manager = redis.sentinel.Sentinel(
+        hosts,
+        sentinel_kwargs={"password": "sentinel-s3cret", "socket_timeout": 0.3},
+        password="primary-s3cret",
+    )
+    services = [
+        LockService(url, call_timeout=0.5, prefix="no-password:"),
+        LockService(RedisLockProvider(client=manager.master_for("mymaster")), call_timeout=0.5, prefix="np:"),
+    ]
+    try:
+        for service in services:
+            for call in (partial(service.lock, "k"), partial(service.peek, "k"), service.provider.diagnose):
+                with pytest.raises(BackendError) as raised:
+                    call()
+                chained: BaseException | None = raised.value
+                while chained is not None:
+                    for text in (str(chained), repr(chained)):
+                        assert "s3cret" not in text
+                    chained = chained.__cause__ or chained.__context__
+    finally:
+        silent.close()
+        for service in services:
+            service.close(release=False)
+        for client in manager.sentinels:
+            client.close()
