@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-import psutil
 import pytest
 import redis
 import redis.sentinel
@@ -412,23 +411,40 @@ def _pid(port: int) -> int:
         client.close()
 
 
+def _connections() -> list[tuple[str, int]]:
+    """This process's established IPv4 TCP connections: (local ``ip:port``, remote port),
+    read from Linux's ``/proc`` (the socket inodes of ``/proc/self/fd`` in ``/proc/net/tcp``)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    with open("/proc/net/tcp") as table:
+        for row in list(table)[1:]:
+            fields = row.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            if state == "01" and inode in inodes:  # ESTABLISHED
+                ip, port = local.split(":")
+                address = socket.inet_ntoa(int(ip, 16).to_bytes(4, "little"))
+                found.append((f"{address}:{int(port, 16)}", int(remote.split(":")[1], 16)))
+    return found
+
+
 def _sockets_to(*ports: int) -> int:
-    """This process's open TCP sockets connected to ``ports`` on loopback."""
-    return sum(
-        1
-        for conn in psutil.Process().net_connections(kind="tcp")
-        if conn.raddr and conn.raddr.port in ports and conn.status == psutil.CONN_ESTABLISHED
-    )
+    """This process's open TCP connections to ``ports`` (loopback)."""
+    return sum(1 for _, port in _connections() if port in ports)
 
 
 def _drop_connections_to(port: int, direct: redis.Redis) -> None:
     """The server on ``port`` closes every connection this process has to it but ``direct``'s."""
     own = direct.client_info()["addr"]
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.raddr and conn.raddr.port == port and conn.status == psutil.CONN_ESTABLISHED:
-            addr = f"{conn.laddr.ip}:{conn.laddr.port}"
-            if addr != own:
-                direct.client_kill(addr)
+    for local, remote in _connections():
+        if remote == port and local != own:
+            direct.client_kill(local)
 
 
 def test_a_frozen_first_sentinel_is_passed_over_within_the_call_deadline(
