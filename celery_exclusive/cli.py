@@ -606,7 +606,8 @@ def _usage_error(exc: click.UsageError) -> NoReturn:
     if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a bare group shows its help
         raise exc
     where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-    message = " ".join(exc.format_message().split()).rstrip(".")
+    # Click echoes the arguments it refused ("unexpected extra argument (<a URL>)").
+    message = " ".join(mask_url(exc.format_message()).split()).rstrip(".")
     click.echo(f"error: {printable(message)}{where}", err=True)
     raise click.exceptions.Exit(EXIT_USAGE)
 

@@ -176,6 +176,28 @@ def test_cli_error_keeps_the_reason_after_a_query_password() -> None:
     assert "onnect" in line.split("password=***: ", 1)[1]  # the driver's reason survives
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show", "k", f"redis://:{SPACED_PW}@127.0.0.1:1/0"],
+        ["release", "k", f"postgresql://u:{PW}@127.0.0.1:1/x"],
+        ["list", "--json", "pre", f"redis://u:{PW}@127.0.0.1:1/0?token={PW}"],
+    ],
+    ids=["extra-argument-spaced", "extra-argument", "extra-argument-query"],
+)
+def test_cli_usage_errors_mask_the_arguments_they_echo(args: list[str]) -> None:
+    """A URL typed where the command takes none is echoed by click's usage error, masked."""
+    env = {"CELERY_EXCLUSIVE_URL": "memory://", "CELERY_EXCLUSIVE_PREFIX": None}
+    app = Celery("sec_usage", broker="memory://", set_as_current=False)
+    for result in (
+        CliRunner().invoke(cli, args, env=env),
+        CliRunner().invoke(exclusive, args, env=env, obj=SimpleNamespace(app=app)),
+    ):
+        assert result.exit_code == 2, result.output
+        assert "***@127.0.0.1:1" in result.output, result.output  # the rest of it is still shown
+        assert not [p for p in _pieces(PW) | _pieces(SPACED_PW) if p in result.output], result.output
+
+
 def test_url_secrets_of_a_url_without_any() -> None:
     """A URL without credentials (or a user only) has no secrets; nothing is replaced."""
     assert url_secrets("postgresql://app@db/app") == []
