@@ -65,6 +65,11 @@ class Target:
     url: str | None = None
     _service: LockService | None = field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        shown = self.url or self.explicit_url
+        url = None if shown is None else mask_url(shown)
+        return f"Target(url={url!r}, prefix={self.prefix!r}, celery={self.celery!r})"
+
     def resolve(self) -> str:
         """The lock store URL by precedence, or ConfigurationError naming where to set it."""
         if self.url is None:

@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
 from celery_exclusive import ExclusiveError, LockService, metrics
+from celery_exclusive.cli import Target as CliTarget
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import exclusive_task
@@ -430,3 +431,55 @@ def _cli_both(url: str, args: list[str]) -> list[Any]:
         app.conf.exclusive_url = url
         results.append(CliRunner().invoke(exclusive, args, env=env, obj=SimpleNamespace(app=app), input=""))
     return results
+
+
+def _package_objects(root: object) -> list[object]:
+    """Every object of this package reachable from ``root`` through attributes and containers."""
+    seen: set[int] = set()
+    found: list[object] = []
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            todo += list(obj.values())
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+            continue
+        if not type(obj).__module__.startswith("celery_exclusive"):
+            continue
+        found.append(obj)
+        names = list(getattr(obj, "__dict__", {}))
+        names += [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+        todo += [getattr(obj, name, None) for name in names]
+    return found
+
+
+@pytest.mark.parametrize("pw", [PW, SPACED_PW], ids=["plain", "spaced"])
+@pytest.mark.parametrize("name", ["postgres", "redis", "mariadb"])
+def test_no_object_of_the_package_shows_a_password_in_its_repr(name: str, pw: str) -> None:
+    """The repr of every object a LockService, the CLI and the settings keep (what a debugger,
+    ``pytest -l`` or an error tracker's captured locals show) hides the password."""
+    require_server({"postgres": POSTGRES_URL, "redis": REDIS_URL, "mariadb": MYSQL_URL}[name])
+    table = f"ce_sec_{uuid.uuid4().hex[:10]}"
+    url = _channel_urls(table, pw)[name][0]
+    service = LockService(url, prefix=f"sec{uuid.uuid4().hex[:8]}:")
+    target = CliTarget(url, {"exclusive_url": url}, "p:", celery=False)
+    target.resolve()
+    try:
+        objects = [
+            *_package_objects(service),
+            *_package_objects(target),
+            *_package_objects(ExclusiveSettings(url=url)),
+        ]
+        assert len(objects) > 3
+        shown = [repr(obj) for obj in objects]
+    finally:
+        service.close()
+        if name == "postgres":
+            drop_lock_table(POSTGRES_URL, table)
+    leaks = [text for text in shown if any(piece in text for piece in _pieces(pw))]
+    assert not leaks, leaks[0]

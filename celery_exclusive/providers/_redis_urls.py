@@ -8,7 +8,7 @@ contacted: a cluster client is built on first use, a Sentinel one asks on first 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -43,7 +43,7 @@ class Target:
     display: str
     client: Any = None
     factory: Callable[[], Any] | None = None
-    password: Any = None
+    password: Any = field(default=None, repr=False)  # reprs never show a secret
     pool: Any = None
     wait: tuple[object, object] = (0, 0.5)
     built: bool = False
