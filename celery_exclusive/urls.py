@@ -49,6 +49,8 @@ _MASKED_USERINFO = re.compile(rf"[^\s:@/]*:{re.escape(MASK)}@")
 #: ``user:password@`` at the start of a token without ``scheme://``, or after a broken
 #: scheme ending in "/" (``//user:pw@host``, ``redis//:pw@host``).
 _BARE_USERINFO = re.compile(r"^((?:[^:@]*/)?[^:@/]*):(.+)@")
+#: The ``user:`` of such a text whose password has whitespace in it (``u:pa ss@h``).
+_BARE_START = re.compile(r"""^(['"]?(?:[^\s:@]*/)?[^\s:@/]*):""")
 
 
 def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
@@ -102,9 +104,22 @@ def _mask_spaced(text: str, found: list[str] | None) -> str:
     ``'root'@'localhost'``, is a message's, not a URL's); a secret query parameter's value
     runs to the next ``&`` or ``#`` (or the line's end); a libpq ``key='quoted value'`` runs
     to its closing quote. A URL already masked (``user:***@``, ``password=***``) is left as
-    it is; one on a line without a later ``@`` has no userinfo to hide.
+    it is; one on a line without a later ``@`` has no userinfo to hide. A text that is one
+    URL missing its ``scheme://`` (``user:pa ss@host``, ``//u:pa ss@h``) is masked so too.
     """
+    if "://" not in text and "\n" not in text:
+        text = _mask_spaced_bare(text, found)
     return "".join(_mask_spaced_line(line, found) for line in text.splitlines(keepends=True))
+
+
+def _mask_spaced_bare(text: str, found: list[str] | None) -> str:
+    match = _BARE_START.match(text)
+    at = _userinfo_end(text)
+    if match is None or at < match.end() or not any(c.isspace() for c in text[match.end() : at]):
+        return text
+    if found is not None:
+        found.append(text[match.end() : at])
+    return f"{match.group(1)}:{MASK}{text[at:]}"
 
 
 def _mask_spaced_line(line: str, found: list[str] | None) -> str:

@@ -121,3 +121,20 @@ def test_no_piece_of_a_query_password_survives(
     # A value runs to "&", "#" or its line's end, as far as anyone can tell (a raw one may
     # have spaces): what follows it on the line may be masked with it.
     _check(message, f"{head}{written}", f"{head}{MASK}", written, whole_line=True)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    head=st.sampled_from(["", "//", "redis//", "postgresql/"]),
+    user=st.sampled_from(["", "app", "u.ser-1"]),
+    password=PASSWORDS,
+    encoded=st.booleans(),
+)
+@example(head="", user="user", password="pa ss", encoded=False)
+def test_no_piece_of_the_password_of_a_url_without_its_scheme_survives(
+    head: str, user: str, password: str, encoded: bool
+) -> None:
+    """A URL missing its ``scheme://`` (as a malformed-URL error shows it: masked alone)."""
+    written = quote(password, safe="") if encoded else password
+    tail = "@db.example:5432/app"
+    _check("{url}", f"{head}{user}:{written}{tail}", f"{head}{user}:{MASK}{tail}", written)
