@@ -46,6 +46,9 @@ _QUOTED_PARAM = re.compile(rf"(?i)(^|\s)({_HIDDEN_NAME})=('(?:[^'\\\n]|\\.)*')")
 _URL_AT = re.compile(r"""(?<!['"])@|@(?!['"])""")
 #: Userinfo masked already: ``user:***@``.
 _MASKED_USERINFO = re.compile(rf"[^\s:@/]*:{re.escape(MASK)}@")
+#: SQLAlchemy's URL userinfo (``make_url``'s pattern): a user without ``:`` or ``/``, and
+#: a password up to the first ``@``.
+_SQLALCHEMY_USERINFO = re.compile(r"[^:/]*(?::[^@]*)?@")
 #: ``user:password@`` at the start of a token without ``scheme://``, or after a broken
 #: scheme ending in "/" (``//user:pw@host``, ``redis//:pw@host``).
 _BARE_USERINFO = re.compile(r"^((?:[^:@]*/)?[^:@/]*):(.+)@")
@@ -89,7 +92,10 @@ def url_secrets(url: str) -> list[str]:
         _mask_token(token, found)
     # As written, percent-decoded, and each as Python's repr shows it (a driver's message
     # often quotes a value with repr: a tab, a quote or a backslash then reads escaped).
-    decoded = {form for raw in found if raw and raw != MASK for form in (raw, unquote(raw))}
+    # SQLAlchemy ends a password at its first "@" and takes the rest for the host, which a
+    # driver's "cannot resolve host" echoes: each rest after an "@" is a secret too.
+    found += [raw.split("@", n)[-1] for raw in list(found) for n in range(1, raw.count("@") + 1)]
+    decoded = {form for raw in found if len(raw) >= 4 and raw != MASK for form in (raw, unquote(raw))}
     values = decoded | {repr(form)[1:-1] for form in decoded}
     return sorted(values, key=len, reverse=True)
 
@@ -321,14 +327,22 @@ def sentinel_url(url: str) -> str:
     return f"{schemes.pop()}://{userinfo}{','.join(hosts)}/{seen['path']}{query}"
 
 
-def split_options(url: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+def split_options(
+    url: str, allowed: tuple[str, ...], *, sqlalchemy: bool = False
+) -> tuple[str, dict[str, str]]:
     """Remove celery-exclusive's own query options from ``url``; reject unknown ``ce_`` ones.
 
     Options are spelled ``ce_<name>`` (``?ce_table=locks``) so they never clash with a
-    driver's own query parameters, which are passed through untouched.
+    driver's own query parameters, which are passed through untouched. With ``sqlalchemy``
+    the userinfo is read as SQLAlchemy reads it (the password runs to the first ``@``, so
+    a ``?`` or ``#`` in it starts no query or fragment) and kept as it is.
     """
+    scheme, sep, rest = url.partition("://")
+    userinfo = _SQLALCHEMY_USERINFO.match(rest) if sqlalchemy and sep else None
+    head = f"{scheme}{sep}{userinfo.group(0)}" if userinfo else ""
+    tail = rest[userinfo.end() :] if userinfo else url
     try:
-        query = urlsplit(url).query
+        query = urlsplit(f"{scheme}{sep}{tail}" if userinfo else tail).query
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket
         raise ConfigurationError(f"malformed lock store URL {mask_url(url)!r}: {exc}") from None
     kept: list[str] = []
@@ -347,7 +361,7 @@ def split_options(url: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, st
                 f"known: {', '.join('ce_' + a for a in allowed) or 'none'}"
             )
         options[option] = value
-    base = url.split("?", 1)[0].split("#", 1)[0]
+    base = head + tail.split("?", 1)[0].split("#", 1)[0]
     return (f"{base}?{'&'.join(kept)}" if kept else base), options
 
 

@@ -486,3 +486,48 @@ def test_no_object_of_the_package_shows_a_password_in_its_repr(name: str, pw: st
             drop_lock_table(POSTGRES_URL, table)
     leaks = [text for text in shown if any(piece in text for piece in _pieces(pw))]
     assert not leaks, leaks[0]
+
+
+def test_an_sql_password_with_a_question_mark_or_hash_is_read_as_sqlalchemy_reads_it() -> None:
+    """SQLAlchemy takes ``?`` and ``#`` in a password as they are; the ``ce_`` options are
+    read after the userinfo, so the store works (PostgreSQL trusts 127.0.0.1) and its
+    table is the URL's, and nothing shows the password."""
+    require_server(POSTGRES_URL)
+    table = f"ce_sec_{uuid.uuid4().hex[:10]}"
+    pw = "Zq8/SEC?RET#pw"
+    url = f"postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test?ce_table={table}&application_name=ce"
+    service = LockService(url, prefix=f"sec{uuid.uuid4().hex[:8]}:")
+    try:
+        lease = service.lock("k")
+        assert service.peek("k") is not None
+        lease.release()
+        assert service.provider.table.name == table  # type: ignore[attr-defined]
+        shown = [repr(service), repr(service.provider), repr(ExclusiveSettings(url=url))]
+    finally:
+        service.close()
+        drop_lock_table(POSTGRES_URL, table)
+    assert not [text for text in shown if any(piece in text for piece in _pieces(pw))], shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://u:{pw}@127.0.0.1:5432/test",
+        "mysql+pymysql://root:{pw}@127.0.0.1:3306/test",
+    ],
+    ids=["postgres", "mariadb"],
+)
+def test_the_rest_of_a_password_cut_at_an_at_sign_is_masked_where_the_driver_echoes_it(url: str) -> None:
+    """SQLAlchemy ends a password at its first ``@`` and takes the rest for the host, which
+    the driver's "cannot resolve host" names: the store's error hides that rest too."""
+    require_server(POSTGRES_URL if url.startswith("postgresql") else MYSQL_URL)
+    pw = "Zq8@SEC@RETpw"
+    service = LockService(url.format(pw=pw), prefix=f"sec{uuid.uuid4().hex[:8]}:")
+    try:
+        with pytest.raises(ExclusiveError) as caught:
+            service.try_lock("k")
+    finally:
+        service.close()
+    message = str(caught.value)
+    assert "***@127.0.0.1" in message, message  # the host the driver tried, its password part hidden
+    assert not [piece for piece in _pieces(pw) if piece in message], message
