@@ -111,9 +111,10 @@ def _mask_spaced(text: str, found: list[str] | None) -> str:
     runs to the next ``&`` or ``#`` (or the line's end); a libpq ``key='quoted value'`` runs
     to its closing quote. A URL already masked (``user:***@``, ``password=***``) is left as
     it is; one on a line without a later ``@`` has no userinfo to hide. A text that is one
-    URL missing its ``scheme://`` (``user:pa ss@host``, ``//u:pa ss@h``) is masked so too.
+    URL missing its ``scheme://`` (``user:pa ss@host``, ``//u:pa ss@h``), one line with no
+    scheme in it, is masked so too.
     """
-    if "://" not in text and "\n" not in text:
+    if "\n" not in text and not _SCHEME_START.search(text):
         text = _mask_spaced_bare(text, found)
     return "".join(_mask_spaced_line(line, found) for line in text.splitlines(keepends=True))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from urllib.parse import quote, unquote
 
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_exclusive.providers import KNOWN_SCHEMES
@@ -135,6 +135,8 @@ def test_no_piece_of_the_password_of_a_url_without_its_scheme_survives(
     head: str, user: str, password: str, encoded: bool
 ) -> None:
     """A URL missing its ``scheme://`` (as a malformed-URL error shows it: masked alone)."""
+    # "app://x@h" is a URL of scheme "app" and user "x", whatever was meant: nothing to hide.
+    assume(not (head == "" and user and password.startswith("//")))
     written = quote(password, safe="") if encoded else password
     tail = "@db.example:5432/app"
     _check("{url}", f"{head}{user}:{written}{tail}", f"{head}{user}:{MASK}{tail}", written)
