@@ -46,6 +46,8 @@ _QUOTED_PARAM = re.compile(rf"(?i)(^|\s)({_HIDDEN_NAME})=('(?:[^'\\\n]|\\.)*')")
 _URL_AT = re.compile(r"""(?<!['"])@|@(?!['"])""")
 #: Userinfo masked already: ``user:***@``.
 _MASKED_USERINFO = re.compile(rf"[^\s:@/]*:{re.escape(MASK)}@")
+#: What ends a URL's userinfo, host or path for one driver or another.
+_URL_DELIMITERS = re.compile(r"[@/?#]")
 #: SQLAlchemy's URL userinfo (``make_url``'s pattern): a user without ``:`` or ``/``, and
 #: a password up to the first ``@``.
 _SQLALCHEMY_USERINFO = re.compile(r"[^:/]*(?::[^@]*)?@")
@@ -90,12 +92,16 @@ def url_secrets(url: str) -> list[str]:
     found: list[str] = []
     for token in _TOKENS.findall(_mask_spaced(url, found)):
         _mask_token(token, found)
+    # A driver that reads a raw "@", "/", "?" or "#" in a password as the URL's next part
+    # echoes that part as a host, port or path ("failed to resolve host 'rest@h'", "Port
+    # could not be cast to integer value as 'start'"): each such part of 4 characters or
+    # more, and each rest after an "@" (SQLAlchemy's host), is a secret too.
+    parts = [p for raw in found for p in _URL_DELIMITERS.split(raw)]
+    parts += [raw.split("@", n)[-1] for raw in found for n in range(1, raw.count("@") + 1)]
+    found += [part for part in parts if len(part) >= 4]
     # As written, percent-decoded, and each as Python's repr shows it (a driver's message
     # often quotes a value with repr: a tab, a quote or a backslash then reads escaped).
-    # SQLAlchemy ends a password at its first "@" and takes the rest for the host, which a
-    # driver's "cannot resolve host" echoes: each rest after an "@" is a secret too.
-    found += [raw.split("@", n)[-1] for raw in list(found) for n in range(1, raw.count("@") + 1)]
-    decoded = {form for raw in found if len(raw) >= 4 and raw != MASK for form in (raw, unquote(raw))}
+    decoded = {form for raw in found if raw and raw != MASK for form in (raw, unquote(raw))}
     values = decoded | {repr(form)[1:-1] for form in decoded}
     return sorted(values, key=len, reverse=True)
 

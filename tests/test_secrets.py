@@ -202,6 +202,14 @@ def test_cli_usage_errors_mask_the_arguments_they_echo(args: list[str]) -> None:
         assert not [p for p in _pieces(PW) | _pieces(SPACED_PW) if p in result.output], result.output
 
 
+def test_url_secrets_keeps_a_short_password_and_adds_the_parts_a_driver_may_echo() -> None:
+    """A password of any length is a secret; its parts between ``@ / ? #`` (4 characters or
+    more, what a driver may take for a host, port or path) are too."""
+    assert url_secrets("redis://:abc@h/0") == ["abc"]
+    assert set(url_secrets("postgresql://u:Zq8@SEC@RETpw@h/db")) >= {"SEC@RETpw", "RETpw"}
+    assert "SECRET" in url_secrets("redis://:ab/SECRET?x@h/0")
+
+
 def test_url_secrets_of_a_url_without_any() -> None:
     """A URL without credentials (or a user only) has no secrets; nothing is replaced."""
     assert url_secrets("postgresql://app@db/app") == []
@@ -531,3 +539,30 @@ def test_the_rest_of_a_password_cut_at_an_at_sign_is_masked_where_the_driver_ech
     message = str(caught.value)
     assert "***@127.0.0.1" in message, message  # the host the driver tried, its password part hidden
     assert not [piece for piece in _pieces(pw) if piece in message], message
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://:{pw}@127.0.0.1:1/0", "unix://:{pw}@/nonexistent/ce.sock?db=0"],
+    ids=["port", "socket-path"],
+)
+def test_a_redis_password_cut_at_a_slash_is_masked_where_redis_py_echoes_a_part(url: str) -> None:
+    """redis-py ends the netloc at a raw ``/``, ``?`` or ``#`` in a password and names a part
+    as the port or the socket path; the error hides every such part (the socket's
+    ConnectionError, redis-py's own and chained as ``__cause__``, still names the path)."""
+    require_server(REDIS_URL)
+    pw = "Zq8abcd/SECRET?RETpw#x"
+    texts = []
+    try:
+        service = LockService(url.format(pw=pw), prefix=f"sec{uuid.uuid4().hex[:8]}:")
+        try:
+            service.try_lock("k")
+        finally:
+            service.close()
+    except ExclusiveError as exc:
+        texts += [str(exc), repr(exc)]
+        if exc.__cause__ is None:  # a malformed URL: raised from no driver error
+            texts.append("".join(traceback.format_exception(exc)))
+    assert texts, "the call did not fail"
+    assert "***" in texts[0], texts[0]
+    assert not [text for text in texts if any(piece in text for piece in _pieces(pw))], texts[-1]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from celery_exclusive.errors import ConfigurationError
-from celery_exclusive.urls import mask_url, sentinel_url, split_options
+from celery_exclusive.urls import mask_url, sentinel_url, split_options, url_secrets
 
 if TYPE_CHECKING:
     import redis
@@ -44,6 +44,8 @@ class Target:
     client: Any = None
     factory: Callable[[], Any] | None = None
     password: Any = field(default=None, repr=False)  # reprs never show a secret
+    #: The URL's secrets (:func:`url_secrets`): what a driver's message must not show.
+    secrets: list[str] = field(default_factory=list, repr=False)
     pool: Any = None
     wait: tuple[object, object] = (0, 0.5)
     built: bool = False
@@ -81,7 +83,7 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     from redis.retry import Retry
 
     base, options = split_options(sentinel_url(url), _OPTIONS)  # kombu's "sentinel://h1;..." too
-    target = Target(mask_url(url), built=True)
+    target = Target(mask_url(url), built=True, secrets=url_secrets(url))
     target.wait = (
         _number(options.get("wait_replicas"), int, wait[0]),
         _number(options.get("wait_timeout"), float, wait[1]),
@@ -96,8 +98,9 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
             target.client = _sentinel_client(base, retry)
         else:
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
-    except (ValueError, TypeError) as exc:
-        raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {exc}") from exc
+    except (ValueError, TypeError) as exc:  # redis-py may name a piece of a raw password
+        reason = mask_url(str(exc), target.secrets)
+        raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {reason}") from None
     target.pool = target.client.connection_pool
     target.password = target.pool.connection_kwargs.get("password")
     return target
