@@ -65,6 +65,11 @@ class Target:
     url: str | None = None
     _service: LockService | None = field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        shown = self.url or self.explicit_url
+        url = None if shown is None else mask_url(shown)
+        return f"Target(url={url!r}, prefix={self.prefix!r}, celery={self.celery!r})"
+
     def resolve(self) -> str:
         """The lock store URL by precedence, or ConfigurationError naming where to set it."""
         if self.url is None:
@@ -606,7 +611,8 @@ def _usage_error(exc: click.UsageError) -> NoReturn:
     if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: a bare group shows its help
         raise exc
     where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-    message = " ".join(exc.format_message().split()).rstrip(".")
+    # Click echoes the arguments it refused ("unexpected extra argument (<a URL>)").
+    message = " ".join(mask_url(exc.format_message()).split()).rstrip(".")
     click.echo(f"error: {printable(message)}{where}", err=True)
     raise click.exceptions.Exit(EXIT_USAGE)
 

@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
 from celery_exclusive import ExclusiveError, LockService, metrics
+from celery_exclusive.cli import Target as CliTarget
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import exclusive_task
@@ -43,6 +44,8 @@ from tests.conftest import (
 )
 
 PW = "Zq8SECRETpw"
+#: A password as the drivers take it unencoded: spaces and a quote (invalid URL syntax).
+SPACED_PW = "Zq8 SEC'RET pw"
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -114,6 +117,35 @@ MASK_CASES: list[tuple[str, str, str]] = [
         "error: redis redis://h:6399/11?password=***: Error 111 connecting",
     ),
     ("plain-text-untouched", "lock 'report:42' is held by task x", "lock 'report:42' is held by task x"),
+    ("space-in-password", "postgresql://user:pa ss@host/db", "postgresql://user:***@host/db"),
+    ("spaces-and-quote", f"redis://:{SPACED_PW}@h:6379/0", "redis://:***@h:6379/0"),
+    (
+        "space-in-password-in-a-message",
+        "could not connect to postgresql://u:my secret pw@h:5432/db: refused",
+        "could not connect to postgresql://u:***@h:5432/db: refused",
+    ),
+    ("space-and-at-in-password", "redis://:ab@cd ef@h/0: refused", "redis://:***@h/0: refused"),
+    (
+        "spaces-in-a-list",
+        "sentinel://:pa ss@h1:26379/m;sentinel://:x y@h2:26379",
+        "sentinel://:***@h1:26379/m;sentinel://:***@h2:26379",
+    ),
+    ("no-scheme-spaced", "user:pa ss@host/db", "user:***@host/db"),
+    ("scheme-relative-spaced", "//u:pa ss@h/db", "//u:***@h/db"),
+    ("scheme-missing-its-colon-spaced", "redis//:pa ss@h:6379/0", "redis//:***@h:6379/0"),
+    ("space-in-query-password", "redis://h/0?password=pa ss&db=1", "redis://h/0?password=***&db=1"),
+    ("at-in-query-password", "redis://h/0?password=p@ss", "redis://h/0?password=***"),
+    ("quoted-dsn-password", "invalid dsn: password='pa ss' host=h", "invalid dsn: password=*** host=h"),
+    (
+        "an-at-between-quotes-is-the-message's",
+        "SQL lock store mysql://h:3306/db failed: (1045, \"Access denied for user 'root'@'h'\")",
+        "SQL lock store mysql://h:3306/db failed: (1045, \"Access denied for user 'root'@'h'\")",
+    ),
+    (
+        "masked-url-then-an-at",
+        "redis://:***@h/0 is held by celery@w1",
+        "redis://:***@h/0 is held by celery@w1",
+    ),
 ]
 
 
@@ -146,6 +178,36 @@ def test_cli_error_keeps_the_reason_after_a_query_password() -> None:
     line = result.output.strip()
     assert line.startswith("error: redis redis://127.0.0.1:1/11?password=***: "), line
     assert "onnect" in line.split("password=***: ", 1)[1]  # the driver's reason survives
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show", "k", f"redis://:{SPACED_PW}@127.0.0.1:1/0"],
+        ["release", "k", f"postgresql://u:{PW}@127.0.0.1:1/x"],
+        ["list", "--json", "pre", f"redis://u:{PW}@127.0.0.1:1/0?token={PW}"],
+    ],
+    ids=["extra-argument-spaced", "extra-argument", "extra-argument-query"],
+)
+def test_cli_usage_errors_mask_the_arguments_they_echo(args: list[str]) -> None:
+    """A URL typed where the command takes none is echoed by click's usage error, masked."""
+    env = {"CELERY_EXCLUSIVE_URL": "memory://", "CELERY_EXCLUSIVE_PREFIX": None}
+    app = Celery("sec_usage", broker="memory://", set_as_current=False)
+    for result in (
+        CliRunner().invoke(cli, args, env=env),
+        CliRunner().invoke(exclusive, args, env=env, obj=SimpleNamespace(app=app)),
+    ):
+        assert result.exit_code == 2, result.output
+        assert "***@127.0.0.1:1" in result.output, result.output  # the rest of it is still shown
+        assert not [p for p in _pieces(PW) | _pieces(SPACED_PW) if p in result.output], result.output
+
+
+def test_url_secrets_keeps_a_short_password_and_adds_the_parts_a_driver_may_echo() -> None:
+    """A password of any length is a secret; its parts between ``@ / ? #`` (4 characters or
+    more, what a driver may take for a host, port or path) are too."""
+    assert url_secrets("redis://:abc@h/0") == ["abc"]
+    assert set(url_secrets("postgresql://u:Zq8@SEC@RETpw@h/db")) >= {"SEC@RETpw", "RETpw"}
+    assert "SECRET" in url_secrets("redis://:ab/SECRET?x@h/0")
 
 
 def test_url_secrets_of_a_url_without_any() -> None:
@@ -210,28 +272,36 @@ def _texts_of(exc: BaseException) -> list[str]:
     return texts
 
 
-def _channel_urls(table: str) -> dict[str, list[str]]:
-    """Per store: URLs with PW planted as userinfo and as query secrets; reachable ones first.
+def _channel_urls(table: str, pw: str) -> dict[str, list[str]]:
+    """Per store: URLs with ``pw`` planted as userinfo and as query secrets; reachable ones first.
 
     PostgreSQL trusts 127.0.0.1, so its URL works (the password is ignored) and every
-    success path is exercised too; Redis and MariaDB refuse the password (the server
-    answers with an error); the port-1 URLs are unreachable (the driver fails to connect).
+    success path is exercised too; a database that does not exist makes the server answer
+    with an error; Redis and MariaDB refuse the password (the server answers with an error);
+    the port-1 URLs are unreachable (the driver fails to connect).
     """
     return {
         "postgres": [
-            f"postgresql+psycopg://postgres:{PW}@127.0.0.1:5432/test?sslpassword=s{PW}&ce_table={table}",
-            f"postgresql+psycopg://postgres@127.0.0.1:1/x?password={PW}&application_name=ce",
+            f"postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test?sslpassword=s{pw}&ce_table={table}",
+            f"postgresql://postgres:{pw}@127.0.0.1:5432/ce_no_such_db",
+            f"postgresql+psycopg://postgres@127.0.0.1:1/x?password={pw}&application_name=ce",
         ],
         "redis": [
-            f"redis://default:{PW}@127.0.0.1:6379/0",
-            f"redis://127.0.0.1:6379/0?password={PW}&socket_timeout=5",
-            f"redis://:{PW}@127.0.0.1:1/0",
+            f"redis://default:{pw}@127.0.0.1:6379/0",
+            f"redis://127.0.0.1:6379/0?password={pw}&socket_timeout=5",
+            f"redis://:{pw}@127.0.0.1:1/0",
         ],
         "mariadb": [
-            f"mysql+pymysql://root:{PW}@127.0.0.1:3306/test",
-            f"mysql+pymysql://u:{PW}@127.0.0.1:1/x",
+            f"mysql+pymysql://root:{pw}@127.0.0.1:3306/test",
+            f"mariadb://ce_no_such_user:{pw}@127.0.0.1:3306/test",
+            f"mysql+pymysql://u:{pw}@127.0.0.1:1/x",
         ],
     }
+
+
+def _pieces(pw: str) -> set[str]:
+    """Every 4-character piece of a password: none may be shown."""
+    return {pw[i : i + 4] for i in range(len(pw) - 3)}
 
 
 def _cli_invocations() -> list[list[str]]:
@@ -308,15 +378,19 @@ def _cli_texts(url: str, sweep: list[list[str]]) -> tuple[list[str], int]:
     return texts, masked
 
 
+@pytest.mark.parametrize("pw", [PW, SPACED_PW], ids=["plain", "spaced"])
 @pytest.mark.parametrize("name", ["postgres", "redis", "mariadb"])
-def test_a_planted_password_appears_on_no_channel(name: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_planted_password_appears_on_no_channel(
+    name: str, pw: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Errors, logs at DEBUG, reprs, both CLI front ends (all commands, error paths), Celery's
-    own output and the Prometheus exposition never show a password, however it was given."""
+    own output and the Prometheus exposition never show a piece of a password, however it
+    was given, even with spaces the URL syntax has no room for (the drivers take them)."""
     require_server({"postgres": POSTGRES_URL, "redis": REDIS_URL, "mariadb": MYSQL_URL}[name])
     caplog.set_level(logging.DEBUG)
     table = f"ce_sec_{uuid.uuid4().hex[:10]}"
     prefix = f"sec{uuid.uuid4().hex[:8]}:"
-    urls = _channel_urls(table)[name]
+    urls = _channel_urls(table, pw)[name]
     texts: list[str] = []
     shown_masked = 0
     registry = CollectorRegistry()
@@ -353,7 +427,7 @@ def test_a_planted_password_appears_on_no_channel(name: str, caplog: pytest.LogC
     texts += [exposition, caplog.text, *(r.getMessage() for r in caplog.records)]
     texts += [repr(r.args) for r in caplog.records]
     texts += ["".join(traceback.format_exception(*r.exc_info)) for r in caplog.records if r.exc_info]
-    leaks = [text for text in texts if PW in text]
+    leaks = [text for text in texts if any(piece in text for piece in _pieces(pw))]
     assert not leaks, leaks[0]
     assert shown_masked  # the URLs were shown, masked: the sweep looked at real output
     assert "celery_exclusive_acquisitions_total" in exposition
@@ -368,3 +442,127 @@ def _cli_both(url: str, args: list[str]) -> list[Any]:
         app.conf.exclusive_url = url
         results.append(CliRunner().invoke(exclusive, args, env=env, obj=SimpleNamespace(app=app), input=""))
     return results
+
+
+def _package_objects(root: object) -> list[object]:
+    """Every object of this package reachable from ``root`` through attributes and containers."""
+    seen: set[int] = set()
+    found: list[object] = []
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            todo += list(obj.values())
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+            continue
+        if not type(obj).__module__.startswith("celery_exclusive"):
+            continue
+        found.append(obj)
+        names = list(getattr(obj, "__dict__", {}))
+        names += [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+        todo += [getattr(obj, name, None) for name in names]
+    return found
+
+
+@pytest.mark.parametrize("pw", [PW, SPACED_PW], ids=["plain", "spaced"])
+@pytest.mark.parametrize("name", ["postgres", "redis", "mariadb"])
+def test_no_object_of_the_package_shows_a_password_in_its_repr(name: str, pw: str) -> None:
+    """The repr of every object a LockService, the CLI and the settings keep (what a debugger,
+    ``pytest -l`` or an error tracker's captured locals show) hides the password."""
+    require_server({"postgres": POSTGRES_URL, "redis": REDIS_URL, "mariadb": MYSQL_URL}[name])
+    table = f"ce_sec_{uuid.uuid4().hex[:10]}"
+    url = _channel_urls(table, pw)[name][0]
+    service = LockService(url, prefix=f"sec{uuid.uuid4().hex[:8]}:")
+    target = CliTarget(url, {"exclusive_url": url}, "p:", celery=False)
+    target.resolve()
+    try:
+        objects = [
+            *_package_objects(service),
+            *_package_objects(target),
+            *_package_objects(ExclusiveSettings(url=url)),
+        ]
+        assert len(objects) > 3
+        shown = [repr(obj) for obj in objects]
+    finally:
+        service.close()
+        if name == "postgres":
+            drop_lock_table(POSTGRES_URL, table)
+    leaks = [text for text in shown if any(piece in text for piece in _pieces(pw))]
+    assert not leaks, leaks[0]
+
+
+def test_an_sql_password_with_a_question_mark_or_hash_is_read_as_sqlalchemy_reads_it() -> None:
+    """SQLAlchemy takes ``?`` and ``#`` in a password as they are; the ``ce_`` options are
+    read after the userinfo, so the store works (PostgreSQL trusts 127.0.0.1) and its
+    table is the URL's, and nothing shows the password."""
+    require_server(POSTGRES_URL)
+    table = f"ce_sec_{uuid.uuid4().hex[:10]}"
+    pw = "Zq8/SEC?RET#pw"
+    url = f"postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test?ce_table={table}&application_name=ce"
+    service = LockService(url, prefix=f"sec{uuid.uuid4().hex[:8]}:")
+    try:
+        lease = service.lock("k")
+        assert service.peek("k") is not None
+        lease.release()
+        assert service.provider.table.name == table  # type: ignore[attr-defined]
+        shown = [repr(service), repr(service.provider), repr(ExclusiveSettings(url=url))]
+    finally:
+        service.close()
+        drop_lock_table(POSTGRES_URL, table)
+    assert not [text for text in shown if any(piece in text for piece in _pieces(pw))], shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://u:{pw}@127.0.0.1:5432/test",
+        "mysql+pymysql://root:{pw}@127.0.0.1:3306/test",
+    ],
+    ids=["postgres", "mariadb"],
+)
+def test_the_rest_of_a_password_cut_at_an_at_sign_is_masked_where_the_driver_echoes_it(url: str) -> None:
+    """SQLAlchemy ends a password at its first ``@`` and takes the rest for the host, which
+    the driver's "cannot resolve host" names: the store's error hides that rest too."""
+    require_server(POSTGRES_URL if url.startswith("postgresql") else MYSQL_URL)
+    pw = "Zq8@SEC@RETpw"
+    service = LockService(url.format(pw=pw), prefix=f"sec{uuid.uuid4().hex[:8]}:")
+    try:
+        with pytest.raises(ExclusiveError) as caught:
+            service.try_lock("k")
+    finally:
+        service.close()
+    message = str(caught.value)
+    assert "***@127.0.0.1" in message, message  # the host the driver tried, its password part hidden
+    assert not [piece for piece in _pieces(pw) if piece in message], message
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://:{pw}@127.0.0.1:1/0", "unix://:{pw}@/nonexistent/ce.sock?db=0"],
+    ids=["port", "socket-path"],
+)
+def test_a_redis_password_cut_at_a_slash_is_masked_where_redis_py_echoes_a_part(url: str) -> None:
+    """redis-py ends the netloc at a raw ``/``, ``?`` or ``#`` in a password and names a part
+    as the port or the socket path; the error hides every such part (the socket's
+    ConnectionError, redis-py's own and chained as ``__cause__``, still names the path)."""
+    require_server(REDIS_URL)
+    pw = "Zq8abcd/SECRET?RETpw#x"
+    texts = []
+    try:
+        service = LockService(url.format(pw=pw), prefix=f"sec{uuid.uuid4().hex[:8]}:")
+        try:
+            service.try_lock("k")
+        finally:
+            service.close()
+    except ExclusiveError as exc:
+        texts += [str(exc), repr(exc)]
+        if exc.__cause__ is None:  # a malformed URL: raised from no driver error
+            texts.append("".join(traceback.format_exception(exc)))
+    assert texts, "the call did not fail"
+    assert "***" in texts[0], texts[0]
+    assert not [text for text in texts if any(piece in text for piece in _pieces(pw))], texts[-1]

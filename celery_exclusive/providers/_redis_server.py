@@ -175,7 +175,7 @@ class RedisServer:
         if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
             reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
         password = self.target.password
-        secrets = [str(password)] if password else []
+        secrets = [*self.target.secrets, str(password)] if password else self.target.secrets
         return BackendError(f"redis {self.display}: {mask_url(reason, secrets)}")
 
     def unacknowledged(self, what: str, acks: int) -> BackendError:

@@ -8,13 +8,13 @@ contacted: a cluster client is built on first use, a Sentinel one asks on first 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from celery_exclusive.errors import ConfigurationError
 from celery_exclusive.providers._redis_sentinel import sentinels
-from celery_exclusive.urls import mask_url, sentinel_url, split_options
+from celery_exclusive.urls import mask_url, sentinel_url, split_options, url_secrets
 
 if TYPE_CHECKING:
     import redis
@@ -45,7 +45,9 @@ class Target:
     display: str
     client: Any = None
     factory: Callable[[], Any] | None = None
-    password: Any = None
+    password: Any = field(default=None, repr=False)  # reprs never show a secret
+    #: The URL's secrets (:func:`url_secrets`): what a driver's message must not show.
+    secrets: list[str] = field(default_factory=list, repr=False)
     pool: Any = None
     wait: tuple[object, object] = (0, 0.5)
     built: bool = False
@@ -84,7 +86,7 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     from redis.retry import Retry
 
     base, options = split_options(sentinel_url(url), _OPTIONS)  # kombu's "sentinel://h1;..." too
-    target = Target(mask_url(url), built=True)
+    target = Target(mask_url(url), built=True, secrets=url_secrets(url))
     target.wait = (
         _number(options.get("wait_replicas"), int, wait[0]),
         _number(options.get("wait_timeout"), float, wait[1]),
@@ -99,8 +101,9 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
             target.sentinels, target.client = _sentinel_client(base, retry)
         else:
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
-    except (ValueError, TypeError) as exc:
-        raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {exc}") from exc
+    except (ValueError, TypeError) as exc:  # redis-py may name a piece of a raw password
+        reason = mask_url(str(exc), target.secrets)
+        raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {reason}") from None
     target.pool = target.client.connection_pool
     target.password = target.pool.connection_kwargs.get("password")
     return target

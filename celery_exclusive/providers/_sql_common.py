@@ -512,7 +512,7 @@ class SqlStore(metaclass=abc.ABCMeta):
     def _engine_of(self, engine_or_url: Engine | str, pgbouncer: bool) -> tuple[Engine, bool]:
         """``(engine, whether this store built it)``."""
         if isinstance(engine_or_url, str):
-            if split_options(engine_or_url, OPTIONS)[1]:
+            if split_options(engine_or_url, OPTIONS, sqlalchemy=True)[1]:
                 raise ConfigurationError(
                     f"ce_ options in {mask_url(engine_or_url)!r} are read by "
                     f"{type(self).__name__}.from_url() (and LockService); the constructor takes "
@@ -533,7 +533,7 @@ class SqlStore(metaclass=abc.ABCMeta):
         also turns the waiters' LISTEN connection off (session state): set it for any
         transaction pooling.
         """
-        base, options = split_options(url, OPTIONS)
+        base, options = split_options(url, OPTIONS, sqlalchemy=True)
         create = parse_bool("create_table", options.get("create_table", "true"))
         pgbouncer = parse_bool("pgbouncer", options.get("pgbouncer", "false"))
         return cls(
