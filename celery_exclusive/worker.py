@@ -172,6 +172,18 @@ def lock_service_of(task: Any) -> LockService:
     return service
 
 
+def _forget_cached_services(app: Any) -> None:
+    """Make every task of ``app`` look its service up again at its next run: the service
+    :func:`get_lock_service` gives for ``app`` was replaced (``celery_exclusive.testing``'s
+    ``install`` and ``close``). A task keeps the service it looked up (see
+    :func:`lock_service_of`) while that one is open, so without this a task that ran before
+    the replacement would go on using the old service."""
+    for task in list(app.tasks.values()):
+        own = getattr(task, "__dict__", {})
+        own.pop("_lock_service_cache", None)
+        own.pop("_lock_plan_cache", None)
+
+
 def close_lock_services(*, release: bool = True) -> None:
     """Close this process's services (releasing held leases unless ``release=False``)."""
     state = _current()
