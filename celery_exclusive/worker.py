@@ -224,6 +224,7 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
         return
     app = _resolve_app(instance.app)
     observe.events.enabled = bool(getattr(instance, "task_events", False))
+    redelivery.hold_back_started(app)  # a copy of a finished run must not store STARTED
     if _pool_forks(instance):  # inherited by the pool's children, read by warm_up_process
         alive = app.conf.get("worker_proc_alive_timeout") or PROC_ALIVE_TIMEOUT
         _child_warm_up[0] = min(WARM_UP_TIMEOUT, UP_SHARE * float(alive))
