@@ -25,9 +25,3 @@ app.conf.update(
 def soft_limited(tag: str) -> str:
     """Returns at once: only the acquire before it can run into the soft time limit."""
     return f"ran {tag}"
-
-
-@exclusive_task(app=app, key="dd:{tag}", dedupe=True, dedupe_ttl=300)
-def deduped(tag: str) -> str:
-    """A deduplicated task (tests/faults/test_dedupe_faults.py): its marker lives 300 s."""
-    return f"ran {tag}"

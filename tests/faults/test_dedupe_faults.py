@@ -65,8 +65,8 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
-        "CE_FAULT_BROKER": broker,
-        "CE_FAULT_QUEUE": queue,
+        "CE_DD_BROKER": broker,
+        "CE_DD_QUEUE": queue,
         "CELERY_EXCLUSIVE_URL": f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0",
         "CELERY_EXCLUSIVE_PREFIX": faults.prefix,
     }
@@ -75,7 +75,7 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
     with log.open("wb") as out:
         worker = subprocess.Popen(
             [
-                *(celery, "-A", "tests.faults._celery_app", "worker", "-P", "prefork", "-c", "1"),
+                *(celery, "-A", "tests.faults._dedupe_app", "worker", "-P", "prefork", "-c", "1"),
                 *("-Q", queue, "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"),
             ],
             cwd=ROOT,
@@ -84,22 +84,19 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
-    from tests.faults import _celery_app
+    os.environ["CE_DD_BROKER"], os.environ["CE_DD_QUEUE"] = broker, queue
+    from tests.faults import _dedupe_app
 
-    app = _celery_app.app
-    names = ("broker_url", "result_backend", "exclusive_url", "exclusive_prefix")
-    saved = {name: app.conf.get(name) for name in names}
+    app = _dedupe_app.app
     # The sender uses the store as the default user: only the worker's calls are refused.
-    app.conf.update(broker_url=broker, result_backend=broker)
     app.conf.update(exclusive_url=redis_server.url, exclusive_prefix=faults.prefix)
     tag = uuid.uuid4().hex[:8]
     try:
         assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
-        warm = _celery_app.deduped.apply_async((f"warm-{tag}",), queue=queue)
+        warm = _dedupe_app.deduped.apply_async((f"warm-{tag}",), queue=queue)
         assert warm.get(timeout=60) == f"ran warm-{tag}"
         admin.execute_command("ACL", "SETUSER", user, "-@all")  # the worker's calls fail from now on
-        first = _celery_app.deduped.apply_async((tag,), queue=queue)
+        first = _dedupe_app.deduped.apply_async((tag,), queue=queue)
         assert _queued(redis_server.url, faults.prefix, f"dd:{tag}")
         with pytest.raises(BackendError):
             first.get(timeout=60, propagate=True)
@@ -111,7 +108,7 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
             return not _queued(redis_server.url, faults.prefix, f"dd:{tag}")
 
         assert wait_until(gone, RELEASED_WITHIN), "the marker outlived the outage"
-        again = _celery_app.deduped.apply_async((tag,), queue=queue)
+        again = _dedupe_app.deduped.apply_async((tag,), queue=queue)
         assert again.id != first.id
         assert again.get(timeout=60) == f"ran {tag}"
     finally:
@@ -121,7 +118,6 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
         worker.wait(10)
         admin.execute_command("ACL", "DELUSER", user)
         admin.close()
-        app.conf.update(saved)
 
 
 def test_a_send_whose_mark_reply_was_lost_leaves_no_marker(
