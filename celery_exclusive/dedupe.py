@@ -159,7 +159,11 @@ def apply_async(
     if marking.pending.ready or options.get("connection") or options.get("publisher") or _refusing(task):
         # Answered already, Celery would publish with a producer of its own making, or the
         # task's last send found a duplicate: the next one then builds no message for one.
-        found = marking.settle()
+        try:
+            found = marking.settle()
+        except BaseException:
+            marking.give_back()  # the answer was lost: the store may hold the marker
+            raise
         refused = found is not None and found is not _KEPT_CHANGING
         task.__dict__[_REFUSED] = refused
         if found is not None and refused:

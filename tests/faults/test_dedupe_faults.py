@@ -120,17 +120,21 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
         admin.close()
 
 
+@pytest.mark.parametrize("after_a_duplicate", [False, True], ids=["first-send", "after-a-duplicate"])
 def test_a_send_whose_mark_reply_was_lost_leaves_no_marker(
-    redis_server: PrivateRedis, faults: Faults
+    redis_server: PrivateRedis, faults: Faults, after_a_duplicate: bool
 ) -> None:
     """The store is stopped (SIGSTOP) while a deduped send waits for its marker's reply: the
     send raises BackendError at the store's deadline and publishes nothing, and the mark the
     server runs once it resumes must not stay behind (on main it stayed its dedupe_ttl, and
-    every send of the key got the AsyncResult of a task id that was never sent)."""
-    app = Celery(f"ce-dd-lost-{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+    every send of the key got the AsyncResult of a task id that was never sent).
+    ``after_a_duplicate``: the task's previous send found a duplicate, so this one reads
+    the answer before building its message (another path through the send)."""
+    name = f"ce-dd-lost-{uuid.uuid4().hex[:6]}"
+    app = Celery(name, broker="memory://", set_as_current=False)
     app.conf.update(exclusive_url=redis_server.url, exclusive_prefix=faults.prefix)
 
-    @exclusive_task(app=app, key="lost:{tag}", dedupe=True, dedupe_ttl=300)
+    @exclusive_task(app=app, key="lost:{tag}", dedupe=True, dedupe_ttl=300, name=f"{name}.send_me")
     def send_me(tag: str) -> str:
         return tag
 
@@ -146,6 +150,8 @@ def test_a_send_whose_mark_reply_was_lost_leaves_no_marker(
     events.subscribe(f"__keyspace@0__:{marker}")
     try:
         send_me.apply_async((f"warm-{tag}",))  # the marker's kept connection, used again at once
+        if after_a_duplicate:
+            send_me.apply_async((f"warm-{tag}",))  # refused: the next send reads its answer first
         with frozen(pid, at_most=service.call_timeout + 5.0), pytest.raises(BackendError):
             send_me.apply_async((tag,), task_id=task_id)
         # The server has resumed and runs the mark it had been sent: the premise, seen as a
