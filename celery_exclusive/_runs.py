@@ -130,9 +130,9 @@ def release_all(lease: Lease | LeaseSet, done: Completion | None) -> None:
         lease.release(done)
 
 
-def first_key(lease: Lease | LeaseSet) -> str:
-    """The key of the run's first lease in canonical order (the one the policy hooks see)."""
-    return lease.leases[0].key if isinstance(lease, LeaseSet) else lease.key
+def first(lease: Lease | LeaseSet) -> Lease:
+    """The run's first lease in canonical order (the one the policy hooks see)."""
+    return lease.leases[0] if isinstance(lease, LeaseSet) else lease
 
 
 def first_lost(leases: Sequence[Lease]) -> Lease:

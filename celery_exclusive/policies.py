@@ -14,7 +14,9 @@ callable); see :mod:`celery_exclusive.task` for the behaviour each name promises
 from __future__ import annotations
 
 import json
+import os
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from celery.utils.log import get_task_logger
 
 from celery_exclusive import observe, redelivery, semaphore, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
+from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import check_key
 
@@ -44,6 +47,9 @@ LOCK_RETRIES_HEADER = "celery_exclusive_lock_retries"
 RERUN_SUFFIX = "#rerun"
 #: Holder metadata flag of runs that send a pending rerun when they finish.
 HANDS_ON_RERUNS = "hands_on_reruns"
+#: Message header of a rerun a holder sent: the fence of that holder's lease on the key (a
+#: rerun finding the key still held by it does not coalesce behind it, see :class:`Rerun`).
+RERUN_OF_HEADER = "celery_exclusive_rerun_of"
 #: What :meth:`OnLocked.locked` returns to have the task try to acquire again at once.
 AGAIN: Any = object()
 
@@ -90,8 +96,9 @@ class OnLocked:
         """The result of a run that found ``key`` held by ``holder`` (or :data:`AGAIN`)."""
         raise NotImplementedError
 
-    def finished(self, task: Task, key: str, *, retrying: bool) -> None:
-        """Called after a run holding ``key`` released it; ``retrying``: it ends in a retry."""
+    def finished(self, task: Task, key: str, fence: int, *, retrying: bool) -> None:
+        """Called after a run holding ``key`` (its lease's ``fence``) released it, or tried
+        to (also when the release raised); ``retrying``: it ends in a retry."""
 
 
 def skipped(task: Task, key: str, holder: LockInfo | None, *, coalesced: bool) -> dict[str, Any]:
@@ -194,15 +201,31 @@ class Rerun(OnLocked):
 
     Whoever deletes the marker owns the rerun: the holder when it finishes (and then sends
     it), or the contender that recorded it when the key turned free meanwhile (and then runs).
+
+    The holder hands the rerun on whatever its release did: also when the release raised
+    (an exception that is not the store's, such as ``SoftTimeLimitExceeded``, interrupted
+    it; that exception still ends the run) or could not tell whether the store deleted the
+    lease (an outage: the heartbeat retries the release in the background). Its lease may
+    then still hold the key for a while (until that retry gets through, at most until its
+    ttl). So the rerun it sends names that lease's fence (:data:`RERUN_OF_HEADER`), and a
+    rerun that finds the key held by the very lease that sent it does not coalesce behind
+    it (that holder has handed on already and never will again): it waits its turn like
+    ``"retry"`` (lock retries with backoff). Behind any other holder it coalesces as usual.
+    A hand-on that cannot reach the store (the marker cannot be read or deleted) is retried
+    in the background by this process (:func:`hand_on_later`) until it gets an answer or
+    the marker's ttl has passed; if the process ends first, the marker stays in the store
+    and the next run of the key to finish sends it.
     """
 
     hands_on_reruns = True
 
     def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
-        if holder is not None and not holder.holder.get(HANDS_ON_RERUNS):
+        if holder is not None and (not holder.holder.get(HANDS_ON_RERUNS) or _sent_by(task, holder)):
             # Only rerun-policy holders send the recorded rerun when they finish; behind any
-            # other holder (a "skip" or "retry" task on the same key) a coalesced request
-            # would wait for some later rerun-policy run, or forever. So wait like "retry".
+            # other holder (a "skip" or "retry" task on the same key), or behind the lease
+            # that sent this very rerun (it has handed on already: its release has not got
+            # through yet), a coalesced request would wait for some later rerun-policy run,
+            # or forever. So wait like "retry".
             return RETRY.locked(task, key, holder, call)
         service, request = task.lock_service, task.request
         marker_key = key + RERUN_SUFFIX
@@ -223,24 +246,131 @@ class Rerun(OnLocked):
             )
         # The previous holder took our marker and has sent the rerun already. A request that
         # found the key held by us meanwhile recorded a new rerun: hand it on like a holder.
-        lease.release()
-        self.finished(task, key, retrying=False)
+        first = lease.leases[0] if isinstance(lease, LeaseSet) else lease
+        try:
+            lease.release()
+        finally:
+            self.finished(task, first.key, first.fence, retrying=False)
         return skipped(task, key, holder, coalesced=True)
 
-    def finished(self, task: Task, key: str, *, retrying: bool) -> None:
+    def finished(self, task: Task, key: str, fence: int, *, retrying: bool) -> None:
         """Send the rerun recorded on ``key`` if this process is the one that deletes its marker
-        (not before a retry: the retry will run again and hand the rerun on itself)."""
+        (not before a retry: the retry will run again and hand the rerun on itself). Never
+        raises: a store that does not answer leaves it to :func:`hand_on_later`."""
         if retrying:
             return
-        marker_key = key + RERUN_SUFFIX
         try:
-            service = task.lock_service
-            info = service.peek(marker_key)
-            if info is None or not service.force_release(marker_key, info.token):
+            hand_on(task, key, fence)
+        except Exception as exc:
+            logger.warning(
+                "%s: could not look for a rerun recorded on lock %r: %s; trying again in the background",
+                task.name,
+                key,
+                exc,
+            )
+            hand_on_later(task, key, fence)
+
+
+def hand_on(task: Task, key: str, fence: int) -> None:
+    """Send the rerun recorded on ``key`` if this call deletes its marker; ``fence``: the
+    sending holder's, named by the rerun (:data:`RERUN_OF_HEADER`).
+
+    Raises what the store calls raise: the marker is then still there for a later hand-on
+    (unless the store deleted it and the answer was lost: the window of one round trip the
+    docs describe). A rerun the broker refuses once the marker is deleted is logged and
+    lost, as before: sending it again could send it twice (a publish may fail after the
+    broker took the message)."""
+    marker_key = key + RERUN_SUFFIX
+    service = task.lock_service
+    info = service.peek(marker_key)
+    if info is None or not service.force_release(marker_key, info.token):
+        return
+    try:
+        _send_rerun(task, key, info.holder.get("rerun") or {}, fence)
+    except Exception:
+        logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
+
+
+#: Seconds before the first background attempt of a hand-on the store did not answer; each
+#: later one waits twice as long, at most :data:`HAND_ON_RETRY_MAX`.
+HAND_ON_RETRY_FIRST = 1.0
+HAND_ON_RETRY_MAX = 30.0
+
+
+class _HandOns:
+    """This process's hand-ons to retry in the background: one daemon thread for them all,
+    started when the first is added and ending when none is left."""
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        #: (app id, key) -> (task, fence, monotonic time after which the marker has expired).
+        self.pending: dict[tuple[int, str], tuple[Task, int, float]] = {}
+        self.running = False
+
+    def add(self, task: Task, key: str, fence: int) -> None:
+        until = time.monotonic() + task.lock_settings.max_lifetime  # the marker's ttl, at most
+        with self.mutex:
+            known = self.pending.get((id(task.app), key))
+            if known is not None and known[1] > fence:
+                fence = known[1]  # the later lease: the one that may still hold the key
+            self.pending[(id(task.app), key)] = (task, fence, until)
+            if self.running:
                 return
-            _send_rerun(task, key, info.holder.get("rerun") or {})
-        except Exception:
-            logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
+            self.running = True
+        try:
+            threading.Thread(target=self._run, name="celery-exclusive-hand-on", daemon=True).start()
+        except RuntimeError as exc:  # no new thread (the interpreter is shutting down)
+            with self.mutex:
+                self.running = False
+                self.pending.pop((id(task.app), key), None)
+            logger.error("%s: cannot retry handing on the rerun recorded on lock %r: %s", task.name, key, exc)
+
+    def _run(self) -> None:
+        delay = HAND_ON_RETRY_FIRST
+        while True:
+            time.sleep(delay)
+            with self.mutex:
+                pending = list(self.pending.items())
+            for (app_id, key), (task, fence, until) in pending:
+                try:
+                    hand_on(task, key, fence)
+                except Exception as exc:
+                    if time.monotonic() < until:
+                        continue
+                    logger.error(
+                        "%s: gave up handing on the rerun recorded on lock %r: %s", task.name, key, exc
+                    )
+                with self.mutex:
+                    now = self.pending.get((app_id, key))
+                    if now is not None and now[1] == fence:  # not one of a later lease since
+                        del self.pending[(app_id, key)]
+            with self.mutex:
+                if not self.pending:
+                    self.running = False
+                    return
+            delay = min(delay * 2, HAND_ON_RETRY_MAX)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child neither has the parent's thread nor owns its hand-ons."""
+        self.mutex = threading.Lock()
+        self.pending = {}
+        self.running = False
+
+
+_hand_ons = _HandOns()
+os.register_at_fork(after_in_child=_hand_ons.after_fork_in_child)
+
+
+def hand_on_later(task: Task, key: str, fence: int) -> None:
+    """:func:`hand_on` in a background thread of this process, every 1, 2, 4... up to 30 s,
+    until the store answers or ``task``'s ``max_lifetime`` (the marker's ttl) has passed."""
+    _hand_ons.add(task, key, fence)
+
+
+def _sent_by(task: Task, holder: LockInfo) -> bool:
+    """Whether ``holder`` is the lease whose holder sent this run as its rerun."""
+    headers = task.request.headers
+    return bool(headers) and headers.get(RERUN_OF_HEADER) == holder.fence
 
 
 def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: float) -> str | None:
@@ -260,10 +390,11 @@ def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: fl
     return None
 
 
-def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any]) -> None:
-    """Send the rerun a marker recorded (see :func:`_recorded_call`)."""
+def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any], fence: int) -> None:
+    """Send the rerun a marker recorded (see :func:`_recorded_call`), naming the sending
+    holder's ``fence`` in its :data:`RERUN_OF_HEADER`."""
     name = recorded.get("task_name") or task.name
-    options = recorded.get("options") or {}
+    options = {**(recorded.get("options") or {}), "headers": {RERUN_OF_HEADER: fence}}
     args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
     if name in task.app.tasks:
         sent = task.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)

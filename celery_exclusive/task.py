@@ -26,6 +26,7 @@ When the key is held, ``on_locked`` decides (see :data:`ON_LOCKED_POLICIES`):
   rerun uses the arguments recorded by the *first* coalesced request (``rerun_args="latest"``:
   by the *last* one, a debounce). Requests that were
   coalesced succeed with a ``"coalesced"`` marker (``is_skipped`` is true for it too).
+  The holder hands the rerun on even if its release fails (see :class:`policies.Rerun`).
 * ``"wait"``: the run waits up to ``lock_wait`` seconds for the key (woken by the holder's
   release where the store signals it, else polling), **blocking its worker slot** meanwhile;
   then ``lock_wait_fallback`` (``"skip"``, ``"retry"`` or ``"raise"``) decides.
@@ -560,9 +561,10 @@ def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
         if record is None or keep is None
         else checked_completion(record, "success", int(request.retries or 0), keep)
     )
-    lost = _runs.finish(lease, done)  # _finish inline
     if plan.finishes:
-        plan.policy.finished(task, _runs.first_key(lease), retrying=False)
+        lost = _finish(task, plan, lease, retrying=False, done=done)
+    else:
+        lost = _runs.finish(lease, done)  # _finish without a hand-on, inline
     if lost is not None:
         if report is not None:
             report.finished(lost, True)
@@ -580,11 +582,16 @@ def _finish(
     done: Completion | None,
 ) -> Lease | None:
     """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
-    ``finished`` hook (the rerun hand-on). The lease that had been lost, or None."""
-    lost = _runs.finish(lease, done)
-    if plan.finishes:
-        plan.policy.finished(task, _runs.first_key(lease), retrying=retrying)
-    return lost
+    ``finished`` hook (the rerun hand-on), even if the release raised (which it then raises
+    again: a rerun recorded meanwhile is handed on all the same). The lease that had been
+    lost, or None."""
+    if not plan.finishes:
+        return _runs.finish(lease, done)
+    try:
+        return _runs.finish(lease, done)
+    finally:
+        first = _runs.first(lease)
+        plan.policy.finished(task, first.key, first.fence, retrying=retrying)
 
 
 def _lock(

@@ -24,8 +24,10 @@ this module is imported (``celery_exclusive.task`` imports it):
   The hook recomputes the task's key from the request, peeks it (a semaphore's every slot,
   and its run's task-id lease), and once the process named in the holder metadata is gone
   it force-releases exactly that lease (same task id, same
-  host, token-bound). A child SIGKILLed from outside (``WorkerLostError``) is left to the
-  ttl: its lock is taken by the next task only after the lease expires.
+  host, token-bound). Celery reports a hard time limit twice (``Request.on_failure``, then
+  ``on_timeout``): the second report of one run is ignored. A child SIGKILLed from outside
+  (``WorkerLostError``) is left to the ttl: its lock is taken by the next task only after
+  the lease expires.
 """
 
 from __future__ import annotations
@@ -364,15 +366,52 @@ def release_on_hard_time_limit(
     *,
     traceback: Any = None,
     **_: Any,
-) -> None:
-    """Release the lock of a task killed for its hard time limit once its process is gone."""
-    if isinstance(exception, TimeLimitExceeded):
-        attempt = _timed_out_attempt(traceback)
-        if attempt is None:
-            attempt = _failing_attempt(sender, task_id)
-        release_killed(
-            sender, task_id, args, kwargs, "killed at its hard time limit", record=True, attempt=attempt
-        )
+) -> threading.Thread | None:
+    """Release the lock of a task killed for its hard time limit once its process is gone
+    (the thread doing it, or None). Celery reports each hard time limit twice (billiard
+    ends the job through ``Request.on_failure``, then calls ``Request.on_timeout``): the
+    second report of one run is a no-op (see :func:`_first_report`)."""
+    if not isinstance(exception, TimeLimitExceeded) or not _first_report(sender, task_id, traceback):
+        return None
+    attempt = _timed_out_attempt(traceback)
+    if attempt is None:
+        attempt = _failing_attempt(sender, task_id)
+    return release_killed(
+        sender, task_id, args, kwargs, "killed at its hard time limit", record=True, attempt=attempt
+    )
+
+
+#: The runs (their request's Celery ``Context``, one object per run) whose hard time limit
+#: was handled already; weak: a run's context goes with its request.
+_reported: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _first_report(task: Any, task_id: str | None, traceback: Any) -> bool:
+    """False if the run a ``task_failure(TimeLimitExceeded)`` reports was reported already.
+
+    Both reports of one run carry its request's context: ``on_timeout``'s traceback is of
+    a frame whose ``self`` is the request (see :func:`_timed_out_attempt`), ``on_failure``
+    pushes its ``_context`` on the task's request stack (see :func:`_failing_attempt`).
+    The second would only repeat the first: the same record (a write the store leaves as
+    it is), and a release thread that finds the lease taken care of (or gone) and ends
+    after a second of lookups. A report naming no known run is always handled."""
+    from celery.worker.request import Request  # the worker's main process has it imported
+
+    frame = getattr(traceback, "tb_frame", None)
+    request = None if frame is None else frame.f_locals.get("self")
+    if isinstance(request, Request) and request.id == task_id:
+        context = getattr(request, "_context", None)  # a cached property: the same object each time
+    else:
+        context = getattr(task, "request", None)
+        if task_id is None or getattr(context, "id", None) != task_id:
+            return True
+    try:
+        if context in _reported:
+            return False
+        _reported.add(context)
+    except TypeError:  # not weakly referenceable: not Celery's Context
+        return True
+    return True
 
 
 def _timed_out_attempt(traceback: Any) -> int | None:

@@ -231,12 +231,15 @@ class RedisServer:
         return keys, self.groups(keys)
 
     def close(self) -> None:
-        """Close the wire and a client the provider built (a client you passed stays open)."""
+        """Close the wire and a client the provider built, with its connections to the
+        sentinels (a client you passed stays open)."""
         for wire in (self.wire, *self._node_wires.values()):
             if wire is not None:
                 wire.close()
         if self.target.built and self.target.client is not None:
             self.target.client.close()
+        if self.target.sentinels is not None:
+            self.target.sentinels.close()
 
 
 class _Build:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from celery_exclusive.errors import ConfigurationError
+from celery_exclusive.providers._redis_sentinel import sentinels
 from celery_exclusive.urls import mask_url, sentinel_url, split_options
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ class Target:
     ``client`` is None until ``factory`` builds it (a cluster from a URL). ``pool`` is the
     connection pool of a one-server client (None on a cluster); ``built`` says the provider
     made the client, so it may send on connections of its own and closes it. ``wait`` is
-    ``(replicas, timeout s)`` as given, checked by :func:`wait_settings`.
+    ``(replicas, timeout s)`` as given, checked by :func:`wait_settings`. ``sentinels`` is
+    the redis-py ``Sentinel`` of a Sentinel client the provider built (closed with it).
     """
 
     display: str
@@ -47,6 +49,7 @@ class Target:
     pool: Any = None
     wait: tuple[object, object] = (0, 0.5)
     built: bool = False
+    sentinels: Any = None
 
     @property
     def cluster(self) -> bool:
@@ -93,7 +96,7 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
             target.factory, target.password = _cluster_factory(base, retry)
             return target
         if scheme in _SENTINEL:
-            target.client = _sentinel_client(base, retry)
+            target.sentinels, target.client = _sentinel_client(base, retry)
         else:
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
     except (ValueError, TypeError) as exc:
@@ -145,11 +148,9 @@ def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], 
     return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs.get("password")
 
 
-def _sentinel_client(url: str, retry: Any) -> redis.Redis:
-    """A client of the primary the URL's sentinels name (nothing is contacted yet)."""
-    from redis import sentinel
-
-    make: Callable[..., Any] = sentinel.Sentinel  # untyped in redis-py
+def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis]:
+    """The URL's sentinels (a redis-py ``Sentinel``, see providers/_redis_sentinel.py) and a
+    client of the primary they name ``service`` (nothing is contacted yet)."""
     hosts, path, kwargs = _multi_host(url, 26379)
     service, _, db_text = path.strip("/").partition("/")
     if not service:
@@ -163,10 +164,9 @@ def _sentinel_client(url: str, retry: Any) -> redis.Redis:
         k: v for k, v in kwargs.items() if k.startswith("socket_") or (tls and k.startswith("ssl"))
     }
     sentinel_kwargs["retry"] = retry  # each sentinel is asked once; the next one is the retry
-    client: redis.Redis = make(hosts, sentinel_kwargs=sentinel_kwargs, **kwargs).master_for(
-        service, db=db, retry=retry
-    )
-    return client
+    manager = sentinels(hosts, sentinel_kwargs, **kwargs)
+    client: redis.Redis = manager.master_for(service, db=db, retry=retry)
+    return manager, client
 
 
 def _number(text: str | None, kind: Callable[[str], object], default: object) -> object:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -239,3 +240,76 @@ def test_hard_time_limit_hook_records_nothing_for_a_message_celery_requeues(
             sender=task, task_id="T4", exception=TimeLimitExceeded(1), args=[4], kwargs={}
         )
         assert service.completion(key, "T4") is None, task.name
+
+
+def _on_timeout_traceback(request: Any) -> Any:
+    """The traceback Celery's ``Request.on_timeout`` passes: of the TimeLimitExceeded it
+    raises and catches in a frame whose ``self`` is the request."""
+
+    def on_timeout(self: Any) -> Any:
+        try:
+            raise TimeLimitExceeded(1)
+        except TimeLimitExceeded as exc:
+            return exc.__traceback__
+
+    return on_timeout(request)
+
+
+def test_a_hard_time_limit_reported_twice_is_handled_once(
+    sqlite_app: tuple[Celery, Any, LockService],
+) -> None:
+    """Celery reports one hard time limit twice: through ``Request.on_failure`` (the request's
+    context pushed on the task's request stack), then ``Request.on_timeout`` (a traceback of a
+    frame whose ``self`` is the request). The second report of the run touches nothing (it
+    used to write the record again and look for the lease for a second); a report of another
+    run of the same task id (its retry, another request) is handled again."""
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.worker.request import Request
+
+    app, job, service = sqlite_app
+    store = get_lock_service(app)
+    calls: list[str] = []
+
+    def counting(name: str) -> Any:
+        """The store's method ``name``, each call counted on its way to the real store."""
+        call = getattr(store, name)
+
+        @functools.wraps(call)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return call(*args, **kwargs)
+
+        return counted
+
+    for name in ("peek", "force_release"):
+        setattr(store, name, counting(name))
+    report = {"sender": job, "task_id": "T6", "exception": TimeLimitExceeded(1), "args": [6], "kwargs": {}}
+    request = Request(TaskMessage(job.name, id="T6", args=[6]), app=app, task=job)
+    child = hold_in_subprocess(app.conf.exclusive_url, "job:6", "T6")
+    try:
+        job.request_stack.push(request._context)
+        try:
+            first = release_on_hard_time_limit(**report, traceback="Traceback (most recent call last): ...")
+        finally:
+            job.request_stack.pop()
+        assert first is not None
+        assert calls, "the first report writes the record and looks for the lease"
+        handled = len(calls)
+        second = release_on_hard_time_limit(**report, traceback=_on_timeout_traceback(request))
+        time.sleep(KILL_LOOKUP_WINDOW)
+        assert len(calls) == handled, f"the second report made store calls: {calls[handled:]}"
+        assert second is None
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        first.join(10)
+        assert service.peek("job:6") is None, "the first report's thread released the lease"
+        retry = Request(TaskMessage(job.name, id="T6", args=[6], retries=1), app=app, task=job)
+        again = release_on_hard_time_limit(**report, traceback=_on_timeout_traceback(retry))
+        assert again is not None, "another run of the same id is handled"
+        again.join(10)
+        record = service.completion("job:6", "T6")
+        assert record is not None
+        assert (record.outcome, record.attempt) == ("failure", 1)
+    finally:
+        child.kill()
+        child.wait()

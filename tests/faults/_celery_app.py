@@ -6,11 +6,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from typing import Any
 
 from celery import Celery
 
 from celery_exclusive.task import exclusive_task
+from celery_exclusive.worker import close_lock_services
 
 app = Celery("cefaults", broker=os.environ["CE_FAULT_BROKER"], backend=os.environ["CE_FAULT_BROKER"])
 app.conf.update(
@@ -25,3 +29,45 @@ app.conf.update(
 def soft_limited(tag: str) -> str:
     """Returns at once: only the acquire before it can run into the soft time limit."""
     return f"ran {tag}"
+
+
+def _events() -> Any:
+    """A client of the broker's Redis (the private server itself, never through a proxy)."""
+    import redis
+
+    return redis.Redis.from_url(os.environ["CE_FAULT_BROKER"])
+
+
+@exclusive_task(app=app, key="rerun:{tag}", on_locked="rerun", ttl=3, time_limit=60, bind=True)
+def rerun_hand_on(self: Any, tag: str, n: int, wait: bool = False, drop: bool = False) -> int:
+    """Records its run (``n``, fence, start, end) in ``<tag>:runs``. ``wait``: says so in
+    ``<tag>:ready`` first and returns once the test pushes ``<tag>:go`` (what the test did
+    meanwhile, such as stalling the store, meets the release); ``drop``: then closes this
+    process's lock services without releasing, so the run's lease stays in the store until
+    its ttl (3 s) and its release answers UNKNOWN without reaching the store."""
+    events = _events()
+    start = time.time()
+    fence = self.lock.fence
+    if wait:
+        events.rpush(f"{tag}:ready", json.dumps({"start": start, "fence": fence}))
+        events.blpop([f"{tag}:go"], timeout=60)
+    events.rpush(f"{tag}:runs", json.dumps({"n": n, "fence": fence, "start": start, "end": time.time()}))
+    if drop:
+        close_lock_services(release=False)
+    return n
+
+
+@exclusive_task(app=app, key="rerun:{tag}", on_locked="rerun", on_lost="terminate", ttl=3, bind=True)
+def rerun_terminated(self: Any, tag: str, n: int, wait: bool = False) -> int:
+    """:func:`rerun_hand_on` under ``lock_on_lost="terminate"``; ``wait``: after saying so in
+    ``<tag>:ready``, runs in short sleeps for up to 60 s (until the loss of its lease
+    interrupts it)."""
+    events = _events()
+    start = time.time()
+    fence = self.lock.fence
+    if wait:
+        events.rpush(f"{tag}:ready", json.dumps({"start": start, "fence": fence}))
+        while time.time() < start + 60:
+            time.sleep(0.05)
+    events.rpush(f"{tag}:runs", json.dumps({"n": n, "fence": fence, "start": start, "end": time.time()}))
+    return n

@@ -15,13 +15,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import redis
+import redis.sentinel
 
 from celery_exclusive import BackendError, LockService, ReleaseOutcome
+from celery_exclusive.providers._redis_wire import POLL_AFTER
 from celery_exclusive.providers.base import AcquiresAny, Grant, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
@@ -94,21 +97,38 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
     _waiting.test_overlapping_random_key_sets_never_deadlock_or_overlap(store, tmp_path)
 
 
+def _start_sentinel(started: list[Any], folder: Path, primary_port: int) -> int:
+    """Start a sentinel monitoring the primary on ``primary_port`` as ``mymaster`` (never
+    failing it over: down after 60 s); its port once it names the primary."""
+    sentinel_port = free_port()
+    while sentinel_port == primary_port:
+        sentinel_port = free_port()
+    config = folder / f"sentinel-{sentinel_port}.conf"  # sentinel rewrites it: must be writable
+    config.write_text(
+        f"port {sentinel_port}\nbind 127.0.0.1\ndir {folder}\n"
+        f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
+        "sentinel down-after-milliseconds mymaster 60000\n"
+    )
+    proc = start(
+        started, [binary("redis-server"), str(config), "--sentinel"], folder / f"{sentinel_port}.log"
+    )
+    watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
+    found = [b"127.0.0.1", str(primary_port).encode()]
+    wait_for(
+        lambda: watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster") == found,
+        f"private sentinel on port {sentinel_port}",
+        proc,
+    )
+    watcher.close()
+    return sentinel_port
+
+
 @pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]:
     """A private primary and one sentinel monitoring it as ``mymaster``: (primary, sentinel) ports."""
     server = binary("redis-server")
     folder: Path = tmp_path_factory.mktemp("sentinel")
     primary_port = free_port()
-    sentinel_port = free_port()
-    while sentinel_port == primary_port:
-        sentinel_port = free_port()
-    config = folder / "sentinel.conf"  # sentinel rewrites it: must be writable
-    config.write_text(
-        f"port {sentinel_port}\nbind 127.0.0.1\ndir {folder}\n"
-        f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
-        "sentinel down-after-milliseconds mymaster 60000\n"
-    )
     with processes() as started:
         args = [
             server,
@@ -125,16 +145,14 @@ def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, in
         primary = redis.Redis(port=primary_port, socket_timeout=5)
         wait_for(primary.ping, "private primary", proc)
         primary.close()
-        proc = start(started, [server, str(config), "--sentinel"], folder / "sentinel.log")
-        watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
-        found = [b"127.0.0.1", str(primary_port).encode()]
-        wait_for(
-            lambda: watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster") == found,
-            "private sentinel",
-            proc,
-        )
-        watcher.close()
-        yield primary_port, sentinel_port
+        yield primary_port, _start_sentinel(started, folder, primary_port)
+
+
+@pytest.fixture(scope="module")
+def second_sentinel(sentinel: tuple[int, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A second sentinel monitoring the ``sentinel`` fixture's primary: its port."""
+    with processes() as started:
+        yield _start_sentinel(started, tmp_path_factory.mktemp("sentinel2"), sentinel[0])
 
 
 @pytest.fixture
@@ -383,3 +401,152 @@ def test_a_child_forked_during_a_lookup_asks_the_sentinel_itself(sentinel: tuple
     finally:
         service.close()
         watcher.close()
+
+
+def _pid(port: int) -> int:
+    client = redis.Redis(port=port, socket_timeout=5)
+    try:
+        return int(cast(dict[str, Any], client.info("server"))["process_id"])
+    finally:
+        client.close()
+
+
+def _connections() -> list[tuple[str, int]]:
+    """This process's established IPv4 TCP connections: (local ``ip:port``, remote port),
+    read from Linux's ``/proc`` (the socket inodes of ``/proc/self/fd`` in ``/proc/net/tcp``)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    with open("/proc/net/tcp") as table:
+        for row in list(table)[1:]:
+            fields = row.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            if state == "01" and inode in inodes:  # ESTABLISHED
+                ip, port = local.split(":")
+                address = socket.inet_ntoa(int(ip, 16).to_bytes(4, "little"))
+                found.append((f"{address}:{int(port, 16)}", int(remote.split(":")[1], 16)))
+    return found
+
+
+def _sockets_to(*ports: int) -> int:
+    """This process's open TCP connections to ``ports`` (loopback)."""
+    return sum(1 for _, port in _connections() if port in ports)
+
+
+def _drop_connections_to(port: int, direct: redis.Redis) -> None:
+    """The server on ``port`` closes every connection this process has to it but ``direct``'s."""
+    own = direct.client_info()["addr"]
+    for local, remote in _connections():
+        if remote == port and local != own:
+            direct.client_kill(local)
+
+
+def test_a_frozen_first_sentinel_is_passed_over_within_the_call_deadline(
+    sentinel: tuple[int, int], second_sentinel: int
+) -> None:
+    """Sentinels [frozen (SIGSTOP), live], the primary live: a new service's lock() and
+    release() succeed within call_timeout (the lookup waited out the frozen sentinel's
+    10 s socket timeout, failing every call meanwhile), and the live sentinel, which
+    answered, is asked first from then on: a reconnect's lookup opens no second
+    connection to the frozen one."""
+    primary_port, first = sentinel
+    url = f"redis+sentinel://127.0.0.1:{first},127.0.0.1:{second_sentinel}/mymaster/0"
+    service = LockService(url, call_timeout=TIME_SLACK, prefix=f"frozen-first{uuid.uuid4().hex[:8]}:")
+    direct = redis.Redis(port=primary_port, socket_timeout=5)
+    try:
+        with frozen(_pid(first), at_most=30.0):
+            lease = service.lock("k")
+            assert lease.release() is ReleaseOutcome.RELEASED
+            asked = _sockets_to(first)  # the first lookup's ask, waiting on it still (or timed out)
+            _drop_connections_to(primary_port, direct)
+            time.sleep(POLL_AFTER + 0.1)  # idle long enough to be checked, found closed, reconnected
+            lease = service.lock("k")  # a new connection: a new lookup
+            assert lease.release() is ReleaseOutcome.RELEASED
+            assert _sockets_to(first) <= asked
+    finally:
+        service.close(release=False)
+        direct.close()
+
+
+def test_a_call_joining_a_longer_calls_lookup_is_answered_within_its_own_deadline(
+    sentinel: tuple[int, int], second_sentinel: int
+) -> None:
+    """Sentinels [frozen, live]: a lookup started by a call with 60 s to go is hurried by a
+    lock() (call_timeout 2 s * slack) joining it, which succeeds: the lookup used to keep
+    to the first call's time, and the joiner failed at its deadline."""
+    _, first = sentinel
+    url = f"redis+sentinel://127.0.0.1:{first},127.0.0.1:{second_sentinel}/mymaster/0"
+    service = LockService(url, call_timeout=TIME_SLACK, prefix=f"join-lookup{uuid.uuid4().hex[:8]}:")
+    slow: list[object] = []
+    before = _sockets_to(first)
+    try:
+        with frozen(_pid(first), at_most=30.0):
+            thread = threading.Thread(target=lambda: slow.append(service.provider.peek("x", timeout=60.0)))
+            thread.start()
+            assert wait_until(lambda: _sockets_to(first) > before, 5.0)  # its lookup asks the frozen one
+            lease = service.lock("k")
+            assert lease.release() is ReleaseOutcome.RELEASED
+            thread.join(30)
+            assert slow == [None]  # the long call was answered by the same lookup
+    finally:
+        service.close(release=False)
+
+
+def test_closing_a_service_closes_its_connections_to_the_sentinels(
+    sentinel: tuple[int, int], second_sentinel: int
+) -> None:
+    """Five services made, used and closed in turn leave no connection to the sentinels
+    open (each kept its connection to the sentinel that named the primary after close())."""
+    ports = (sentinel[1], second_sentinel)
+    url = f"redis+sentinel://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/mymaster/0"
+    prefix = f"close-sentinels{uuid.uuid4().hex[:8]}:"
+    before = _sockets_to(*ports)
+    services = []  # kept: a closed service's sockets must not wait for the garbage collector
+    for _ in range(5):
+        service = LockService(url, prefix=prefix)
+        services.append(service)
+        service.lock("k").release()
+        assert _sockets_to(*ports) > before  # it did ask a sentinel
+        service.close()
+    assert _sockets_to(*ports) == before
+
+
+def test_no_password_in_errors_when_the_sentinels_are_unreachable(sentinel: tuple[int, int]) -> None:
+    """Sentinels [refusing, silent]: the BackendError of a service from a URL with the
+    primary's password, and of one on a client you built with a sentinel password
+    (``sentinel_kwargs``) too, names neither password, nor does any error it chains."""
+    silent = socket.create_server(("127.0.0.1", 0), backlog=64)  # never accepts
+    hosts = [("127.0.0.1", free_port()), ("127.0.0.1", silent.getsockname()[1])]
+    listed = ",".join(f"{host}:{port}" for host, port in hosts)
+    url = f"redis+sentinel://:primary-s3cret@{listed}/mymaster/0?socket_timeout=0.3"
+    manager = redis.sentinel.Sentinel(
+        hosts,
+        sentinel_kwargs={"password": "sentinel-s3cret", "socket_timeout": 0.3},
+        password="primary-s3cret",
+    )
+    services = [
+        LockService(url, call_timeout=0.5, prefix="no-password:"),
+        LockService(RedisLockProvider(client=manager.master_for("mymaster")), call_timeout=0.5, prefix="np:"),
+    ]
+    try:
+        for service in services:
+            for call in (partial(service.lock, "k"), partial(service.peek, "k"), service.provider.diagnose):
+                with pytest.raises(BackendError) as raised:
+                    call()
+                chained: BaseException | None = raised.value
+                while chained is not None:
+                    for text in (str(chained), repr(chained)):
+                        assert "s3cret" not in text
+                    chained = chained.__cause__ or chained.__context__
+    finally:
+        silent.close()
+        for service in services:
+            service.close(release=False)
+        for client in manager.sentinels:
+            client.close()
