@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from celery_exclusive.lease import Lease
+    from celery_exclusive.providers.base import Completion
 
 #: Longest any heartbeat store call may take, in seconds, whatever the leases' durations.
 CALL_TIMEOUT_CAP = 10.0
@@ -85,15 +86,20 @@ class InFlight:
     by itself. Every method takes ``mutex`` (the heartbeat's) itself."""
 
     def __init__(
-        self, mutex: threading.Lock, release: Callable[[str, str], bool], clock: Callable[[], float]
+        self,
+        mutex: threading.Lock,
+        release: Callable[[str, str, Completion | None], bool],
+        clock: Callable[[], float],
     ) -> None:
         self.mutex = mutex
-        self._release = release  # one retried release, with its deadline
+        self._release = release  # one retried release (with its record, if any), with its deadline
         self._clock = clock
         self.calls: list[Call] = []  # in flight and not yet abandoned
         self.busy: set[int] = set()  # id() of the leases those calls carry
         # (store key, token) -> monotonic time after which the store has surely expired it.
         self.pending_release: dict[tuple[str, str], float] = {}
+        # (store key, token) -> the completion record its release writes (a run's, see add_release).
+        self.pending_records: dict[tuple[str, str], Completion] = {}
         self.releasing: Call | None = None
 
     def start(
@@ -167,10 +173,14 @@ class InFlight:
                 self._drop(call)
         return overdue
 
-    def add_release(self, store_key: str, token: str, until: float) -> None:
-        """Retry releasing ``token``'s lease on ``store_key`` until confirmed or ``until``
-        (caller holds ``mutex``)."""
+    def add_release(
+        self, store_key: str, token: str, until: float, completion: Completion | None = None
+    ) -> None:
+        """Retry releasing ``token``'s lease on ``store_key`` until confirmed or ``until``,
+        writing ``completion`` with it if given (caller holds ``mutex``)."""
         self.pending_release[(store_key, token)] = until
+        if completion is not None:
+            self.pending_records[(store_key, token)] = completion
 
     def releases_due(self) -> list[Release]:
         """The releases to retry now: all pending, unless a retry call is still in flight."""
@@ -186,7 +196,7 @@ class InFlight:
                 if call.abandoned:
                     return
                 try:
-                    final = self._release(store_key, token)
+                    final = self._release(store_key, token, self.pending_records.get((store_key, token)))
                 except Exception:
                     final = False  # still unknown; the store may still hold it
                 if not final and self._clock() < until:
@@ -195,6 +205,7 @@ class InFlight:
                     continue
                 with self.mutex:
                     self.pending_release.pop((store_key, token), None)
+                    self.pending_records.pop((store_key, token), None)
         finally:
             self.finish(call)
             call.done.set()

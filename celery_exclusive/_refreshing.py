@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from celery_exclusive._inflight import RELEASE_RETRY_TIMEOUT, Call, InFlight, call_timeout, interval_of
 from celery_exclusive.errors import BackendError
-from celery_exclusive.providers.base import LockProvider, accepts_timeout
+from celery_exclusive.providers.base import Completion, LockProvider, accepts_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -157,15 +157,18 @@ class Refreshing:
                 lease._jeopardise(sent)
         self._failed(list(leases), exc)
 
-    def release_once(self, store_key: str, token: str) -> bool:
-        """One retried release; True if it is final: the store released the lease, or found
-        none of ``token``'s and runs no statement that could still record one (a provider's
-        ``settled``: PostgreSQL's dropped sessions still executing; other stores have none)."""
+    def release_once(self, store_key: str, token: str, completion: Completion | None = None) -> bool:
+        """One retried release (writing ``completion``, a run's record, if given: the store
+        writes it whether or not the token still owns the key); True if it is final: the
+        store released the lease, or found none of ``token``'s and runs no statement that
+        could still record one (a provider's ``settled``: PostgreSQL's dropped sessions
+        still executing; other stores have none)."""
         provider = self._provider
+        args = (store_key, token) if completion is None else (store_key, token, completion)
         if self._timeouts:
-            if provider.release(store_key, token, timeout=RELEASE_RETRY_TIMEOUT):
+            if provider.release(*args, timeout=RELEASE_RETRY_TIMEOUT):
                 return True
-        elif provider.release(store_key, token):
+        elif provider.release(*args):
             return True
         settled = getattr(provider, "settled", None)
         return settled is None or bool(settled(timeout=RELEASE_RETRY_TIMEOUT))

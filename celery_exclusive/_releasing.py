@@ -94,6 +94,13 @@ class Releasing:
                 "could not shorten lock %r (fence %d) to its cooldown: %s", lease.key, lease.fence, exc
             )
             outcome = ReleaseOutcome.UNKNOWN
+            if completion is not None:  # the record is still owed: a token owning nothing writes it
+                service._heartbeat.retry_release(
+                    lease.store_key,
+                    "cooldown:" + lease.token,
+                    until=lease._deadline_at() + lease.ttl,
+                    completion=completion,
+                )
         else:
             outcome = (
                 ReleaseOutcome.RELEASED if answers and answers[0] is not None else ReleaseOutcome.NOT_OWNED
@@ -172,10 +179,13 @@ class Releasing:
                 # bug, perhaps before the request went out: the lease is no longer kept, so
                 # the heartbeat finishes the release (else the key stays held until its ttl).
                 service._heartbeat.retry_release(
-                    lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
+                    lease.store_key,
+                    lease.token,
+                    until=lease._deadline_at() + lease.ttl,
+                    completion=completion,
                 )
                 raise
-            outcome = self._unanswered(lease, error)
+            outcome = self._unanswered(lease, error, completion)
         else:
             outcome = _RELEASED if owned else self._not_owned(lease, warn=not was_lost)
             if owned and self._had_waiters is not None and self._had_waiters(lease.store_key):
@@ -210,11 +220,12 @@ class Releasing:
             if service._ended:
                 service.provider.close()
 
-    def _unanswered(self, lease: Lease, exc: BackendError) -> ReleaseOutcome:
-        """UNKNOWN, the release retried by the heartbeat in the background."""
+    def _unanswered(self, lease: Lease, exc: BackendError, completion: Completion | None) -> ReleaseOutcome:
+        """UNKNOWN, the release (and its ``completion`` record) retried by the heartbeat in
+        the background."""
         logger.warning("could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc)
         self._service._heartbeat.retry_release(
-            lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl
+            lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl, completion=completion
         )
         return ReleaseOutcome.UNKNOWN
 

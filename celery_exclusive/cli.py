@@ -33,10 +33,11 @@ from celery_exclusive.errors import (
     InvalidArgumentError,
 )
 from celery_exclusive.providers import KNOWN_SCHEMES
-from celery_exclusive.providers.base import SWEEP_LIMIT, CompletionInfo, LockInfo
+from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, SWEEP_LIMIT, CompletionInfo, LockInfo
 from celery_exclusive.semaphore import slot_of
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
 from celery_exclusive.urls import ENV_VAR, mask_url, resolve_url, url_secrets
+from celery_exclusive.validation import check_task_id
 
 EXIT_OK = 0
 EXIT_NOT_RELEASED = 1
@@ -488,6 +489,7 @@ def forget_command(task_id: str, key: str | None) -> int:
     Exits 1 when there was no such record.
     """
     target = _target(click.get_current_context())
+    check_task_id(task_id, MAX_TASK_ID_LENGTH)  # an input error before the store is asked
     service = target.service()
     keys = [key] if key is not None else [r.key for r in service.completions() if r.task_id == task_id]
     forgotten = [k for k in keys if service.forget(k, task_id)]

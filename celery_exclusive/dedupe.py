@@ -29,6 +29,12 @@ whoever ends the message releases exactly that marker, by token:
 * the sender, when the send raises (broker down, a router or serializer failing): no marker
   is left behind.
 
+A release that fails on the store (an outage, a mark whose reply was lost: the server may
+run it after the sender gave up) is retried in the background by the releasing process's
+heartbeat, each second, until the store answers: a marker left behind would refuse every
+send of its key until it expires, answering each with the id of a message that already
+ran, or was never sent.
+
 On Redis the marker's request goes out before Celery builds the message and its answer is
 read once the message is built (``LockService.begin_mark``), before the result backend's
 ``on_task_call``, ``before_task_publish`` or the publish see it: the round trip overlaps
@@ -40,8 +46,9 @@ reads it before too, as every send does on the other stores (they answer at once
 
 What no one releases expires: the marker lives ``dedupe_ttl`` (default
 :data:`DEFAULT_DEDUPE_TTL`) after the message is due (its ``countdown``/``eta``), and
-never past the message's ``expires``. A producer killed between marker and publish blocks
-the key that long at most; so does a message lost by the broker.
+never past the message's ``expires``. A producer killed between marker and publish (or
+before its background release got through) blocks the key that long at most; so does a
+message lost by the broker.
 
 Lifetimes and the race between "marker taken" and "a run holds the execution key":
 
@@ -152,7 +159,11 @@ def apply_async(
     if marking.pending.ready or options.get("connection") or options.get("publisher") or _refusing(task):
         # Answered already, Celery would publish with a producer of its own making, or the
         # task's last send found a duplicate: the next one then builds no message for one.
-        found = marking.settle()
+        try:
+            found = marking.settle()
+        except BaseException:
+            marking.give_back()  # the answer was lost: the store may hold the marker
+            raise
         refused = found is not None and found is not _KEPT_CHANGING
         task.__dict__[_REFUSED] = refused
         if found is not None and refused:
@@ -211,13 +222,27 @@ class _MarkingProducer:
 class _Marking:
     """One send's marker: asked for at once, its answer read once (:meth:`settle`)."""
 
-    __slots__ = ("_outcome", "_read", "holder", "key", "mode", "pending", "service", "task", "token", "ttl")
+    __slots__ = (
+        "_outcome",
+        "_read",
+        "_unknown",
+        "holder",
+        "key",
+        "mode",
+        "pending",
+        "service",
+        "task",
+        "token",
+        "ttl",
+    )
 
     def __init__(self, task: Task, key: str, mode: str, ttl: float, holder: dict[str, Any]) -> None:
         self.task, self.key, self.mode, self.ttl, self.holder = task, key, mode, ttl, holder
         self.service: LockService = task.lock_service
         self.token = new_token()
         self._read = False
+        #: Whether reading the answer raised: the store may hold (or still take) the marker.
+        self._unknown = False
         self._outcome: str | _Found | None = None
         unless = key if self.mode == "until_done" else None
         self.pending = self.service.begin_mark(
@@ -228,8 +253,9 @@ class _Marking:
         """None once the marker is taken (``self.token``), else the duplicate found
         (``_Found(None)`` when it kept changing hands: the caller sends without dedupe)."""
         if not self._read:
-            self._read = True  # read once, even if the read raises
+            self._read = self._unknown = True  # read once, even if the read raises
             self._outcome = _take(self, self.pending.answer())
+            self._unknown = False
         outcome = self._outcome
         if isinstance(outcome, str):
             return None
@@ -273,12 +299,29 @@ class _Marking:
             raise
 
     def give_back(self) -> None:
-        """The send failed: release the marker if it was taken (its answer read first if not yet)."""
-        with contextlib.suppress(BackendError):  # the ttl bounds it if the store is down too
+        """The send failed: release the marker if it was taken (its answer read first if not
+        yet). If the store failed during the mark (its answer unknown: the server may have
+        run it, or may still run it once it answers again) or during this release, the
+        release is retried in the background (:func:`_release_later`) until the store
+        answers: a marker left behind would refuse every send of the key for its ttl,
+        answering each with this never-sent task id."""
+        with contextlib.suppress(BackendError):  # then the answer is unknown
             self.settle()
-        if isinstance(self._outcome, str):
-            with contextlib.suppress(BackendError):
+        if self._unknown:
+            _release_later(self.service, self.key, self.token, self.ttl)
+        elif isinstance(self._outcome, str):
+            try:
                 self.service.force_release(self.key + QUEUED_SUFFIX, self._outcome)
+            except BackendError:
+                _release_later(self.service, self.key, self._outcome, self.ttl)
+
+
+def _release_later(service: LockService, key: str, token: str, within: float) -> None:
+    """Release the marker ``token`` may hold on ``key`` (without its suffix) in the
+    background, through the service's heartbeat, which retries each second until the store
+    answers or ``within`` seconds have passed (by when the marker surely expired)."""
+    store_key = service.prefix + key + QUEUED_SUFFIX
+    service.heartbeat.retry_release(store_key, token, until=service.clock() + within)
 
 
 def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> float | None:
@@ -430,15 +473,29 @@ def _marker(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
 
 
 def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
-    """Release ``marker`` by its token; a failure is logged (the marker's ttl bounds it)."""
+    """Release ``marker`` by its token; a failure is logged, and a store failure's release
+    retried in the background until the store answers (:func:`_release_later`): a marker
+    left behind would refuse every send of its key until its ttl (an hour by default),
+    answering each with the AsyncResult of this message, which has run."""
     from celery_exclusive.worker import get_lock_service
 
+    service = None
     try:
-        get_lock_service(app).force_release(str(marker["key"]) + QUEUED_SUFFIX, str(marker["token"]))
-    except Exception:
+        service = get_lock_service(app)
+        service.force_release(str(marker["key"]) + QUEUED_SUFFIX, str(marker["token"]))
+    except Exception as exc:
+        retried = isinstance(exc, BackendError) and service is not None
         logger.warning(
-            "could not release the queued marker of %r (%s)", marker.get("key"), why, exc_info=True
+            "could not release the queued marker of %r (%s)%s",
+            marker.get("key"),
+            why,
+            "; retrying in the background" if retried else "",
+            exc_info=True,
         )
+        if retried:
+            assert service is not None
+            # The marker's expiry is not in the message: retry for as long as any marker lives.
+            _release_later(service, str(marker["key"]), str(marker["token"]), MAX_LIFETIME_CAP)
 
 
 def marker_of(request: Any) -> Mapping[str, Any] | None:

@@ -50,7 +50,7 @@ from celery_exclusive._inflight import (
 )
 from celery_exclusive._refreshing import Refreshing
 from celery_exclusive.lease import Lease
-from celery_exclusive.providers.base import LockProvider
+from celery_exclusive.providers.base import Completion, LockProvider
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -218,14 +218,18 @@ class Heartbeat:
                 if newest is not lease:  # another thread's add() came in between: keep it
                     fresh.append(newest)
 
-    def retry_release(self, store_key: str, token: str, until: float) -> None:
+    def retry_release(
+        self, store_key: str, token: str, until: float, completion: Completion | None = None
+    ) -> None:
         """Keep releasing ``token``'s lease on ``store_key`` until the store answers or ``until``.
 
         For releases whose outcome was unknown and acquisitions whose reply was lost: the
         token is kept until a release is confirmed, so no lease is orphaned for its ttl.
+        ``completion``: the run's record, written by each retried release (else a copy of
+        the run's message arriving later would find neither lease nor record, and run again).
         """
         with self.mutex:
-            self._inflight.add_release(store_key, token, until)
+            self._inflight.add_release(store_key, token, until, completion)
             self._start_thread()
         self._wake.set()
 

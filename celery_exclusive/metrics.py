@@ -166,6 +166,10 @@ def install(registry: CollectorRegistry | None = None) -> Metrics:
     """
     global _installed  # noqa: PLW0603 - one set of receivers per process, by design
     registry = REGISTRY if registry is None else registry
+    if not callable(getattr(registry, "register", None)) or not callable(getattr(registry, "collect", None)):
+        raise InvalidArgumentError(
+            f"registry must be a prometheus_client CollectorRegistry, got {type(registry).__name__}"
+        )
     with _mutex:
         if _installed is not None:
             if _installed.registry is registry:

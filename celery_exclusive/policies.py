@@ -506,6 +506,8 @@ def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
         redelivery.after_cooldown(task, key, cooling, call.args, call.kwargs)
     if not call.inline and (redelivery.is_copy(task, holder) or redelivery.is_guard(task, key)):
         redelivery.end(task, key, redelivery.REDELIVERED, call.args, call.kwargs, holder=holder)
+    if not call.inline:
+        redelivery.started(task, task.request)  # no copy: STARTED, if the task tracks it
     return of(task).locked(task, key, holder, call)
 
 

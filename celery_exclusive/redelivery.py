@@ -54,6 +54,7 @@ for it inline.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -92,6 +93,52 @@ GUARD_INFIX = "#id:"
 DEFERRED_HEADER = "celery_exclusive_deferred"
 #: Message header of a retry whose previous attempt left its key cooling: that attempt's fences.
 COOLING_HEADER = "celery_exclusive_cooling"
+
+
+#: Task attribute: the task tracks STARTED itself, not Celery's tracer (:func:`hold_back_started`).
+TRACKS_STARTED = "_celery_exclusive_tracks_started"
+#: Request attribute: this run's STARTED is stored (:func:`started`).
+_STARTED_STORED = "_celery_exclusive_started_stored"
+
+
+def hold_back_started(app: Any) -> list[str]:
+    """At worker start: exclusive tasks of ``app`` with ``track_started`` store STARTED
+    themselves (:func:`started`), no longer Celery's tracer; their names.
+
+    The tracer stores STARTED for every message it is about to run, before the task is
+    called, so a copy of a finished run (a redelivery, a duplicate publish) would replace
+    the run's state with STARTED and then end without a trace (``Ignore``): a FAILURE (on
+    every result backend) or a SUCCESS (on those that overwrite one) lost, and ``get()``
+    waiting forever. The task's ``track_started`` is set False on the instance the worker
+    runs, and the run stores STARTED once it knows it is no copy: when it holds its lease,
+    or before its ``on_locked`` policy answers. Workers started otherwise (Celery's embedded
+    test worker sends no ``celeryd_after_setup``) keep the tracer's STARTED."""
+    names = []
+    for task in list(app.tasks.values()):
+        if not callable(getattr(task, "lock_key_for", None)):  # not an exclusive task
+            continue
+        if task.__dict__.get(TRACKS_STARTED) or task.track_started:
+            task.__dict__[TRACKS_STARTED] = True
+            task.track_started = False  # the tracer's view; started() acts on TRACKS_STARTED
+            names.append(task.name)
+    return names
+
+
+def started(task: Any, request: Any) -> None:
+    """Store STARTED for this worker run of ``task`` (``request``) as Celery's tracer would
+    have (see :func:`hold_back_started`), once per run; nothing for a task that does not
+    track STARTED, an eager or direct call, or a run whose result is ignored."""
+    if not task.__dict__.get(TRACKS_STARTED) or request.is_eager or request.called_directly:
+        return
+    if getattr(request, _STARTED_STORED, False):
+        return
+    setattr(request, _STARTED_STORED, True)
+    ignore = getattr(request, "ignore_result", None)
+    if task.ignore_result if ignore is None else ignore:
+        return
+    task.backend.store_result(
+        request.id, {"pid": os.getpid(), "hostname": request.hostname}, "STARTED", request=request
+    )
 
 
 def retention(task: TaskView) -> float | None:

@@ -494,7 +494,7 @@ def _acquire(
         observe.spent_acquiring(time.perf_counter() - started)
 
 
-def _hold(  # noqa: PLR0912 - the usual run's release inline
+def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
     task: ExclusiveTask[..., Any],
     plan: _Plan,
     lease: Lease | LeaseSet,
@@ -512,6 +512,8 @@ def _hold(  # noqa: PLR0912 - the usual run's release inline
     has its :func:`observe.quiet_run` loss report already, given to ``lock`` by :func:`_run`)."""
     if marked and _may_carry_marker(request) and dedupe.marker_of(request) is not None:
         dedupe.acquired(task, request)
+    if plan.tracks_started:  # the run holds its lease: no copy (redelivery.hold_back_started)
+        redelivery.started(task, request)
     report: observe.Run | None
     if isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
@@ -688,6 +690,7 @@ class _Plan:
         "settings",
         "terminate",
         "traceable",
+        "tracks_started",
     )
 
     def __init__(
@@ -715,6 +718,8 @@ class _Plan:
         #: Whether the policy has a ``finished`` hook (the rerun hand-on); the others' is a no-op.
         self.finishes = type(self.policy).finished is not policies.OnLocked.finished
         self.terminate = settings.on_lost == "terminate"
+        #: Whether the run stores STARTED itself (:func:`redelivery.hold_back_started`).
+        self.tracks_started = bool(task.__dict__.get(redelivery.TRACKS_STARTED))
         self._templates: dict[str | None, HolderTemplate] = {}  # per worker hostname
 
     def holder(self, task: ExclusiveTask[..., Any], request: Any) -> Mapping[str, Any]:

@@ -174,6 +174,18 @@ def lock_service_of(task: Any) -> LockService:
     return service
 
 
+def _forget_cached_services(app: Any) -> None:
+    """Make every task of ``app`` look its service up again at its next run: the service
+    :func:`get_lock_service` gives for ``app`` was replaced (``celery_exclusive.testing``'s
+    ``install`` and ``close``). A task keeps the service it looked up (see
+    :func:`lock_service_of`) while that one is open, so without this a task that ran before
+    the replacement would go on using the old service."""
+    for task in list(app.tasks.values()):
+        own = getattr(task, "__dict__", {})
+        own.pop("_lock_service_cache", None)
+        own.pop("_lock_plan_cache", None)
+
+
 def close_lock_services(*, release: bool = True) -> None:
     """Close this process's services (releasing held leases unless ``release=False``)."""
     state = _current()
@@ -214,6 +226,7 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
         return
     app = _resolve_app(instance.app)
     observe.events.enabled = bool(getattr(instance, "task_events", False))
+    redelivery.hold_back_started(app)  # a copy of a finished run must not store STARTED
     if _pool_forks(instance):  # inherited by the pool's children, read by warm_up_process
         alive = app.conf.get("worker_proc_alive_timeout") or PROC_ALIVE_TIMEOUT
         _child_warm_up[0] = min(WARM_UP_TIMEOUT, UP_SHARE * float(alive))

@@ -65,3 +65,19 @@ def test_list_done_and_forget(store: Store) -> None:
     assert none.exit_code == 1
     assert "nothing forgotten" in none.output
     assert invoke(store, "list", "--done", "zzz").output.startswith("no completion records")
+
+
+@pytest.mark.parametrize("task_id", ["", "a\x00b", "x" * 201])
+def test_forget_rejects_a_task_id_no_record_can_have_before_touching_the_store(task_id: str) -> None:
+    """An empty, NUL-bearing or too long TASK_ID is an input error (exit 2), with or without
+    --key, and the store is not asked: the URL below refuses connections. On main, without
+    --key, it listed every record and answered "nothing forgotten" (exit 1), and an
+    unreachable store made it exit 3."""
+    for extra in ([], ["--key", "k"]):
+        result = CliRunner().invoke(
+            cli,
+            ["--url", "redis://127.0.0.1:1/0", "forget", task_id, *extra],
+            env={"CELERY_EXCLUSIVE_URL": None, "CELERY_EXCLUSIVE_PREFIX": None},
+        )
+        assert result.exit_code == 2, (extra, result.output)
+        assert "task_id" in result.stderr

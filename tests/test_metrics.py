@@ -238,6 +238,17 @@ def test_installing_on_another_registry_while_installed_is_refused(registry: Col
     assert install(other).registry is other
 
 
+@pytest.mark.parametrize("registry_arg", ["prod", 0, object()])
+def test_install_rejects_what_is_no_registry_and_installs_nothing(registry_arg: object) -> None:
+    """``install(registry=...)`` takes a prometheus_client registry: anything else is an
+    InvalidArgumentError naming what it got, and nothing is installed (on main: an
+    AttributeError from inside prometheus_client, 'str' object has no attribute 'register')."""
+    uninstall()
+    with pytest.raises(InvalidArgumentError, match="registry"):
+        install(registry_arg)  # type: ignore[arg-type]
+    assert installed() is None
+
+
 def test_metric_names_are_prefixed_and_never_labelled_by_key(registry: CollectorRegistry) -> None:
     """Every metric is named celery_exclusive_* and no metric has a key label."""
     install(registry)

@@ -114,6 +114,21 @@ def test_install_routes_the_apps_service_to_the_store_and_close_restores_it() ->
     assert get_lock_service(app) is before
 
 
+def test_a_task_run_before_install_uses_the_store_once_installed_and_its_own_after_close() -> None:
+    """A task that already ran on the app's own service (a test without the store, earlier in
+    the session) uses the store once it is installed, and the app's service again once it is
+    closed (on main it kept the service it had looked up first, so a hold made through the
+    store did not skip it and the store saw none of its leases)."""
+    assert assert_not_skipped(job.delay(11)) >= 1  # looked up the app's own memory:// service
+    with ExclusiveStore() as store:
+        store.install(app)
+        store.hold("job:11")
+        assert_skipped(job.delay(11), key="job:11")
+    own = get_lock_service(app)
+    with own.lock("job:11"):  # held on the app's own service: the task sees it again
+        assert_skipped(job.delay(11), key="job:11")
+
+
 def test_hold_makes_tasks_skip_and_release_frees_the_key(store: ExclusiveStore) -> None:
     """A held key skips the task, naming the holder; released, the task runs."""
     hold = store.hold("job:1", holder={"host": "w2"})

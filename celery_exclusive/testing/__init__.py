@@ -165,7 +165,7 @@ class ExclusiveStore:
 
     def install(self, app: Any = None) -> LockService:
         """Make ``app`` (default: the current app) use this store; returns its service."""
-        from celery_exclusive.worker import _current, _resolve_app, app_settings
+        from celery_exclusive.worker import _current, _forget_cached_services, _resolve_app, app_settings
 
         app = _resolve_app(app)
         if not hasattr(app, "conf") or not hasattr(app, "tasks"):
@@ -186,6 +186,7 @@ class ExclusiveStore:
         with state.mutex:
             self._installed.append((app, state.services.get(app)))
             state.services[app] = service
+        _forget_cached_services(app)  # tasks that ran before must not keep the app's old service
         self._services.append(service)
         self._prefix = settings.prefix
         return service
@@ -194,16 +195,19 @@ class ExclusiveStore:
         """Give every installed app its previous service back and drop this store's leases."""
         if not self._installed and not self._services:
             return
-        from celery_exclusive.worker import _current
+        from celery_exclusive.worker import _current, _forget_cached_services
 
         state = _current()
         with state.mutex:
+            restored = [app for app, _ in self._installed]
             for app, previous in reversed(self._installed):
                 if previous is None:
                     state.services.pop(app, None)
                 else:
                     state.services[app] = previous
             self._installed.clear()
+        for app in restored:
+            _forget_cached_services(app)
         for service in self._services:
             service.close(release=True)
         self._services.clear()

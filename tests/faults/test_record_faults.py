@@ -1,0 +1,83 @@
+"""Completion records across a store failure at release: a release whose answer was lost is
+retried in the background, and the retry must still write the run's completion record.
+
+Without the record, a copy of the task's message that arrives later (a copy deferred during
+the run, a broker's redelivery) finds the key free and no record, and runs the body again.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from celery_exclusive import AlreadyDone, ReleaseOutcome
+from celery_exclusive.providers.base import Completion
+from tests.faults.conftest import Faults, wait_until
+from tests.faults.servers import PrivateRedis
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def test_a_release_retried_after_a_store_failure_still_writes_the_completion_record(
+    redis_server: PrivateRedis, faults: Faults
+) -> None:
+    """The store refuses the holder's commands (its ACL user loses them) as the run releases
+    with its record: the release is UNKNOWN and retried in the background. Once the store
+    answers again, the retry frees the key and writes the record, so a copy of the run's
+    message ends as ``already_done`` (on main the retry released without the record: the
+    copy got the key and would have run the body a second time)."""
+    admin = redis.Redis.from_url(redis_server.url)
+    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
+    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=30)
+    observer = faults.service(redis_server.url)
+    task_id = str(uuid.uuid4())
+    try:
+        lease = service.lock("job", task_id=task_id)
+        admin.execute_command("ACL", "SETUSER", user, "-@all")  # the holder's calls fail now
+        outcome = lease.release(Completion(task_id, "success", 0, 600.0))
+        assert outcome is ReleaseOutcome.UNKNOWN
+        admin.execute_command("ACL", "SETUSER", user, "+@all")  # healed
+
+        def settled() -> bool:
+            return observer.peek("job") is None and not service.heartbeat._pending_release
+
+        assert wait_until(settled, 15.0), (observer.peek("job"), service.heartbeat._pending_release)
+        record = observer.completion("job", task_id)
+        assert record is not None, "the retried release wrote no completion record"
+        assert (record.outcome, record.attempt) == ("success", 0)
+        with pytest.raises(AlreadyDone):  # a copy of the message: it does not run again
+            observer.lock("job", task_id=task_id)
+    finally:
+        admin.execute_command("ACL", "SETUSER", user, "+@all")
+        service.close()
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+
+
+def test_a_cooldown_release_retried_after_a_store_failure_still_writes_the_record(
+    redis_server: PrivateRedis, faults: Faults
+) -> None:
+    """The same for a lease with a cooldown (``hold_at_least``), whose release shortens the
+    lease and writes the record in a second call: when the store fails there, the record is
+    written by the background retry once the store answers (on main it was never written)."""
+    admin = redis.Redis.from_url(redis_server.url)
+    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
+    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=30)
+    observer = faults.service(redis_server.url)
+    task_id = str(uuid.uuid4())
+    try:
+        lease = service.lock("cool", task_id=task_id, hold_at_least=20)
+        admin.execute_command("ACL", "SETUSER", user, "-@all")
+        assert lease.release(Completion(task_id, "success", 0, 600.0)) is ReleaseOutcome.UNKNOWN
+        admin.execute_command("ACL", "SETUSER", user, "+@all")
+        assert wait_until(lambda: observer.completion("cool", task_id) is not None, 15.0)
+        assert wait_until(lambda: not service.heartbeat._pending_release, 15.0)
+    finally:
+        admin.execute_command("ACL", "SETUSER", user, "+@all")
+        service.close()
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
