@@ -96,14 +96,21 @@ def _check_batch_size(size: object) -> int:
     return size
 
 
+#: The texts that turn the sweep off.
+_OFF = ("0", "off", "false", "no")
+
+
 def _sweep_interval(value: object) -> float | None:
-    """The heartbeat's sweep interval in seconds, None for off; from the environment
-    (``CELERY_EXCLUSIVE_SWEEP_INTERVAL``: seconds, or 0/off) when not given."""
+    """The heartbeat's sweep interval in seconds, None for off (0, False, or the text
+    ``"0"``/``"off"``/``"false"``/``"no"``, as configured or in the environment); from the
+    environment (``CELERY_EXCLUSIVE_SWEEP_INTERVAL``) when not given."""
+    if isinstance(value, str) and value.strip().lower() in _OFF:
+        return None
     if value is FROM_ENV:
         raw = os.environ.get(SWEEP_ENV_VAR, "").strip().lower()
         if not raw:
             return DEFAULT_SWEEP_INTERVAL
-        if raw in ("0", "off", "false", "no"):
+        if raw in _OFF:
             return None
         try:
             value = float(raw)

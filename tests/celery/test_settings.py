@@ -171,6 +171,10 @@ def test_django_style_namespace_settings_are_read() -> None:
         ({}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "0"}, None),
         ({"exclusive_sweep_interval": 0}, {}, None),
         ({"exclusive_sweep_interval": False}, {}, None),
+        # README: "0 or off" turns it off, in the app's settings as in the environment.
+        ({"exclusive_sweep_interval": "off"}, {}, None),
+        ({"exclusive_sweep_interval": "Off"}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "30"}, None),
+        ({"exclusive_sweep_interval": "0"}, {}, None),
     ],
 )
 def test_sweep_interval_from_conf_or_environment(
@@ -184,6 +188,8 @@ def test_sweep_interval_is_rejected_when_bad_and_reaches_the_service(monkeypatch
     """A bad sweep interval names its setting; a good one is the worker's service's."""
     with pytest.raises(ConfigurationError, match="exclusive_sweep_interval"):
         ExclusiveSettings.from_conf({"exclusive_sweep_interval": -5}, {})
+    with pytest.raises(ConfigurationError, match="exclusive_sweep_interval"):
+        ExclusiveSettings.from_conf({"exclusive_sweep_interval": "soon"}, {})
     with pytest.raises(ConfigurationError, match="CELERY_EXCLUSIVE_SWEEP_INTERVAL"):
         ExclusiveSettings.from_conf({}, {"CELERY_EXCLUSIVE_SWEEP_INTERVAL": "soon"})
     monkeypatch.delenv("CELERY_EXCLUSIVE_SWEEP_INTERVAL", raising=False)
