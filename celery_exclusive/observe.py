@@ -105,6 +105,12 @@ def _task_span(task: Any, request: Any = None) -> Any:
     trace = sys.modules.get("opentelemetry.trace")
     if trace is None or (task.request if request is None else request).called_directly:
         return None
+    # The current span is read from the current context: an empty one (no instrumentation
+    # set anything in it) holds none, which get_current_span would answer with its invalid,
+    # never recording span, in two calls more.
+    context = sys.modules.get("opentelemetry.context")  # imported by opentelemetry.trace
+    if context is not None and not context.get_current():
+        return None
     span = trace.get_current_span()
     return span if span.is_recording() else None
 

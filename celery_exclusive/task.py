@@ -338,10 +338,10 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
             request = self.request
         headers = getattr(request, "headers", None)  # _may_carry_marker inline
         if not headers or dedupe.HEADER not in headers or dedupe.marker_of(request) is None:  # most
-            return _run(self, args, kwargs, request, marked=False)  # type: ignore[no-any-return]
+            return _run(self, args, kwargs, request, False)  # type: ignore[no-any-return]
         dedupe.run_started(self, request)
         try:
-            return cast("_R", _run(self, args, kwargs, request, marked=True))
+            return cast("_R", _run(self, args, kwargs, request, True))
         finally:
             dedupe.release_for(self, "run ended", request)
 
@@ -400,7 +400,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
 
 def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each run
-    task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool
+    task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, marked: bool
 ) -> Any:
     """The run of the current ``request`` (``marked``: its message may carry a queued marker)."""
     # _plan_of's check of the cached plan inline (the usual run makes no call for it).
@@ -417,7 +417,16 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
     # The task's recording span, looked up once for the run: OpenTelemetry's API is often
     # imported without an SDK recording anything (redis-py imports it, so every worker
     # with a Redis broker has it), and only a recording span reads the acquire's duration.
-    span = None if _SPANS not in sys.modules else observe._task_span(task, request)
+    # observe._task_span's first tests inline: no OpenTelemetry, or an empty context (no
+    # instrumentation set a span in it), has no span, without its call.
+    modules = sys.modules
+    if _SPANS not in modules:
+        span = None
+    else:
+        context = modules.get(_CONTEXT)
+        span = (
+            None if context is not None and not context.get_current() else observe._task_span(task, request)
+        )
     spans = span is not None
     if spans:
         observe.begin()
@@ -500,17 +509,8 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 continue
             return result
         return _hold(
-            task,
-            plan,
-            lease,
-            args,
-            kwargs,
-            request=request,
-            record=record,
-            marked=marked,
-            span=span,
-            watched=watched,
-        )
+            task, plan, lease, args, kwargs, request, record, marked, span, watched
+        )  # by position: no keyword matching
 
 
 def _acquire(
@@ -526,13 +526,12 @@ def _acquire(
         observe.spent_acquiring(time.perf_counter() - started)
 
 
-def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
+def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, its arguments by position
     task: ExclusiveTask[..., Any],
     plan: _Plan,
     lease: Lease | LeaseSet,
     args: Any,
     kwargs: Any,
-    *,
     request: Any,
     record: str | None,
     marked: bool,
@@ -566,7 +565,11 @@ def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
     # apply()) pushed this task and its request before calling us, and Task.__call__
     # would push a copy of both (10 us a run). Only when it is the next __call__ in line
     # (plan.traceable), and not for a call from inside this task's own body.
-    traced = _runs.enter(task, lease) and plan.traceable and not request.called_directly
+    # _runs.enter inline: whether no run of this task was in progress in this thread.
+    stack = _runs._running.stack
+    outermost = not stack or all(running is not task for running, _ in stack)
+    stack.append((task, lease))
+    traced = outermost and plan.traceable and not request.called_directly
     try:
         try:
             result = (
@@ -619,7 +622,6 @@ def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
         # _runs.finish of one lease inline, released through the service's own release
         # (what lease.release and service.release call, the record already checked).
         one: Lease = lease  # type: ignore[assignment]  # direct: a Lease
-        stack = _runs._running.stack
         if stack and stack[-1][1] is one:
             del stack[-1]
         else:
@@ -848,6 +850,8 @@ _NOT_OWNED = ReleaseOutcome.NOT_OWNED
 
 #: The module whose presence means a span may record (see observe._task_span).
 _SPANS = "opentelemetry.trace"
+#: OpenTelemetry's context API (imported by the former): an empty current context has no span.
+_CONTEXT = "opentelemetry.context"
 
 
 def _may_carry_marker(request: Any) -> bool:
