@@ -37,6 +37,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_task_logger
@@ -246,16 +247,18 @@ def quiet_run(task_name: str, task_id: object) -> Callable[[Lease, str], None]:
     (``events.enabled`` false: the usual run), which :class:`Run` would make at more cost:
     the same WARNING, once per run. Such a run's :meth:`Run.finished` has nothing to mark
     (no span, no event), so the caller makes no report at the release."""
-    unreported = [True]  # popped by the first report (list.pop is atomic), as Run's
+    # A partial, not a closure: made in C, without a frame or cells. The list is popped by
+    # the first report (list.pop is atomic), as Run's.
+    return partial(_lost_once, [True], task_name, task_id)
 
-    def lost(lease: Lease, reason: str) -> None:
-        try:
-            unreported.pop()
-        except IndexError:
-            return
-        _log_lost(task_name, task_id, lease, reason)
 
-    return lost
+def _lost_once(unreported: list[bool], task_name: str, task_id: object, lease: Lease, reason: str) -> None:
+    """:func:`quiet_run`'s callback: the lost-lease WARNING, the first time only."""
+    try:
+        unreported.pop()
+    except IndexError:
+        return
+    _log_lost(task_name, task_id, lease, reason)
 
 
 def holding(task: Any, leases: Sequence[Lease], request: Any = None, span: Any = _ASK) -> Run:

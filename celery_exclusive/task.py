@@ -61,6 +61,7 @@ import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from functools import partial as _partial
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -468,7 +469,9 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 if observe.events.enabled:
                     lost = None
                 else:  # _hold's quiet report, given at the grant: no lease.on_lost call after it
-                    lost = observe.quiet_run(task.name, request.id)
+                    lost = _partial(
+                        _lost_once, [True], task.name, request.id
+                    )  # quiet_run's, without its frame
                     watched = True
                 if plan.direct and (once is None or once.isascii()):
                     # service.lock's hot path without its frame: the id is one it passes
@@ -847,6 +850,7 @@ def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
 _new = object.__new__
 _set_task_id, _set_outcome, _set_attempt, _set_retain = _SETTERS
 _NOT_OWNED = ReleaseOutcome.NOT_OWNED
+_lost_once = observe._lost_once
 
 #: The module whose presence means a span may record (see observe._task_span).
 _SPANS = "opentelemetry.trace"
