@@ -68,14 +68,13 @@ class Acquiring:
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
 
-    def take(  # noqa: PLR0912, PLR0915 - the hot paths of one key and of a semaphore, inline
+    def take(  # noqa: PLR0912, PLR0915, PLR0917 - the hot paths of one key and of a semaphore, inline
         self,
         key: str,
         ttl: float | timedelta | None,
         refresh_interval: float | timedelta | None,
         max_lifetime: float | timedelta | None,
         holder: Mapping[str, Any] | None,
-        *,
         name_holder: bool = True,
         task_id: str | None = None,
         limit: int = 1,

@@ -478,14 +478,9 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                     # unchanged (a str of 1-200 ASCII characters without NUL, or None), the
                     # durations are the plan's, and a store without records gets no id.
                     ttl, interval, lifetime = plan.ttls
+                    # By position (name_holder, task_id, limit, on_lost): no keyword matching.
                     taken = plan.take(
-                        key,
-                        ttl,
-                        interval,
-                        lifetime,
-                        holder,
-                        task_id=once if plan.records else None,
-                        on_lost=lost,
+                        key, ttl, interval, lifetime, holder, True, once if plan.records else None, 1, lost
                     )
                     if type(taken) is not Lease:
                         raise LockedError(key, cast("Held", taken).holder)
