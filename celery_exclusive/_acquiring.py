@@ -68,14 +68,13 @@ class Acquiring:
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
 
-    def take(  # noqa: PLR0912, PLR0915 - the hot paths of one key and of a semaphore, inline
+    def take(  # noqa: PLR0912, PLR0915, PLR0917 - the hot paths of one key and of a semaphore, inline
         self,
         key: str,
         ttl: float | timedelta | None,
         refresh_interval: float | timedelta | None,
         max_lifetime: float | timedelta | None,
         holder: Mapping[str, Any] | None,
-        *,
         name_holder: bool = True,
         task_id: str | None = None,
         limit: int = 1,
@@ -129,23 +128,40 @@ class Acquiring:
         if limit == 1:
             # The first attempt; a failed one goes to _after_failure (retry, background release).
             start = time.monotonic()
-            # task_id only when given: a third-party provider may not take it.
-            once: dict[str, Any] = {} if task_id is None else {"task_id": task_id}
-            args = (store_key, token, ttl_s, lifetime_s, encoded)
             try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
-                if self._direct and task_id is None:  # the usual call, without star-args
-                    answer = service.provider.acquire(
-                        store_key, token, ttl_s, lifetime_s, encoded, timeout=service.call_timeout
-                    )
-                else:
+                # The usual calls, without star-args; task_id only when given: a third-party
+                # provider may not take it.
+                if self._direct:
                     answer = (
-                        service.provider.acquire(*args, timeout=service.call_timeout, **once)
-                        if self._direct
-                        else service._calls.call(
-                            "acquire", service.provider.acquire, *args, timeout=service.call_timeout, **once
+                        service.provider.acquire(
+                            store_key, token, ttl_s, lifetime_s, encoded, timeout=service.call_timeout
+                        )
+                        if task_id is None
+                        else service.provider.acquire(
+                            store_key,
+                            token,
+                            ttl_s,
+                            lifetime_s,
+                            encoded,
+                            timeout=service.call_timeout,
+                            task_id=task_id,
                         )
                     )
+                else:
+                    answer = service._calls.call(
+                        "acquire",
+                        service.provider.acquire,
+                        store_key,
+                        token,
+                        ttl_s,
+                        lifetime_s,
+                        encoded,
+                        timeout=service.call_timeout,
+                        **({} if task_id is None else {"task_id": task_id}),
+                    )
             except BaseException as exc:
+                once: dict[str, Any] = {} if task_id is None else {"task_id": task_id}
+                args = (store_key, token, ttl_s, lifetime_s, encoded)
                 answer = self._after_failure(as_store_error("acquire", exc), start, sent, *args, once)
         else:
             keys = semaphore.store_slot_keys(service.prefix, key, limit)

@@ -91,7 +91,7 @@ def new_token() -> str:
     if i >= TOKENS_PER_DRAW:
         return _token_after_refill(pool)
     start = i * _TOKEN_HEX
-    return f"{this.token_prefix}{int(time.time() * 1000)}:{pool.hex[start : start + _TOKEN_HEX]}"
+    return f"{this.token_prefix}{time.time_ns() // 1_000_000}:{pool.hex[start : start + _TOKEN_HEX]}"
 
 
 def _token_after_refill(used_up: _RandomPool) -> str:

@@ -87,7 +87,8 @@ _last_checked: Completion | None = None
 def checked_completion(task_id: str, outcome: str, attempt: int, retain: float) -> Completion:
     """``Completion(task_id, outcome, attempt, retain)``, checked whole as
     :func:`check_completion` checks it (InvalidArgumentError for the same values), for a
-    record the library builds at every run's release (the Celery layer): the usual values
+    record the library builds at a run's release (the Celery layer, whose usual run makes
+    its record the same way inline, its values checked by its plan): the usual values
     (an ASCII task id, an int attempt, float seconds) are tested once here, the record is
     made without the frozen dataclass's ``__init__`` and the release does not check it again."""
     global _last_checked  # noqa: PLW0603 - one reference, see _last_checked

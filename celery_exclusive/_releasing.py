@@ -158,8 +158,12 @@ class Releasing:
         timeout = service.call_timeout
         timeout = RELEASE_TIMEOUT if timeout > RELEASE_TIMEOUT else timeout  # min(), without its call
         try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
-            if self._direct and completion is None:  # the usual call, without a star-args tuple
-                owned = service.provider.release(lease.store_key, lease.token, timeout=timeout)
+            if self._direct:  # the usual calls, without a star-args tuple
+                owned = (
+                    service.provider.release(lease.store_key, lease.token, timeout=timeout)
+                    if completion is None
+                    else service.provider.release(lease.store_key, lease.token, completion, timeout=timeout)
+                )
             else:
                 # ``completion`` only when given: a third-party provider may not take it.
                 args = (
@@ -167,11 +171,7 @@ class Releasing:
                     if completion is None
                     else (lease.store_key, lease.token, completion)
                 )
-                owned = (
-                    service.provider.release(*args, timeout=timeout)
-                    if self._direct
-                    else service._calls.call("release", service.provider.release, *args, timeout=timeout)
-                )
+                owned = service._calls.call("release", service.provider.release, *args, timeout=timeout)
         except BaseException as exc:
             error = as_store_error("release", exc)
             if not isinstance(error, BackendError):

@@ -179,7 +179,9 @@ class Heartbeat:
             with self.mutex:
                 if self._start_thread():
                     return
-        if lease._wake_at() < self._wake_at:
+        # lease._wake_at() inline: its next refresh, or its local deadline if earlier or final.
+        deadline, next_refresh = lease._deadline, lease._next_refresh
+        if (deadline if lease._final or deadline < next_refresh else next_refresh) < self._wake_at:
             self._wake.set()
 
     def _adopt(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_task_logger
@@ -104,6 +105,12 @@ def _task_span(task: Any, request: Any = None) -> Any:
     # module, is set up; so the package costs nothing where OpenTelemetry is not used.
     trace = sys.modules.get("opentelemetry.trace")
     if trace is None or (task.request if request is None else request).called_directly:
+        return None
+    # The current span is read from the current context: an empty one (no instrumentation
+    # set anything in it) holds none, which get_current_span would answer with its invalid,
+    # never recording span, in two calls more.
+    context = sys.modules.get("opentelemetry.context")  # imported by opentelemetry.trace
+    if context is not None and not context.get_current():
         return None
     span = trace.get_current_span()
     return span if span.is_recording() else None
@@ -240,16 +247,18 @@ def quiet_run(task_name: str, task_id: object) -> Callable[[Lease, str], None]:
     (``events.enabled`` false: the usual run), which :class:`Run` would make at more cost:
     the same WARNING, once per run. Such a run's :meth:`Run.finished` has nothing to mark
     (no span, no event), so the caller makes no report at the release."""
-    unreported = [True]  # popped by the first report (list.pop is atomic), as Run's
+    # A partial, not a closure: made in C, without a frame or cells. The list is popped by
+    # the first report (list.pop is atomic), as Run's.
+    return partial(_lost_once, [True], task_name, task_id)
 
-    def lost(lease: Lease, reason: str) -> None:
-        try:
-            unreported.pop()
-        except IndexError:
-            return
-        _log_lost(task_name, task_id, lease, reason)
 
-    return lost
+def _lost_once(unreported: list[bool], task_name: str, task_id: object, lease: Lease, reason: str) -> None:
+    """:func:`quiet_run`'s callback: the lost-lease WARNING, the first time only."""
+    try:
+        unreported.pop()
+    except IndexError:
+        return
+    _log_lost(task_name, task_id, lease, reason)
 
 
 def holding(task: Any, leases: Sequence[Lease], request: Any = None, span: Any = _ASK) -> Run:

@@ -61,6 +61,7 @@ import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from functools import partial as _partial
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -78,15 +79,17 @@ from celery import Task, shared_task
 from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
+from celery.utils.threads import Local as _Local
+from celery.utils.threads import _LocalStack
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive import worker as _worker
 from celery_exclusive._process import HolderTemplate
-from celery_exclusive._records import checked_completion
+from celery_exclusive._records import _SETTERS, checked_completion
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
-from celery_exclusive.lease import Lease
+from celery_exclusive.lease import _HELD, _JEOPARDY, _LOST, _RELEASED, Lease, ReleaseOutcome
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.policies import (
     COALESCED,
@@ -99,7 +102,7 @@ from celery_exclusive.policies import (
     lock_retry_countdown,
     skip_marker,
 )
-from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, Completion
+from celery_exclusive.providers.base import MAX_ATTEMPT, MAX_RETAIN, MAX_TASK_ID_LENGTH, Completion
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import (
     TASK_OPTIONS,
@@ -114,6 +117,8 @@ from celery_exclusive.worker import app_settings, lock_service_of
 if TYPE_CHECKING:
     from celery.canvas import Signature
     from celery.result import AsyncResult
+
+    from celery_exclusive.providers.base import Held
 
 logger = get_task_logger("celery_exclusive.task")
 
@@ -319,15 +324,25 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         # Task.request without its property's call: the request the tracer (or apply) pushed.
-        request: Any = self.request_stack.top
+        # Celery's own thread-local stack read as its ``top`` reads it, without that property
+        # and Local.__getattr__ (whose way in is a failed attribute lookup: an AttributeError
+        # made and dropped, ~2k instructions); any other stack through ``top``.
+        stack = self.request_stack
+        local = stack._local if type(stack) is _LocalStack else None  # type: ignore[attr-defined]
+        if type(local) is _Local:
+            own = local.__storage__.get(local.__ident_func__())
+            pushed = None if own is None else own.get("stack")
+            request: Any = pushed[-1] if pushed else None
+        else:
+            request = stack.top
         if request is None:
             request = self.request
         headers = getattr(request, "headers", None)  # _may_carry_marker inline
         if not headers or dedupe.HEADER not in headers or dedupe.marker_of(request) is None:  # most
-            return _run(self, args, kwargs, request, marked=False)  # type: ignore[no-any-return]
+            return _run(self, args, kwargs, request, False)  # type: ignore[no-any-return]
         dedupe.run_started(self, request)
         try:
-            return cast("_R", _run(self, args, kwargs, request, marked=True))
+            return cast("_R", _run(self, args, kwargs, request, True))
         finally:
             dedupe.release_for(self, "run ended", request)
 
@@ -386,7 +401,7 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
 
 
 def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each run
-    task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, *, marked: bool
+    task: ExclusiveTask[..., Any], args: Any, kwargs: Any, request: Any, marked: bool
 ) -> Any:
     """The run of the current ``request`` (``marked``: its message may carry a queued marker)."""
     # _plan_of's check of the cached plan inline (the usual run makes no call for it).
@@ -403,7 +418,16 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
     # The task's recording span, looked up once for the run: OpenTelemetry's API is often
     # imported without an SDK recording anything (redis-py imports it, so every worker
     # with a Redis broker has it), and only a recording span reads the acquire's duration.
-    span = None if _SPANS not in sys.modules else observe._task_span(task, request)
+    # observe._task_span's first tests inline: no OpenTelemetry, or an empty context (no
+    # instrumentation set a span in it), has no span, without its call.
+    modules = sys.modules
+    if _SPANS not in modules:
+        span = None
+    else:
+        context = modules.get(_CONTEXT)
+        span = (
+            None if context is not None and not context.get_current() else observe._task_span(task, request)
+        )
     spans = span is not None
     if spans:
         observe.begin()
@@ -443,11 +467,26 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 template = plan._templates.get(request.hostname)
                 holder = plan.holder(task, request) if template is None else template.holder(task_id)
                 if observe.events.enabled:
-                    lease = plan.service.lock(key, task_id=once, holder=holder, **plan.options)
+                    lost = None
                 else:  # _hold's quiet report, given at the grant: no lease.on_lost call after it
-                    lost = observe.quiet_run(task.name, request.id)
-                    lease = plan.service.lock(key, task_id=once, holder=holder, on_lost=lost, **plan.options)
+                    lost = _partial(
+                        _lost_once, [True], task.name, request.id
+                    )  # quiet_run's, without its frame
                     watched = True
+                if plan.direct and (once is None or once.isascii()):
+                    # service.lock's hot path without its frame: the id is one it passes
+                    # unchanged (a str of 1-200 ASCII characters without NUL, or None), the
+                    # durations are the plan's, and a store without records gets no id.
+                    ttl, interval, lifetime = plan.ttls
+                    # By position (name_holder, task_id, limit, on_lost): no keyword matching.
+                    taken = plan.take(
+                        key, ttl, interval, lifetime, holder, True, once if plan.records else None, 1, lost
+                    )
+                    if type(taken) is not Lease:
+                        raise LockedError(key, cast("Held", taken).holder)
+                    lease = taken
+                else:
+                    lease = plan.service.lock(key, task_id=once, holder=holder, on_lost=lost, **plan.options)
             else:
                 lease = _lock(task, plan, key, once, request)
         except AlreadyDone as done:
@@ -468,17 +507,8 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 continue
             return result
         return _hold(
-            task,
-            plan,
-            lease,
-            args,
-            kwargs,
-            request=request,
-            record=record,
-            marked=marked,
-            span=span,
-            watched=watched,
-        )
+            task, plan, lease, args, kwargs, request, record, marked, span, watched
+        )  # by position: no keyword matching
 
 
 def _acquire(
@@ -494,13 +524,12 @@ def _acquire(
         observe.spent_acquiring(time.perf_counter() - started)
 
 
-def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
+def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, its arguments by position
     task: ExclusiveTask[..., Any],
     plan: _Plan,
     lease: Lease | LeaseSet,
     args: Any,
     kwargs: Any,
-    *,
     request: Any,
     record: str | None,
     marked: bool,
@@ -534,7 +563,11 @@ def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
     # apply()) pushed this task and its request before calling us, and Task.__call__
     # would push a copy of both (10 us a run). Only when it is the next __call__ in line
     # (plan.traceable), and not for a call from inside this task's own body.
-    traced = _runs.enter(task, lease) and plan.traceable and not request.called_directly
+    # _runs.enter inline: whether no run of this task was in progress in this thread.
+    stack = _runs._running.stack
+    outermost = not stack or all(running is not task for running, _ in stack)
+    stack.append((task, lease))
+    traced = outermost and plan.traceable and not request.called_directly
     try:
         try:
             result = (
@@ -556,13 +589,48 @@ def _hold(  # noqa: PLR0912, PLR0915 - the usual run's release inline
         raise
     # redelivery.completion() of a body that returned, without its two calls.
     keep = plan.retention
-    done = (
-        None
-        if record is None or keep is None
-        else checked_completion(record, "success", int(request.retries or 0), keep)
-    )
-    if plan.finishes:
+    attempt = request.retries or 0
+    direct = plan.direct and type(lease) is Lease and lease._service is plan.service
+    if record is None or keep is None:
+        done = None
+    elif (
+        direct
+        and plan.keep is not None
+        and type(attempt) is int
+        and 0 <= attempt <= MAX_ATTEMPT
+        and record.isascii()
+    ):
+        # checked_completion's record, made as it makes it: each of its checks holds (the
+        # id was checked by _run, the retention by the plan), and for a store without
+        # records service.release would drop it.
+        if plan.records:
+            done = _new(Completion)
+            _set_task_id(done, record)
+            _set_outcome(done, "success")
+            _set_attempt(done, attempt)
+            _set_retain(done, keep)
+        else:
+            done = None
+    else:
+        done = checked_completion(record, "success", int(attempt), keep)
+        direct = False
+    if plan.finishes:  # the rerun hand-on, whatever the release did
         lost = _finish(task, plan, lease, retrying=False, done=done)
+    elif direct:
+        # _runs.finish of one lease inline, released through the service's own release
+        # (what lease.release and service.release call, the record already checked).
+        one: Lease = lease  # type: ignore[assignment]  # direct: a Lease
+        if stack and stack[-1][1] is one:
+            del stack[-1]
+        else:
+            _runs._pop(one)
+        state = one._state
+        if (state is _HELD or state is _JEOPARDY) and plan.service.clock() >= one._deadline:
+            state = one.state  # past its local deadline: the property makes it LOST, and reports it
+        gone = state is _LOST
+        if state is not _RELEASED:
+            gone = plan.release(one, done) is _NOT_OWNED or gone
+        lost = one if gone else None
     else:
         lost = _runs.finish(lease, done)  # _finish without a hand-on, inline
     if lost is not None:
@@ -679,18 +747,24 @@ class _Plan:
     __slots__ = (
         "_templates",
         "app",
+        "direct",
         "durations",
         "finishes",
+        "keep",
         "lock_one",
         "options",
         "policy",
         "process",
+        "records",
+        "release",
         "retention",
         "service",
         "settings",
+        "take",
         "terminate",
         "traceable",
         "tracks_started",
+        "ttls",
     )
 
     def __init__(
@@ -721,6 +795,23 @@ class _Plan:
         #: Whether the run stores STARTED itself (:func:`redelivery.hold_back_started`).
         self.tracks_started = bool(task.__dict__.get(redelivery.TRACKS_STARTED))
         self._templates: dict[str | None, HolderTemplate] = {}  # per worker hostname
+        #: Whether the usual run (one key, limit 1, no cooldown) may take its lease through
+        #: the service's acquire (``take``) and give it back through its release
+        #: (``release``) without ``service.lock``'s, ``lease.release``'s and
+        #: ``service.release``'s frames: what those add is their option and argument checks,
+        #: which the plan and :func:`_run` make once (the task id is checked as ``lock``
+        #: checks it before it is passed, and the record as ``checked_completion`` checks it).
+        self.direct = self.lock_one and settings.cooldown is None and type(service) is LockService
+        self.take = service._acquiring.take
+        self.release = service._releasing.release
+        #: ``service.lock``'s durations by position (None: the service's own).
+        self.ttls = tuple(self.durations.get(name) for name in ("ttl", "refresh_interval", "max_lifetime"))
+        #: Whether the store keeps completion records (else the task id is not passed, as
+        #: ``service.lock`` and ``service.release`` drop it).
+        self.records = service.keeps_records
+        #: The retention when a record of it needs no check (a float within MAX_RETAIN), else None.
+        keep = self.retention
+        self.keep = keep if type(keep) is float and 0.0 < keep <= MAX_RETAIN else None
 
     def holder(self, task: ExclusiveTask[..., Any], request: Any) -> Mapping[str, Any]:
         """:func:`policies.holder_of` ``request``, its JSON encoded around the task id."""
@@ -750,8 +841,16 @@ def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
     return plan
 
 
+#: Completion(...) as checked_completion makes it: the object, then its slots set directly.
+_new = object.__new__
+_set_task_id, _set_outcome, _set_attempt, _set_retain = _SETTERS
+_NOT_OWNED = ReleaseOutcome.NOT_OWNED
+_lost_once = observe._lost_once
+
 #: The module whose presence means a span may record (see observe._task_span).
 _SPANS = "opentelemetry.trace"
+#: OpenTelemetry's context API (imported by the former): an empty current context has no span.
+_CONTEXT = "opentelemetry.context"
 
 
 def _may_carry_marker(request: Any) -> bool:
