@@ -49,6 +49,27 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def start_worker(
+    app: str, queue: str, env: dict[str, str], log: Path, *, concurrency: int = 1
+) -> subprocess.Popen[bytes]:
+    """A real prefork Celery worker of the app module ``app`` consuming ``queue``, its output
+    in ``log``, in a session of its own (so that the whole process group can be signalled);
+    the caller waits for " ready." in the log and stops it."""
+    celery = str(Path(sys.executable).with_name("celery"))
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [
+                *(celery, "-A", app, "worker", "-P", "prefork", "-c", str(concurrency)),
+                *("-Q", queue, "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PrivatePostgres]:
     """This suite's own PostgreSQL cluster (initdb'd in a temp dir), stopped at session end."""

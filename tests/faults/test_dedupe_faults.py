@@ -11,10 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +21,7 @@ from celery import Celery
 from celery_exclusive import BackendError
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import get_lock_service
-from tests.faults.conftest import ROOT, Faults, wait_until
+from tests.faults.conftest import ROOT, Faults, start_worker, wait_until
 from tests.faults.servers import PrivateRedis
 from tests.scale._servers import frozen
 
@@ -71,19 +68,7 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
         "CELERY_EXCLUSIVE_PREFIX": faults.prefix,
     }
     log = tmp_path_factory.mktemp("celery") / "worker.log"
-    celery = str(Path(sys.executable).parent / "celery")
-    with log.open("wb") as out:
-        worker = subprocess.Popen(
-            [
-                *(celery, "-A", "tests.faults._dedupe_app", "worker", "-P", "prefork", "-c", "1"),
-                *("-Q", queue, "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = start_worker("tests.faults._dedupe_app", queue, env, log)
     os.environ["CE_DD_BROKER"], os.environ["CE_DD_QUEUE"] = broker, queue
     from tests.faults import _dedupe_app
 

@@ -7,17 +7,40 @@ the run, a broker's redelivery) finds the key free and no record, and runs the b
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
 
-from celery_exclusive import AlreadyDone, ReleaseOutcome
+from celery_exclusive import AlreadyDone, LockService, ReleaseOutcome
 from celery_exclusive.providers.base import Completion
 from tests.faults.conftest import Faults, wait_until
 from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@contextlib.contextmanager
+def stores(
+    redis_server: PrivateRedis, faults: Faults
+) -> Iterator[tuple[redis.Redis, str, LockService, LockService]]:
+    """(admin connection, user, the holder's service, an observer's service): the holder
+    logs in as an ACL user of its own, whose commands the test takes away (``-@all``) and
+    gives back (``+@all``); at the end the user gets them back, the holder's service is
+    closed and the user deleted."""
+    admin = redis.Redis.from_url(redis_server.url)
+    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
+    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=30)
+    try:
+        yield admin, user, service, faults.service(redis_server.url)
+    finally:
+        admin.execute_command("ACL", "SETUSER", user, "+@all")
+        service.close()
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
 
 
 def test_a_release_retried_after_a_store_failure_still_writes_the_completion_record(
@@ -28,13 +51,8 @@ def test_a_release_retried_after_a_store_failure_still_writes_the_completion_rec
     answers again, the retry frees the key and writes the record, so a copy of the run's
     message ends as ``already_done`` (on main the retry released without the record: the
     copy got the key and would have run the body a second time)."""
-    admin = redis.Redis.from_url(redis_server.url)
-    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
-    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=30)
-    observer = faults.service(redis_server.url)
     task_id = str(uuid.uuid4())
-    try:
+    with stores(redis_server, faults) as (admin, user, service, observer):
         lease = service.lock("job", task_id=task_id)
         admin.execute_command("ACL", "SETUSER", user, "-@all")  # the holder's calls fail now
         outcome = lease.release(Completion(task_id, "success", 0, 600.0))
@@ -50,11 +68,6 @@ def test_a_release_retried_after_a_store_failure_still_writes_the_completion_rec
         assert (record.outcome, record.attempt) == ("success", 0)
         with pytest.raises(AlreadyDone):  # a copy of the message: it does not run again
             observer.lock("job", task_id=task_id)
-    finally:
-        admin.execute_command("ACL", "SETUSER", user, "+@all")
-        service.close()
-        admin.execute_command("ACL", "DELUSER", user)
-        admin.close()
 
 
 def test_a_cooldown_release_retried_after_a_store_failure_still_writes_the_record(
@@ -63,21 +76,11 @@ def test_a_cooldown_release_retried_after_a_store_failure_still_writes_the_recor
     """The same for a lease with a cooldown (``hold_at_least``), whose release shortens the
     lease and writes the record in a second call: when the store fails there, the record is
     written by the background retry once the store answers (on main it was never written)."""
-    admin = redis.Redis.from_url(redis_server.url)
-    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
-    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=30)
-    observer = faults.service(redis_server.url)
     task_id = str(uuid.uuid4())
-    try:
+    with stores(redis_server, faults) as (admin, user, service, observer):
         lease = service.lock("cool", task_id=task_id, hold_at_least=20)
         admin.execute_command("ACL", "SETUSER", user, "-@all")
         assert lease.release(Completion(task_id, "success", 0, 600.0)) is ReleaseOutcome.UNKNOWN
         admin.execute_command("ACL", "SETUSER", user, "+@all")
         assert wait_until(lambda: observer.completion("cool", task_id) is not None, 15.0)
         assert wait_until(lambda: not service.heartbeat._pending_release, 15.0)
-    finally:
-        admin.execute_command("ACL", "SETUSER", user, "+@all")
-        service.close()
-        admin.execute_command("ACL", "DELUSER", user)
-        admin.close()

@@ -14,8 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +25,7 @@ import pytest
 import redis
 
 from celery_exclusive import LockLost, LockService, is_skipped
-from tests.faults.conftest import ROOT, wait_until
+from tests.faults.conftest import ROOT, start_worker, wait_until
 from tests.faults.servers import PrivateRedis, TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -96,19 +94,7 @@ def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory)
         "CELERY_EXCLUSIVE_PREFIX": prefix,
     }
     log = tmp_path_factory.mktemp("celery-rerun") / "worker.log"
-    celery = str(Path(sys.executable).with_name("celery"))
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                *(celery, "-A", "tests.faults._celery_app", "worker", "-P", "prefork", "-c", "2"),
-                *("-Q", queue, "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = start_worker("tests.faults._celery_app", queue, env, log, concurrency=2)
     events = redis.Redis.from_url(broker)
     store = LockService(redis_server.url, prefix=prefix)
     try:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from types import FrameType
 import pytest
 
 from celery_exclusive import BackendError
-from tests.faults.conftest import ROOT, SLACK, Backend, Faults, wait_until
+from tests.faults.conftest import ROOT, SLACK, Backend, Faults, start_worker, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -117,19 +115,7 @@ def test_celery_soft_time_limit_during_acquire_fails_the_task(
         "CELERY_EXCLUSIVE_PREFIX": faults.prefix,
     }
     log = tmp_path_factory.mktemp("celery") / "worker.log"
-    celery = str(os.path.join(os.path.dirname(sys.executable), "celery"))
-    with log.open("wb") as out:
-        worker = subprocess.Popen(
-            [
-                *(celery, "-A", "tests.faults._celery_app", "worker", "-P", "prefork", "-c", "1"),
-                *("-Q", queue, "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = start_worker("tests.faults._celery_app", queue, env, log)
     try:
         assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
         os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
