@@ -286,18 +286,27 @@ def layer_tasks(app: Any, prefix: str) -> dict[str, Any]:
     def noop(i: int, tag: str) -> None:
         """A no-op task body."""
 
+    # The floors bound their calls as the service bounds every call (its call_timeout, at
+    # most 5 s for a release): a deadline is part of what one acquire and one release cost.
     def floor(i: int, tag: str) -> None:
         service = get_lock_service(app)
         key, token = f"{service.prefix}f:{tag}:{i}", secrets.token_hex(16)
-        service.provider.acquire(key, token, service.ttl, service.max_lifetime, '{"host":"h","pid":1}')
-        service.provider.release(key, token)
+        timeout = service.call_timeout
+        service.provider.acquire(
+            key, token, service.ttl, service.max_lifetime, '{"host":"h","pid":1}', timeout=timeout
+        )
+        service.provider.release(key, token, timeout=min(timeout, 5.0))
 
     def floor_once(i: int, tag: str) -> None:
         service = get_lock_service(app)
         key, token, task_id = f"{service.prefix}o:{tag}:{i}", secrets.token_hex(16), f"{tag}-{i}"
-        holder = '{"host":"h","pid":1}'
-        service.provider.acquire(key, token, service.ttl, service.max_lifetime, holder, task_id=task_id)
-        service.provider.release(key, token, Completion(task_id, "success", 0, 86400.0))
+        holder, timeout = '{"host":"h","pid":1}', service.call_timeout
+        service.provider.acquire(
+            key, token, service.ttl, service.max_lifetime, holder, timeout=timeout, task_id=task_id
+        )
+        service.provider.release(
+            key, token, Completion(task_id, "success", 0, 86400.0), timeout=min(timeout, 5.0)
+        )
 
     def locked(i: int, tag: str) -> None:
         get_lock_service(app).lock(f"s:{tag}:{i}").release()
