@@ -61,7 +61,9 @@ SERIAL = (
 #: beyond a hang guard (>= 5 s, or a ttl the store's clock expires): the PostgreSQL races
 #: stall a statement on an advisory lock and check what it wrote; test_sql_faults' stalls and
 #: durability checks, SQLite across fork and clock steps; the prefork SQLite worker's kills
-#: (60 s per result); the completion records on the Cluster (tests/contract/
+#: (60 s per result); the dedupe markers and completion records a store failure must not
+#: strand (each waits for what the store holds, bounded only by a hang guard); the
+#: completion records on the Cluster (tests/contract/
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
 #: (counted in turns, so load lengthens the run instead of failing it), not latencies.
@@ -70,6 +72,8 @@ UNTIMED = (
     "faults/test_pg_takeover_races.py",
     "faults/test_sql_faults.py",
     "faults/test_sqlite_prefork.py",
+    "faults/test_dedupe_faults.py",
+    "faults/test_record_faults.py",
     "scale/test_redis_cluster_records.py",
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
@@ -81,7 +85,7 @@ UNTIMED = (
 #: Sentinel), they run in the parallel part too. That file's own tests stay serial.
 CONTRACT_MODULES = ("celery_exclusive.testing.contract", "tests.contract.test_semaphore")
 #: The parallel part's longest files (summed durations under ``CI=true``, 20-110 s each),
-#: longest first. scripts/test hands whole files to its three pytest processes in the order
+#: longest first. scripts/test hands whole files to its four pytest processes in the order
 #: collected (``--no-loadscope-reorder``); these are put first so that the short files fill
 #: in at the end. pytest-xdist's own order (most tests first) left the one-test benchmark,
 #: the docs build and the demo for last, one worker running them while the others idled.
