@@ -102,10 +102,16 @@ def release(lease: Lease, done: Completion | None) -> bool:
     return lost
 
 
-def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
+def finish(
+    lease: Lease | LeaseSet,
+    done: Completion | None,
+    via: Callable[[Lease, Completion | None], ReleaseOutcome] | None = None,
+) -> Lease | None:
     """Pop the run's lease(s) and release them, recording ``done`` on the first key in the
     same store call. The lease that had been lost (the first in canonical order), or None.
-    A signal handler's exception raised in one release is raised once all are released."""
+    A signal handler's exception raised in one release is raised once all are released.
+    ``via``: what releases a single lease instead of ``lease.release`` (the task layer
+    passes the service's own release when it has checked ``done`` itself)."""
     stack = _running.stack
     if stack and stack[-1][1] is lease:  # the innermost run, as usual: _pop without its loop
         del stack[-1]
@@ -117,7 +123,8 @@ def finish(lease: Lease | LeaseSet, done: Completion | None) -> Lease | None:
     state = lease.state  # release() inlined: the single-key path makes no extra call
     gone = state is _LOST
     if state is not _RELEASED:
-        gone = lease.release(done) is _NOT_OWNED or gone
+        outcome = lease.release(done) if via is None else via(lease, done)
+        gone = outcome is _NOT_OWNED or gone
     return lease if gone else None
 
 

@@ -278,8 +278,7 @@ class Lease:
 
     # The transitions. The owner and its heartbeat call them holding ``_mutex`` (the
     # heartbeat's, shared by every lease of one service) and never write the fields (hot
-    # paths read a few: Heartbeat.add its _wake_at's, the Celery layer's release _state
-    # and _deadline, as ``state`` reads them).
+    # paths read a few: Heartbeat.add its _wake_at's).
 
     def _confirm(
         self, sent_at: float, granted: float, *, clamped: bool | None = None, late: bool = False

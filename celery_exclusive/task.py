@@ -89,7 +89,7 @@ from celery_exclusive._records import _SETTERS, checked_completion
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
 from celery_exclusive.keys import KeyBuilder, KeySpec
-from celery_exclusive.lease import _HELD, _JEOPARDY, _LOST, _RELEASED, Lease, ReleaseOutcome
+from celery_exclusive.lease import Lease
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.policies import (
     COALESCED,
@@ -617,20 +617,9 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
     if plan.finishes:  # the rerun hand-on, whatever the release did
         lost = _finish(task, plan, lease, retrying=False, done=done)
     elif direct:
-        # _runs.finish of one lease inline, released through the service's own release
-        # (what lease.release and service.release call, the record already checked).
-        one: Lease = lease  # type: ignore[assignment]  # direct: a Lease
-        if stack and stack[-1][1] is one:
-            del stack[-1]
-        else:
-            _runs._pop(one)
-        state = one._state
-        if (state is _HELD or state is _JEOPARDY) and plan.service.clock() >= one._deadline:
-            state = one.state  # past its local deadline: the property makes it LOST, and reports it
-        gone = state is _LOST
-        if state is not _RELEASED:
-            gone = plan.release(one, done) is _NOT_OWNED or gone
-        lost = one if gone else None
+        # Released through the service's own release (what lease.release and service.release
+        # call), the record already checked.
+        lost = _runs.finish(lease, done, plan.release)
     else:
         lost = _runs.finish(lease, done)  # _finish without a hand-on, inline
     if lost is not None:
@@ -844,7 +833,6 @@ def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
 #: Completion(...) as checked_completion makes it: the object, then its slots set directly.
 _new = object.__new__
 _set_task_id, _set_outcome, _set_attempt, _set_retain = _SETTERS
-_NOT_OWNED = ReleaseOutcome.NOT_OWNED
 _lost_once = observe._lost_once
 
 #: The module whose presence means a span may record (see observe._task_span).
