@@ -374,8 +374,8 @@ class LockService(PrefixedStore):
 
         Bounded on a store that does not answer: the releases it leaves unanswered get
         :data:`RELEASE_TIMEOUT` (2 s) in all, the leases left then end at their ttl, and
-        close() does not wait for the heartbeat's calls in flight. So close() returns
-        within about 2 s of its releases' answered time (at once with ``release=False``)."""
+        close() does not wait for the heartbeat's calls in flight. On a silent store it
+        takes about 2 s (``release=False``: no store call, at once)."""
         with self._heartbeat.mutex:
             if self._closed:
                 return
