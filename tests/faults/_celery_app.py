@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -71,3 +72,33 @@ def rerun_terminated(self: Any, tag: str, n: int, wait: bool = False) -> int:
             time.sleep(0.05)
     events.rpush(f"{tag}:runs", json.dumps({"n": n, "fence": fence, "start": start, "end": time.time()}))
     return n
+
+
+@exclusive_task(app=app, key="killed:{tag}", ttl=30, time_limit=3, bind=True)
+def hard_killed(self: Any, tag: str) -> None:
+    """Says so in ``<tag>:ready`` (its fence), then sleeps into its hard time limit (3 s): the
+    worker's main process kills it and releases its lease (ttl 30 s) with its record."""
+    _events().rpush(f"{tag}:ready", json.dumps({"fence": self.lock.fence}))
+    time.sleep(60)
+
+
+#: How long :func:`slow_to_die` takes to exit after its SIGTERM, in seconds.
+DYING = 2.0
+
+
+@exclusive_task(app=app, key="killed:{tag}", ttl=30, bind=True)
+def slow_to_die(self: Any, tag: str) -> None:
+    """Says so in ``<tag>:ready``, then sleeps until terminated (``revoke(terminate=True)``):
+    on SIGTERM it waits 0.5 s (the main process has found its lease by then), says so in
+    ``<tag>:dying`` and exits :data:`DYING` seconds later, without releasing its lease."""
+    events = _events()
+
+    def die(*_: Any) -> None:
+        time.sleep(0.5)
+        events.rpush(f"{tag}:dying", 1)
+        time.sleep(DYING)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, die)
+    events.rpush(f"{tag}:ready", json.dumps({"fence": self.lock.fence}))
+    time.sleep(60)
