@@ -262,16 +262,16 @@ class Rerun(OnLocked):
     hands_on_reruns = True
 
     def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
-        if holder is not None and (not holder.holder.get(HANDS_ON_RERUNS) or _sent_by(task, holder)):
-            # Only rerun-policy holders send the recorded rerun when they finish; behind any
-            # other holder (a "skip" or "retry" task on the same key), or behind the lease
-            # that sent this very rerun (it has handed on already: its release has not got
-            # through yet), a coalesced request would wait for some later rerun-policy run,
-            # or forever. So wait like "retry" (behind the sender, for as long as its lease
-            # lasts).
+        # Only rerun-policy holders send the recorded rerun when they finish; behind any
+        # other holder (a "skip" or "retry" task on the same key), or behind the lease that
+        # sent this very rerun (it has handed on already: its release has not got through
+        # yet), a coalesced request would wait for some later rerun-policy run, or forever.
+        # So wait like "retry" (behind the sender, for as long as its lease lasts).
+        if holder is not None:
             if _sent_by(task, holder):
                 return RETRY.behind_sender(task, key, holder, call)
-            return RETRY.locked(task, key, holder, call)
+            if not holder.holder.get(HANDS_ON_RERUNS):
+                return RETRY.locked(task, key, holder, call)
         service, request = task.lock_service, task.request
         marker_key = key + RERUN_SUFFIX
         check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
@@ -301,7 +301,9 @@ class Rerun(OnLocked):
     def finished(self, task: Task, key: str, fence: int, *, retrying: bool) -> None:
         """Send the rerun recorded on ``key`` if this process is the one that deletes its marker
         (not before a retry: the retry will run again and hand the rerun on itself). Never
-        raises: a store that does not answer leaves it to :func:`hand_on_later`."""
+        raises: a store that does not answer leaves it to :func:`hand_on_later`. ``key`` is
+        the lease's key, a semaphore's own for every slot (its store key names the slot): the
+        first holder of any slot to finish hands the rerun on."""
         if retrying:
             return
         try:

@@ -210,3 +210,39 @@ def test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun(worker: W
     runs = worker.wait_for_rerun(tag)
     assert [run["n"] for run in runs] == [2], runs  # run 1 was interrupted: it recorded no run
     assert runs[0]["fence"] > started["fence"]
+
+
+def test_an_inline_rerun_waits_out_its_senders_lease(tmp_path: Path) -> None:
+    """An eager run (no message to re-send) sent as the rerun of a lease that nothing
+    refreshes any more (a marker of 2 s stands in for it) waits inline until that lease
+    has expired, past ``lock_max_retries=1``, and runs (it used to fail with
+    LockRetriesExceeded after one wait of at most 0.2 s)."""
+    from celery import Celery
+
+    from celery_exclusive.policies import HANDS_ON_RERUNS, RERUN_OF_HEADER
+    from celery_exclusive.task import exclusive_task
+
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    app = Celery("rerun_inline", broker="memory://", set_as_current=False)
+    app.conf.exclusive_url = url
+    app.conf.exclusive_prefix = "inline:"
+
+    @exclusive_task(
+        app=app,
+        key="k",
+        on_locked="rerun",
+        lock_max_retries=1,
+        lock_retry_backoff=0.1,
+        lock_retry_backoff_max=0.2,
+        shared=False,
+    )
+    def job() -> str:
+        return "ran"
+
+    with LockService(url, prefix="inline:") as service:
+        assert service.mark("k", ttl=2.0, holder={HANDS_ON_RERUNS: True}) is not None
+        sender = service.peek("k")
+        assert sender is not None
+        result = job.apply(headers={RERUN_OF_HEADER: sender.fence})
+        assert result.get() == "ran"
+        assert service.peek("k") is None
