@@ -24,10 +24,11 @@ this module is imported (``celery_exclusive.task`` imports it):
   The hook recomputes the task's key from the request, peeks it (a semaphore's every slot,
   and its run's task-id lease), and once the process named in the holder metadata is gone
   it force-releases exactly that lease (same task id, same
-  host, token-bound). Celery reports a hard time limit twice (``Request.on_failure``, then
-  ``on_timeout``): the second report of one run is ignored. A child SIGKILLed from outside
-  (``WorkerLostError``) is left to the ttl: its lock is taken by the next task only after
-  the lease expires.
+  host, token-bound); a store that fails meanwhile is asked again until it answers or the
+  lease's ttl has passed (see :func:`release_killed`). Celery reports a hard time limit
+  twice (``Request.on_failure``, then ``on_timeout``): the second report of one run is
+  ignored. A child SIGKILLed from outside (``WorkerLostError``) is left to the ttl: its lock
+  is taken by the next task only after the lease expires.
 """
 
 from __future__ import annotations
