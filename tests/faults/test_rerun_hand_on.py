@@ -157,6 +157,28 @@ def test_a_rerun_does_not_coalesce_behind_the_lease_that_sent_it(worker: Worker)
     assert f"lock 'rerun:{tag}' is held by" in worker.text(), "the rerun waited with lock retries"
 
 
+def test_a_rerun_waits_out_its_senders_lease_past_lock_max_retries(worker: Worker) -> None:
+    """The run's release does not reach the store and its lease (ttl 8 s) outlasts the
+    rerun's lock retries (``lock_max_retries=2``, 0.1-0.5 s apart): waiting behind the very
+    lease that sent it does not count against them, so the rerun runs once that lease has
+    expired (it used to fail with LockRetriesExceeded after about a second: lost)."""
+    from tests.faults._celery_app import LONG_LEASE
+
+    tag = uuid.uuid4().hex[:8]
+    first, _ = worker.hold_with_rerun_recorded(tag, True, task="rerun_long_lease")
+    worker.go(tag)
+    assert first.get(timeout=30) == 1
+    assert wait_until(lambda: any(run["n"] == 2 for run in worker.runs(tag)), 30 + LONG_LEASE), worker.text()[
+        -6000:
+    ]
+    runs = worker.runs(tag)
+    assert [run["n"] for run in runs] == [1, 2], runs
+    assert runs[1]["fence"] > runs[0]["fence"]
+    assert runs[1]["start"] >= runs[0]["end"]
+    assert "LockRetriesExceeded" not in worker.text()
+    assert f"lock 'rerun:{tag}' is held by" in worker.text(), "the rerun waited for its sender's lease"
+
+
 def test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background(worker: Worker) -> None:
     """The store goes silent as the run ends, for longer than the release (2 s) and the
     hand-on's look at the recorded rerun (10 s) wait: the run still succeeds, and once the
@@ -188,3 +210,39 @@ def test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun(worker: W
     runs = worker.wait_for_rerun(tag)
     assert [run["n"] for run in runs] == [2], runs  # run 1 was interrupted: it recorded no run
     assert runs[0]["fence"] > started["fence"]
+
+
+def test_an_inline_rerun_waits_out_its_senders_lease(tmp_path: Path) -> None:
+    """An eager run (no message to re-send) sent as the rerun of a lease that nothing
+    refreshes any more (a marker of 2 s stands in for it) waits inline until that lease
+    has expired, past ``lock_max_retries=1``, and runs (it used to fail with
+    LockRetriesExceeded after one wait of at most 0.2 s)."""
+    from celery import Celery
+
+    from celery_exclusive.policies import HANDS_ON_RERUNS, RERUN_OF_HEADER
+    from celery_exclusive.task import exclusive_task
+
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    app = Celery("rerun_inline", broker="memory://", set_as_current=False)
+    app.conf.exclusive_url = url
+    app.conf.exclusive_prefix = "inline:"
+
+    @exclusive_task(
+        app=app,
+        key="k",
+        on_locked="rerun",
+        lock_max_retries=1,
+        lock_retry_backoff=0.1,
+        lock_retry_backoff_max=0.2,
+        shared=False,
+    )
+    def job() -> str:
+        return "ran"
+
+    with LockService(url, prefix="inline:") as service:
+        assert service.mark("k", ttl=2.0, holder={HANDS_ON_RERUNS: True}) is not None
+        sender = service.peek("k")
+        assert sender is not None
+        result = job.apply(headers={RERUN_OF_HEADER: sender.fence})
+        assert result.get() == "ran"
+        assert service.peek("k") is None
