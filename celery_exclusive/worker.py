@@ -47,6 +47,7 @@ from celery.app import app_or_default
 from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
 from celery_exclusive import observe, redelivery
+from celery_exclusive._releasing import release_later
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import BackendError, ConfigurationError, ExclusiveError
 from celery_exclusive.providers.base import Completion, LockInfo
@@ -483,7 +484,7 @@ def release_killed(
 
     A store that does not answer does not end this: the lease is looked for again until it
     answers, and a release (or record) that fails is handed to the service's heartbeat,
-    which retries it each second (:func:`_release_later`); each gives up once the lease's
+    which retries it each second (:func:`.release_later`); each gives up once the lease's
     ttl has passed, by when the store has expired it.
     """
     keys_for = getattr(task, "lock_keys_for", None)
@@ -623,7 +624,7 @@ def _release_lease_when_gone(
             # record is still owed, written by a release under a token that owns nothing.
             logger.warning("%s: could not end its lock %r with its cooldown: %s", what, key, exc)
             if record is not None:
-                _release_later(service, key, RECORD_ONLY_TOKEN, ttl, record)
+                release_later(service, key, RECORD_ONLY_TOKEN, ttl, record)
             return
     try:
         released = service.force_release(key, info.token, completion=record)
@@ -632,21 +633,10 @@ def _release_lease_when_gone(
             "%s: could not release its lock %r (fence %d): %s; will retry", what, key, info.fence, exc
         )
         # The process is gone: nothing refreshes the lease, which ends within a ttl from now.
-        _release_later(service, key, info.token, max(ttl, info.expires_in), record)
+        release_later(service, key, info.token, max(ttl, info.expires_in), record)
         return
     if released:
         logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
-
-
-def _release_later(
-    service: LockService, key: str, token: str, within: float, record: Completion | None
-) -> None:
-    """Release ``token``'s lease on ``key`` (writing ``record`` with it) in the background,
-    through the service's heartbeat, which retries each second until the store answers or
-    ``within`` seconds have passed (the lease has surely expired by then)."""
-    store_key = service.prefix + key
-    completion = record if service.keeps_records else None
-    service.heartbeat.retry_release(store_key, token, until=service.clock() + within, completion=completion)
 
 
 def _record_now(service: LockService, key: str, record: Completion, what: str, ttl: float) -> None:
@@ -660,7 +650,7 @@ def _record_now(service: LockService, key: str, record: Completion, what: str, t
         )
     except BackendError as exc:
         logger.warning("%s: could not record it as failed on lock %r yet: %s; will retry", what, key, exc)
-        _release_later(service, key, RECORD_ONLY_TOKEN, ttl, record)
+        release_later(service, key, RECORD_ONLY_TOKEN, ttl, record)
     except Exception as exc:
         logger.warning("%s: could not record it as failed on lock %r: %s", what, key, exc)
 
