@@ -36,7 +36,7 @@ from sqlalchemy.pool import StaticPool
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
-from celery_exclusive.urls import mask_url, split_options, url_secrets
+from celery_exclusive.urls import known_secrets, mask_error, mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 logger = logging.getLogger("celery_exclusive.providers.sql")
@@ -492,8 +492,12 @@ class SqlStore(metaclass=abc.ABCMeta):
         if dialect.name not in self._DIALECTS:
             raise ConfigurationError(f"unsupported SQL dialect {dialect.name!r} for a {self._kind}lock store")
         self.table = lock_table(sa.MetaData(), table)
-        self._masked = mask_url(url.render_as_string(hide_password=True))
-        self._secrets = url_secrets(url.render_as_string(hide_password=False))
+        # The URL as given and as SQLAlchemy read it (a raw "@" in a password moves the rest).
+        given = engine_or_url if isinstance(engine_or_url, str) else ""
+        self._secrets = known_secrets(
+            [*url_secrets(given), *url_secrets(url.render_as_string(hide_password=False))]
+        )
+        self._masked = mask_url(url.render_as_string(hide_password=True), self._secrets)
         self._ready = not create_table
         # Whether <table>_done exists: made with the lock table when create_table is on;
         # else looked up on first use (a schema migrated before records existed lacks it).
@@ -588,7 +592,11 @@ class SqlStore(metaclass=abc.ABCMeta):
         return Translated(self, op)
 
     def _error(self, op: str, exc: BaseException) -> BackendError:
-        return BackendError(error_text(self._masked, op, exc, self._secrets))
+        """The BackendError for driver error ``exc``; ``exc`` and its chain are masked in
+        place (:func:`~celery_exclusive.urls.mask_error`), as it is chained to it."""
+        error = BackendError(error_text(self._masked, op, exc, self._secrets))
+        mask_error(exc, self._secrets)
+        return error
 
     def _session(self) -> contextlib.AbstractContextManager[Any]:
         """Held around every use of a connection (SQLite's fork gate and serial lock)."""
