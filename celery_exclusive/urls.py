@@ -50,8 +50,8 @@ _QUOTED_PARAM = re.compile(rf"(?i)(^|\s)({_HIDDEN_NAME})=('(?:[^'\\\n]|\\.)*')")
 _URL_AT = re.compile(r"""(?<!['"])@|@(?!['"])""")
 #: Userinfo masked already: ``user:***@``.
 _MASKED_USERINFO = re.compile(rf"[^\s:@/]*:{re.escape(MASK)}@")
-#: What ends a URL's userinfo, host or path for one driver or another, or a line.
-_PASSWORD_PARTS = re.compile(r"[@/?#\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+")
+#: What ends a URL's userinfo, host, port or path for one driver or another, or a line.
+_PASSWORD_PARTS = re.compile(r"[@:/?#\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+")
 #: SQLAlchemy's URL userinfo (``make_url``'s pattern): a user without ``:`` or ``/``, and
 #: a password up to the first ``@``.
 _SQLALCHEMY_USERINFO = re.compile(r"[^:/]*(?::[^@]*)?@")
@@ -65,9 +65,10 @@ _BROKEN_USERINFO = re.compile(
 _BROKEN_RUN = re.compile(r"[^\s@]*(?:[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+[^\s@]*)+@\S*")
 #: A secret shorter than this is hidden only where it stands alone (:func:`mask_url`).
 SHORT_SECRET = 4
-#: What may stand next to a short secret that stands alone: not a letter, digit, ``_``,
-#: ``.``, ``:``, ``%`` or ``-`` (a host, port, number or word it is part of).
-_WORDISH = r"[\w.:%-]"
+#: Where a short secret stands alone: no letter, digit, ``_``, ``.``, ``%`` or ``-`` next
+#: to it, nor a ``:`` after a word before it or a ``:`` after it (a host, port, number or
+#: word it is part of: ``127.0.0.1:1``); a ``:`` after a quote or ``//`` is a userinfo's.
+_ALONE = (r"(?<![\w.%-])(?<![\w.]:)", r"(?![\w.:%-])")
 #: ``user:password@`` at the start of a token without ``scheme://``, or after a broken
 #: scheme ending in "/" (``//user:pw@host``, ``redis//:pw@host``).
 _BARE_USERINFO = re.compile(r"^((?:[^:@]*/)?[^:@/]*):(.+)@")
@@ -103,8 +104,9 @@ def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
     userinfo run to its last ``@``, across line breaks and spaces both.
 
     A known secret of fewer than :data:`SHORT_SECRET` (4) characters is replaced only where
-    it stands alone, with no letter, digit or ``_ . : % -`` directly before or after it
-    (``'ab'``, ``'ab@host'``, ``=ab&``): replaced blindly, a password ``1`` would turn
+    it stands alone, with no letter, digit or ``_ . % -`` directly before or after it, nor
+    a ``:`` after it or after a word before it (``'ab'``, ``'ab@host'``, ``=ab&``,
+    ``':ab'``; not ``ab:1``, ``h:ab``): replaced blindly, a password ``1`` would turn
     ``127.0.0.1:1`` into ``***27.0.0.***:***``, and inside a longer word it shows no more than
     that word does, and one of whitespace only not at all (it cannot be told from the
     text's own). Longer secrets are replaced wherever they occur.
@@ -135,7 +137,7 @@ def _replace_known(text: str, secrets: Iterable[str]) -> str:
         if len(secret) >= SHORT_SECRET:
             text = text.replace(secret, MASK)
         elif secret in text and secret.strip():
-            text = re.sub(f"(?<!{_WORDISH}){re.escape(secret)}(?!{_WORDISH})", MASK, text)
+            text = re.sub(f"{_ALONE[0]}{re.escape(secret)}{_ALONE[1]}", MASK, text)
     return text
 
 
@@ -230,8 +232,8 @@ def url_secrets(url: str) -> list[str]:
     for token in _TOKENS.findall(_mask_spaced(url, found)):
         _mask_token(token, found)
     found += _one_url_password(url)
-    # A driver that reads a raw "@", "/", "?" or "#" in a password as the URL's next part
-    # echoes that part as a host, port or path ("failed to resolve host 'rest@h'", "Port
+    # A driver that reads a raw "@", ":", "/", "?" or "#" in a password as the URL's next
+    # part echoes that part as a host, port or path ("failed to resolve host 'rest@h'", "Port
     # could not be cast to integer value as 'start'"), and a message cut at a line break
     # shows a line of it: each such part, and each rest after an "@" (SQLAlchemy's host),
     # is a secret too (one of 1-3 characters hidden only where it stands alone: mask_url).
@@ -523,7 +525,11 @@ def split_options(
     try:
         query = urlsplit(f"{scheme}{sep}{tail}" if userinfo else tail).query
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-        raise ConfigurationError(f"malformed lock store URL {mask_url(url)!r}: {exc}") from None
+        secrets = url_secrets(url)
+        mask_error(exc, secrets)  # still the error's __context__
+        raise ConfigurationError(
+            f"malformed lock store URL {mask_url(url)!r}: {mask_url(str(exc), secrets)}"
+        ) from None
     kept: list[str] = []
     options: dict[str, str] = {}
     for segment in query.split("&"):

@@ -201,6 +201,7 @@ def test_a_short_secret_is_hidden_where_it_stands_alone() -> None:
     assert mask_url("a connection to 'ab' as ab, refused: ab:1", ["ab"]) == (
         "a connection to '***' as ***, refused: ab:1"
     )
+    assert mask_url("no host in ':Zq8', nor in h:Zq8", ["Zq8"]) == "no host in ':***', nor in h:Zq8"
     assert mask_url("indented\n  text", [" ", "\n"]) == "indented\n  text"  # whitespace: never
 
 
@@ -638,12 +639,13 @@ MISREAD_URLS = {
 
 def _shows(text: str, pw: str) -> bool:
     """Whether ``text`` shows ``pw``: a 4-character piece of it, or for a short one (1-3
-    characters) it or a part of it (between ``@ / ? #`` and line breaks) standing alone,
-    as mask_url hides it (no letter, digit or ``_ . : % -`` next to it)."""
+    characters) it or a part of it (between ``@ : / ? #`` and line breaks) standing alone,
+    as mask_url hides it (no letter, digit or ``_ . % -`` next to it, no ``:`` after it
+    or after a word before it: not ``127.0.0.1:1`` for a password ``1``)."""
     if len(pw) >= 4:
         return any(piece in text for piece in _pieces(pw))
-    parts = {pw, *(p for p in re.split(r"[@/?#\r\n]+", pw) if p)}
-    return any(re.search(rf"(?<![\w.:%-]){re.escape(p)}(?![\w.:%-])", text) for p in parts)
+    parts = {pw, *(p for p in re.split(r"[@:/?#\r\n]+", pw) if p)}
+    return any(re.search(rf"(?<![\w.%-])(?<![\w.]:){re.escape(p)}(?![\w.:%-])", text) for p in parts)
 
 
 @pytest.mark.parametrize("pw", MISREAD_PASSWORDS, ids=lambda pw: repr(pw)[1:-1])
@@ -682,3 +684,57 @@ def test_no_traceback_shows_a_password_the_driver_misread(store: str, pw: str) -
         chain = "".join(traceback.format_exception(raised))
         assert "The above exception was the direct cause" in chain, chain
         assert re.search(r"^(psycopg|pymysql|redis|sqlalchemy)[\w.]*(Error|Exception)\b", chain, re.M), chain
+
+
+#: Store URLs a driver or a URL parser misreads, each with the password planted in it.
+MISCONFIGURED = [
+    # SQLAlchemy ends the password at its first "@" and reads "RETpw@127.0.0.1:5432" as the port.
+    ("postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test", "Zq8@SEC:RETpw"),
+    # A raw "/" ends the sentinels' host list: "no host in ':Zq8'".
+    ("redis+sentinel://:{pw}@127.0.0.1:1/mymaster", "Zq8/SEC:RETpw"),
+    # PyMySQL is asked to connect to the host "SEC@RETpw@127.0.0.1".
+    ("mysql+pymysql://root:{pw}@127.0.0.1:3306/test", "Zq8@SEC@RETpw"),
+    ("redis://:{pw}@127.0.0.1:1/0", "Zq8SEC\nRE\tTpw"),
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "pw"), MISCONFIGURED, ids=["pg-port", "sentinel-hosts", "mariadb-host", "redis-lines"]
+)
+def test_the_cli_and_the_logs_show_no_password_a_driver_or_parser_misread(
+    template: str, pw: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every command of both CLI front ends (and the console script), on a store whose URL
+    a driver or parser misreads, and the log at DEBUG meanwhile, show no piece of the
+    password, nor a part of it (between ``@ : / ?`` ...) that a message names alone."""
+    require_server(
+        POSTGRES_URL if "postgres" in template else MYSQL_URL if "mysql" in template else REDIS_URL
+    )
+    caplog.set_level(logging.DEBUG)
+    url = template.format(pw=pw)
+    texts: list[str] = []
+    for args in _cli_invocations():
+        for result in _cli_both(url, args):
+            texts += [result.output, result.stdout, result.stderr]
+            if result.exception is not None and not isinstance(result.exception, SystemExit):
+                texts += _texts_of(result.exception)
+    try:
+        LockService(url, prefix="sec:").try_lock("k")
+    except ExclusiveError as exc:
+        texts += _texts_of(exc)
+    env = {k: v for k, v in os.environ.items() if k != "CELERY_EXCLUSIVE_URL"}
+    done = subprocess.run(
+        [str(BIN / "celery-exclusive"), "--url", url, "doctor"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    texts += [done.stdout, done.stderr, caplog.text, *(r.getMessage() for r in caplog.records)]
+    texts += ["".join(traceback.format_exception(*r.exc_info)) for r in caplog.records if r.exc_info]
+    parts = [p for p in re.split(r"[@:/?#\s]+", pw) if p]
+    leaks = [text for text in texts if _shows(text, pw) or any(_shows(text, part) for part in parts)]
+    assert not leaks, leaks[0]
+    assert "***" in done.stdout + done.stderr, done.stdout + done.stderr  # it was shown, masked

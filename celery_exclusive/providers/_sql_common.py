@@ -358,7 +358,10 @@ def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
     try:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
     except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
-        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {exc}") from None
+        secrets = url_secrets(raw)  # a raw "@" in a password: the rest is read as host and port
+        mask_error(exc, secrets)  # still the error's __context__
+        reason = mask_url(str(exc), secrets)
+        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {reason}") from None
     return backend, driver, url
 
 
