@@ -33,7 +33,7 @@ from celery_exclusive.cli import Target as CliTarget
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import exclusive_task
-from celery_exclusive.urls import known_secrets, mask_url, url_secrets
+from celery_exclusive.urls import known_secrets, mask_error, mask_url, url_secrets
 from celery_exclusive.worker import get_lock_service
 from tests.conftest import (
     MYSQL_URL,
@@ -210,6 +210,37 @@ def test_known_secrets_are_hidden_percent_encoded_too() -> None:
     secrets = known_secrets(["p@ss w/rd"])
     for written in ("p%40ss%20w%2Frd", "p%40ss+w%2Frd", "p%40ss%20w/rd", "p@ss w/rd"):
         assert mask_url(f"refused for {written}!", secrets) == "refused for ***!", written
+
+
+class _HostError(Exception):
+    """A driver error that builds its message from an attribute, not from its args."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__()
+        self.host_bytes = host.encode()
+
+    def __str__(self) -> str:
+        return f"cannot reach {self.host_bytes.decode()}"
+
+
+def test_mask_error_masks_a_chain_in_place_keeping_types_and_words() -> None:
+    """Each exception of a chain is masked in place, its type kept; one whose message is
+    built from elsewhere shows the masked text under its own class name."""
+    secrets = url_secrets("postgresql://u:Zq8@SEC@RETpw@h/db")
+    host, rest = "SEC@RE" + "Tpw@h", "RE" + "Tpw"  # the traceback shows the raising lines
+    try:
+        try:
+            raise _HostError(host)
+        except _HostError as inner:
+            raise OSError(2, f"no such host {host}", rest) from inner
+    except OSError as exc:
+        outer = exc
+    mask_error(outer, secrets)
+    shown = "".join(traceback.format_exception(outer))
+    assert "RETpw" not in shown, shown
+    assert "_HostError: cannot reach ***@h" in shown, shown
+    assert "no such host ***@h" in shown, shown
+    assert isinstance(outer.__cause__, _HostError)
 
 
 def test_cli_error_keeps_the_reason_after_a_query_password() -> None:
