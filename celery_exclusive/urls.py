@@ -101,7 +101,9 @@ def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
     no password whose line ends after a port (``redis://h:6379/0``) and whose next line
     starts with a word with an ``@`` is masked up to that ``@``. A text that is one URL
     (a scheme at its start and no other) whose userinfo has whitespace in it has that
-    userinfo run to its last ``@``, across line breaks and spaces both.
+    userinfo run to its last ``@``, across line breaks and spaces both. A password with an
+    ``@`` before its last line break is hidden in a longer text only with ``secrets``
+    (there, the URL seems to end at that ``@``).
 
     A known secret of fewer than :data:`SHORT_SECRET` (4) characters is replaced only where
     it stands alone, with no letter, digit or ``_ . % -`` directly before or after it, nor
@@ -289,7 +291,8 @@ def _mask_broken(text: str, found: list[str] | None) -> str:
         if run is None:
             continue
         word = run.group(0)
-        at = _userinfo_end(word)
+        later = _SCHEME_START.search(word, 1)  # the next URL of a list ("...;redis://...")
+        at = _userinfo_end(word[: later.start()] if later else word)
         if at < 0:
             continue
         if found is not None:

@@ -131,6 +131,7 @@ MASK_CASES: list[tuple[str, str, str]] = [
         "could not connect to redis://:***@h:6379/0: refused\nretrying",
     ),
     ("line-break-and-space", "redis://:Zq8 SEC\nRET@h:1/0", "redis://:***@h:1/0"),
+    ("at-then-line-break-in-one-url", "redis://u:Zq8@SEC\nRET@h:1/0", "redis://u:***@h:1/0"),
     (
         "a-line-break-after-a-url-without-one",
         "lost redis://h:6379/0\nheld by celery@w1",
