@@ -9,22 +9,17 @@ did not release stays that long.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from celery_exclusive import LockService
-from tests.faults.conftest import ROOT, SLACK, start_worker, wait_until
+from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
 from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -37,18 +32,12 @@ SETTLED = 5.0 + 4 * SLACK
 
 
 @dataclass
-class Worker:
-    """One prefork worker on the private Redis, its store as ACL user ``user``."""
+class Worker(AppWorker):
+    """One prefork worker on the private Redis, its store as ACL user ``user``; ``admin``:
+    the broker's db as the default user."""
 
     admin: redis.Redis
     user: str
-    queue: str
-    log: Path
-    app: Any
-    store: LockService
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def refuse(self) -> None:
         """The store refuses every command of the worker's user from now on."""
@@ -66,38 +55,15 @@ class Worker:
 @pytest.fixture(scope="module")
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    broker = f"redis://127.0.0.1:{redis_server.port}/3"  # as test_rerun_hand_on's: one app
-    admin = redis.Redis.from_url(broker)
-    user, password = f"ce-kill-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
-    queue = f"cefaults-kill-{uuid.uuid4().hex[:8]}"
-    prefix = f"k{uuid.uuid4().hex[:10]}:"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "CE_FAULT_BROKER": broker,
-        "CE_FAULT_QUEUE": queue,
-        "CELERY_EXCLUSIVE_URL": f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0",
-        "CELERY_EXCLUSIVE_PREFIX": prefix,
-    }
+    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
     log = tmp_path_factory.mktemp("celery-kill") / "worker.log"
-    process = start_worker("tests.faults._celery_app", queue, env, log)
-    store = LockService(redis_server.url, prefix=prefix)
     try:
-        assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
-        os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
-        from tests.faults import _celery_app
-
-        _celery_app.app.conf.broker_url = _celery_app.app.conf.result_backend = broker
-        yield Worker(admin, user, queue, log, _celery_app, store)
+        with acl_user(admin, "ce-kill") as (user, password):
+            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+            with app_worker(redis_server, url, "kill", log) as base:
+                yield Worker(base.queue, base.log, base.app, base.store, admin, user)
     finally:
-        admin.execute_command("ACL", "SETUSER", user, "+@all")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # its own process group: the pool too
-        process.wait(10)
-        admin.execute_command("ACL", "DELUSER", user)
         admin.close()
-        store.close()
 
 
 def test_a_hard_time_limit_kill_the_store_refuses_is_released_with_its_record_later(worker: Worker) -> None:

@@ -17,7 +17,7 @@ import redis
 
 from celery_exclusive import AlreadyDone, LockService, ReleaseOutcome
 from celery_exclusive.providers.base import Completion
-from tests.faults.conftest import Faults, wait_until
+from tests.faults.conftest import Faults, acl_user, wait_until
 from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -32,15 +32,15 @@ def stores(
     gives back (``+@all``); at the end the user gets them back, the holder's service is
     closed and the user deleted."""
     admin = redis.Redis.from_url(redis_server.url)
-    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
-    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=ttl)
     try:
-        yield admin, user, service, faults.service(redis_server.url)
+        with acl_user(admin, "ce-rec") as (user, password):
+            service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=ttl)
+            try:
+                yield admin, user, service, faults.service(redis_server.url)
+            finally:
+                admin.execute_command("ACL", "SETUSER", user, "+@all")  # so that close() releases
+                service.close()
     finally:
-        admin.execute_command("ACL", "SETUSER", user, "+@all")
-        service.close()
-        admin.execute_command("ACL", "DELUSER", user)
         admin.close()
 
 

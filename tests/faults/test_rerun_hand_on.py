@@ -10,10 +10,7 @@ the store, and a store that answers neither the release nor the hand-on for a wh
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +22,7 @@ import pytest
 import redis
 
 from celery_exclusive import LockLost, LockService, is_skipped
-from tests.faults.conftest import ROOT, start_worker, wait_until
+from tests.faults.conftest import AppWorker, app_worker, wait_until
 from tests.faults.servers import PrivateRedis, TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -35,18 +32,12 @@ SOFT_LIMIT = 6.0
 
 
 @dataclass
-class Worker:
-    """One prefork worker (two processes) on the private Redis, its store through ``proxy``."""
+class Worker(AppWorker):
+    """One prefork worker (two processes) on the private Redis, its store through ``proxy``;
+    ``events``: the broker's db, where the tasks record their runs."""
 
     proxy: TcpProxy
-    queue: str
-    log: Path
     events: redis.Redis
-    app: Any
-    store: LockService
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def runs(self, tag: str) -> list[dict[str, Any]]:
         """The runs the task recorded under ``tag``, in order."""
@@ -81,37 +72,17 @@ class Worker:
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its proxy and the test's app, stopped afterwards."""
     proxy = TcpProxy(redis_server.port)
-    # test_signals' broker too: the test app is configured once per session.
-    broker = f"redis://127.0.0.1:{redis_server.port}/3"
-    queue = f"cefaults-rerun-{uuid.uuid4().hex[:8]}"
-    prefix = f"f{uuid.uuid4().hex[:10]}:"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "CE_FAULT_BROKER": broker,
-        "CE_FAULT_QUEUE": queue,
-        "CELERY_EXCLUSIVE_URL": f"redis://127.0.0.1:{proxy.port}/0",
-        "CELERY_EXCLUSIVE_PREFIX": prefix,
-    }
+    events = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
     log = tmp_path_factory.mktemp("celery-rerun") / "worker.log"
-    process = start_worker("tests.faults._celery_app", queue, env, log, concurrency=2)
-    events = redis.Redis.from_url(broker)
-    store = LockService(redis_server.url, prefix=prefix)
     try:
-        assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
-        os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
-        from tests.faults import _celery_app
-
-        _celery_app.app.conf.broker_url = _celery_app.app.conf.result_backend = broker
-        yield Worker(proxy, queue, log, events, _celery_app, store)
+        with app_worker(
+            redis_server, f"redis://127.0.0.1:{proxy.port}/0", "rerun", log, concurrency=2
+        ) as base:
+            yield Worker(base.queue, base.log, base.app, base.store, proxy, events)
     finally:
         proxy.resume()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # its own process group: the pool too
-        process.wait(10)
         proxy.close()
         events.close()
-        store.close()
 
 
 def _at(when: float) -> None:
