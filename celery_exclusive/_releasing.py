@@ -28,6 +28,17 @@ RELEASE_TIMEOUT = 2.0
 _RELEASED = ReleaseOutcome.RELEASED
 
 
+def release_later(
+    service: Service, key: str, token: str, within: float, completion: Completion | None = None
+) -> None:
+    """Release ``token``'s lease on ``key`` in the background, writing ``completion`` with it
+    where ``service`` keeps records: its heartbeat retries each second until the store
+    answers or ``within`` seconds have passed (by when the lease has surely expired)."""
+    record = completion if service.keeps_records else None
+    until = service.clock() + within
+    service.heartbeat.retry_release(service.prefix + key, token, until=until, completion=record)
+
+
 class Releasing:
     """Releases and loses a service's leases; keeps the cooldowns of ``hold_at_least`` leases."""
 

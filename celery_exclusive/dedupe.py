@@ -109,6 +109,7 @@ from celery import signals as celery_signals
 from celery.app.control import Control
 
 from celery_exclusive._process import new_token
+from celery_exclusive._releasing import release_later
 from celery_exclusive.errors import AlreadyQueued, BackendError
 from celery_exclusive.providers.base import Held
 from celery_exclusive.validation import MAX_LIFETIME_CAP, derived_key
@@ -315,26 +316,18 @@ class _Marking:
         """The send failed: release the marker if it was taken (its answer read first if not
         yet). If the store failed during the mark (its answer unknown: the server may have
         run it, or may still run it once it answers again) or during this release, the
-        release is retried in the background (:func:`_release_later`) until the store
+        release is retried in the background (:func:`.release_later`) until the store
         answers: a marker left behind would refuse every send of the key for its ttl,
         answering each with this never-sent task id."""
         with contextlib.suppress(BackendError):  # then the answer is unknown
             self.settle()
         if self._unknown:
-            _release_later(self.service, self.key, self.token, self.ttl)
+            release_later(self.service, self.marker, self.token, self.ttl)
         elif isinstance(self._outcome, str):
             try:
                 self.service.force_release(self.marker, self._outcome)
             except BackendError:
-                _release_later(self.service, self.key, self._outcome, self.ttl)
-
-
-def _release_later(service: LockService, key: str, token: str, within: float) -> None:
-    """Release the marker ``token`` may hold on ``key`` (without its suffix) in the
-    background, through the service's heartbeat, which retries each second until the store
-    answers or ``within`` seconds have passed (by when the marker surely expired)."""
-    store_key = service.prefix + queued_key(service, key)
-    service.heartbeat.retry_release(store_key, token, until=service.clock() + within)
+                release_later(self.service, self.marker, self._outcome, self.ttl)
 
 
 def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> float | None:
@@ -487,7 +480,7 @@ def _marker(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
 
 def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
     """Release ``marker`` by its token; a failure is logged, and a store failure's release
-    retried in the background until the store answers (:func:`_release_later`): a marker
+    retried in the background until the store answers (:func:`.release_later`): a marker
     left behind would refuse every send of its key until its ttl (an hour by default),
     answering each with the AsyncResult of this message, which has run."""
     from celery_exclusive.worker import get_lock_service
@@ -508,7 +501,9 @@ def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
         if retried:
             assert service is not None
             # The marker's expiry is not in the message: retry for as long as any marker lives.
-            _release_later(service, str(marker["key"]), str(marker["token"]), MAX_LIFETIME_CAP)
+            release_later(
+                service, queued_key(service, str(marker["key"])), str(marker["token"]), MAX_LIFETIME_CAP
+            )
 
 
 def marker_of(request: Any) -> Mapping[str, Any] | None:

@@ -228,7 +228,13 @@ class Heartbeat:
         token is kept until a release is confirmed, so no lease is orphaned for its ttl.
         ``completion``: the run's record, written by each retried release (else a copy of
         the run's message arriving later would find neither lease nor record, and run again).
+        A release carrying one is retried for as long as the record is to be kept
+        (``completion.retain``) if that is longer than ``until``: the store writes the record
+        whether or not the token still owns the key, and a copy of the message may arrive at
+        any time in that span, so an outage longer than the lease's ttl must not lose it.
         """
+        if completion is not None:
+            until = max(until, self._clock() + completion.retain)
         with self.mutex:
             self._inflight.add_release(store_key, token, until, completion)
             self._start_thread()

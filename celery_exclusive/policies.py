@@ -50,6 +50,9 @@ HANDS_ON_RERUNS = "hands_on_reruns"
 #: Message header of a rerun a holder sent: the fence of that holder's lease on the key (a
 #: rerun finding the key still held by it does not coalesce behind it, see :class:`Rerun`).
 RERUN_OF_HEADER = "celery_exclusive_rerun_of"
+#: Message header counting how often a rerun re-sent itself to wait for the lease that sent
+#: it (not lock retries: see :meth:`Retry.behind_sender`).
+RERUN_WAITS_HEADER = "celery_exclusive_rerun_waits"
 #: What :meth:`OnLocked.locked` returns to have the task try to acquire again at once.
 AGAIN: Any = object()
 
@@ -90,6 +93,8 @@ class Call:
     #: Under ``on_locked="wait"``: when the wait ends (monotonic), and its backoff step.
     wait_until: float | None = None
     wait_step: float = waiting.POLL_MIN
+    #: Under ``on_locked="rerun"``: how many times it has waited inline for its sender's lease.
+    sender_waits: int = 0
 
 
 class OnLocked:
@@ -149,16 +154,36 @@ class Retry(OnLocked):
             return AGAIN
         return self._send_again(task, key, holder, call)
 
-    def _send_again(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> NoReturn:
+    def behind_sender(self, task: Task, key: str, holder: LockInfo, call: Call) -> Any:
+        """Wait like :meth:`locked` for ``holder``, the lease whose run sent this rerun, but
+        without counting the waits against ``lock_max_retries`` (they are counted in
+        :data:`RERUN_WAITS_HEADER` instead, for the backoff), each at most until that lease
+        expires. They are bounded all the same: that run has finished and handed the rerun
+        on, so nothing refreshes its lease any more, which the store expires within its ttl
+        (``holder.expires_in``, never past its hard deadline) if its release does not get
+        through first. Counted, a lease left to a ttl longer than the lock retries made the
+        rerun fail with LockRetriesExceeded: the rerun was lost."""
+        if call.inline:
+            time.sleep(self._countdown(task, key, holder, call.sender_waits, sender=True))
+            call.sender_waits += 1
+            return AGAIN
+        return self._send_again(task, key, holder, call, sender=True)
+
+    def _send_again(
+        self, task: Task, key: str, holder: LockInfo | None, call: Call, *, sender: bool = False
+    ) -> NoReturn:
+        """Re-send the message after the backoff; ``sender``: see :meth:`behind_sender`."""
         request = task.request
         headers = dict(request.headers or {})
+        header = RERUN_WAITS_HEADER if sender else LOCK_RETRIES_HEADER
         try:
-            attempt = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+            attempt = int(headers.get(header) or 0)
         except (TypeError, ValueError):
             attempt = 0
-        self._check(task, key, holder, attempt)
-        countdown = self._countdown(task, key, holder, attempt)
-        headers[LOCK_RETRIES_HEADER] = attempt + 1
+        if not sender:
+            self._check(task, key, holder, attempt)
+        countdown = self._countdown(task, key, holder, attempt, sender=sender)
+        headers[header] = attempt + 1
         # Like Task.retry, but ``retries`` stays as it is: max_retries is the task's own budget.
         signature = task.signature_from_request(
             request,
@@ -187,10 +212,24 @@ class Retry(OnLocked):
             )
 
     @staticmethod
-    def _countdown(task: Task, key: str, holder: LockInfo | None, attempt: int) -> float:
+    def _countdown(
+        task: Task, key: str, holder: LockInfo | None, attempt: int, *, sender: bool = False
+    ) -> float:
         settings = task.lock_settings
         backoff, backoff_max = settings.lock_retry_backoff, settings.lock_retry_backoff_max
         countdown = lock_retry_countdown(attempt, backoff, backoff_max)
+        if sender and holder is not None:
+            # No later than just after the lease expires: nothing extends it any more.
+            countdown = min(countdown, max(holder.expires_in, 0.0) + waiting.POLL_MIN)
+            logger.info(
+                "lock %r is held by %s, the lease that sent this rerun; trying again in %.2f s "
+                "(wait %d, not a lock retry)",
+                key,
+                holder.describe(),
+                countdown,
+                attempt + 1,
+            )
+            return countdown
         logger.info(
             "lock %r is held by %s; lock retry %d/%d in %.2f s",
             key,
@@ -216,7 +255,10 @@ class Rerun(OnLocked):
     ttl). So the rerun it sends names that lease's fence (:data:`RERUN_OF_HEADER`), and a
     rerun that finds the key held by the very lease that sent it does not coalesce behind
     it (that holder has handed on already and never will again): it waits its turn like
-    ``"retry"`` (lock retries with backoff). Behind any other holder it coalesces as usual.
+    ``"retry"`` (with its backoff), but these waits are not lock retries
+    (:meth:`Retry.behind_sender`): nothing refreshes that lease any more, so they end with
+    it, and ``lock_max_retries`` would otherwise lose the rerun behind a lease left to a
+    long ttl. Behind any other holder it coalesces as usual.
     A hand-on that cannot reach the store (the marker cannot be read or deleted) is retried
     in the background by this process (:func:`hand_on_later`) until it gets an answer or
     the marker's ttl has passed; if the process ends first, the marker stays in the store
@@ -226,13 +268,16 @@ class Rerun(OnLocked):
     hands_on_reruns = True
 
     def locked(self, task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
-        if holder is not None and (not holder.holder.get(HANDS_ON_RERUNS) or _sent_by(task, holder)):
-            # Only rerun-policy holders send the recorded rerun when they finish; behind any
-            # other holder (a "skip" or "retry" task on the same key), or behind the lease
-            # that sent this very rerun (it has handed on already: its release has not got
-            # through yet), a coalesced request would wait for some later rerun-policy run,
-            # or forever. So wait like "retry".
-            return RETRY.locked(task, key, holder, call)
+        # Only rerun-policy holders send the recorded rerun when they finish; behind any
+        # other holder (a "skip" or "retry" task on the same key), or behind the lease that
+        # sent this very rerun (it has handed on already: its release has not got through
+        # yet), a coalesced request would wait for some later rerun-policy run, or forever.
+        # So wait like "retry" (behind the sender, for as long as its lease lasts).
+        if holder is not None:
+            if _sent_by(task, holder):
+                return RETRY.behind_sender(task, key, holder, call)
+            if not holder.holder.get(HANDS_ON_RERUNS):
+                return RETRY.locked(task, key, holder, call)
         service, request = task.lock_service, task.request
         marker_key = rerun_key(service, key)
         meta = {**holder_of(task), "rerun": _recorded_call(task, call)}
@@ -261,7 +306,9 @@ class Rerun(OnLocked):
     def finished(self, task: Task, key: str, fence: int, *, retrying: bool) -> None:
         """Send the rerun recorded on ``key`` if this process is the one that deletes its marker
         (not before a retry: the retry will run again and hand the rerun on itself). Never
-        raises: a store that does not answer leaves it to :func:`hand_on_later`."""
+        raises: a store that does not answer leaves it to :func:`hand_on_later`. ``key`` is
+        the lease's key, a semaphore's own for every slot (its store key names the slot): the
+        first holder of any slot to finish hands the rerun on."""
         if retrying:
             return
         try:

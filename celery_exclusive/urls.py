@@ -7,11 +7,13 @@ unmasked: use :func:`mask_url` for anything shown to a person.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlsplit
 
 from celery_exclusive.errors import ConfigurationError
 
@@ -35,6 +37,8 @@ _TOKENS = re.compile(r"""((?:[^\s'"]|['"](?=\S*@))+)""")
 _SCHEME_START = re.compile(r"(?<![\w+.\-/@])[A-Za-z][A-Za-z0-9+.-]*://")
 #: The name of a query (or libpq ``key=value``) parameter whose value is a secret.
 _HIDDEN_NAME = r"[\w.-]*?(?:pass|pwd|token|secret|credential|api_?key)[\w.-]*"
+#: The name of an option whose value is a secret (``password``, ``ssl_password``...).
+SECRET_NAME = re.compile(f"(?i){_HIDDEN_NAME}")
 #: Such a parameter in a word.
 _SECRET_PARAM = re.compile(rf"(?i)(^|[?&;])({_HIDDEN_NAME})=([^&#]*)")
 #: A URL's secret query parameter (what follows a ``?`` or ``&``), its value up to the next
@@ -46,11 +50,25 @@ _QUOTED_PARAM = re.compile(rf"(?i)(^|\s)({_HIDDEN_NAME})=('(?:[^'\\\n]|\\.)*')")
 _URL_AT = re.compile(r"""(?<!['"])@|@(?!['"])""")
 #: Userinfo masked already: ``user:***@``.
 _MASKED_USERINFO = re.compile(rf"[^\s:@/]*:{re.escape(MASK)}@")
-#: What ends a URL's userinfo, host or path for one driver or another.
-_URL_DELIMITERS = re.compile(r"[@/?#]")
+#: What ends a URL's userinfo, host, port or path for one driver or another, or a line.
+_PASSWORD_PARTS = re.compile(r"[@:/?#\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+")
 #: SQLAlchemy's URL userinfo (``make_url``'s pattern): a user without ``:`` or ``/``, and
 #: a password up to the first ``@``.
 _SQLALCHEMY_USERINFO = re.compile(r"[^:/]*(?::[^@]*)?@")
+#: A URL's ``scheme://user:`` whose password runs across a line break before any ``@`` or
+#: other whitespace (the drivers take a raw line break in a password).
+_BROKEN_USERINFO = re.compile(
+    r"(?<![\w+.\-/@])[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/]*:(?=[^\s@]*[\r\n\v\f\x1c-\x1e\x85\u2028\u2029])"
+)
+#: What :data:`_BROKEN_USERINFO`'s password is: words joined by line breaks only, up to
+#: the end of the first word with an ``@``.
+_BROKEN_RUN = re.compile(r"[^\s@]*(?:[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+[^\s@]*)+@\S*")
+#: A secret shorter than this is hidden only where it stands alone (:func:`mask_url`).
+SHORT_SECRET = 4
+#: Where a short secret stands alone: no letter, digit, ``_``, ``.``, ``%`` or ``-`` next
+#: to it, nor a ``:`` after a word before it or a ``:`` after it (a host, port, number or
+#: word it is part of: ``127.0.0.1:1``); a ``:`` after a quote or ``//`` is a userinfo's.
+_ALONE = (r"(?<![\w.%-])(?<![\w.]:)", r"(?![\w.:%-])")
 #: ``user:password@`` at the start of a token without ``scheme://``, or after a broken
 #: scheme ending in "/" (``//user:pw@host``, ``redis//:pw@host``).
 _BARE_USERINFO = re.compile(r"^((?:[^:@]*/)?[^:@/]*):(.+)@")
@@ -77,32 +95,164 @@ def mask_url(text: str, secrets: Iterable[str] = ()) -> str:
     in ``'root'@'localhost'``) when there is whitespace before it, and a secret query
     parameter's value followed on its line by whitespace or a quote runs to the next ``&``
     or ``#`` or the line's end; a URL masked already (``user:***@``, ``password=***``) is
-    kept as it is. Not hidden: a password with a line break in it.
+    kept as it is. A password with a line break in it (the drivers take one) is hidden too:
+    a URL whose line ends in its userinfo (``user:pass`` with no ``@`` or whitespace
+    after it) runs on across line breaks to the first word with an ``@``, so a URL with
+    no password whose line ends after a port (``redis://h:6379/0``) and whose next line
+    starts with a word with an ``@`` is masked up to that ``@``. A text that is one URL
+    (a scheme at its start and no other) whose userinfo has whitespace in it has that
+    userinfo run to its last ``@``, across line breaks and spaces both. A password with an
+    ``@`` before its last line break is hidden in a longer text only with ``secrets``
+    (there, the URL seems to end at that ``@``).
+
+    A known secret of fewer than :data:`SHORT_SECRET` (4) characters is replaced only where
+    it stands alone, with no letter, digit or ``_ . % -`` directly before or after it, nor
+    a ``:`` after it or after a word before it (``'ab'``, ``'ab@host'``, ``=ab&``,
+    ``':ab'``; not ``ab:1``, ``h:ab``): replaced blindly, a password ``1`` would turn
+    ``127.0.0.1:1`` into ``***27.0.0.***:***``, and inside a longer word it shows no more than
+    that word does, and one of whitespace only not at all (it cannot be told from the
+    text's own). Longer secrets are replaced wherever they occur.
     """
-    known = sorted({s for s in secrets if s}, key=len, reverse=True)
-    for secret in known:
-        text = text.replace(secret, MASK)
+    text = _replace_known(text, [*secrets, *_one_url_password(text)])
     text = _mask_spaced(text, None)
     return _TOKENS.sub(lambda m: _mask_token(m.group(0), None), text)
 
 
+def _one_url_password(text: str) -> list[str]:
+    """The password of ``text`` if it is one URL (a scheme at its start, no other) whose
+    userinfo has whitespace in it: that userinfo then runs to the URL's last ``@``, across
+    line breaks and spaces both (no rule on a longer text can tell where such a one ends)."""
+    starts = list(itertools.islice(_SCHEME_START.finditer(text), 2))
+    if len(starts) != 1 or starts[0].start() != 0:
+        return []
+    rest = text[starts[0].end() :]
+    if _MASKED_USERINFO.match(rest):
+        return []
+    _, colon, password = rest[: max(_userinfo_end(rest), 0)].partition(":")
+    return [password] if colon and any(c.isspace() for c in password) else []
+
+
+def _replace_known(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` replaced by ``***``, longest first (a short one only
+    where it stands alone: :func:`mask_url`)."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        if len(secret) >= SHORT_SECRET:
+            text = text.replace(secret, MASK)
+        elif secret in text and secret.strip():
+            text = re.sub(f"{_ALONE[0]}{re.escape(secret)}{_ALONE[1]}", MASK, text)
+    return text
+
+
+def mask_error(exc: BaseException, secrets: Iterable[str]) -> None:
+    """Mask ``exc`` and every exception chained to it (``__cause__``, ``__context__``, and
+    one held in an attribute, as SQLAlchemy's ``orig``), in place, so that no traceback of
+    the store's error shows a credential.
+
+    Each text an exception shows (its ``args``, string attributes, ``strerror`` and
+    ``filename``, notes) goes through :func:`mask_url` with ``secrets`` (see
+    :func:`known_secrets`): the driver's words, the exception's type and the chain stay.
+    An exception whose ``str`` or ``repr`` still shows a secret after that (one that
+    builds its message from elsewhere) is given a subclass of its own type, same name
+    and module, that shows the masked text instead.
+    """
+    known = list(secrets)
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        current = todo.pop()
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        _mask_in_place(current, known)
+        todo += [current.__cause__, current.__context__]
+        todo += [v for v in getattr(current, "__dict__", {}).values() if isinstance(v, BaseException)]
+
+
+def _masked_value(value: object, secrets: list[str]) -> object:
+    if isinstance(value, str):
+        return mask_url(value, secrets)
+    if isinstance(value, tuple | list):
+        return type(value)(_masked_value(v, secrets) for v in value)
+    return value
+
+
+def _mask_in_place(exc: BaseException, secrets: list[str]) -> None:
+    """One exception of :func:`mask_error`'s chain."""
+    before = str(exc), repr(exc)
+    with contextlib.suppress(TypeError, ValueError, AttributeError):
+        exc.args = tuple(_masked_value(a, secrets) for a in exc.args)
+    names = [n for n, v in getattr(exc, "__dict__", {}).items() if isinstance(v, str | tuple | list)]
+    for name in [*names, "strerror", "filename", "filename2", "msg", "reason"]:
+        value = getattr(exc, name, None)
+        if isinstance(value, str | tuple | list) and name != "__notes__":
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                setattr(exc, name, _masked_value(value, secrets))
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+        notes[:] = [_masked_value(note, secrets) for note in notes]
+    shown = str(exc), repr(exc)
+    if all(_replace_known(text, secrets) == text for text in shown):
+        return
+    masked = tuple(mask_url(text, secrets) for text in before)
+    # A built-in type (TypeError) shows its args, masked already; one without a __dict__
+    # (AttributeError) could not keep the texts.
+    with contextlib.suppress(TypeError, AttributeError):
+        exc.__dict__["_ce_masked"] = masked
+        exc.__class__ = _masked_class(type(exc))
+
+
+#: The classes :func:`_masked_class` made, by the class they stand for.
+_MASKED_CLASSES: dict[type[BaseException], type[BaseException]] = {}
+
+
+def _masked_class(cls: type[BaseException]) -> type[BaseException]:
+    """``cls`` under its own name and module, showing :func:`_mask_in_place`'s texts."""
+    if cls in _MASKED_CLASSES.values():
+        return cls
+    made = _MASKED_CLASSES.get(cls)
+    if made is None:
+        made = _MASKED_CLASSES.setdefault(cls, _make_masked_class(cls))
+    return made
+
+
+def _make_masked_class(cls: type[BaseException]) -> type[BaseException]:
+
+    def text(self: BaseException) -> str:
+        return str(self.__dict__["_ce_masked"][0])
+
+    def shown(self: BaseException) -> str:
+        return str(self.__dict__["_ce_masked"][1])
+
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (cls,), {"__str__": text, "__repr__": shown, **names})
+
+
 def url_secrets(url: str) -> list[str]:
     """The secrets :func:`mask_url` hides in ``url``, longest first: each as written,
-    percent-decoded, and as Python's ``repr`` escapes them."""
+    percent-decoded, percent-encoded, and as Python's ``repr`` escapes them."""
     found: list[str] = []
     for token in _TOKENS.findall(_mask_spaced(url, found)):
         _mask_token(token, found)
-    # A driver that reads a raw "@", "/", "?" or "#" in a password as the URL's next part
-    # echoes that part as a host, port or path ("failed to resolve host 'rest@h'", "Port
-    # could not be cast to integer value as 'start'"): each such part of 4 characters or
-    # more, and each rest after an "@" (SQLAlchemy's host), is a secret too.
-    parts = [p for raw in found for p in _URL_DELIMITERS.split(raw)]
+    found += _one_url_password(url)
+    # A driver that reads a raw "@", ":", "/", "?" or "#" in a password as the URL's next
+    # part echoes that part as a host, port or path ("failed to resolve host 'rest@h'", "Port
+    # could not be cast to integer value as 'start'"), and a message cut at a line break
+    # shows a line of it: each such part, and each rest after an "@" (SQLAlchemy's host),
+    # is a secret too (one of 1-3 characters hidden only where it stands alone: mask_url).
+    parts = [p for raw in found for p in _PASSWORD_PARTS.split(raw)]
     parts += [raw.split("@", n)[-1] for raw in found for n in range(1, raw.count("@") + 1)]
-    found += [part for part in parts if len(part) >= 4]
-    # As written, percent-decoded, and each as Python's repr shows it (a driver's message
-    # often quotes a value with repr: a tab, a quote or a backslash then reads escaped).
-    decoded = {form for raw in found if raw and raw != MASK for form in (raw, unquote(raw))}
-    values = decoded | {repr(form)[1:-1] for form in decoded}
+    found += parts
+    return known_secrets(raw for raw in found if raw != MASK)
+
+
+def known_secrets(secrets: Iterable[str]) -> list[str]:
+    """``secrets`` (a URL's, see :func:`url_secrets`, or passwords a store was given
+    outside one), longest first, each also percent-decoded, percent-encoded (as a URL or a
+    form writes it) and as Python's ``repr`` escapes it (a driver's message often quotes a
+    value with repr: a tab, a quote or a backslash then reads escaped)."""
+    decoded = {form for raw in secrets if raw for form in (raw, unquote(raw))}
+    encoded = {form for raw in decoded for form in (quote(raw, safe=""), quote_plus(raw), quote(raw))}
+    values = decoded | encoded | {repr(form)[1:-1] for form in decoded}
     return sorted(values, key=len, reverse=True)
 
 
@@ -120,9 +270,36 @@ def _mask_spaced(text: str, found: list[str] | None) -> str:
     URL missing its ``scheme://`` (``user:pa ss@host``, ``//u:pa ss@h``), one line with no
     scheme in it, is masked so too.
     """
+    text = _mask_broken(text, found)
     if "\n" not in text and not _SCHEME_START.search(text):
         text = _mask_spaced_bare(text, found)
     return "".join(_mask_spaced_line(line, found) for line in text.splitlines(keepends=True))
+
+
+def _mask_broken(text: str, found: list[str] | None) -> str:
+    """``text`` with the password of each URL whose userinfo runs across a line break
+    masked: from its ``user:`` over words separated by line breaks only, to the last ``@``
+    (not one in a secret query parameter) of the first word with an ``@``."""
+    if not _BROKEN_USERINFO.search(text):
+        return text
+    parts: list[str] = []
+    done = 0
+    for match in _BROKEN_USERINFO.finditer(text):
+        if match.start() < done:
+            continue
+        run = _BROKEN_RUN.match(text, match.end())
+        if run is None:
+            continue
+        word = run.group(0)
+        later = _SCHEME_START.search(word, 1)  # the next URL of a list ("...;redis://...")
+        at = _userinfo_end(word[: later.start()] if later else word)
+        if at < 0:
+            continue
+        if found is not None:
+            found.append(word[:at])
+        parts += [text[done : match.end()], MASK]
+        done = match.end() + at
+    return "".join(parts) + text[done:]
 
 
 def _mask_spaced_bare(text: str, found: list[str] | None) -> str:
@@ -351,7 +528,11 @@ def split_options(
     try:
         query = urlsplit(f"{scheme}{sep}{tail}" if userinfo else tail).query
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-        raise ConfigurationError(f"malformed lock store URL {mask_url(url)!r}: {exc}") from None
+        secrets = url_secrets(url)
+        mask_error(exc, secrets)  # still the error's __context__
+        raise ConfigurationError(
+            f"malformed lock store URL {mask_url(url)!r}: {mask_url(str(exc), secrets)}"
+        ) from None
     kept: list[str] = []
     options: dict[str, str] = {}
     for segment in query.split("&"):

@@ -24,10 +24,11 @@ this module is imported (``celery_exclusive.task`` imports it):
   The hook recomputes the task's key from the request, peeks it (a semaphore's every slot,
   and its run's task-id lease), and once the process named in the holder metadata is gone
   it force-releases exactly that lease (same task id, same
-  host, token-bound). Celery reports a hard time limit twice (``Request.on_failure``, then
-  ``on_timeout``): the second report of one run is ignored. A child SIGKILLed from outside
-  (``WorkerLostError``) is left to the ttl: its lock is taken by the next task only after
-  the lease expires.
+  host, token-bound); a store that fails meanwhile is asked again until it answers or the
+  lease's ttl has passed (see :func:`release_killed`). Celery reports a hard time limit
+  twice (``Request.on_failure``, then ``on_timeout``): the second report of one run is
+  ignored. A child SIGKILLed from outside (``WorkerLostError``) is left to the ttl: its lock
+  is taken by the next task only after the lease expires.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ from celery.app import app_or_default
 from celery.exceptions import TimeLimitExceeded, WorkerShutdown
 
 from celery_exclusive import observe, redelivery
+from celery_exclusive._releasing import release_later
 from celery_exclusive._store import StoreCalls
-from celery_exclusive.errors import ConfigurationError, ExclusiveError
+from celery_exclusive.errors import BackendError, ConfigurationError, ExclusiveError
 from celery_exclusive.providers.base import Completion, LockInfo
 from celery_exclusive.semaphore import slot_keys
 from celery_exclusive.service import LockService
@@ -63,6 +65,8 @@ KILL_RELEASE_WAIT = 30.0
 #: How long a kill hook looks for the killed run's lease, which it may be acquiring just now.
 KILL_LOOKUP_WINDOW = 1.0
 _POLL = 0.05
+#: Pause between a kill hook's lookups of the killed run's lease while the store fails, in seconds.
+LOOKUP_RETRY = 1.0
 #: The token of a release that only writes a completion record: no lease ever has it (a
 #: lease's token is random hex), so the release deletes nothing.
 RECORD_ONLY_TOKEN = "celery-exclusive:record-only"  # noqa: S105 - a marker, no secret
@@ -477,6 +481,11 @@ def release_killed(
     record), within :data:`RECORD_TIMEOUT`; the release writes it again. A copy of the
     message then ends as ``already_done`` instead of running the body again (a retry the
     run sent still runs: ``attempt`` is the run's ``retries``, None when not known).
+
+    A store that does not answer does not end this: the lease is looked for again until it
+    answers, and a release (or record) that fails is handed to the service's heartbeat,
+    which retries it each second (:func:`.release_later`); each gives up once the lease's
+    ttl has passed, by when the store has expired it.
     """
     keys_for = getattr(task, "lock_keys_for", None)
     if keys_for is None or not task_id:
@@ -489,11 +498,13 @@ def release_killed(
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
         return None
+    ttl = task.lock_settings.lease_ttl
     if done is not None:
-        _record_now(service, *done, f"{task.name}[{task_id}] {why}")
+        _record_now(service, *done, f"{task.name}[{task_id}] {why}", ttl)
     thread = threading.Thread(
         target=_release_all_when_gone,
         args=(service, held, task_id, f"{task.name}[{task_id}] {why}", done),
+        kwargs={"ttl": ttl},
         name="celery-exclusive-kill-release",
         daemon=True,
     )
@@ -519,6 +530,8 @@ def _release_all_when_gone(
     task_id: str,
     what: str,
     done: tuple[str, Completion] | None,
+    *,
+    ttl: float,
 ) -> None:
     carrier, record = done if done is not None else (None, None)
     if carrier is not None and not any(carrier in group for group in held):
@@ -526,17 +539,27 @@ def _release_all_when_gone(
     # The run's leases (several for a multi-key task or a semaphore), the carrier last, once
     # its process is gone.
     for group in sorted(held, key=lambda each: carrier in each):
-        _release_when_gone(service, group, task_id, what, record if carrier in group else None)
+        _release_when_gone(
+            service, group, task_id, what, ttl=ttl, record=record if carrier in group else None
+        )
 
 
 def _release_when_gone(
-    service: LockService, keys: list[str], task_id: str, what: str, record: Completion | None = None
+    service: LockService,
+    keys: list[str],
+    task_id: str,
+    what: str,
+    *,
+    ttl: float,
+    record: Completion | None = None,
 ) -> None:
     """Release the lease run ``task_id`` holds on one of ``keys`` (writing ``record`` with it)
-    once its process is gone; a lease with a cooldown is kept to the cooldown's end."""
+    once its process is gone; a lease with a cooldown is kept to the cooldown's end. A store
+    that does not answer is asked again (the lookup here, the release by the heartbeat)
+    until it does or ``ttl`` (the lease's) has passed."""
     key = keys[0]
     try:
-        found = _lease_of(service, keys, task_id)
+        found = _lease_of(service, keys, task_id, what, ttl)
         if found is None:
             return
         key, info = found
@@ -545,7 +568,7 @@ def _release_when_gone(
                 return
             _handling.add((key, info.token))
         try:
-            _release_lease_when_gone(service, key, info, what, record)
+            _release_lease_when_gone(service, key, info, what, ttl=ttl, record=record)
         finally:
             with _handling_mutex:
                 _handling.discard((key, info.token))
@@ -559,7 +582,7 @@ _handling_mutex = threading.Lock()
 
 
 def _release_lease_when_gone(
-    service: LockService, key: str, info: LockInfo, what: str, record: Completion | None
+    service: LockService, key: str, info: LockInfo, what: str, *, ttl: float, record: Completion | None
 ) -> None:
     pid = info.holder.get("pid")
     if info.holder.get("host") != HOST or not isinstance(pid, int) or pid == os.getpid():
@@ -579,41 +602,83 @@ def _release_lease_when_gone(
         # A run with a cooldown (its holder says so) keeps the key to the cooldown's end, as
         # its own release would (not a semaphore run's task-id lease, which never cools):
         # the rest of it on the store's clock, from the lease now.
-        now = service.peek(key)
-        if now is None or now.token != info.token:
+        try:
+            now = service.peek(key)
+            if now is None or now.token != info.token:
+                return
+            left = cooldown - now.age
+            if left > _POLL:
+                if now.expires_in - left > _POLL and service.force_release(
+                    key, now.token, completion=record, keep_for=left
+                ):
+                    logger.warning(
+                        "%s: its lock %r (fence %d) ends with its cooldown, in %.1f s",
+                        what,
+                        key,
+                        now.fence,
+                        left,
+                    )
+                return
+        except BackendError as exc:
+            # The lease then ends at its own expiry, later than its cooldown's end: only the
+            # record is still owed, written by a release under a token that owns nothing.
+            logger.warning("%s: could not end its lock %r with its cooldown: %s", what, key, exc)
+            if record is not None:
+                release_later(service, key, RECORD_ONLY_TOKEN, ttl, record)
             return
-        left = cooldown - now.age
-        if left > _POLL:
-            if now.expires_in - left > _POLL and service.force_release(
-                key, now.token, completion=record, keep_for=left
-            ):
-                logger.warning(
-                    "%s: its lock %r (fence %d) ends with its cooldown, in %.1f s", what, key, now.fence, left
-                )
-            return
-    if service.force_release(key, info.token, completion=record):
+    try:
+        released = service.force_release(key, info.token, completion=record)
+    except BackendError as exc:
+        logger.warning(
+            "%s: could not release its lock %r (fence %d): %s; will retry", what, key, info.fence, exc
+        )
+        # The process is gone: nothing refreshes the lease, which ends within a ttl from now.
+        release_later(service, key, info.token, max(ttl, info.expires_in), record)
+        return
+    if released:
         logger.warning("%s: released its lock %r (fence %d)", what, key, info.fence)
 
 
-def _record_now(service: LockService, key: str, record: Completion, what: str) -> None:
-    """Write ``record`` on ``key`` without touching its lease, waiting at most :data:`RECORD_TIMEOUT`."""
+def _record_now(service: LockService, key: str, record: Completion, what: str, ttl: float) -> None:
+    """Write ``record`` on ``key`` without touching its lease, waiting at most
+    :data:`RECORD_TIMEOUT`; if the store does not answer by then, the heartbeat retries it
+    for up to ``ttl`` seconds (the run's lease, which the release thread also writes it with,
+    may be gone before the store answers again)."""
     try:
         StoreCalls().call(
             "record", service.force_release, key, RECORD_ONLY_TOKEN, completion=record, timeout=RECORD_TIMEOUT
         )
+    except BackendError as exc:
+        logger.warning("%s: could not record it as failed on lock %r yet: %s; will retry", what, key, exc)
+        release_later(service, key, RECORD_ONLY_TOKEN, ttl, record)
     except Exception as exc:
-        logger.warning("%s: could not record it as failed on lock %r yet: %s", what, key, exc)
+        logger.warning("%s: could not record it as failed on lock %r: %s", what, key, exc)
 
 
-def _lease_of(service: LockService, keys: list[str], task_id: str) -> tuple[str, LockInfo] | None:
+def _lease_of(
+    service: LockService, keys: list[str], task_id: str, what: str, patience: float
+) -> tuple[str, LockInfo] | None:
     """The lease on one of ``keys`` held by run ``task_id``, and its key, looked for during
-    :data:`KILL_LOOKUP_WINDOW`."""
-    give_up = time.monotonic() + KILL_LOOKUP_WINDOW
+    :data:`KILL_LOOKUP_WINDOW`; while the store does not answer, looked for again each
+    :data:`LOOKUP_RETRY` seconds, for up to ``patience`` seconds (then its BackendError is
+    raised: the lease has expired by then)."""
+    start = time.monotonic()
+    give_up = start + KILL_LOOKUP_WINDOW
+    failing = False
     while True:
-        for key in keys:
-            info = service.peek(key)
-            if info is not None and info.holder.get("task_id") == task_id:
-                return key, info
+        try:
+            for key in keys:
+                info = service.peek(key)
+                if info is not None and info.holder.get("task_id") == task_id:
+                    return key, info
+        except BackendError as exc:
+            if time.monotonic() - start >= patience:
+                raise
+            if not failing:
+                logger.warning("%s: could not look for its lock %r: %s; will retry", what, keys[0], exc)
+                failing = True
+            time.sleep(LOOKUP_RETRY)
+            continue
         if time.monotonic() >= give_up:
             return None
         time.sleep(_POLL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -32,7 +33,7 @@ from celery_exclusive.cli import Target as CliTarget
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import exclusive_task
-from celery_exclusive.urls import mask_url, url_secrets
+from celery_exclusive.urls import known_secrets, mask_error, mask_url, url_secrets
 from celery_exclusive.worker import get_lock_service
 from tests.conftest import (
     MYSQL_URL,
@@ -46,6 +47,10 @@ from tests.conftest import (
 PW = "Zq8SECRETpw"
 #: A password as the drivers take it unencoded: spaces and a quote (invalid URL syntax).
 SPACED_PW = "Zq8 SEC'RET pw"
+#: Raw "@"s: SQLAlchemy and libpq take the rest for the host, and the drivers name that host.
+AT_PW = "Zq8@SEC@RETpw"
+#: A line break (and a tab), which the drivers take too.
+BROKEN_PW = "Zq8SEC\nRE\tTpw"
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -117,6 +122,21 @@ MASK_CASES: list[tuple[str, str, str]] = [
         "error: redis redis://h:6399/11?password=***: Error 111 connecting",
     ),
     ("plain-text-untouched", "lock 'report:42' is held by task x", "lock 'report:42' is held by task x"),
+    ("line-break-in-password", "postgresql://u:Zq8SEC\nRETpw@h/db", "postgresql://u:***@h/db"),
+    ("line-breaks-and-tab", "redis://:Zq8\r\nSEC\tRET\npw@h:6379/0", "redis://:***@h:6379/0"),
+    ("line-break-first", "redis://:\nZq8SECRET@h:6379/0", "redis://:***@h:6379/0"),
+    (
+        "line-break-in-a-message",
+        "could not connect to redis://:Zq8\nSECRET@h:6379/0: refused\nretrying",
+        "could not connect to redis://:***@h:6379/0: refused\nretrying",
+    ),
+    ("line-break-and-space", "redis://:Zq8 SEC\nRET@h:1/0", "redis://:***@h:1/0"),
+    ("at-then-line-break-in-one-url", "redis://u:Zq8@SEC\nRET@h:1/0", "redis://u:***@h:1/0"),
+    (
+        "a-line-break-after-a-url-without-one",
+        "lost redis://h:6379/0\nheld by celery@w1",
+        "lost redis://h:6379/0\nheld by celery@w1",
+    ),
     ("space-in-password", "postgresql://user:pa ss@host/db", "postgresql://user:***@host/db"),
     ("spaces-and-quote", f"redis://:{SPACED_PW}@h:6379/0", "redis://:***@h:6379/0"),
     (
@@ -167,6 +187,61 @@ def test_mask_url_also_hides_known_secrets_anywhere() -> None:
     masked = mask_url(text, secrets)
     assert PW not in masked
     assert masked == "auth failed for password *** (raw ***), key ***"
+
+
+def test_a_short_secret_is_hidden_where_it_stands_alone() -> None:
+    """A known secret of 1-3 characters is replaced where no letter, digit or ``_ . : % -``
+    touches it (a host or port a driver took from it), never inside a word or number."""
+    assert mask_url("Error 111 connecting to 127.0.0.1:1.", ["1"]) == "Error 111 connecting to 127.0.0.1:1."
+    assert mask_url("Port could not be cast to integer value as 'b'", ["b"]) == (
+        "Port could not be cast to integer value as '***'"
+    )
+    assert mask_url(
+        "failed to resolve host 'b@127.0.0.1'", url_secrets("postgresql://u:a@b@127.0.0.1/x")
+    ) == ("failed to resolve host '***@127.0.0.1'")
+    assert mask_url("a connection to 'ab' as ab, refused: ab:1", ["ab"]) == (
+        "a connection to '***' as ***, refused: ab:1"
+    )
+    assert mask_url("no host in ':Zq8', nor in h:Zq8", ["Zq8"]) == "no host in ':***', nor in h:Zq8"
+    assert mask_url("indented\n  text", [" ", "\n"]) == "indented\n  text"  # whitespace: never
+
+
+def test_known_secrets_are_hidden_percent_encoded_too() -> None:
+    """A secret given decoded (a client's password) is hidden as a URL or a form writes it."""
+    secrets = known_secrets(["p@ss w/rd"])
+    for written in ("p%40ss%20w%2Frd", "p%40ss+w%2Frd", "p%40ss%20w/rd", "p@ss w/rd"):
+        assert mask_url(f"refused for {written}!", secrets) == "refused for ***!", written
+
+
+class _HostError(Exception):
+    """A driver error that builds its message from an attribute, not from its args."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__()
+        self.host_bytes = host.encode()
+
+    def __str__(self) -> str:
+        return f"cannot reach {self.host_bytes.decode()}"
+
+
+def test_mask_error_masks_a_chain_in_place_keeping_types_and_words() -> None:
+    """Each exception of a chain is masked in place, its type kept; one whose message is
+    built from elsewhere shows the masked text under its own class name."""
+    secrets = url_secrets("postgresql://u:Zq8@SEC@RETpw@h/db")
+    host, rest = "SEC@RE" + "Tpw@h", "RE" + "Tpw"  # the traceback shows the raising lines
+    try:
+        try:
+            raise _HostError(host)
+        except _HostError as inner:
+            raise OSError(2, f"no such host {host}", rest) from inner
+    except OSError as exc:
+        outer = exc
+    mask_error(outer, secrets)
+    shown = "".join(traceback.format_exception(outer))
+    assert "RETpw" not in shown, shown
+    assert "_HostError: cannot reach ***@h" in shown, shown
+    assert "no such host ***@h" in shown, shown
+    assert isinstance(outer.__cause__, _HostError)
 
 
 def test_cli_error_keeps_the_reason_after_a_query_password() -> None:
@@ -278,17 +353,20 @@ def _channel_urls(table: str, pw: str) -> dict[str, list[str]]:
     PostgreSQL trusts 127.0.0.1, so its URL works (the password is ignored) and every
     success path is exercised too; a database that does not exist makes the server answer
     with an error; Redis and MariaDB refuse the password (the server answers with an error);
-    the port-1 URLs are unreachable (the driver fails to connect).
+    the port-1 URLs are unreachable (the driver fails to connect). A raw ``@`` or line break
+    is planted raw in the userinfo and percent-encoded in a query (where a raw ``@`` would
+    move the rest of the URL into the host for SQLAlchemy, options included).
     """
+    q = pw.replace("@", "%40").replace("\n", "%0A")
     return {
         "postgres": [
-            f"postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test?sslpassword=s{pw}&ce_table={table}",
+            f"postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test?sslpassword=s{q}&ce_table={table}",
             f"postgresql://postgres:{pw}@127.0.0.1:5432/ce_no_such_db",
-            f"postgresql+psycopg://postgres@127.0.0.1:1/x?password={pw}&application_name=ce",
+            f"postgresql+psycopg://postgres@127.0.0.1:1/x?password={q}&application_name=ce",
         ],
         "redis": [
             f"redis://default:{pw}@127.0.0.1:6379/0",
-            f"redis://127.0.0.1:6379/0?password={pw}&socket_timeout=5",
+            f"redis://127.0.0.1:6379/0?password={q}&socket_timeout=5",
             f"redis://:{pw}@127.0.0.1:1/0",
         ],
         "mariadb": [
@@ -378,7 +456,7 @@ def _cli_texts(url: str, sweep: list[list[str]]) -> tuple[list[str], int]:
     return texts, masked
 
 
-@pytest.mark.parametrize("pw", [PW, SPACED_PW], ids=["plain", "spaced"])
+@pytest.mark.parametrize("pw", [PW, SPACED_PW, AT_PW, BROKEN_PW], ids=["plain", "spaced", "at", "line-break"])
 @pytest.mark.parametrize("name", ["postgres", "redis", "mariadb"])
 def test_a_planted_password_appears_on_no_channel(
     name: str, pw: str, caplog: pytest.LogCaptureFixture
@@ -469,7 +547,7 @@ def _package_objects(root: object) -> list[object]:
     return found
 
 
-@pytest.mark.parametrize("pw", [PW, SPACED_PW], ids=["plain", "spaced"])
+@pytest.mark.parametrize("pw", [PW, SPACED_PW, AT_PW, BROKEN_PW], ids=["plain", "spaced", "at", "line-break"])
 @pytest.mark.parametrize("name", ["postgres", "redis", "mariadb"])
 def test_no_object_of_the_package_shows_a_password_in_its_repr(name: str, pw: str) -> None:
     """The repr of every object a LockService, the CLI and the settings keep (what a debugger,
@@ -566,3 +644,129 @@ def test_a_redis_password_cut_at_a_slash_is_masked_where_redis_py_echoes_a_part(
     assert texts, "the call did not fail"
     assert "***" in texts[0], texts[0]
     assert not [text for text in texts if any(piece in text for piece in _pieces(pw))], texts[-1]
+
+
+#: Passwords a driver misreads: a raw "@" (the rest read as the host), "/", "?" and "#" (as a
+#: port, path or query), line breaks; and short ones (1-3 characters) among them.
+MISREAD_PASSWORDS = [
+    "Zq8@SEC@RETpw",
+    "Zq8abcd/SECRET?RETpw#x",
+    "Zq8SEC\nRETpw",
+    "Zq8 SE\r\nC@RETpw",
+    "a@b",
+    "x/y",
+    "q\nr",
+    "Q7",
+]
+
+MISREAD_URLS = {
+    "postgres": "postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test?ce_table={table}",
+    "postgres-refused": "postgresql+psycopg://postgres:{pw}@127.0.0.1:1/test",
+    "mariadb": "mysql+pymysql://root:{pw}@127.0.0.1:3306/test?ce_table={table}",
+    "mariadb-refused": "mysql+pymysql://root:{pw}@127.0.0.1:1/test",
+    "redis-refused": "redis://:{pw}@127.0.0.1:1/0",
+    "redis-socket": "unix://:{pw}@/nonexistent/ce.sock?db=0",
+}
+
+
+def _shows(text: str, pw: str) -> bool:
+    """Whether ``text`` shows ``pw``: a 4-character piece of it, or for a short one (1-3
+    characters) it or a part of it (between ``@ : / ? #`` and line breaks) standing alone,
+    as mask_url hides it (no letter, digit or ``_ . % -`` next to it, no ``:`` after it
+    or after a word before it: not ``127.0.0.1:1`` for a password ``1``)."""
+    if len(pw) >= 4:
+        return any(piece in text for piece in _pieces(pw))
+    parts = {pw, *(p for p in re.split(r"[@:/?#\r\n]+", pw) if p)}
+    return any(re.search(rf"(?<![\w.%-])(?<![\w.]:){re.escape(p)}(?![\w.:%-])", text) for p in parts)
+
+
+@pytest.mark.parametrize("pw", MISREAD_PASSWORDS, ids=lambda pw: repr(pw)[1:-1])
+@pytest.mark.parametrize("store", list(MISREAD_URLS))
+def test_no_traceback_shows_a_password_the_driver_misread(store: str, pw: str) -> None:
+    """A password the driver reads as a host, port, path or two lines: the store's error, its
+    whole traceback (every chained driver exception, as Python prints it) and the reprs
+    never show it; the chain keeps the driver's exception types and the rest of their words."""
+    require_server(
+        POSTGRES_URL if store.startswith("postgres") else MYSQL_URL if "mariadb" in store else REDIS_URL
+    )
+    table = f"ce_sec_{uuid.uuid4().hex[:10]}"
+    url = MISREAD_URLS[store].format(pw=pw, table=table)
+    texts: list[str] = []
+    raised: BaseException | None = None
+    try:
+        service = LockService(url, prefix=f"sec{uuid.uuid4().hex[:8]}:")
+        texts += [repr(service), repr(service.provider), repr(ExclusiveSettings(url=url))]
+        try:
+            service.lock("k").release()
+        finally:
+            service.close()
+    except ExclusiveError as exc:
+        raised = exc
+        texts += _texts_of(exc)
+    finally:
+        if store == "postgres":
+            drop_lock_table(POSTGRES_URL, table)
+        elif store == "mariadb":
+            drop_lock_table(MYSQL_URL, table)
+    leaks = [text for text in texts if _shows(text, pw)]
+    assert not leaks, leaks[0]
+    shown = "".join(texts)
+    assert "127.0.0.1" in shown or "ce.sock" in shown or "***" in shown, shown
+    if raised is not None and raised.__cause__ is not None:  # a driver's error: chained, its type kept
+        chain = "".join(traceback.format_exception(raised))
+        assert "The above exception was the direct cause" in chain, chain
+        assert re.search(r"^(psycopg|pymysql|redis|sqlalchemy)[\w.]*(Error|Exception)\b", chain, re.M), chain
+
+
+#: Store URLs a driver or a URL parser misreads, each with the password planted in it.
+MISCONFIGURED = [
+    # SQLAlchemy ends the password at its first "@" and reads "RETpw@127.0.0.1:5432" as the port.
+    ("postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test", "Zq8@SEC:RETpw"),
+    # A raw "/" ends the sentinels' host list: "no host in ':Zq8'".
+    ("redis+sentinel://:{pw}@127.0.0.1:1/mymaster", "Zq8/SEC:RETpw"),
+    # PyMySQL is asked to connect to the host "SEC@RETpw@127.0.0.1".
+    ("mysql+pymysql://root:{pw}@127.0.0.1:3306/test", "Zq8@SEC@RETpw"),
+    ("redis://:{pw}@127.0.0.1:1/0", "Zq8SEC\nRE\tTpw"),
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "pw"), MISCONFIGURED, ids=["pg-port", "sentinel-hosts", "mariadb-host", "redis-lines"]
+)
+def test_the_cli_and_the_logs_show_no_password_a_driver_or_parser_misread(
+    template: str, pw: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every command of both CLI front ends (and the console script), on a store whose URL
+    a driver or parser misreads, and the log at DEBUG meanwhile, show no piece of the
+    password, nor a part of it (between ``@ : / ?`` ...) that a message names alone."""
+    require_server(
+        POSTGRES_URL if "postgres" in template else MYSQL_URL if "mysql" in template else REDIS_URL
+    )
+    caplog.set_level(logging.DEBUG)
+    url = template.format(pw=pw)
+    texts: list[str] = []
+    for args in _cli_invocations():
+        for result in _cli_both(url, args):
+            texts += [result.output, result.stdout, result.stderr]
+            if result.exception is not None and not isinstance(result.exception, SystemExit):
+                texts += _texts_of(result.exception)
+    try:
+        LockService(url, prefix="sec:").try_lock("k")
+    except ExclusiveError as exc:
+        texts += _texts_of(exc)
+    env = {k: v for k, v in os.environ.items() if k != "CELERY_EXCLUSIVE_URL"}
+    done = subprocess.run(
+        [str(BIN / "celery-exclusive"), "--url", url, "doctor"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    texts += [done.stdout, done.stderr, caplog.text, *(r.getMessage() for r in caplog.records)]
+    texts += ["".join(traceback.format_exception(*r.exc_info)) for r in caplog.records if r.exc_info]
+    parts = [p for p in re.split(r"[@:/?#\s]+", pw) if p]
+    leaks = [text for text in texts if _shows(text, pw) or any(_shows(text, part) for part in parts)]
+    assert not leaks, leaks[0]
+    assert "***" in done.stdout + done.stderr, done.stdout + done.stderr  # it was shown, masked

@@ -22,7 +22,7 @@ from celery_exclusive.errors import BackendError
 from celery_exclusive.providers._redis_scripts import FENCES, ScriptRunner, Translating, fence_key
 from celery_exclusive.providers._redis_urls import Target, wait_settings
 from celery_exclusive.providers._redis_wire import Wire, as_text, left
-from celery_exclusive.urls import mask_url
+from celery_exclusive.urls import mask_error, mask_url
 
 _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
@@ -168,14 +168,15 @@ class RedisServer:
 
     def fail(self, exc: Exception) -> BackendError:
         """``exc`` (a driver error, or what the provider found malformed) as a BackendError
-        naming the server, the password masked."""
+        naming the server, every secret the store was given masked in it, and in ``exc``
+        and its chain (in place: ``exc`` is chained to it)."""
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, self.redirects):  # redis-py strips the MOVED/ASK word
             reason = f"{type(exc).__name__[:-5].upper()} {reason}: the slot is served elsewhere now"
         if type(exc).__name__ == "MasterNotFoundError":  # drop its repr of every sentinel client
             reason = reason.split(" : ", 1)[0] + " (no sentinel reachable, or none monitors it)"
-        password = self.target.password
-        secrets = [*self.target.secrets, str(password)] if password else self.target.secrets
+        secrets = self.target.secrets
+        mask_error(exc, secrets)
         return BackendError(f"redis {self.display}: {mask_url(reason, secrets)}")
 
     def unacknowledged(self, what: str, acks: int) -> BackendError:

@@ -14,7 +14,15 @@ from urllib.parse import urlsplit
 
 from celery_exclusive.errors import ConfigurationError
 from celery_exclusive.providers._redis_sentinel import sentinels
-from celery_exclusive.urls import mask_url, sentinel_url, split_options, url_secrets
+from celery_exclusive.urls import (
+    SECRET_NAME,
+    known_secrets,
+    mask_error,
+    mask_url,
+    sentinel_url,
+    split_options,
+    url_secrets,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -45,9 +53,9 @@ class Target:
     display: str
     client: Any = None
     factory: Callable[[], Any] | None = None
-    password: Any = field(default=None, repr=False)  # reprs never show a secret
-    #: The URL's secrets (:func:`url_secrets`): what a driver's message must not show.
-    secrets: list[str] = field(default_factory=list, repr=False)
+    #: Every secret the store was given (:func:`store_secrets`): the URL's, the clients'
+    #: passwords, the sentinels' own: what a driver's message must not show.
+    secrets: list[str] = field(default_factory=list, repr=False)  # reprs never show a secret
     pool: Any = None
     wait: tuple[object, object] = (0, 0.5)
     built: bool = False
@@ -70,12 +78,55 @@ def target_of_client(client: redis.Redis | RedisCluster, wait: tuple[object, obj
 
     if isinstance(client, RedisCluster):
         names = ",".join(sorted(n.name for n in client.startup_nodes))
-        password = client.nodes_manager.connection_kwargs.get("password")
-        return Target(f"<client cluster {names}>", client, password=password, wait=wait)
+        secrets = store_secrets(client)
+        return Target(f"<client cluster {names}>", client, secrets=secrets, wait=wait)
     pool = client.connection_pool
     kw = pool.connection_kwargs
-    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
-    return Target(f"<client {where}>", client, password=kw.get("password"), pool=pool, wait=wait)
+    manager = getattr(pool, "sentinel_manager", None)
+    db = kw.get("db", 0)
+    if manager is not None:  # a Sentinel client: its pool knows no address until it asks
+        role = "primary" if getattr(pool, "is_master", True) else "replica"
+        service = getattr(pool, "service_name", "?")
+        where = f"sentinel {service} {role} via {_sentinel_hosts(manager)}, db {db}"
+    else:
+        where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}/{db}"
+    return Target(f"<client {where}>", client, secrets=store_secrets(client), pool=pool, wait=wait)
+
+
+def _sentinel_hosts(manager: Any) -> str:
+    """``host:port,...`` of a redis-py ``Sentinel``'s sentinels, as given."""
+    found = []
+    for sentinel in manager.sentinels:
+        kw = sentinel.connection_pool.connection_kwargs
+        found.append(f"{kw.get('host', '?')}:{kw.get('port', '?')}")
+    return ",".join(found)
+
+
+def store_secrets(client: Any, url: str = "") -> list[str]:
+    """Every secret a Redis store was given (:func:`~celery_exclusive.urls.known_secrets`):
+    ``url``'s, and each password (or other value named as a secret: ``ssl_password``...)
+    in the connection options of ``client``, of its sentinels (``sentinel_kwargs``) and of
+    its credential provider's ``password``."""
+    found = url_secrets(url) if url else []
+    options = []
+    if client is not None:
+        nodes = getattr(client, "nodes_manager", None)  # a cluster client
+        if nodes is not None:
+            options.append(nodes.connection_kwargs)
+        else:
+            pool = client.connection_pool
+            options.append(pool.connection_kwargs)
+            for sentinel in getattr(getattr(pool, "sentinel_manager", None), "sentinels", ()):
+                options.append(sentinel.connection_pool.connection_kwargs)
+    for kw in options:
+        provider = kw.get("credential_provider")
+        values = [getattr(provider, "password", None)]
+        values += [value for name, value in kw.items() if SECRET_NAME.fullmatch(name)]
+        for value in values:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            if isinstance(text, str) and text:
+                found.append(text)
+    return known_secrets(found)
 
 
 def target_of_url(url: str, wait: tuple[object, object]) -> Target:
@@ -86,7 +137,7 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     from redis.retry import Retry
 
     base, options = split_options(sentinel_url(url), _OPTIONS)  # kombu's "sentinel://h1;..." too
-    target = Target(mask_url(url), built=True, secrets=url_secrets(url))
+    target = Target(mask_url(url, url_secrets(url)), built=True, secrets=url_secrets(url))
     target.wait = (
         _number(options.get("wait_replicas"), int, wait[0]),
         _number(options.get("wait_timeout"), float, wait[1]),
@@ -95,7 +146,8 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     retry = Retry(NoBackoff(), 0)
     try:
         if scheme in _CLUSTER:
-            target.factory, target.password = _cluster_factory(base, retry)
+            target.factory, password = _cluster_factory(base, retry)
+            target.secrets = known_secrets([*target.secrets, *([password] if password else [])])
             return target
         if scheme in _SENTINEL:
             target.sentinels, target.client = _sentinel_client(base, retry)
@@ -103,9 +155,10 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
     except (ValueError, TypeError) as exc:  # redis-py may name a piece of a raw password
         reason = mask_url(str(exc), target.secrets)
-        raise ConfigurationError(f"bad redis URL {mask_url(url)!r}: {reason}") from None
+        mask_error(exc, target.secrets)  # still the error's __context__
+        raise ConfigurationError(f"bad redis URL {target.display!r}: {reason}") from None
     target.pool = target.client.connection_pool
-    target.password = target.pool.connection_kwargs.get("password")
+    target.secrets = store_secrets(target.client, url)
     return target
 
 

@@ -36,7 +36,7 @@ from sqlalchemy.pool import StaticPool
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
-from celery_exclusive.urls import mask_url, split_options, url_secrets
+from celery_exclusive.urls import known_secrets, mask_error, mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 logger = logging.getLogger("celery_exclusive.providers.sql")
@@ -358,7 +358,10 @@ def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
     try:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
     except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
-        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {exc}") from None
+        secrets = url_secrets(raw)  # a raw "@" in a password: the rest is read as host and port
+        mask_error(exc, secrets)  # still the error's __context__
+        reason = mask_url(str(exc), secrets)
+        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {reason}") from None
     return backend, driver, url
 
 
@@ -492,8 +495,12 @@ class SqlStore(metaclass=abc.ABCMeta):
         if dialect.name not in self._DIALECTS:
             raise ConfigurationError(f"unsupported SQL dialect {dialect.name!r} for a {self._kind}lock store")
         self.table = lock_table(sa.MetaData(), table)
-        self._masked = mask_url(url.render_as_string(hide_password=True))
-        self._secrets = url_secrets(url.render_as_string(hide_password=False))
+        # The URL as given and as SQLAlchemy read it (a raw "@" in a password moves the rest).
+        given = engine_or_url if isinstance(engine_or_url, str) else ""
+        self._secrets = known_secrets(
+            [*url_secrets(given), *url_secrets(url.render_as_string(hide_password=False))]
+        )
+        self._masked = mask_url(url.render_as_string(hide_password=True), self._secrets)
         self._ready = not create_table
         # Whether <table>_done exists: made with the lock table when create_table is on;
         # else looked up on first use (a schema migrated before records existed lacks it).
@@ -588,7 +595,11 @@ class SqlStore(metaclass=abc.ABCMeta):
         return Translated(self, op)
 
     def _error(self, op: str, exc: BaseException) -> BackendError:
-        return BackendError(error_text(self._masked, op, exc, self._secrets))
+        """The BackendError for driver error ``exc``; ``exc`` and its chain are masked in
+        place (:func:`~celery_exclusive.urls.mask_error`), as it is chained to it."""
+        error = BackendError(error_text(self._masked, op, exc, self._secrets))
+        mask_error(exc, self._secrets)
+        return error
 
     def _session(self) -> contextlib.AbstractContextManager[Any]:
         """Held around every use of a connection (SQLite's fork gate and serial lock)."""

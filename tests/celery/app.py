@@ -138,6 +138,16 @@ def work_rerun(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="rerun2:{key_id}", on_locked="rerun", limit=2, bind=True)
+def work_rerun_limit2(self: Any, key_id: str, tag: str, hold: bool = False) -> dict[str, Any]:
+    """A semaphore of 2 under ``"rerun"``. ``hold``: records ``holding`` (its fence), then
+    waits until the test pushes ``<tag>:go`` (at most 60 s) before it runs."""
+    if hold:
+        record("holding", tag, slot=self.lock.store_key.endswith("}#2") + 1, fence=self.lock.fence)
+        records_client().blpop([f"{KEYPREFIX}{tag}:go"], timeout=60)
+    return _body(self, tag, 0.0)
+
+
 @exclusive_task(app=app, key="dedupe:{key_id}", dedupe=True, bind=True)
 def dedupe_start(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Deduplicated at enqueue until its run starts (the default lifetime)."""

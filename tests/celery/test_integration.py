@@ -162,6 +162,40 @@ def test_rerun_ten_requests_become_one_rerun(group: WorkerGroup) -> None:
     assert reruns[0]["start"] >= runs(tag)[0]["end"]
 
 
+def test_rerun_under_a_semaphore_is_handed_on_by_the_first_holder_to_finish(group: WorkerGroup) -> None:
+    """``limit=2``: a request coalesced while both slots are held is rerun as soon as either
+    holder finishes, here the one on slot 2 while slot 1's still runs (only slot 1's holder
+    used to hand it on: the rerun waited for that run, however long)."""
+    from tests.celery.app import KEYPREFIX, records_client
+
+    key = uid()
+    tags = {name: f"{key}-{name}" for name in "abc"}
+    held = {}
+
+    def go(name: str) -> None:
+        records_client().rpush(f"{KEYPREFIX}{tags[name]}:go", 1)
+
+    try:
+        for name in "ab":
+            held[name] = group.send(tasks.work_rerun_limit2, key, tags[name], True)
+            wait_for(lambda name=name: records(tags[name]), 20, what=f"run {name} to hold a slot")
+        assert {records(tags[name])[0]["slot"] for name in "ab"} == {1, 2}
+        coalesced = group.send(tasks.work_rerun_limit2, key, tags["c"]).get(timeout=RESULT_TIMEOUT)
+        assert coalesced["celery_exclusive"] == "coalesced"
+        on_slot_2 = next(name for name in "ab" if records(tags[name])[0]["slot"] == 2)
+        go(on_slot_2)
+        assert held[on_slot_2].get(timeout=RESULT_TIMEOUT)["ran"]
+        wait_for(lambda: runs(tags["c"]), 20, what="the rerun, while slot 1's run still holds")
+        assert not runs(tags["a" if on_slot_2 == "b" else "b"]), "slot 1's run had not finished"
+    finally:
+        go("a")
+        go("b")
+    assert all(result.get(timeout=RESULT_TIMEOUT)["ran"] for result in held.values())
+    time.sleep(1.5)  # a second rerun would have started by now
+    assert len(runs(tags["c"])) == 1
+    assert runs(tags["c"])[0]["start"] >= runs(tags[on_slot_2])[0]["end"]
+
+
 def test_sigkilled_child_lock_is_taken_only_after_ttl(group: WorkerGroup) -> None:
     """A pool child SIGKILLed mid-task keeps its lock until the ttl expires; then another run takes it."""
     tag = uid()

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from celery_exclusive import BackendError
 from tests.celery.conftest import BROKER_URL, CELERY_BIN, ROOT, SESSION, spawn, stop_all, wait_ready
 from tests.conftest import POSTGRES_URL, drop_lock_table, require_server
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
 
-PW = "Zq8 SEC'RET pw"  # a space and a quote: the drivers accept them unencoded
+PW = "Zq8 SEC'RET pw"
+QUIET = ["--without-gossip", "--without-mingle"]  # a space and a quote: the drivers accept them unencoded
 
 
 def _pieces(pw: str) -> set[str]:
@@ -99,4 +101,51 @@ def test_celery_shows_no_piece_of_the_lock_store_password(celery_logdir: Path) -
     texts.append(worker.text())
     assert "exclusive_url" in texts[-2]  # the conf reply lists the setting, censored
     leaks = [text for text in texts if any(piece in text for piece in _pieces(PW))]
+    assert not leaks, leaks[0][-3000:]
+
+
+def test_a_worker_on_a_store_whose_password_the_driver_misreads_logs_no_piece_of_it(
+    celery_logdir: Path,
+) -> None:
+    """A raw ``@`` in the lock store's password: SQLAlchemy and libpq take the rest for the
+    host, and the task fails with a BackendError chained from psycopg's "failed to resolve
+    host". The worker's log at DEBUG (its startup warm-up, the task's failure with the whole
+    traceback) and the failed result's traceback show no piece of the password."""
+    require_server(BROKER_URL)
+    require_server(POSTGRES_URL)
+    pw = "Zq8@SEC@RETpw"
+    tag = uuid.uuid4().hex[:6]
+    name = f"secrets-misread-{tag}"
+    env = {
+        "CE_SECRETS_URL": f"postgresql+psycopg://postgres:{pw}@127.0.0.1:5432/test",
+        "CE_SECRETS_PREFIX": f"cesec{tag}:",
+        "CE_CELERY_QUEUE": f"cetest-{SESSION}-{tag}",
+    }
+    worker = spawn(
+        name,
+        ["worker", "-P", "solo", "-n", f"{name}@%h", "-Q", env["CE_CELERY_QUEUE"], "-l", "DEBUG", *QUIET],
+        env,
+        celery_logdir,
+        app="tests.celery.secrets_app",
+    )
+    texts: list[str] = []
+    try:
+        wait_ready([worker])
+        os.environ.update(env)
+        try:
+            from tests.celery.secrets_app import job
+
+            result = job.apply_async(queue=env["CE_CELERY_QUEUE"])
+            with pytest.raises(BackendError):
+                result.get(timeout=60)
+            texts += [str(result.traceback), repr(result.result)]
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
+    finally:
+        stop_all([worker])
+    texts.append(worker.text())
+    assert "failed to resolve host '***@127.0.0.1'" in texts[-1], texts[-1][-3000:]
+    assert "psycopg.OperationalError" in texts[-1], texts[-1][-3000:]  # the chained cause, masked
+    leaks = [text for text in texts if any(piece in text for piece in _pieces(pw))]
     assert not leaks, leaks[0][-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -45,9 +46,13 @@ def rerun_hand_on(self: Any, tag: str, n: int, wait: bool = False, drop: bool = 
     meanwhile, such as stalling the store, meets the release); ``drop``: then closes this
     process's lock services without releasing, so the run's lease stays in the store until
     its ttl (3 s) and its release answers UNKNOWN without reaching the store."""
+    return _hand_on_run(self, tag, n, wait=wait, drop=drop)
+
+
+def _hand_on_run(task: Any, tag: str, n: int, *, wait: bool, drop: bool) -> int:
     events = _events()
     start = time.time()
-    fence = self.lock.fence
+    fence = task.lock.fence
     if wait:
         events.rpush(f"{tag}:ready", json.dumps({"start": start, "fence": fence}))
         events.blpop([f"{tag}:go"], timeout=60)
@@ -55,6 +60,27 @@ def rerun_hand_on(self: Any, tag: str, n: int, wait: bool = False, drop: bool = 
     if drop:
         close_lock_services(release=False)
     return n
+
+
+#: The ttl of :func:`rerun_long_lease`'s lease, in seconds.
+LONG_LEASE = 8.0
+
+
+@exclusive_task(
+    app=app,
+    key="rerun:{tag}",
+    on_locked="rerun",
+    ttl=LONG_LEASE,
+    time_limit=60,
+    lock_max_retries=2,
+    lock_retry_backoff=0.2,
+    lock_retry_backoff_max=0.5,
+    bind=True,
+)
+def rerun_long_lease(self: Any, tag: str, n: int, wait: bool = False, drop: bool = False) -> int:
+    """:func:`rerun_hand_on` with an 8 s lease and 2 lock retries of 0.1-0.5 s: a dropped
+    lease outlasts every lock retry a rerun waiting behind it would count."""
+    return _hand_on_run(self, tag, n, wait=wait, drop=drop)
 
 
 @exclusive_task(app=app, key="rerun:{tag}", on_locked="rerun", on_lost="terminate", ttl=3, bind=True)
@@ -71,3 +97,33 @@ def rerun_terminated(self: Any, tag: str, n: int, wait: bool = False) -> int:
             time.sleep(0.05)
     events.rpush(f"{tag}:runs", json.dumps({"n": n, "fence": fence, "start": start, "end": time.time()}))
     return n
+
+
+@exclusive_task(app=app, key="killed:{tag}", ttl=30, time_limit=3, bind=True)
+def hard_killed(self: Any, tag: str) -> None:
+    """Says so in ``<tag>:ready`` (its fence), then sleeps into its hard time limit (3 s): the
+    worker's main process kills it and releases its lease (ttl 30 s) with its record."""
+    _events().rpush(f"{tag}:ready", json.dumps({"fence": self.lock.fence}))
+    time.sleep(60)
+
+
+#: How long :func:`slow_to_die` takes to exit after its SIGTERM, in seconds.
+DYING = 2.0
+
+
+@exclusive_task(app=app, key="killed:{tag}", ttl=30, bind=True)
+def slow_to_die(self: Any, tag: str) -> None:
+    """Says so in ``<tag>:ready``, then sleeps until terminated (``revoke(terminate=True)``):
+    on SIGTERM it waits 0.5 s (the main process has found its lease by then), says so in
+    ``<tag>:dying`` and exits :data:`DYING` seconds later, without releasing its lease."""
+    events = _events()
+
+    def die(*_: Any) -> None:
+        time.sleep(0.5)
+        events.rpush(f"{tag}:dying", 1)
+        time.sleep(DYING)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, die)
+    events.rpush(f"{tag}:ready", json.dumps({"fence": self.lock.fence}))
+    time.sleep(60)

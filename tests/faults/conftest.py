@@ -70,6 +70,71 @@ def start_worker(
         )
 
 
+@contextlib.contextmanager
+def acl_user(admin: Any, name: str) -> Iterator[tuple[str, str]]:
+    """(user, password) of a new Redis ACL user ``name-<random>`` with every command, made
+    with ``admin`` (a redis client on the private server). A client logged in as it is made
+    to fail by taking its commands away (``-@all``) and healed by giving them back
+    (``+@all``); at the end it gets them back, then is deleted."""
+    user, password = f"{name}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
+    try:
+        yield user, password
+    finally:
+        admin.execute_command("ACL", "SETUSER", user, "+@all")
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+@dataclass
+class AppWorker:
+    """A prefork worker of ``tests.faults._celery_app`` (see :func:`app_worker`)."""
+
+    queue: str
+    log: Path
+    #: The test side's ``tests.faults._celery_app`` module, its app sending to ``queue``.
+    app: Any
+    #: A service on the worker's store prefix, straight to the private Redis.
+    store: LockService
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def app_worker(
+    redis_server: PrivateRedis, store_url: str, name: str, log: Path, *, concurrency: int = 1
+) -> Iterator[AppWorker]:
+    """A prefork worker of ``tests.faults._celery_app`` whose lock store is ``store_url``
+    (the private Redis, directly, through a proxy or as an ACL user) under a prefix of its
+    own, on a queue of its own; the broker is the private Redis's db 3, shared by every
+    user of that app (it is configured once per session). Killed with its pool at the end."""
+    broker = f"redis://127.0.0.1:{redis_server.port}/3"
+    queue = f"cefaults-{name}-{uuid.uuid4().hex[:8]}"
+    prefix = f"{name[0]}{uuid.uuid4().hex[:10]}:"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CE_FAULT_BROKER": broker,
+        "CE_FAULT_QUEUE": queue,
+        "CELERY_EXCLUSIVE_URL": store_url,
+        "CELERY_EXCLUSIVE_PREFIX": prefix,
+    }
+    process = start_worker("tests.faults._celery_app", queue, env, log, concurrency=concurrency)
+    store = LockService(redis_server.url, prefix=prefix)
+    try:
+        assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
+        os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
+        from tests.faults import _celery_app
+
+        _celery_app.app.conf.broker_url = _celery_app.app.conf.result_backend = broker
+        yield AppWorker(queue, log, _celery_app, store)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # its own process group: the pool too
+        process.wait(10)
+        store.close()
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PrivatePostgres]:
     """This suite's own PostgreSQL cluster (initdb'd in a temp dir), stopped at session end."""

@@ -21,7 +21,7 @@ from celery import Celery
 from celery_exclusive import BackendError
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import get_lock_service
-from tests.faults.conftest import ROOT, Faults, start_worker, wait_until
+from tests.faults.conftest import ROOT, Faults, acl_user, start_worker, wait_until
 from tests.faults.servers import PrivateRedis
 from tests.scale._servers import frozen
 
@@ -55,54 +55,50 @@ def test_a_marker_the_worker_could_not_release_goes_once_the_store_answers(
     the key publishes a new message (on main the marker stayed its dedupe_ttl, 300 s here,
     and every send meanwhile got the failed run's AsyncResult)."""
     admin = redis.Redis.from_url(redis_server.url)
-    user, password = f"ce-worker-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
-    broker = f"redis://127.0.0.1:{redis_server.port}/4"
-    queue = f"cededupe-{uuid.uuid4().hex[:8]}"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "CE_DD_BROKER": broker,
-        "CE_DD_QUEUE": queue,
-        "CELERY_EXCLUSIVE_URL": f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0",
-        "CELERY_EXCLUSIVE_PREFIX": faults.prefix,
-    }
-    log = tmp_path_factory.mktemp("celery") / "worker.log"
-    worker = start_worker("tests.faults._dedupe_app", queue, env, log)
-    os.environ["CE_DD_BROKER"], os.environ["CE_DD_QUEUE"] = broker, queue
-    from tests.faults import _dedupe_app
+    with contextlib.closing(admin), acl_user(admin, "ce-worker") as (user, password):
+        broker = f"redis://127.0.0.1:{redis_server.port}/4"
+        queue = f"cededupe-{uuid.uuid4().hex[:8]}"
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "CE_DD_BROKER": broker,
+            "CE_DD_QUEUE": queue,
+            "CELERY_EXCLUSIVE_URL": f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0",
+            "CELERY_EXCLUSIVE_PREFIX": faults.prefix,
+        }
+        log = tmp_path_factory.mktemp("celery") / "worker.log"
+        worker = start_worker("tests.faults._dedupe_app", queue, env, log)
+        os.environ["CE_DD_BROKER"], os.environ["CE_DD_QUEUE"] = broker, queue
+        from tests.faults import _dedupe_app
 
-    app = _dedupe_app.app
-    # The sender uses the store as the default user: only the worker's calls are refused.
-    app.conf.update(exclusive_url=redis_server.url, exclusive_prefix=faults.prefix)
-    tag = uuid.uuid4().hex[:8]
-    try:
-        assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
-        warm = _dedupe_app.deduped.apply_async((f"warm-{tag}",), queue=queue)
-        assert warm.get(timeout=60) == f"ran warm-{tag}"
-        admin.execute_command("ACL", "SETUSER", user, "-@all")  # the worker's calls fail from now on
-        first = _dedupe_app.deduped.apply_async((tag,), queue=queue)
-        assert _queued(redis_server.url, faults.prefix, f"dd:{tag}")
-        with pytest.raises(BackendError):
-            first.get(timeout=60, propagate=True)
-        assert "could not release the queued marker" in log.read_text(errors="replace")
-        assert _queued(redis_server.url, faults.prefix, f"dd:{tag}")  # the store still refuses
-        admin.execute_command("ACL", "SETUSER", user, "+@all")  # healed
+        app = _dedupe_app.app
+        # The sender uses the store as the default user: only the worker's calls are refused.
+        app.conf.update(exclusive_url=redis_server.url, exclusive_prefix=faults.prefix)
+        tag = uuid.uuid4().hex[:8]
+        try:
+            assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
+            warm = _dedupe_app.deduped.apply_async((f"warm-{tag}",), queue=queue)
+            assert warm.get(timeout=60) == f"ran warm-{tag}"
+            admin.execute_command("ACL", "SETUSER", user, "-@all")  # the worker's calls fail from now on
+            first = _dedupe_app.deduped.apply_async((tag,), queue=queue)
+            assert _queued(redis_server.url, faults.prefix, f"dd:{tag}")
+            with pytest.raises(BackendError):
+                first.get(timeout=60, propagate=True)
+            assert "could not release the queued marker" in log.read_text(errors="replace")
+            assert _queued(redis_server.url, faults.prefix, f"dd:{tag}")  # the store still refuses
+            admin.execute_command("ACL", "SETUSER", user, "+@all")  # healed
 
-        def gone() -> bool:
-            return not _queued(redis_server.url, faults.prefix, f"dd:{tag}")
+            def gone() -> bool:
+                return not _queued(redis_server.url, faults.prefix, f"dd:{tag}")
 
-        assert wait_until(gone, RELEASED_WITHIN), "the marker outlived the outage"
-        again = _dedupe_app.deduped.apply_async((tag,), queue=queue)
-        assert again.id != first.id
-        assert again.get(timeout=60) == f"ran {tag}"
-    finally:
-        admin.execute_command("ACL", "SETUSER", user, "+@all")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(10)
-        admin.execute_command("ACL", "DELUSER", user)
-        admin.close()
+            assert wait_until(gone, RELEASED_WITHIN), "the marker outlived the outage"
+            again = _dedupe_app.deduped.apply_async((tag,), queue=queue)
+            assert again.id != first.id
+            assert again.get(timeout=60) == f"ran {tag}"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(10)
 
 
 @pytest.mark.parametrize("after_a_duplicate", [False, True], ids=["first-send", "after-a-duplicate"])

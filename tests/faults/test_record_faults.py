@@ -8,6 +8,7 @@ the run, a broker's redelivery) finds the key free and no record, and runs the b
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import redis
 
 from celery_exclusive import AlreadyDone, LockService, ReleaseOutcome
 from celery_exclusive.providers.base import Completion
-from tests.faults.conftest import Faults, wait_until
+from tests.faults.conftest import Faults, acl_user, wait_until
 from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -24,22 +25,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 @contextlib.contextmanager
 def stores(
-    redis_server: PrivateRedis, faults: Faults
+    redis_server: PrivateRedis, faults: Faults, ttl: float = 30.0
 ) -> Iterator[tuple[redis.Redis, str, LockService, LockService]]:
     """(admin connection, user, the holder's service, an observer's service): the holder
     logs in as an ACL user of its own, whose commands the test takes away (``-@all``) and
     gives back (``+@all``); at the end the user gets them back, the holder's service is
     closed and the user deleted."""
     admin = redis.Redis.from_url(redis_server.url)
-    user, password = f"ce-rec-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
-    service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=30)
     try:
-        yield admin, user, service, faults.service(redis_server.url)
+        with acl_user(admin, "ce-rec") as (user, password):
+            service = faults.service(f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0", ttl=ttl)
+            try:
+                yield admin, user, service, faults.service(redis_server.url)
+            finally:
+                admin.execute_command("ACL", "SETUSER", user, "+@all")  # so that close() releases
+                service.close()
     finally:
-        admin.execute_command("ACL", "SETUSER", user, "+@all")
-        service.close()
-        admin.execute_command("ACL", "DELUSER", user)
         admin.close()
 
 
@@ -84,3 +85,26 @@ def test_a_cooldown_release_retried_after_a_store_failure_still_writes_the_recor
         admin.execute_command("ACL", "SETUSER", user, "+@all")
         assert wait_until(lambda: observer.completion("cool", task_id) is not None, 15.0)
         assert wait_until(lambda: not service.heartbeat._pending_release, 15.0)
+
+
+def test_a_record_is_still_written_after_an_outage_longer_than_the_lease(
+    redis_server: PrivateRedis, faults: Faults
+) -> None:
+    """The store refuses the holder's commands from the release on for longer than the
+    lease's ttl (2 s) and the release retries' old limit (the lease's deadline plus a ttl):
+    once it answers again, the background retry still writes the record, which is kept for
+    10 minutes (before, the retry gave up with the lease: a copy of the message arriving
+    after the outage found the key free and no record, and ran the body again)."""
+    task_id = str(uuid.uuid4())
+    with stores(redis_server, faults, ttl=2.0) as (admin, user, service, observer):
+        lease = service.lock("long", task_id=task_id)
+        admin.execute_command("ACL", "SETUSER", user, "-@all")
+        assert lease.release(Completion(task_id, "success", 0, 600.0)) is ReleaseOutcome.UNKNOWN
+        assert wait_until(lambda: observer.peek("long") is None, 15.0), "the lease did not expire"
+        time.sleep(3.0)  # past the lease's deadline plus a ttl, where the retries used to stop
+        assert service.heartbeat._pending_release, "the release is no longer retried"
+        admin.execute_command("ACL", "SETUSER", user, "+@all")
+        assert wait_until(lambda: observer.completion("long", task_id) is not None, 15.0)
+        assert wait_until(lambda: not service.heartbeat._pending_release, 15.0)
+        with pytest.raises(AlreadyDone):
+            observer.lock("long", task_id=task_id)

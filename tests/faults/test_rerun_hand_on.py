@@ -10,10 +10,7 @@ the store, and a store that answers neither the release nor the hand-on for a wh
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +22,7 @@ import pytest
 import redis
 
 from celery_exclusive import LockLost, LockService, is_skipped
-from tests.faults.conftest import ROOT, start_worker, wait_until
+from tests.faults.conftest import AppWorker, app_worker, wait_until
 from tests.faults.servers import PrivateRedis, TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -35,18 +32,12 @@ SOFT_LIMIT = 6.0
 
 
 @dataclass
-class Worker:
-    """One prefork worker (two processes) on the private Redis, its store through ``proxy``."""
+class Worker(AppWorker):
+    """One prefork worker (two processes) on the private Redis, its store through ``proxy``;
+    ``events``: the broker's db, where the tasks record their runs."""
 
     proxy: TcpProxy
-    queue: str
-    log: Path
     events: redis.Redis
-    app: Any
-    store: LockService
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def runs(self, tag: str) -> list[dict[str, Any]]:
         """The runs the task recorded under ``tag``, in order."""
@@ -81,37 +72,17 @@ class Worker:
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its proxy and the test's app, stopped afterwards."""
     proxy = TcpProxy(redis_server.port)
-    # test_signals' broker too: the test app is configured once per session.
-    broker = f"redis://127.0.0.1:{redis_server.port}/3"
-    queue = f"cefaults-rerun-{uuid.uuid4().hex[:8]}"
-    prefix = f"f{uuid.uuid4().hex[:10]}:"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "CE_FAULT_BROKER": broker,
-        "CE_FAULT_QUEUE": queue,
-        "CELERY_EXCLUSIVE_URL": f"redis://127.0.0.1:{proxy.port}/0",
-        "CELERY_EXCLUSIVE_PREFIX": prefix,
-    }
+    events = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
     log = tmp_path_factory.mktemp("celery-rerun") / "worker.log"
-    process = start_worker("tests.faults._celery_app", queue, env, log, concurrency=2)
-    events = redis.Redis.from_url(broker)
-    store = LockService(redis_server.url, prefix=prefix)
     try:
-        assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
-        os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
-        from tests.faults import _celery_app
-
-        _celery_app.app.conf.broker_url = _celery_app.app.conf.result_backend = broker
-        yield Worker(proxy, queue, log, events, _celery_app, store)
+        with app_worker(
+            redis_server, f"redis://127.0.0.1:{proxy.port}/0", "rerun", log, concurrency=2
+        ) as base:
+            yield Worker(base.queue, base.log, base.app, base.store, proxy, events)
     finally:
         proxy.resume()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # its own process group: the pool too
-        process.wait(10)
         proxy.close()
         events.close()
-        store.close()
 
 
 def _at(when: float) -> None:
@@ -157,6 +128,28 @@ def test_a_rerun_does_not_coalesce_behind_the_lease_that_sent_it(worker: Worker)
     assert f"lock 'rerun:{tag}' is held by" in worker.text(), "the rerun waited with lock retries"
 
 
+def test_a_rerun_waits_out_its_senders_lease_past_lock_max_retries(worker: Worker) -> None:
+    """The run's release does not reach the store and its lease (ttl 8 s) outlasts the
+    rerun's lock retries (``lock_max_retries=2``, 0.1-0.5 s apart): waiting behind the very
+    lease that sent it does not count against them, so the rerun runs once that lease has
+    expired (it used to fail with LockRetriesExceeded after about a second: lost)."""
+    from tests.faults._celery_app import LONG_LEASE
+
+    tag = uuid.uuid4().hex[:8]
+    first, _ = worker.hold_with_rerun_recorded(tag, True, task="rerun_long_lease")
+    worker.go(tag)
+    assert first.get(timeout=30) == 1
+    assert wait_until(lambda: any(run["n"] == 2 for run in worker.runs(tag)), 30 + LONG_LEASE), worker.text()[
+        -6000:
+    ]
+    runs = worker.runs(tag)
+    assert [run["n"] for run in runs] == [1, 2], runs
+    assert runs[1]["fence"] > runs[0]["fence"]
+    assert runs[1]["start"] >= runs[0]["end"]
+    assert "LockRetriesExceeded" not in worker.text()
+    assert f"lock 'rerun:{tag}' is held by" in worker.text(), "the rerun waited for its sender's lease"
+
+
 def test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background(worker: Worker) -> None:
     """The store goes silent as the run ends, for longer than the release (2 s) and the
     hand-on's look at the recorded rerun (10 s) wait: the run still succeeds, and once the
@@ -188,3 +181,39 @@ def test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun(worker: W
     runs = worker.wait_for_rerun(tag)
     assert [run["n"] for run in runs] == [2], runs  # run 1 was interrupted: it recorded no run
     assert runs[0]["fence"] > started["fence"]
+
+
+def test_an_inline_rerun_waits_out_its_senders_lease(tmp_path: Path) -> None:
+    """An eager run (no message to re-send) sent as the rerun of a lease that nothing
+    refreshes any more (a marker of 2 s stands in for it) waits inline until that lease
+    has expired, past ``lock_max_retries=1``, and runs (it used to fail with
+    LockRetriesExceeded after one wait of at most 0.2 s)."""
+    from celery import Celery
+
+    from celery_exclusive.policies import HANDS_ON_RERUNS, RERUN_OF_HEADER
+    from celery_exclusive.task import exclusive_task
+
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    app = Celery("rerun_inline", broker="memory://", set_as_current=False)
+    app.conf.exclusive_url = url
+    app.conf.exclusive_prefix = "inline:"
+
+    @exclusive_task(
+        app=app,
+        key="k",
+        on_locked="rerun",
+        lock_max_retries=1,
+        lock_retry_backoff=0.1,
+        lock_retry_backoff_max=0.2,
+        shared=False,
+    )
+    def job() -> str:
+        return "ran"
+
+    with LockService(url, prefix="inline:") as service:
+        assert service.mark("k", ttl=2.0, holder={HANDS_ON_RERUNS: True}) is not None
+        sender = service.peek("k")
+        assert sender is not None
+        result = job.apply(headers={RERUN_OF_HEADER: sender.fence})
+        assert result.get() == "ran"
+        assert service.peek("k") is None

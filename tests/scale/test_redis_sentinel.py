@@ -13,6 +13,7 @@ import socket
 import statistics
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -550,3 +551,38 @@ def test_no_password_in_errors_when_the_sentinels_are_unreachable(sentinel: tupl
             service.close(release=False)
         for client in manager.sentinels:
             client.close()
+
+
+def test_a_store_on_a_sentinel_client_you_built_says_which_and_hides_both_passwords(
+    sentinel: tuple[int, int],
+) -> None:
+    """``RedisLockProvider(client=Sentinel(...).master_for(...))``: its repr (and the
+    service's) names the service, the role, the sentinels and the db, not an address its
+    pool does not have (``<client ?:?/0>``) and no password; a driver error that quotes the
+    sentinels' own password (``sentinel_kwargs``) or the primary's, here a real sentinel's
+    "unknown command" reply echoing its argument, is masked in the store's error and in
+    the whole traceback, chained driver errors included."""
+    sentinel_pw, primary_pw = "Zq8SENTINELpw", "Zq8PRIMARYpw"
+    manager = redis.sentinel.Sentinel(
+        [("127.0.0.1", sentinel[1])], sentinel_kwargs={"password": sentinel_pw}, password=primary_pw
+    )
+    provider = RedisLockProvider(client=manager.master_for("mymaster", db=2))
+    service = LockService(provider, prefix=f"sentinel-repr-{uuid.uuid4().hex[:6]}:")
+    try:
+        shown = f"<client sentinel mymaster primary via 127.0.0.1:{sentinel[1]}, db 2>"
+        assert repr(provider) == f"RedisLockProvider({shown!r})"
+        assert shown in repr(service)
+        service.lock("k").release()  # the client works through the sentinel
+        texts = []
+        for pw, client in ((sentinel_pw, manager.sentinels[0]), (primary_pw, provider._client)):
+            with pytest.raises(BackendError) as raised, provider._translated:
+                client.execute_command("CE-NO-SUCH-COMMAND", pw)
+            texts.append("".join(traceback.format_exception(raised.value)))
+            assert "unknown command" in texts[-1], texts[-1]
+            assert "The above exception" in texts[-1], texts[-1]  # the driver's error, chained
+    finally:
+        service.close()
+        for client in manager.sentinels:
+            client.close()
+    leaks = [text for text in texts if sentinel_pw in text or primary_pw in text]
+    assert not leaks, leaks[0]

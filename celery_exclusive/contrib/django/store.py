@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from celery_exclusive.errors import ConfigurationError, MissingDriverError
 from celery_exclusive.providers._sql_common import OPTIONS, parse_bool
 from celery_exclusive.providers.sql import SqlLockProvider
-from celery_exclusive.urls import mask_url, split_options
+from celery_exclusive.urls import mask_error, mask_url, split_options, url_secrets
 
 APP = "celery_exclusive.contrib.django"
 TABLE_SETTING = "CELERY_EXCLUSIVE_TABLE"
@@ -71,7 +71,11 @@ def _parse(url: str) -> tuple[str, dict[str, str]]:
     try:
         parts = urlsplit(base)
     except ValueError as exc:
-        raise ConfigurationError(f"malformed lock store URL {mask_url(url)!r}: {exc}") from None
+        secrets = url_secrets(url)
+        mask_error(exc, secrets)  # still the error's __context__
+        raise ConfigurationError(
+            f"malformed lock store URL {mask_url(url)!r}: {mask_url(str(exc), secrets)}"
+        ) from None
     alias = unquote(parts.netloc)
     if parts.scheme.lower() != "django" or not alias:
         raise ConfigurationError(

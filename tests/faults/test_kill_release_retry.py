@@ -1,0 +1,116 @@
+"""The worker's kill hooks across a store failure: the release of a killed run's lease (and
+its completion record) is retried in the background until the store answers.
+
+A prefork worker whose lock store is the suite's private Redis, logged into as an ACL user
+of its own whose commands the test takes away (``-@all``) and gives back (``+@all``); the
+broker is the same server as its default user. The runs hold 30 s leases: a lease the hook
+did not release stays that long.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
+from tests.faults.servers import PrivateRedis
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+#: How long the store refuses the worker's commands, in seconds.
+OUTAGE = 4.0
+#: How soon after the store answers again the killed run's lease must be gone: the
+#: heartbeat retries a release each second (without the retry it stays its 30 s ttl).
+SETTLED = 5.0 + 4 * SLACK
+
+
+@dataclass
+class Worker(AppWorker):
+    """One prefork worker on the private Redis, its store as ACL user ``user``; ``admin``:
+    the broker's db as the default user."""
+
+    admin: redis.Redis
+    user: str
+
+    def refuse(self) -> None:
+        """The store refuses every command of the worker's user from now on."""
+        self.admin.execute_command("ACL", "SETUSER", self.user, "-@all")
+
+    def answer(self) -> None:
+        self.admin.execute_command("ACL", "SETUSER", self.user, "+@all")
+
+    def ready(self, tag: str) -> dict[str, Any]:
+        raw = self.admin.blpop([f"{tag}:ready"], timeout=60)
+        assert raw is not None, self.text()[-4000:]
+        return dict(json.loads(raw[1]))
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
+    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    log = tmp_path_factory.mktemp("celery-kill") / "worker.log"
+    try:
+        with acl_user(admin, "ce-kill") as (user, password):
+            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+            with app_worker(redis_server, url, "kill", log) as base:
+                yield Worker(base.queue, base.log, base.app, base.store, admin, user)
+    finally:
+        admin.close()
+
+
+def test_a_hard_time_limit_kill_the_store_refuses_is_released_with_its_record_later(worker: Worker) -> None:
+    """The store refuses the worker as the run meets its hard time limit: the main process
+    can neither write the run's record nor find its lease then. Once the store answers
+    again, the lease is released and the record written within seconds (they used to be
+    given up at once: the lease held the key for its 30 s ttl and no record was written,
+    so a copy of the message would have run the body again)."""
+    from billiard.exceptions import TimeLimitExceeded
+
+    tag = uuid.uuid4().hex[:8]
+    result = worker.app.hard_killed.apply_async((tag,), queue=worker.queue)
+    fence = worker.ready(tag)["fence"]
+    worker.refuse()
+    try:
+        with pytest.raises(TimeLimitExceeded):
+            result.get(timeout=30)
+        time.sleep(OUTAGE)
+        held = worker.store.peek(f"killed:{tag}")
+        assert held is not None, "the lease was released while the store refused the worker"
+        assert held.fence == fence
+    finally:
+        worker.answer()
+    assert wait_until(lambda: worker.store.peek(f"killed:{tag}") is None, SETTLED), worker.text()[-4000:]
+    record = worker.store.completion(f"killed:{tag}", result.id)
+    assert record is not None, worker.text()[-4000:]
+    assert record.outcome == "failure"
+
+
+def test_a_terminated_runs_release_the_store_refuses_is_retried(worker: Worker) -> None:
+    """``revoke(terminate=True)``: the main process finds the run's lease at once, and the
+    store refuses the worker while the run's process takes 2 s to exit, so the release
+    after its exit fails. Once the store answers again, the release is retried and gets
+    through within seconds (it used to be given up: the key stayed held for the 30 s ttl)."""
+    tag = uuid.uuid4().hex[:8]
+    result = worker.app.slow_to_die.apply_async((tag,), queue=worker.queue)
+    fence = worker.ready(tag)["fence"]
+    worker.app.app.control.revoke(result.id, terminate=True)
+    assert worker.admin.blpop([f"{tag}:dying"], timeout=30) is not None, worker.text()[-4000:]
+    worker.refuse()
+    try:
+        time.sleep(worker.app.DYING + OUTAGE)
+        held = worker.store.peek(f"killed:{tag}")
+        assert held is not None, "the lease was released while the store refused the worker"
+        assert held.fence == fence
+    finally:
+        worker.answer()
+    assert wait_until(lambda: worker.store.peek(f"killed:{tag}") is None, SETTLED), worker.text()[-4000:]
+    # The release after the process's exit failed, and was retried (not the lookup).
+    assert f"could not release its lock 'killed:{tag}' (fence {fence})" in worker.text()
