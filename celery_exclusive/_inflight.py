@@ -9,9 +9,9 @@ re-exports the deadlines and constants.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -90,10 +90,15 @@ class InFlight:
         mutex: threading.Lock,
         release: Callable[[str, str, Completion | None], bool],
         clock: Callable[[], float],
+        close_store: Callable[[], None],
     ) -> None:
         self.mutex = mutex
         self._release = release  # one retried release (with its record, if any), with its deadline
         self._clock = clock
+        self._close_store = close_store
+        #: Set by the heartbeat's stop(): the service closes the store next, without waiting
+        #: for the calls in flight, and each of them closes it again when it ends.
+        self.stopped = False
         self.calls: list[Call] = []  # in flight and not yet abandoned
         self.busy: set[int] = set()  # id() of the leases those calls carry
         # (store key, token) -> monotonic time after which the store has surely expired it.
@@ -122,10 +127,20 @@ class InFlight:
             if releases:
                 self.releasing = call
         # Not the heartbeat's thread_factory: that one makes the heartbeat thread (tests replace it).
-        thread = threading.Thread(target=target, args=(call, *args), name="celery-exclusive-call")
+        thread = threading.Thread(target=self._run, args=(target, call, *args), name="celery-exclusive-call")
         thread.daemon = True
         thread.start()
         return call
+
+    def _run(self, target: Callable[..., None], call: Call, *args: object) -> None:
+        try:
+            target(call, *args)
+        finally:
+            # Read after the call gave its connection back: if the heartbeat had not stopped
+            # by then, the service's close() comes later and closes that connection itself.
+            if self.stopped:
+                with contextlib.suppress(Exception):  # a thread's last act: nothing to tell
+                    self._close_store()  # a connection the call opened on the closed store
 
     def start_refreshes(
         self, due: list[Lease], now: float, batch_size: int, refresh: Callable[[Call], None]
@@ -209,17 +224,6 @@ class InFlight:
         finally:
             self.finish(call)
             call.done.set()
-
-    def settle(self, clock: Callable[[], float], end: float) -> None:
-        """Wait for the calls in flight (not those given up: they may hang on a dead socket),
-        each until its deadline on ``clock``, none past monotonic ``end``."""
-        with self.mutex:
-            calls = list(self.calls)
-        for call in calls:
-            left = min(call.deadline - clock(), end - time.monotonic())
-            if left <= 0:
-                return
-            call.done.wait(left)
 
     def wake_times(self) -> list[float]:
         """When the heartbeat must look again for the calls' sake (caller holds ``mutex``)."""

@@ -73,7 +73,9 @@ class Releasing:
         if cooldown is not None:
             self._cooldowns[lease] = (cooldown, self._service.clock())
 
-    def _release_cooling(self, lease: Lease, left: float, completion: Completion | None) -> ReleaseOutcome:
+    def _release_cooling(
+        self, lease: Lease, left: float, completion: Completion | None, within: float | None = None
+    ) -> ReleaseOutcome:
         """End a ``hold_at_least`` lease ``left`` seconds from now instead of deleting it.
 
         A refresh sets the expiry to ``min(store now + ttl, hard deadline)`` on every store, so
@@ -82,7 +84,7 @@ class Releasing:
         token owns the key, and deletes only what it owns).
         """
         service = self._service
-        timeout = min(service.call_timeout, RELEASE_TIMEOUT)
+        timeout = min(service.call_timeout, RELEASE_TIMEOUT, RELEASE_TIMEOUT if within is None else within)
         try:
             answers = service._call(
                 "release",
@@ -126,8 +128,11 @@ class Releasing:
         )
         return outcome
 
-    def release(self, lease: Lease, completion: Completion | None) -> ReleaseOutcome:  # noqa: PLR0912 - the hot path, inline
-        """See :meth:`LockService.release` (``completion`` already checked)."""
+    def release(  # noqa: PLR0912 - the hot path, inline
+        self, lease: Lease, completion: Completion | None, within: float | None = None
+    ) -> ReleaseOutcome:
+        """See :meth:`LockService.release` (``completion`` already checked); ``within``: a
+        shorter deadline for the store call, in seconds (``LockService.close``'s)."""
         service = self._service
         try:
             mine = lease._service is service  # an attribute read: no getattr() call
@@ -163,11 +168,13 @@ class Releasing:
         if cooling is not None and not was_lost:
             left = cooling[0] - (service.clock() - cooling[1])
             if left > 0.001:
-                return self._release_cooling(lease, left, completion)
+                return self._release_cooling(lease, left, completion, within)
         # Delete the lease from the store (recording ``completion``); UNKNOWN when the store
         # does not answer, the heartbeat then retrying the release in the background.
         timeout = service.call_timeout
         timeout = RELEASE_TIMEOUT if timeout > RELEASE_TIMEOUT else timeout  # min(), without its call
+        if within is not None and within < timeout:
+            timeout = within
         try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
             if self._direct:  # the usual calls, without a star-args tuple
                 owned = (

@@ -3,10 +3,11 @@
 With ``dedupe`` set (task option ``lock_dedupe`` / ``exclusive_task(dedupe=...)``, or
 ``app.conf.exclusive_dedupe``), :meth:`ExclusiveTask.apply_async` (so ``delay``, and canvas
 signatures, which call it) first takes a *queued marker* for the call's lock key: a
-detached lease (:meth:`LockService.mark`) on ``<key>#queued`` whose holder metadata names
-the new task id. One store call, atomic (under ``"until_done"`` too: every built-in store
-checks the execution key in the same operation): of any number of concurrent senders one
-takes it and publishes; every other one publishes nothing and, by ``on_duplicate``:
+detached lease (:meth:`LockService.mark`) on ``<key>#queued`` (made to fit the store for a
+key near its longest: :func:`queued_key`) whose holder metadata names the new task id.
+One store call, atomic (under ``"until_done"`` too: every built-in store checks the
+execution key in the same operation): of any number of concurrent senders one takes it
+and publishes; every other one publishes nothing and, by ``on_duplicate``:
 
 * ``"return"`` (default): gets the existing task's ``AsyncResult`` (same id, same result);
 * ``"raise"``: gets :class:`~celery_exclusive.errors.AlreadyQueued` naming that id;
@@ -111,7 +112,7 @@ from celery_exclusive._process import new_token
 from celery_exclusive._releasing import release_later
 from celery_exclusive.errors import AlreadyQueued, BackendError
 from celery_exclusive.providers.base import Held
-from celery_exclusive.validation import MAX_LIFETIME_CAP
+from celery_exclusive.validation import MAX_LIFETIME_CAP, derived_key
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -137,6 +138,16 @@ POSITIONAL = ("task_id", "producer", "link", "link_error", "shadow")
 _REFUSED = "_celery_exclusive_last_refused"
 #: Request attribute set once this run's marker was released (it is released once).
 _RELEASED = "_celery_exclusive_marker_released"
+
+
+def queued_key(service: LockService, key: str) -> str:
+    """The key of ``key``'s queued marker: ``<key>#queued``, made to fit the store where the
+    suffix would take it past the store's longest key (:func:`derived_key`)."""
+    marker = key + QUEUED_SUFFIX
+    limit = service.provider.max_key_length
+    if limit is not None and len(service.prefix) + len(marker) > limit:
+        return derived_key(key, QUEUED_SUFFIX, prefix=service.prefix, max_length=limit)
+    return marker
 
 
 def apply_async(
@@ -229,6 +240,7 @@ class _Marking:
         "_unknown",
         "holder",
         "key",
+        "marker",
         "mode",
         "pending",
         "service",
@@ -240,6 +252,7 @@ class _Marking:
     def __init__(self, task: Task, key: str, mode: str, ttl: float, holder: dict[str, Any]) -> None:
         self.task, self.key, self.mode, self.ttl, self.holder = task, key, mode, ttl, holder
         self.service: LockService = task.lock_service
+        self.marker = queued_key(self.service, key)
         self.token = new_token()
         self._read = False
         #: Whether reading the answer raised: the store may hold (or still take) the marker.
@@ -247,7 +260,7 @@ class _Marking:
         self._outcome: str | _Found | None = None
         unless = key if self.mode == "until_done" else None
         self.pending = self.service.begin_mark(
-            key + QUEUED_SUFFIX, ttl=ttl, holder=holder, unless=unless, token=self.token
+            self.marker, ttl=ttl, holder=holder, unless=unless, token=self.token
         )
 
     def settle(self) -> _Found | None:
@@ -309,12 +322,12 @@ class _Marking:
         with contextlib.suppress(BackendError):  # then the answer is unknown
             self.settle()
         if self._unknown:
-            release_later(self.service, self.key + QUEUED_SUFFIX, self.token, self.ttl)
+            release_later(self.service, self.marker, self.token, self.ttl)
         elif isinstance(self._outcome, str):
             try:
-                self.service.force_release(self.key + QUEUED_SUFFIX, self._outcome)
+                self.service.force_release(self.marker, self._outcome)
             except BackendError:
-                release_later(self.service, self.key + QUEUED_SUFFIX, self._outcome, self.ttl)
+                release_later(self.service, self.marker, self._outcome, self.ttl)
 
 
 def _ttl_if_deduped(task: Task, settings: Any, options: Mapping[str, Any]) -> float | None:
@@ -362,7 +375,7 @@ def _take(marking: _Marking, answer: str | Held) -> str | _Found | None:
     for attempt in range(_ATTEMPTS):
         if attempt:
             answer = marking.service.begin_mark(
-                key + QUEUED_SUFFIX,
+                marking.marker,
                 ttl=marking.ttl,
                 holder=marking.holder,
                 unless=unless,
@@ -475,7 +488,7 @@ def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
     service = None
     try:
         service = get_lock_service(app)
-        service.force_release(str(marker["key"]) + QUEUED_SUFFIX, str(marker["token"]))
+        service.force_release(queued_key(service, str(marker["key"])), str(marker["token"]))
     except Exception as exc:
         retried = isinstance(exc, BackendError) and service is not None
         logger.warning(
@@ -488,7 +501,9 @@ def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
         if retried:
             assert service is not None
             # The marker's expiry is not in the message: retry for as long as any marker lives.
-            release_later(service, str(marker["key"]) + QUEUED_SUFFIX, str(marker["token"]), MAX_LIFETIME_CAP)
+            release_later(
+                service, queued_key(service, str(marker["key"])), str(marker["token"]), MAX_LIFETIME_CAP
+            )
 
 
 def marker_of(request: Any) -> Mapping[str, Any] | None:

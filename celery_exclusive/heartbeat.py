@@ -31,7 +31,6 @@ import logging
 import math
 import random
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -259,19 +258,19 @@ class Heartbeat:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread for good (no lease added or release retried later starts it
-        again), then wait for the store calls it started, each until its own deadline, all
-        within ``timeout`` (leases are not released: that is the service's job). The
-        service closes the store next: a call still running then would open a connection
-        the closed store never closes."""
-        end = time.monotonic() + timeout
+        again), waiting up to ``timeout`` for it to end (it makes no store call itself:
+        at once). Leases are not released: that is the service's job. The store calls it
+        started are not waited for (on a silent store each would take its deadline, up to
+        :data:`CALL_TIMEOUT_CAP`): the service closes the store next, and each such call
+        closes it again when it ends, so a connection it opened is not left open."""
         with self.mutex:
             self._ended = True
+            self._inflight.stopped = True
         self._stop.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-        self._inflight.settle(self._clock, end)
 
     def _run(self) -> None:
         try:

@@ -29,7 +29,7 @@ from celery_exclusive import observe, redelivery, semaphore, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import LockInfo
-from celery_exclusive.validation import check_key
+from celery_exclusive.validation import derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
@@ -55,6 +55,12 @@ RERUN_OF_HEADER = "celery_exclusive_rerun_of"
 RERUN_WAITS_HEADER = "celery_exclusive_rerun_waits"
 #: What :meth:`OnLocked.locked` returns to have the task try to acquire again at once.
 AGAIN: Any = object()
+
+
+def rerun_key(service: Any, key: str) -> str:
+    """The key of the marker recording ``key``'s pending rerun: ``<key>#rerun``, made to fit
+    the store where the suffix would take it past the store's longest key (:func:`derived_key`)."""
+    return derived_key(key, RERUN_SUFFIX, prefix=service.prefix, max_length=service.provider.max_key_length)
 
 
 def skip_marker(key: str, holder: LockInfo | None, *, coalesced: bool = False) -> dict[str, Any]:
@@ -273,8 +279,7 @@ class Rerun(OnLocked):
             if not holder.holder.get(HANDS_ON_RERUNS):
                 return RETRY.locked(task, key, holder, call)
         service, request = task.lock_service, task.request
-        marker_key = key + RERUN_SUFFIX
-        check_key(marker_key, prefix=service.prefix, max_length=service.provider.max_key_length)
+        marker_key = rerun_key(service, key)
         meta = {**holder_of(task), "rerun": _recorded_call(task, call)}
         token = service.mark(marker_key, ttl=task.lock_settings.max_lifetime, holder=meta)
         if token is None and task.lock_settings.rerun_args == "latest":
@@ -327,8 +332,8 @@ def hand_on(task: Task, key: str, fence: int) -> None:
     docs describe). A rerun the broker refuses once the marker is deleted is logged and
     lost, as before: sending it again could send it twice (a publish may fail after the
     broker took the message)."""
-    marker_key = key + RERUN_SUFFIX
     service = task.lock_service
+    marker_key = rerun_key(service, key)
     info = service.peek(marker_key)
     if info is None or not service.force_release(marker_key, info.token):
         return

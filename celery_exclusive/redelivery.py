@@ -174,10 +174,16 @@ def once_id(task: TaskView, request: Any = None) -> str | None:
 
 
 def usable_id(task_id: object) -> str | None:
-    """``task_id`` if a completion record can hold it (a str of 1-200 characters without
-    NUL), else None."""
+    """``task_id`` if a completion record can hold it (what ``check_task_id`` accepts: a str
+    of 1-200 characters without NUL, valid Unicode), else None: a run of such an id keeps
+    no record, where ``lock(task_id=)`` would refuse it."""
     if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID_LENGTH or "\x00" in task_id:
         return None
+    if not task_id.isascii():
+        try:
+            task_id.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (Celery's JSON carries one): no store holds it
+            return None
     return task_id
 
 

@@ -11,6 +11,7 @@ Usable without Celery::
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -32,7 +33,7 @@ from celery_exclusive._process import (
     new_token,  # noqa: F401
 )
 from celery_exclusive._process import this as _this
-from celery_exclusive._releasing import RELEASE_TIMEOUT, Releasing  # noqa: F401
+from celery_exclusive._releasing import RELEASE_TIMEOUT, Releasing
 from celery_exclusive._store import (
     is_store_error,  # noqa: F401
 )
@@ -51,6 +52,7 @@ from celery_exclusive.urls import mask_url
 from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_task_id
 
 T = TypeVar("T")
+_logger = logging.getLogger("celery_exclusive")
 #: ``callable``, typed so that testing a value typed callable is not unreachable code to mypy.
 _callable: Callable[[object], bool] = callable
 
@@ -367,17 +369,41 @@ class LockService(PrefixedStore):
         closed. From then on nothing touches the store: peek, locks, force_release, mark,
         the completion records and sweep raise InvalidArgumentError, a lease's release()
         answers UNKNOWN without a store call (its key ends at its ttl), and a call under
-        way when the store was closed closes again the connection it opened."""
+        way when the store was closed (the heartbeat's too) closes again the connection it
+        opened.
+
+        Bounded on a store that does not answer: the releases it leaves unanswered get
+        :data:`RELEASE_TIMEOUT` (2 s) in all, the leases left then end at their ttl, and
+        close() does not wait for the heartbeat's calls in flight. On a silent store it
+        takes about 2 s (``release=False``: no store call, at once)."""
         with self._heartbeat.mutex:
             if self._closed:
                 return
             self._closed = True
         if release:
-            for lease in self.held():
-                self.release(lease)
+            self._release_held()
         self._heartbeat.stop()
         self._ended = True  # before the store is closed: a call ending after closes it again
         self.provider.close()
+
+    def _release_held(self) -> None:
+        """Release the leases held, the unanswered releases within RELEASE_TIMEOUT in all:
+        a silent store (packets dropped) costs one release deadline, not one per lease."""
+        unanswered = 0.0
+        held = self.held()
+        for done, lease in enumerate(held):
+            left = RELEASE_TIMEOUT - unanswered
+            if left <= 0:
+                _logger.warning(
+                    "close(): the store left releases unanswered for %g s; %d lease(s) not "
+                    "released end at their ttl",
+                    RELEASE_TIMEOUT,
+                    len(held) - done,
+                )
+                return
+            started = time.monotonic()
+            if self._releasing.release(lease, None, left) is ReleaseOutcome.UNKNOWN:
+                unanswered += time.monotonic() - started
 
     def __enter__(self) -> LockService:
         return self

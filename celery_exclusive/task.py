@@ -446,11 +446,16 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
         _check_several(task.name, settings.on_locked, settings.cooldown, None, settings.limit)
     inline = bool(request.called_directly or request.is_eager)
     # redelivery.once_id() with the plan's retention: one call instead of three.
-    # usable_id()'s tests inline for an exact str (any other value takes the call).
+    # usable_id()'s tests inline for an exact ASCII str (any other value takes the call).
     task_id = request.id
     if inline or plan.retention is None:
         record = None
-    elif type(task_id) is str and 0 < len(task_id) <= MAX_TASK_ID_LENGTH and "\x00" not in task_id:
+    elif (
+        type(task_id) is str
+        and 0 < len(task_id) <= MAX_TASK_ID_LENGTH
+        and task_id.isascii()
+        and "\x00" not in task_id
+    ):
         record = task_id
     else:
         record = redelivery.usable_id(task_id)

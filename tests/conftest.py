@@ -95,6 +95,7 @@ PARALLEL_FIRST = (
     "celery/test_dedupe.py",
     "test_benchmarks_quick.py",
     "test_cli.py",
+    "celery/test_long_keys.py",
     "celery/test_integration.py",
     "test_model.py",
     "test_demo.py",

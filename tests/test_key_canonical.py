@@ -18,6 +18,7 @@ import pytest
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.keys import KeyBuilder
+from celery_exclusive.validation import derived_key
 
 
 def _run(filters: Any, n: int = 0) -> None: ...
@@ -180,3 +181,38 @@ def test_the_compiled_template_leaves_other_types_to_the_full_path() -> None:
         assert builder.positional(args) is None
     assert builder.build("t", (Tag("x"), 1), {}) == "e:tag:1"
     assert builder.build("t", (1, {"b": 1, "a": 2}), {}) == "e:1:{'a': 2, 'b': 1}"
+
+
+def test_a_derived_key_fits_the_store_and_is_the_same_in_every_process() -> None:
+    """``key + suffix`` where it fits; else the key's start, ``~``, 32 hex digits of its
+    SHA-256 and the suffix, exactly the store's longest key: equal for equal keys (also in
+    another process), different for keys differing only past the start kept. A key that
+    does not fit itself is refused, naming the store's limit."""
+    prefix, limit = "p:", 512
+    room = limit - len(prefix)
+    assert (
+        derived_key("k" * (room - 7), "#queued", prefix=prefix, max_length=limit)
+        == "k" * (room - 7) + "#queued"
+    )
+    long_a, long_b = "a" * (room - 1) + "1", "a" * (room - 1) + "2"
+    derived = derived_key(long_a, "#queued", prefix=prefix, max_length=limit)
+    assert len(derived) == room
+    assert derived.startswith("a" * (room - 7 - 33) + "~")
+    assert derived.endswith("#queued")
+    assert derived != derived_key(long_b, "#queued", prefix=prefix, max_length=limit)
+    elsewhere = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from celery_exclusive.validation import derived_key;"
+            f"print(derived_key({long_a!r}, '#queued', prefix={prefix!r}, max_length={limit}))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "random"},
+    )
+    assert elsewhere.stdout.strip() == derived
+    with pytest.raises(InvalidArgumentError, match=f"at most {room}"):
+        derived_key("a" * (room + 1), "#queued", prefix=prefix, max_length=limit)
+    assert derived_key("x" * 5000, "#q", prefix="", max_length=None) == "x" * 5000 + "#q"

@@ -35,6 +35,7 @@ from celery_exclusive.providers import _deadline
 from celery_exclusive.providers._sql_acquire import Acquires, done_of
 from celery_exclusive.providers._sql_batch import Batches
 from celery_exclusive.providers._sql_common import (
+    INHERITED,
     SqlStore,
     check_sweep,
     create_counter,
@@ -137,6 +138,8 @@ class SqlLockProvider(LocalWaiters, SqlStore):
         self._sql = generic_statements(self._engine.dialect, self.table.name)
         self._sql.update(generic_sweep_statements(self._engine.dialect, self.table.name))
         self._tx = Transactions(self._engine, self._sql)
+        #: The pools close() replaced (see close).
+        self._disposed: list[Any] = []
         self._batches = Batches(self._engine, self._sql)
         self._acquires = Acquires(self._sql, self._tx.now, self._batches)
         if self._owns_engine and self._engine.dialect.name != "sqlite":
@@ -302,11 +305,17 @@ class SqlLockProvider(LocalWaiters, SqlStore):
         )
 
     def close(self) -> None:
-        """Dispose of the engine's connections if this provider created the engine."""
+        """Dispose of the engine's connections if this provider created the engine; each
+        close again (a call under way at the first one closes again when it ends) disposes
+        of the pools of the earlier closes too: a connection checked out across a close is
+        given back to the pool it came from, which ``dispose()`` had already replaced."""
         self._closed = True
         if self._owns_engine:
             with self._tx.gate():
+                self._disposed.append(self._engine.pool)
                 self._engine.dispose()
+                for pool in self._disposed:
+                    pool.dispose()
 
     def diagnose(self) -> list[Diagnosis]:
         """Schema presence, the lease clock (SQLite) or server clock vs this machine's, and
@@ -352,6 +361,8 @@ class SqlLockProvider(LocalWaiters, SqlStore):
     def _after_fork(self) -> None:
         super()._after_fork()
         self._tx.after_fork()
+        INHERITED.append(self._disposed)  # the parent's connections: never closed here
+        self._disposed = []
 
 
 def _sweep_table(

@@ -2,7 +2,10 @@
 under way while it runs leaves no lease, no heartbeat and no connection behind.
 
 Connections are counted as this process's open sockets (Linux ``/proc/self/fd``): none on
-the memory and SQLite stores, so there only the answers are checked.
+the memory and SQLite stores, so there only the answers are checked. A server store that goes
+silent once connected (packets dropped, no reset) is the shared server behind a stalled
+relay (``tests/faults/servers.TcpProxy``): ``tests/silent.py``'s server never answers at
+all, so no lease could be taken on it.
 """
 
 from __future__ import annotations
@@ -10,14 +13,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from celery_exclusive import InvalidArgumentError, LockService, ReleaseOutcome
 from celery_exclusive._options import store_from
 from celery_exclusive.providers.base import LockProvider
+from celery_exclusive.service import RELEASE_TIMEOUT
 from tests.conftest import Store
+from tests.faults.servers import TcpProxy
 
 
 def _sockets() -> int:
@@ -103,3 +111,106 @@ def test_a_lock_under_way_when_close_runs_gets_no_lease(store: Store, release: b
     assert service.held() == []
     assert other.peek("k") is None
     assert _sockets() <= before
+
+
+def _via(url: str, port: int) -> str:
+    """``url`` with its port replaced by ``port``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit(":", 1)[0] if parts.port is not None else parts.netloc
+    return urlunsplit(parts._replace(netloc=f"{netloc}:{port}"))
+
+
+def _finishes(action: Callable[[], None], guard: float) -> bool:
+    """Run ``action`` in a thread; whether it ended within ``guard`` seconds (a hang guard)."""
+    thread = threading.Thread(target=action, daemon=True)
+    thread.start()
+    thread.join(guard)
+    return not thread.is_alive()
+
+
+def _open_to(port: int) -> int:
+    """This process's open sockets connected to ``port`` on 127.0.0.1 (``/proc/net/tcp``: a
+    socket closed here has no inode there, even while its connection lingers)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+    with open("/proc/net/tcp", encoding="ascii") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(
+        1 for row in rows if int(row[2].rsplit(":", 1)[1], 16) == port and f"socket:[{row[9]}]" in mine
+    )
+
+
+def _calls_in_flight() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "celery-exclusive-call" and t.is_alive()]
+
+
+#: Leases held when the store goes silent: a close() releasing them one deadline each would
+#: take 20 x 2 s; the guard is far below that and far above one deadline.
+SILENT_LEASES = 20
+
+
+def test_close_on_a_store_gone_silent_gives_its_releases_one_deadline_in_all(store: Store) -> None:
+    """The server stops answering (a stalled relay: packets dropped, no reset) with leases
+    held and their refresh in flight: close() still ends the service, its unanswered
+    releases given RELEASE_TIMEOUT in all, not one per lease, and without waiting for the
+    heartbeat's call; the leases it did not release stay in the store (until their ttl).
+    The bound asserted is only a hang guard (8 deadlines x the time slack)."""
+    if not store.cross_process or store.name == "sqlite":
+        pytest.skip("no server to go silent")
+    direct = store.service()
+    port = urlsplit(store.url).port
+    assert port is not None
+    keys = [f"silent-{i}" for i in range(SILENT_LEASES)]
+    proxy = TcpProxy(port)
+    service = LockService(_via(store.url, proxy.port), prefix=direct.prefix)
+    try:
+        for key in keys:
+            service.lock(key, ttl=60, refresh_interval=0.3)
+        proxy.stall()
+        time.sleep(0.5)  # a refresh is sent and unanswered
+        assert _finishes(lambda: service.close(release=True), 8 * RELEASE_TIMEOUT * store.slack)
+        with pytest.raises(InvalidArgumentError, match="closed"):
+            service.peek("silent-0")
+        assert sum(direct.peek(key) is not None for key in keys) == SILENT_LEASES
+    finally:
+        proxy.resume()
+        service.close(release=False)
+        proxy.close()
+    for key in keys:
+        info = direct.peek(key)
+        if info is not None:
+            direct.force_release(key, info.token)
+
+
+def test_a_refresh_answered_after_close_leaves_no_connection_open(store: Store) -> None:
+    """close(release=False) while the heartbeat's refresh waits on a silent server (a stalled
+    relay) returns without waiting for it; once the server answers again the refresh's call
+    ends, and the connection it used or opened is closed with the store (the call closes it
+    again), none left open to the server."""
+    if not store.cross_process or store.name == "sqlite":
+        pytest.skip("no server to go silent")
+    direct = store.service()
+    port = urlsplit(store.url).port
+    assert port is not None
+    proxy = TcpProxy(port)
+    service = LockService(_via(store.url, proxy.port), prefix=direct.prefix)
+    try:
+        lease = service.lock("answered-late", ttl=60, refresh_interval=0.3)
+        earlier = set(_calls_in_flight())
+        proxy.stall()
+        time.sleep(0.5)  # a refresh is sent and unanswered
+        calls = [call for call in _calls_in_flight() if call not in earlier]
+        assert calls
+        assert _finishes(lambda: service.close(release=False), 10 * store.slack)
+        proxy.resume()
+        for call in calls:
+            call.join(30)
+            assert not call.is_alive()
+        assert _open_to(proxy.port) == 0
+    finally:
+        proxy.resume()
+        service.close(release=False)
+        proxy.close()
+    direct.force_release("answered-late", lease.token)

@@ -1,0 +1,107 @@
+"""Markers of keys as long as the store takes, on every store and a real (embedded) worker.
+
+A queued marker (``dedupe``) lives on ``<key>#queued`` and a pending rerun
+(``on_locked="rerun"``) on ``<key>#rerun``: seven and six characters past the key. A key
+within that much of the store's longest (with the prefix) must dedupe and rerun all the
+same, as its runs work: its marker's key is made to fit (the key's start, a hash of the
+whole key, the suffix), the same text in the sender and in the worker that releases it. A
+key longer than the store takes is refused at the send, naming the key's own limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+
+from celery_exclusive import InvalidArgumentError
+from celery_exclusive.dedupe import QUEUED_SUFFIX
+from celery_exclusive.policies import RERUN_SUFFIX
+from celery_exclusive.task import exclusive_task, is_skipped
+from celery_exclusive.worker import close_lock_services, get_lock_service
+from tests.celery.conftest import embedded_app, wait_for
+from tests.conftest import Store
+
+
+def test_keys_up_to_the_stores_longest_dedupe_and_run(store: Store) -> None:
+    """For the longest key the store takes, and one 3 characters shorter (its marker's key
+    would be 4 too long): under until_start and until_done, a second send while the first
+    is queued sends nothing and answers the first's id; the worker runs the message and
+    frees the key, so the next send queues a new one. One character more is refused at the
+    send with InvalidArgumentError, nothing sent."""
+    prefix = store.service().prefix
+    app = embedded_app(f"ce-long-{store.name}", f"ce-long-{uuid.uuid4().hex[:8]}")
+    app.conf.update(exclusive_url=store.url, exclusive_prefix=prefix)
+    tag = uuid.uuid4().hex[:8]
+    tasks: dict[str, Any] = {}
+    for mode in ("until_start", "until_done"):
+
+        def job(k: str) -> int:
+            return len(k)
+
+        tasks[mode] = exclusive_task(app=app, key="{k}", dedupe=mode, name=f"long.{mode}.{tag}")(job)
+    try:
+        service = get_lock_service(app)
+        room = service.provider.max_key_length - len(prefix)
+        keys = {mode: [f"{mode}-{n}-".ljust(n, "k") for n in (room, room - 3)] for mode in tasks}
+        first = {(mode, key): tasks[mode].delay(key) for mode in tasks for key in keys[mode]}
+        for (mode, key), sent in first.items():
+            assert tasks[mode].delay(key).id == sent.id  # a duplicate: nothing sent
+        markers = [info for info in service.locks() if info.key.endswith(QUEUED_SUFFIX)]
+        assert len(markers) == len(first)
+        assert all(len(prefix + info.key) <= service.provider.max_key_length for info in markers)
+        for task in tasks.values():
+            with pytest.raises(InvalidArgumentError, match=f"at most {room}"):
+                task.delay("x" * (room + 1))
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=30):
+            for (_, key), sent in first.items():
+                assert sent.get(timeout=30) == len(key)
+            again = {(mode, key): tasks[mode].delay(key) for mode, key in first}
+            for (mode, key), sent in again.items():
+                assert sent.id != first[mode, key].id  # the key was freed: a new message
+                assert sent.get(timeout=30) == len(key)
+        assert [info for info in service.locks() if info.key.endswith(QUEUED_SUFFIX)] == []
+    finally:
+        close_lock_services()
+
+
+def test_a_rerun_of_the_longest_key_is_recorded_and_sent(store: Store) -> None:
+    """A run of the longest key the store takes, finding it held by a rerun-policy run,
+    records its rerun (coalesced) instead of failing on its marker's key; the holder sends
+    the rerun when it ends, and the rerun runs."""
+    prefix = store.service().prefix
+    app = embedded_app(f"ce-long-rerun-{store.name}", f"ce-long-rerun-{uuid.uuid4().hex[:8]}")
+    app.conf.update(exclusive_url=store.url, exclusive_prefix=prefix)
+    started, go = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def job(k: str) -> int:
+        runs.append(k)
+        started.set()
+        assert go.wait(30)
+        return len(runs)
+
+    name = f"long.rerun.{uuid.uuid4().hex[:8]}"
+    task = exclusive_task(app=app, key="{k}", on_locked="rerun", name=name)(job)
+    try:
+        service = get_lock_service(app)
+        key = "rerun-".ljust(service.provider.max_key_length - len(prefix), "k")
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=30):
+            first = task.delay(key)
+            assert started.wait(30)
+            second = task.delay(key)
+            assert is_skipped(second.get(timeout=30))  # coalesced: its rerun recorded
+            assert [info.key[-len(RERUN_SUFFIX) :] for info in service.locks() if info.key != key] == [
+                RERUN_SUFFIX
+            ]
+            go.set()
+            assert first.get(timeout=30) == 1
+            wait_for(lambda: len(runs) == 2, 30, what="the rerun")
+            wait_for(lambda: service.peek(key) is None, 30, what="the rerun's release")
+        assert service.locks() == []
+    finally:
+        go.set()
+        close_lock_services()
