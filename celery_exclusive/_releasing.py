@@ -240,7 +240,16 @@ class Releasing:
 
     def _unanswered(self, lease: Lease, exc: BackendError, completion: Completion | None) -> ReleaseOutcome:
         """UNKNOWN, the release (and its ``completion`` record) retried by the heartbeat in
-        the background."""
+        the background; not once close() has begun: the heartbeat stops and retries nothing."""
+        if self._service._closed:
+            logger.warning(
+                "could not release lock %r (fence %d) at close: %s; it ends at its ttl%s",
+                lease.key,
+                lease.fence,
+                exc,
+                ", its completion record unwritten" if completion is not None else "",
+            )
+            return ReleaseOutcome.UNKNOWN
         logger.warning("could not release lock %r (fence %d): %s; will retry", lease.key, lease.fence, exc)
         self._service._heartbeat.retry_release(
             lease.store_key, lease.token, until=lease._deadline_at() + lease.ttl, completion=completion
