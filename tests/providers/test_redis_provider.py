@@ -8,6 +8,7 @@ start their own ``redis-server``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import shutil
@@ -115,6 +116,23 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_is_a_lock_provider() -> None:
     """RedisLockProvider satisfies the LockProvider protocol."""
     assert isinstance(RedisLockProvider("redis://127.0.0.1:6379/0"), LockProvider)
+
+
+def test_a_grant_is_the_grant_its_constructor_makes(provider: RedisLockProvider, prefix: str) -> None:
+    """The acquire's Grant (made without ``Grant.__init__``) is the frozen dataclass: equal to
+    ``Grant(fence, ttl)``, hashed and shown alike, its fields read-only."""
+    grant = provider.acquire(prefix + "grant", "t", 30.0, 60.0, "{}")
+    assert type(grant) is Grant
+    made = Grant(grant.fence, grant.ttl)
+    assert grant == made
+    assert hash(grant) == hash(made)
+    assert repr(grant) == repr(made)
+    assert type(grant.fence) is int
+    assert type(grant.ttl) is float
+    assert 29.0 < grant.ttl <= 30.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        grant.fence = 1  # type: ignore[misc]
+    assert provider.release(prefix + "grant", "t") is True
 
 
 def server_micros(client: redis.Redis) -> int:
