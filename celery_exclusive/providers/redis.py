@@ -462,7 +462,9 @@ class RedisLockProvider:
             record = _record_args(completion)
             packed = resp.release_done(key, token, *record) if self._packs else None
             reply = self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout, packed=packed)
-        self._woken.note(key, reply == 2)  # 2: its release signal reached a waiter (release.lua)
+        reached = reply == 2  # 2: its release signal reached a waiter (release.lua)
+        if reached or self._woken._keys:  # Woken.note(key, False) with no key noted: nothing to do
+            self._woken.note(key, reached)
         return bool(reply)
 
     def subscribe(self, key: str) -> Subscription:
