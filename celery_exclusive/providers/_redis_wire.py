@@ -315,7 +315,8 @@ class Wire:
         now = _monotonic()
         deadline = None if timeout is None else now + timeout
         one = isinstance(commands, bytes) or len(commands) == 1
-        conn, used = self._taken()
+        taken = self.kept.take()  # _taken(), without its frame
+        conn, used = taken if taken is not None else self._new()
         try:
             line = conn.__dict__.get("_ce_line")
             if line is None or now - used > POLL_AFTER or line.sock is not conn._sock:
