@@ -305,14 +305,18 @@ class Wire:
         """Send one command and read its reply (an error reply is raised)."""
         return self.send_many((command,), timeout)[0]
 
-    def send_many(self, commands: Sequence[tuple[Any, ...]] | bytes, timeout: float | None) -> list[Any]:
+    def send_many(
+        self, commands: Sequence[tuple[Any, ...]] | bytes, timeout: float | None, start: float | None = None
+    ) -> list[Any]:
         """Send ``commands`` pipelined on one kept connection and read every reply; an error
         reply is raised for one command, returned in its place for several. ``commands`` as
         bytes is one command packed already (RESP, ``_redis_resp``), sent as it is.
+        ``start``: the caller's ``time.monotonic()`` read just before the call, from which
+        ``timeout`` is counted (default: read here).
 
         The hot path of every lock operation: a connection used a moment ago is checked
         here, not in :meth:`_ready`."""
-        now = _monotonic()
+        now = _monotonic() if start is None else start
         deadline = None if timeout is None else now + timeout
         one = isinstance(commands, bytes) or len(commands) == 1
         taken = self.kept.take()  # _taken(), without its frame

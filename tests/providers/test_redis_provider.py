@@ -587,6 +587,21 @@ def kept_connections(provider: RedisLockProvider) -> list[tuple[Any, float]]:
     return provider._wire.kept.idle
 
 
+def test_the_wire_counts_a_call_s_timeout_from_the_start_it_is_given(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    """``send_many(..., timeout, start)``: the deadline is ``start + timeout`` (the script
+    runner passes the clock it read for the call), not the wire's own later reading. A
+    BLPOP the server answers after 0.3 s, sent with 1 s from a start 0.9 s ago, times out
+    (at about 0.1 s); counted from the wire's own start it would be answered."""
+    wire = provider._wire
+    assert wire is not None
+    provider.release(prefix + "warm", "t")  # a kept, connected line
+    with pytest.raises(redis.exceptions.TimeoutError):
+        wire.send_many([("BLPOP", prefix + "never", 0.3)], 1.0, time.monotonic() - 0.9)
+    assert wire.send_many([("BLPOP", prefix + "never", 0.01)], 1.0, time.monotonic()) == [None]
+
+
 def _kill_own_connection(provider: RedisLockProvider) -> None:
     ((conn, _),) = kept_connections(provider)
     host, port = conn._sock.getsockname()[:2]
