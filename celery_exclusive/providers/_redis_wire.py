@@ -339,7 +339,12 @@ class Wire:
                 if isinstance(reply, self._response_error):
                     raise reply
                 return [reply]
-            return [line.read(deadline) for _ in commands]
+            # A loop, not a comprehension: one would make ``line`` and ``deadline`` cells,
+            # two objects made on every call of this hot path.
+            replies = []
+            for _ in commands:
+                replies.append(line.read(deadline))
+            return replies
         except self._response_error:
             raise
         except BaseException:

@@ -602,6 +602,19 @@ def test_the_wire_counts_a_call_s_timeout_from_the_start_it_is_given(
     assert wire.send_many([("BLPOP", prefix + "never", 0.01)], 1.0, time.monotonic()) == [None]
 
 
+def test_the_wire_answers_pipelined_commands_in_order(provider: RedisLockProvider, prefix: str) -> None:
+    """Several commands on one wire call: every reply in its command's place, an error
+    reply returned there (not raised), the connection left fit for the next call."""
+    wire = provider._wire
+    assert wire is not None
+    key = prefix + "pipelined"
+    replies = wire.send_many([("SET", key, "a"), ("INCR", key), ("APPEND", key, "b"), ("GET", key)], 1.0)
+    assert replies[0] in (b"OK", True)
+    assert isinstance(replies[1], redis.exceptions.ResponseError)
+    assert replies[2:] == [2, b"ab"]
+    assert wire.send_many([("DEL", key)], 1.0) == [1]
+
+
 def _kill_own_connection(provider: RedisLockProvider) -> None:
     ((conn, _),) = kept_connections(provider)
     host, port = conn._sock.getsockname()[:2]
