@@ -249,6 +249,10 @@ class LockService(PrefixedStore):
             taken = self._acquiring.take(
                 key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id, on_lost=on_lost
             )
+            # The usual answer first: an isinstance() that fails also looks up the object's
+            # __class__ as an attribute (about 0.25k instructions on Python 3.11).
+            if type(taken) is Lease:
+                return taken
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken
@@ -260,6 +264,10 @@ class LockService(PrefixedStore):
             taken = self._acquiring.take(
                 key, ttl, refresh_interval, max_lifetime, holder, limit=limit, on_lost=on_lost
             )
+            # The usual answer first: an isinstance() that fails also looks up the object's
+            # __class__ as an attribute (about 0.25k instructions on Python 3.11).
+            if type(taken) is Lease:
+                return taken
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken
