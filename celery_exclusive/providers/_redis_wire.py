@@ -239,6 +239,13 @@ class _Line:
         lib = self.lib
         if reply is lib.not_enough_data:
             reply = self._received(deadline)
+        # The lock scripts' replies (an int, a list led by an int) are neither errors nor
+        # push messages (whose types are hiredis's own): answered on their exact types,
+        # without the isinstance() tests below, each of which also looks up the object's
+        # __class__ when it fails (about 0.25k instructions on Python 3.11).
+        kind = type(reply)
+        if kind is int or (kind is list and reply and type(reply[0]) is int):
+            return reply
         if isinstance(reply, Exception):
             if isinstance(reply, lib.connection_error):
                 raise reply
@@ -336,7 +343,8 @@ class Wire:
             line.put(commands if isinstance(commands, bytes) else self._packed(commands), deadline)
             if one:
                 reply = line.read(deadline)
-                if isinstance(reply, self._response_error):
+                kind = type(reply)  # the usual replies, on their exact types (see _Line.read)
+                if kind is not int and kind is not list and isinstance(reply, self._response_error):
                     raise reply
                 return [reply]
             # A loop, not a comprehension: one would make ``line`` and ``deadline`` cells,
