@@ -329,7 +329,7 @@ class Wire:
         taken = self.kept.take()  # _taken(), without its frame
         conn, used = taken if taken is not None else self._new()
         try:
-            line = conn.__dict__.get("_ce_line")
+            line = conn._ce_line  # set by _new (None) and _ready: no __dict__.get() call
             if line is None or now - used > POLL_AFTER or line.sock is not conn._sock:
                 line = self._ready(conn, now - used, deadline)
                 if line is None:
@@ -405,8 +405,10 @@ class Wire:
         return taken if taken is not None else self._new()
 
     def _new(self) -> tuple[Any, float]:
-        """A new unconnected connection, never used (0.0)."""
-        return self._pool.connection_class(**self._pool.connection_kwargs), 0.0
+        """A new unconnected connection, never used (0.0), without a :class:`_Line` yet."""
+        conn = self._pool.connection_class(**self._pool.connection_kwargs)
+        conn._ce_line = None
+        return conn, 0.0
 
     def _packed(self, commands: Sequence[tuple[Any, ...]]) -> bytes:
         pack = self._pack
