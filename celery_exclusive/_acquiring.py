@@ -38,6 +38,8 @@ T = TypeVar("T")
 _new_lease = object.__new__
 _init_lease = Lease.__init__
 
+_monotonic = time.monotonic
+
 #: Pause before the one same-token retry of an acquire that failed in flight, in seconds.
 ACQUIRE_RETRY_DELAY = 0.05
 
@@ -124,10 +126,13 @@ class Acquiring:
         if self._set_up is not None:
             service._call("set up", self._set_up.set_up)
             self._set_up = None
-        sent = service.clock()
+        clock = service.clock
+        sent = clock()
         if limit == 1:
             # The first attempt; a failed one goes to _after_failure (retry, background release).
-            start = time.monotonic()
+            # Its budget starts on time.monotonic(): the service's own reading when that is
+            # its clock (the default), no second one.
+            start = sent if clock is _monotonic else _monotonic()
             try:  # a provider keeping the deadline (every built-in one) without StoreCalls.call
                 # The usual calls, without star-args; task_id only when given: a third-party
                 # provider may not take it.

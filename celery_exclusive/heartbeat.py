@@ -211,13 +211,16 @@ class Heartbeat:
         holder and callbacks alive for up to a second (into the garbage collector's older
         generations). Only the mutex holder takes from ``_fresh``; add() appends without it,
         so a lease appended between the test and the pop is put back (its order does not
-        matter: the next taker adopts every live one)."""
-        if self._leases.pop(id(lease), None) is None:
-            fresh = self._fresh
-            if fresh and fresh[-1] is lease:
-                newest = fresh.pop()
-                if newest is not lease:  # another thread's add() came in between: keep it
-                    fresh.append(newest)
+        matter: the next taker adopts every live one). ``_fresh`` is looked at first: a
+        lease is in it or in ``_leases``, never both (:meth:`_adopt` moves it under the
+        mutex), and a short run's is the newest there."""
+        fresh = self._fresh
+        if fresh and fresh[-1] is lease:
+            newest = fresh.pop()
+            if newest is not lease:  # another thread's add() came in between: keep it
+                fresh.append(newest)
+        else:
+            self._leases.pop(id(lease), None)
 
     def retry_release(
         self, store_key: str, token: str, until: float, completion: Completion | None = None

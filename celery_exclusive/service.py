@@ -160,8 +160,9 @@ class LockService(PrefixedStore):
         if on_lost is not None and not _callable(on_lost):  # check_lost_callback's test, inline
             check_lost_callback(on_lost)
         if wait is None and hold_at_least is None and limit == 1 and type(limit) is int:  # the hot path
+            # By position (name_holder, task_id, limit, on_lost): keywords cost a name match each.
             taken = self._acquiring.take(
-                key, ttl, refresh_interval, max_lifetime, holder, name_holder=False, on_lost=on_lost
+                key, ttl, refresh_interval, max_lifetime, holder, False, None, 1, on_lost
             )
             return taken if type(taken) is Lease else None
         if wait is None and hold_at_least is None and type(limit) is int and 1 < limit <= MAX_LIMIT:
@@ -248,9 +249,14 @@ class LockService(PrefixedStore):
                     check_task_id(task_id, MAX_TASK_ID_LENGTH)
                 if not self.keeps_records:
                     task_id = None
+            # By position (name_holder, task_id, limit, on_lost): keywords cost a name match each.
             taken = self._acquiring.take(
-                key, ttl, refresh_interval, max_lifetime, holder, task_id=task_id, on_lost=on_lost
+                key, ttl, refresh_interval, max_lifetime, holder, True, task_id, 1, on_lost
             )
+            # The usual answer first: an isinstance() that fails also looks up the object's
+            # __class__ as an attribute (about 0.25k instructions on Python 3.11).
+            if type(taken) is Lease:
+                return taken
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken
@@ -262,6 +268,10 @@ class LockService(PrefixedStore):
             taken = self._acquiring.take(
                 key, ttl, refresh_interval, max_lifetime, holder, limit=limit, on_lost=on_lost
             )
+            # The usual answer first: an isinstance() that fails also looks up the object's
+            # __class__ as an attribute (about 0.25k instructions on Python 3.11).
+            if type(taken) is Lease:
+                return taken
             if isinstance(taken, Held):
                 raise LockedError(key, taken.holder)
             return taken

@@ -164,3 +164,22 @@ def test_leases_added_by_other_threads_around_releases_are_all_kept() -> None:
         assert len(held) == 4 * 1000
     finally:
         service.close()
+
+
+def test_a_release_drops_the_lease_wherever_the_heartbeat_keeps_it() -> None:
+    """A released lease leaves the heartbeat whether it was taken in already (``held()``
+    adopts it) or is still the newest fresh one, and whatever else is fresh behind it."""
+    service = LockService("memory://", prefix="hb-discard:")
+    try:
+        adopted = service.lock("adopted")
+        assert service.held() == [adopted]  # taken in from _fresh
+        fresh = service.lock("fresh")  # the newest in _fresh, the adopted one not there
+        adopted.release()
+        assert service.held() == [fresh]
+        newer = service.lock("newer")
+        fresh.release()  # adopted by held() above; the newest fresh lease is another's
+        newer.release()  # the newest fresh one
+        assert service.held() == []
+        assert not service.heartbeat._fresh
+    finally:
+        service.close()

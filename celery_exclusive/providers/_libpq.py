@@ -71,6 +71,12 @@ def _converters(types: str, encoding: str) -> tuple[Callable[[bytes], Any], ...]
 Answer = list[tuple[Any, ...]] | int
 
 
+def _column(result: Any, convert: Callable[[bytes], Any]) -> list[tuple[Any, ...]]:
+    """The rows of a one-column ``result``, each value converted by ``convert`` (NULL: None)."""
+    get = result.get_value
+    return [(None if (raw := get(row, 0)) is None else convert(raw),) for row in range(result.ntuples)]
+
+
 def _rows(types: str, encoding: str, grant: int | None = None) -> Callable[[Any], Answer]:
     """A function of a result returning its rows converted by :func:`_converters` (NULL
     stays None): each row's raw values fetched by one ``map`` (no Python frame per column),
@@ -87,13 +93,11 @@ def _rows(types: str, encoding: str, grant: int | None = None) -> Callable[[Any]
         (convert,) = columns
 
         def one_column(result: Any) -> list[tuple[Any, ...]]:
-            get = result.get_value
             if result.ntuples == 1:  # a release's answer
-                raw = get(0, 0)
+                raw = result.get_value(0, 0)
                 return [(None if raw is None else convert(raw),)]
-            return [
-                (None if (raw := get(row, 0)) is None else convert(raw),) for row in range(result.ntuples)
-            ]
+            # Not a comprehension here: its locals would be cells, made on every call.
+            return _column(result, convert)
 
         return one_column
 

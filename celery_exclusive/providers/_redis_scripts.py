@@ -158,11 +158,12 @@ class ScriptRunner:
         :class:`Translating` (its ``errors`` and ``fail``)."""
         try:
             if self._wire is not None:  # (without a timeout, _execute is this Wire's send)
-                start = time.monotonic()
+                start = time.monotonic()  # the wire's too: one clock read for the call's deadline
                 try:  # Wire.send's one command, without its call
                     if packed is not None:
-                        return self._wire.send_many(packed, timeout)[0]
-                    return self._wire.send_many((("EVALSHA", SHA[script], numkeys, *args),), timeout)[0]
+                        return self._wire.send_many(packed, timeout, start)[0]
+                    command = ("EVALSHA", SHA[script], numkeys, *args)
+                    return self._wire.send_many((command,), timeout, start)[0]
                 except self._noscript:
                     rest = None if timeout is None else left(start + timeout)
                     return self._wire.send("EVAL", script, numkeys, *args, timeout=rest)

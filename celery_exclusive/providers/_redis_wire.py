@@ -239,6 +239,13 @@ class _Line:
         lib = self.lib
         if reply is lib.not_enough_data:
             reply = self._received(deadline)
+        # The lock scripts' replies (an int, a list led by an int) are neither errors nor
+        # push messages (whose types are hiredis's own): answered on their exact types,
+        # without the isinstance() tests below, each of which also looks up the object's
+        # __class__ when it fails (about 0.25k instructions on Python 3.11).
+        kind = type(reply)
+        if kind is int or (kind is list and reply and type(reply[0]) is int):
+            return reply
         if isinstance(reply, Exception):
             if isinstance(reply, lib.connection_error):
                 raise reply
@@ -305,19 +312,24 @@ class Wire:
         """Send one command and read its reply (an error reply is raised)."""
         return self.send_many((command,), timeout)[0]
 
-    def send_many(self, commands: Sequence[tuple[Any, ...]] | bytes, timeout: float | None) -> list[Any]:
+    def send_many(
+        self, commands: Sequence[tuple[Any, ...]] | bytes, timeout: float | None, start: float | None = None
+    ) -> list[Any]:
         """Send ``commands`` pipelined on one kept connection and read every reply; an error
         reply is raised for one command, returned in its place for several. ``commands`` as
         bytes is one command packed already (RESP, ``_redis_resp``), sent as it is.
+        ``start``: the caller's ``time.monotonic()`` read just before the call, from which
+        ``timeout`` is counted (default: read here).
 
         The hot path of every lock operation: a connection used a moment ago is checked
         here, not in :meth:`_ready`."""
-        now = _monotonic()
+        now = _monotonic() if start is None else start
         deadline = None if timeout is None else now + timeout
         one = isinstance(commands, bytes) or len(commands) == 1
-        conn, used = self._taken()
+        taken = self.kept.take()  # _taken(), without its frame
+        conn, used = taken if taken is not None else self._new()
         try:
-            line = conn.__dict__.get("_ce_line")
+            line = conn._ce_line  # set by _new (None) and _ready: no __dict__.get() call
             if line is None or now - used > POLL_AFTER or line.sock is not conn._sock:
                 line = self._ready(conn, now - used, deadline)
                 if line is None:
@@ -331,10 +343,16 @@ class Wire:
             line.put(commands if isinstance(commands, bytes) else self._packed(commands), deadline)
             if one:
                 reply = line.read(deadline)
-                if isinstance(reply, self._response_error):
+                kind = type(reply)  # the usual replies, on their exact types (see _Line.read)
+                if kind is not int and kind is not list and isinstance(reply, self._response_error):
                     raise reply
                 return [reply]
-            return [line.read(deadline) for _ in commands]
+            # A loop, not a comprehension: one would make ``line`` and ``deadline`` cells,
+            # two objects made on every call of this hot path.
+            replies = []
+            for _ in commands:
+                replies.append(line.read(deadline))
+            return replies
         except self._response_error:
             raise
         except BaseException:
@@ -387,8 +405,10 @@ class Wire:
         return taken if taken is not None else self._new()
 
     def _new(self) -> tuple[Any, float]:
-        """A new unconnected connection, never used (0.0)."""
-        return self._pool.connection_class(**self._pool.connection_kwargs), 0.0
+        """A new unconnected connection, never used (0.0), without a :class:`_Line` yet."""
+        conn = self._pool.connection_class(**self._pool.connection_kwargs)
+        conn._ce_line = None
+        return conn, 0.0
 
     def _packed(self, commands: Sequence[tuple[Any, ...]]) -> bytes:
         pack = self._pack

@@ -128,6 +128,12 @@ def _grant_params(token: str, granted: float, life: float, holder: str, **keys: 
     return {**keys, "token": token, "ttl": granted, "life": float(life), "holder": holder}
 
 
+def _taken_over(rows: Rows, token: str, granted: float) -> Grant | Held | None:
+    """The take-over statement's answer (:func:`_answer`), None when it wrote no row (it lost
+    the key to a racing grant: asked again)."""
+    return _answer(rows, token, granted) if rows else None
+
+
 def _slot_answer(rows: Rows, token: str, granted: float) -> tuple[int, Grant] | Held | None:
     """What an ``acquire_any`` statement's rows mean (0-based slot index); None when the
     picked slot was lost to a racing acquirer (the caller tries again)."""
@@ -365,7 +371,9 @@ class PostgresLockProvider(SqlStore):
             # No rows: it lost the key to a racing grant and wrote nothing; asked once more,
             # it names the new holder (or takes the key, if that grant rolled back).
             call = functools.partial(self._call, "take_over", params)
-            answer = _asked(call, lambda found: _answer(found, token, granted) if found else None, 2, left)
+            # A partial, not a lambda: one would make token and granted cells, made on every
+            # acquire (the hot path), not only on this rare one.
+            answer = _asked(call, functools.partial(_taken_over, token=token, granted=granted), 2, left)
         return Held(None) if answer is None else answer
 
     def acquire_any(
@@ -454,7 +462,9 @@ class PostgresLockProvider(SqlStore):
                 if completion is not None:
                     params.update(record_params(completion))
                 rows = self._executor.run(op, params, timeout)
-            assert not isinstance(rows, int)  # no release statement is in LIBPQ_GRANTS
+            # No release statement is in LIBPQ_GRANTS; a list passes isinstance() on its exact
+            # type (a failing one also looks up __class__: about 0.25k instructions).
+            assert isinstance(rows, list)
         except self._driver_errors as exc:
             raise self._error(op, exc) from exc
         # Each row a 1-tuple, compared as one (no list made).

@@ -122,6 +122,13 @@ if TYPE_CHECKING:
     import redis
     from redis.cluster import RedisCluster
 
+#: ``Grant(fence, ttl)`` in three C calls (see acquire): its slots' descriptors set them.
+_new_grant, _set_fence, _set_ttl = (
+    object.__new__,
+    Grant.__dict__["fence"].__set__,
+    Grant.__dict__["ttl"].__set__,
+)
+
 __all__ = [
     "ACQUIRE",
     "DEFAULT_WAIT_TIMEOUT",
@@ -298,7 +305,12 @@ class RedisLockProvider:
                     packed=packed,
                 )
         if reply[0] == 1:
-            return Grant(reply[1], reply[2] / 1e6)
+            # Grant(fence, ttl) without type.__call__'s way to its Python __init__: the same
+            # object (Grant defines no __new__), its two slots set as __init__ sets them.
+            grant = _new_grant(Grant)
+            _set_fence(grant, reply[1])
+            _set_ttl(grant, reply[2] / 1e6)
+            return grant
         if reply[0] == 2:
             return Done(self._record(key, "done:" + str(task_id), reply[1], reply[2]))
         return Held(self._info(key, reply[1:7], reply[7]))
@@ -450,7 +462,9 @@ class RedisLockProvider:
             record = _record_args(completion)
             packed = resp.release_done(key, token, *record) if self._packs else None
             reply = self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout, packed=packed)
-        self._woken.note(key, reply == 2)  # 2: its release signal reached a waiter (release.lua)
+        reached = reply == 2  # 2: its release signal reached a waiter (release.lua)
+        if reached or self._woken._keys:  # Woken.note(key, False) with no key noted: nothing to do
+            self._woken.note(key, reached)
         return bool(reply)
 
     def subscribe(self, key: str) -> Subscription:

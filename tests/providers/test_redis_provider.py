@@ -8,6 +8,7 @@ start their own ``redis-server``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import shutil
@@ -115,6 +116,23 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_is_a_lock_provider() -> None:
     """RedisLockProvider satisfies the LockProvider protocol."""
     assert isinstance(RedisLockProvider("redis://127.0.0.1:6379/0"), LockProvider)
+
+
+def test_a_grant_is_the_grant_its_constructor_makes(provider: RedisLockProvider, prefix: str) -> None:
+    """The acquire's Grant (made without ``Grant.__init__``) is the frozen dataclass: equal to
+    ``Grant(fence, ttl)``, hashed and shown alike, its fields read-only."""
+    grant = provider.acquire(prefix + "grant", "t", 30.0, 60.0, "{}")
+    assert type(grant) is Grant
+    made = Grant(grant.fence, grant.ttl)
+    assert grant == made
+    assert hash(grant) == hash(made)
+    assert repr(grant) == repr(made)
+    assert type(grant.fence) is int
+    assert type(grant.ttl) is float
+    assert 29.0 < grant.ttl <= 30.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        grant.fence = 1  # type: ignore[misc]
+    assert provider.release(prefix + "grant", "t") is True
 
 
 def server_micros(client: redis.Redis) -> int:
@@ -567,6 +585,34 @@ def kept_connections(provider: RedisLockProvider) -> list[tuple[Any, float]]:
     """``(connection, last use)`` of each connection the provider's fast path keeps."""
     assert provider._wire is not None
     return provider._wire.kept.idle
+
+
+def test_the_wire_counts_a_call_s_timeout_from_the_start_it_is_given(
+    provider: RedisLockProvider, prefix: str
+) -> None:
+    """``send_many(..., timeout, start)``: the deadline is ``start + timeout`` (the script
+    runner passes the clock it read for the call), not the wire's own later reading. A
+    BLPOP the server answers after 0.3 s, sent with 1 s from a start 0.9 s ago, times out
+    (at about 0.1 s); counted from the wire's own start it would be answered."""
+    wire = provider._wire
+    assert wire is not None
+    provider.release(prefix + "warm", "t")  # a kept, connected line
+    with pytest.raises(redis.exceptions.TimeoutError):
+        wire.send_many([("BLPOP", prefix + "never", 0.3)], 1.0, time.monotonic() - 0.9)
+    assert wire.send_many([("BLPOP", prefix + "never", 0.01)], 1.0, time.monotonic()) == [None]
+
+
+def test_the_wire_answers_pipelined_commands_in_order(provider: RedisLockProvider, prefix: str) -> None:
+    """Several commands on one wire call: every reply in its command's place, an error
+    reply returned there (not raised), the connection left fit for the next call."""
+    wire = provider._wire
+    assert wire is not None
+    key = prefix + "pipelined"
+    replies = wire.send_many([("SET", key, "a"), ("INCR", key), ("APPEND", key, "b"), ("GET", key)], 1.0)
+    assert replies[0] in (b"OK", True)
+    assert isinstance(replies[1], redis.exceptions.ResponseError)
+    assert replies[2:] == [2, b"ab"]
+    assert wire.send_many([("DEL", key)], 1.0) == [1]
 
 
 def _kill_own_connection(provider: RedisLockProvider) -> None:

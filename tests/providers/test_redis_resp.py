@@ -59,3 +59,26 @@ def test_the_durations_kept_are_bounded() -> None:
             ("EVALSHA", SHA[ACQUIRE], 2, "k", FENCES, "t", ms, ms + 1, HOLDER)
         )
     assert len(resp._NUMBERS) <= resp._MAX_NUMBERS
+
+
+@pytest.mark.parametrize("size", [1, 9, 10, resp.SHORT - 1, resp.SHORT, resp.SHORT + 1, 70_000])
+def test_length_headers_are_hiredis_s_either_side_of_the_table(size: int) -> None:
+    """Arguments ``size`` characters long, shorter and longer than the table of length
+    headers, one at a time, and a cluster's own fences key: the bytes hiredis packs."""
+    text, token = "x" * (size - 1), "f" * 32
+    for key, tok, holder, task_id in [
+        ("k" + text, token, HOLDER, None),
+        ("k", "t" + text, HOLDER, "0123"),
+        ("k", token, "{" + text, None),
+        ("k", token, HOLDER, "i" + text),
+    ]:
+        for fences in (FENCES, "FENCES{abc}"):
+            once = () if task_id is None else (task_id,)
+            command = ("EVALSHA", SHA[ACQUIRE], 2, key, fences, tok, 900_000, 3_600_000, holder, *once)
+            packed = resp.acquire(key, fences, tok, 900_000, 3_600_000, holder, task_id)
+            assert packed == pack_command(command)
+        assert resp.release(key, tok) == pack_command(("EVALSHA", SHA[RELEASE], 1, key, tok))
+        done = (task_id or "t-9", "|" + text)
+        assert resp.release_done(key, tok, *done, 86_400_000) == pack_command(
+            ("EVALSHA", SHA[RELEASE], 1, key, tok, *done, 86_400_000)
+        )

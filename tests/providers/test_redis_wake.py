@@ -241,7 +241,12 @@ def test_a_release_tells_whether_its_signal_reached_a_waiter(prefix: str) -> Non
         assert subscription.wait(2.0)
         assert releaser.release(key, "t2") is False
         assert releaser.had_waiters(key) is False
+        take(releaser, key, "t3")
+        assert releaser.release(key, "t3") is True  # reached the waiter, not asked after
         subscription.close()
+        take(releaser, key, "t4")
+        assert releaser.release(key, "t4") is True  # reached nobody: the note is gone
+        assert releaser.had_waiters(key) is False
     finally:
         releaser.close()
         listener.close()
