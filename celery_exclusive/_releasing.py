@@ -128,7 +128,7 @@ class Releasing:
         )
         return outcome
 
-    def release(  # noqa: PLR0912 - the hot path, inline
+    def release(  # noqa: PLR0912, PLR0915 - the hot path, inline
         self, lease: Lease, completion: Completion | None, within: float | None = None
     ) -> ReleaseOutcome:
         """See :meth:`LockService.release` (``completion`` already checked); ``within``: a
