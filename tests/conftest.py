@@ -62,7 +62,9 @@ SERIAL = (
 #: stall a statement on an advisory lock and check what it wrote; test_sql_faults' stalls and
 #: durability checks, SQLite across fork and clock steps; the prefork SQLite worker's kills
 #: (60 s per result); the dedupe markers and completion records a store failure must not
-#: strand (each waits for what the store holds, bounded only by a hang guard); the
+#: strand (each waits for what the store holds, bounded only by a hang guard); the reruns
+#: handed on after a lost lease, behind an 8 s lease, or across a 14 s stall (each waits
+#: for the rerun's run; the file's soft-time-limit and 3 s-lease tests stay serial); the
 #: completion records on the Cluster (tests/contract/
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
@@ -74,6 +76,9 @@ UNTIMED = (
     "faults/test_sqlite_prefork.py",
     "faults/test_dedupe_faults.py",
     "faults/test_record_faults.py",
+    "faults/test_rerun_hand_on.py::test_a_rerun_waits_out_its_senders_lease_past_lock_max_retries",
+    "faults/test_rerun_hand_on.py::test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background",
+    "faults/test_rerun_hand_on.py::test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun",
     "scale/test_redis_cluster_records.py",
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
