@@ -147,11 +147,24 @@ class Refreshing:
         self._refreshed(confirmed, duration)
 
     def _jeopardy(self, leases: Sequence[Lease], sent: float, exc: Exception) -> None:
-        logger.warning(
-            "celery-exclusive could not refresh %d lease(s): %s; will retry before their deadlines",
-            len(leases),
-            exc,
-        )
+        if self.inflight.stopped:
+            # A call that failed after close() stopped the heartbeat: nothing retries it. The
+            # leases close() released (or gave up releasing, and said so) are not live.
+            leases = [lease for lease in leases if lease._live()]
+            if not leases:
+                return
+            logger.warning(
+                "celery-exclusive could not refresh %d lease(s) after close: %s; nothing "
+                "refreshes them any more, they end at their ttl",
+                len(leases),
+                exc,
+            )
+        else:
+            logger.warning(
+                "celery-exclusive could not refresh %d lease(s): %s; will retry before their deadlines",
+                len(leases),
+                exc,
+            )
         with self._mutex:
             for lease in leases:
                 lease._jeopardise(sent)

@@ -269,9 +269,11 @@ class DirectExecutor:
             if fairy is None:
                 self._engine.dispose()
             else:
-                self._engine.pool._invalidate(fairy, exc)
+                self._engine.pool._invalidate(fairy, exc)  # the pool's and this one's
         if fairy is not None:
-            if isinstance(exc, self._broken) or not dbapi.autocommit:
+            # Not invalidated twice (SQLAlchemy warns "Can't invalidate an already-closed
+            # connection"): the pool's _invalidate above invalidated it already.
+            if fairy.is_valid and (isinstance(exc, self._broken) or not dbapi.autocommit):
                 fairy.invalidate(exc)
             fairy.close()
         elif dbapi.closed or isinstance(exc, self._broken):

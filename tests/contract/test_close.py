@@ -222,3 +222,40 @@ def test_a_refresh_answered_after_close_leaves_no_connection_open(store: Store) 
         service.close(release=False)
         proxy.close()
     direct.force_release("answered-late", lease.token)
+
+
+def test_a_refresh_failing_after_close_says_its_lease_ends_at_its_ttl(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close(release=False) while the heartbeat's refresh waits on a silent server, then the
+    connection is reset: the refresh fails after close() returned, and its warning says the
+    lease ends at its ttl (the heartbeat has stopped), not that it will be retried."""
+    if not store.cross_process or store.name == "sqlite":
+        pytest.skip("no server to go silent")
+    direct = store.service()
+    port = urlsplit(store.url).port
+    assert port is not None
+    proxy = TcpProxy(port)
+    service = LockService(_via(store.url, proxy.port), prefix=direct.prefix)
+    try:
+        lease = service.lock("failed-late", ttl=60, refresh_interval=0.3)
+        earlier = set(_calls_in_flight())
+        proxy.stall()
+        time.sleep(0.5)  # a refresh is sent and unanswered
+        calls = [call for call in _calls_in_flight() if call not in earlier]
+        assert calls
+        with caplog.at_level(logging.WARNING, logger="celery_exclusive"):
+            service.close(release=False)
+            proxy.cut()
+            for call in calls:
+                call.join(30)
+                assert not call.is_alive()
+        said = [r.getMessage() for r in caplog.records if "could not refresh" in r.getMessage()]
+        assert said, "the refresh did not fail"
+        wanted = ("after close", "end at their ttl")
+        assert all("will retry" not in text and all(w in text for w in wanted) for text in said), said
+    finally:
+        proxy.resume()
+        service.close(release=False)
+        proxy.close()
+    direct.force_release("failed-late", lease.token)
