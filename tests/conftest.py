@@ -65,6 +65,8 @@ SERIAL = (
 #: strand (each waits for what the store holds, bounded only by a hang guard); the reruns
 #: handed on after a lost lease, behind an 8 s lease, or across a 14 s stall (each waits
 #: for the rerun's run; the file's soft-time-limit and 3 s-lease tests stay serial); the
+#: close() stress (rounds for a set time, each checked for crashes, leaks and words, not
+#: durations); the
 #: completion records on the Cluster (tests/contract/
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
@@ -76,6 +78,7 @@ UNTIMED = (
     "faults/test_sqlite_prefork.py",
     "faults/test_dedupe_faults.py",
     "faults/test_record_faults.py",
+    "faults/test_close_race.py",
     "faults/test_rerun_hand_on.py::test_a_rerun_waits_out_its_senders_lease_past_lock_max_retries",
     "faults/test_rerun_hand_on.py::test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background",
     "faults/test_rerun_hand_on.py::test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun",
@@ -100,6 +103,7 @@ PARALLEL_FIRST = (
     "celery/test_dedupe.py",
     "test_benchmarks_quick.py",
     "test_cli.py",
+    "faults/test_close_race.py",
     "celery/test_long_keys.py",
     "celery/test_integration.py",
     "test_model.py",
