@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -192,11 +192,14 @@ def test_close_on_a_store_gone_silent_gives_its_releases_one_deadline_in_all(
             direct.force_release(key, info.token)
 
 
-def test_a_refresh_answered_after_close_leaves_no_connection_open(store: Store) -> None:
-    """close(release=False) while the heartbeat's refresh waits on a silent server (a stalled
-    relay) returns without waiting for it; once the server answers again the refresh's call
-    ends, and the connection it used or opened is closed with the store (the call closes it
-    again), none left open to the server."""
+@contextlib.contextmanager
+def _refresh_in_flight(
+    store: Store, key: str
+) -> Iterator[tuple[LockService, TcpProxy, list[threading.Thread]]]:
+    """A service reaching the store through a relay, holding ``key`` (refreshed every 0.3 s),
+    the relay stalled until a refresh is sent and unanswered: (the service, the relay, the
+    refresh's call threads). At the end the relay resumes, the service is closed and the
+    lease released."""
     if not store.cross_process or store.name == "sqlite":
         pytest.skip("no server to go silent")
     direct = store.service()
@@ -205,23 +208,32 @@ def test_a_refresh_answered_after_close_leaves_no_connection_open(store: Store) 
     proxy = TcpProxy(port)
     service = LockService(_via(store.url, proxy.port), prefix=direct.prefix)
     try:
-        lease = service.lock("answered-late", ttl=60, refresh_interval=0.3)
+        lease = service.lock(key, ttl=60, refresh_interval=0.3)
         earlier = set(_calls_in_flight())
         proxy.stall()
         time.sleep(0.5)  # a refresh is sent and unanswered
         calls = [call for call in _calls_in_flight() if call not in earlier]
         assert calls
+        yield service, proxy, calls
+    finally:
+        proxy.resume()
+        service.close(release=False)
+        proxy.close()
+    direct.force_release(key, lease.token)
+
+
+def test_a_refresh_answered_after_close_leaves_no_connection_open(store: Store) -> None:
+    """close(release=False) while the heartbeat's refresh waits on a silent server (a stalled
+    relay) returns without waiting for it; once the server answers again the refresh's call
+    ends, and the connection it used or opened is closed with the store (the call closes it
+    again), none left open to the server."""
+    with _refresh_in_flight(store, "answered-late") as (service, proxy, calls):
         assert _finishes(lambda: service.close(release=False), 10 * store.slack)
         proxy.resume()
         for call in calls:
             call.join(30)
             assert not call.is_alive()
         assert _open_to(proxy.port) == 0
-    finally:
-        proxy.resume()
-        service.close(release=False)
-        proxy.close()
-    direct.force_release("answered-late", lease.token)
 
 
 def test_a_refresh_failing_after_close_says_its_lease_ends_at_its_ttl(
@@ -230,20 +242,7 @@ def test_a_refresh_failing_after_close_says_its_lease_ends_at_its_ttl(
     """close(release=False) while the heartbeat's refresh waits on a silent server, then the
     connection is reset: the refresh fails after close() returned, and its warning says the
     lease ends at its ttl (the heartbeat has stopped), not that it will be retried."""
-    if not store.cross_process or store.name == "sqlite":
-        pytest.skip("no server to go silent")
-    direct = store.service()
-    port = urlsplit(store.url).port
-    assert port is not None
-    proxy = TcpProxy(port)
-    service = LockService(_via(store.url, proxy.port), prefix=direct.prefix)
-    try:
-        lease = service.lock("failed-late", ttl=60, refresh_interval=0.3)
-        earlier = set(_calls_in_flight())
-        proxy.stall()
-        time.sleep(0.5)  # a refresh is sent and unanswered
-        calls = [call for call in _calls_in_flight() if call not in earlier]
-        assert calls
+    with _refresh_in_flight(store, "failed-late") as (service, proxy, calls):
         with caplog.at_level(logging.WARNING, logger="celery_exclusive"):
             service.close(release=False)
             proxy.cut()
@@ -254,8 +253,3 @@ def test_a_refresh_failing_after_close_says_its_lease_ends_at_its_ttl(
         assert said, "the refresh did not fail"
         wanted = ("after close", "end at their ttl")
         assert all("will retry" not in text and all(w in text for w in wanted) for text in said), said
-    finally:
-        proxy.resume()
-        service.close(release=False)
-        proxy.close()
-    direct.force_release("failed-late", lease.token)
