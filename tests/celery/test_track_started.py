@@ -26,7 +26,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(params=["redis", "database"])
-def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Process, str]]:
+def worker(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Process, str]]:
     """A prefork worker of tests/celery/started_app.py with results in Redis or an SQLite
     database (SQLAlchemy); yields it and its result backend's URL."""
     require_server(REDIS_URL)
@@ -40,7 +42,10 @@ def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Pro
         "CELERY_EXCLUSIVE_URL": REDIS_URL,
         "CELERY_EXCLUSIVE_PREFIX": f"cest-{tag}:",
     }
-    os.environ.update(env)  # the sending side (this process) reads them too
+    # The sending side (this process) reads them too; restored after the test, or every
+    # later app in this process would take CELERY_EXCLUSIVE_PREFIX and URL from them.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     process = spawn(
         f"started-{tag}",
         ["worker", "-P", "prefork", "-c", "1", "-l", "INFO", "--without-gossip", "--without-mingle"],
