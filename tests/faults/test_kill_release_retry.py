@@ -46,6 +46,19 @@ class Worker(AppWorker):
     def answer(self) -> None:
         self.admin.execute_command("ACL", "SETUSER", self.user, "+@all")
 
+    def outlast(self, tag: str, fence: int, outage: float) -> None:
+        """With the store refusing the worker (``refuse()`` called), wait ``outage`` seconds
+        and check the killed run's lease (``fence``) is still held; then let the store
+        answer and check the lease is released within :data:`SETTLED`."""
+        try:
+            time.sleep(outage)
+            held = self.store.peek(f"killed:{tag}")
+            assert held is not None, "the lease was released while the store refused the worker"
+            assert held.fence == fence
+        finally:
+            self.answer()
+        assert wait_until(lambda: self.store.peek(f"killed:{tag}") is None, SETTLED), self.text()[-4000:]
+
     def ready(self, tag: str) -> dict[str, Any]:
         raw = self.admin.blpop([f"{tag}:ready"], timeout=60)
         assert raw is not None, self.text()[-4000:]
@@ -81,13 +94,10 @@ def test_a_hard_time_limit_kill_the_store_refuses_is_released_with_its_record_la
     try:
         with pytest.raises(TimeLimitExceeded):
             result.get(timeout=30)
-        time.sleep(OUTAGE)
-        held = worker.store.peek(f"killed:{tag}")
-        assert held is not None, "the lease was released while the store refused the worker"
-        assert held.fence == fence
-    finally:
+    except BaseException:
         worker.answer()
-    assert wait_until(lambda: worker.store.peek(f"killed:{tag}") is None, SETTLED), worker.text()[-4000:]
+        raise
+    worker.outlast(tag, fence, OUTAGE)
     record = worker.store.completion(f"killed:{tag}", result.id)
     assert record is not None, worker.text()[-4000:]
     assert record.outcome == "failure"
@@ -104,13 +114,6 @@ def test_a_terminated_runs_release_the_store_refuses_is_retried(worker: Worker) 
     worker.app.app.control.revoke(result.id, terminate=True)
     assert worker.admin.blpop([f"{tag}:dying"], timeout=30) is not None, worker.text()[-4000:]
     worker.refuse()
-    try:
-        time.sleep(worker.app.DYING + OUTAGE)
-        held = worker.store.peek(f"killed:{tag}")
-        assert held is not None, "the lease was released while the store refused the worker"
-        assert held.fence == fence
-    finally:
-        worker.answer()
-    assert wait_until(lambda: worker.store.peek(f"killed:{tag}") is None, SETTLED), worker.text()[-4000:]
+    worker.outlast(tag, fence, worker.app.DYING + OUTAGE)
     # The release after the process's exit failed, and was retried (not the lookup).
     assert f"could not release its lock 'killed:{tag}' (fence {fence})" in worker.text()
