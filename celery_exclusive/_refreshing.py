@@ -69,7 +69,7 @@ class Refreshing:
         self._refreshed = refreshed
         self._failed = failed
         self._wake = wake
-        self.inflight = InFlight(mutex, self.release_once, clock, provider.close)
+        self.inflight = InFlight(mutex, self.release_once, clock, provider.close, wake.set)
 
     def start(self, due: list[Lease], now: float, batch_size: int) -> list[Call]:
         """Start the refreshes of ``due`` (in batches, as call slots allow); the calls started."""
