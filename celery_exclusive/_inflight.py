@@ -112,6 +112,9 @@ class InFlight:
         #: Set by the heartbeat's stop(): the service closes the store next, without waiting
         #: for the calls in flight, and each of them closes it again when it ends.
         self.stopped = False
+        #: Set when the service's close() begins (it releases the leases held, then stops
+        #: the heartbeat): nothing retries a refresh that fails from then on after close.
+        self.closing = False
         self.calls: list[Call] = []  # in flight and not yet abandoned
         self.busy: set[int] = set()  # id() of the leases those calls carry
         # (store key, token) -> monotonic time after which the store has surely expired it.

@@ -263,6 +263,12 @@ class Heartbeat:
         """True while the heartbeat thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    def closing(self) -> None:
+        """Note that the service's close() has begun (caller holds ``mutex``): it releases
+        the leases and stops the heartbeat next, so a refresh failing from now on is not
+        said to be retried (see :meth:`stop`)."""
+        self._inflight.closing = True
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread for good (no lease added or release retried later starts it
         again), waiting up to ``timeout`` for it to end (it makes no store call itself:
