@@ -1,6 +1,6 @@
-"""The heartbeat's store calls in flight: a thread each, at most :data:`MAX_CALLS` at once,
-their deadlines (:func:`refresh_timeout`, :func:`call_timeout`), and the releases still to
-retry.
+"""The heartbeat's store calls in flight: a thread each, at most :data:`MAX_CALLS` waited
+for and :data:`MAX_THREADS` threads alive at once, their deadlines (:func:`refresh_timeout`,
+:func:`call_timeout`), and the releases still to retry.
 
 Part of the lock core: it serves :mod:`celery_exclusive.heartbeat` (whose docstring says
 why each call has two deadlines) and :mod:`celery_exclusive._refreshing`; the heartbeat
@@ -27,8 +27,15 @@ CALL_TIMEOUT_CAP = 10.0
 MIN_CALL_TIMEOUT = 0.05
 #: Deadline of each retried release, in seconds.
 RELEASE_RETRY_TIMEOUT = 2.0
-#: Store calls in flight at once (abandoned ones included); more leases wait for a slot.
+#: Store calls the heartbeat waits for at once (not given up yet); more leases wait for a slot.
 MAX_CALLS = 16
+#: Call threads alive at once, those of calls given up included: such a thread still waits
+#: on its connection, until its socket deadline (``Call.socket_timeout``, at most
+#: :data:`CALL_TIMEOUT_CAP`). Room for each call waited for to be given up and sent once
+#: more on a fresh connection (a dead connection's cure) while the first still waits; past
+#: it no call starts (a store gone silent would only get one more connection) until one
+#: ends, and a lease with no call is declared LOST at its local deadline as ever.
+MAX_THREADS = 2 * MAX_CALLS
 #: Deadline of a sweep call (``sweep=``), in seconds; it holds one call slot meanwhile.
 SWEEP_TIMEOUT = 5.0
 #: A lease's refresh interval.
@@ -81,9 +88,11 @@ class Call:
 
 class InFlight:
     """The heartbeat's store calls in flight, each in a thread of its own, and the releases
-    still to retry. At most :data:`MAX_CALLS` at once; a call past its deadline is given up
-    (its leases may be refreshed again on another connection) and its thread left to end
-    by itself. Every method takes ``mutex`` (the heartbeat's) itself."""
+    still to retry. A call past its deadline is given up (its leases may be refreshed again
+    on another connection) and its thread left to end by itself. A call starts only while
+    fewer than :data:`MAX_CALLS` are waited for and fewer than :data:`MAX_THREADS` threads
+    are alive; ``freed()`` is called when a thread ends that had kept one from starting.
+    Every method takes ``mutex`` (the heartbeat's) itself, unless it says otherwise."""
 
     def __init__(
         self,
@@ -91,14 +100,21 @@ class InFlight:
         release: Callable[[str, str, Completion | None], bool],
         clock: Callable[[], float],
         close_store: Callable[[], None],
+        freed: Callable[[], None],
     ) -> None:
         self.mutex = mutex
         self._release = release  # one retried release (with its record, if any), with its deadline
         self._clock = clock
         self._close_store = close_store
+        self._freed = freed
+        #: Call threads started whose ``_run`` has not returned (given-up calls' included).
+        self.threads = 0
         #: Set by the heartbeat's stop(): the service closes the store next, without waiting
         #: for the calls in flight, and each of them closes it again when it ends.
         self.stopped = False
+        #: Set when the service's close() begins (it releases the leases held, then stops
+        #: the heartbeat): nothing retries a refresh that fails from then on after close.
+        self.closing = False
         self.calls: list[Call] = []  # in flight and not yet abandoned
         self.busy: set[int] = set()  # id() of the leases those calls carry
         # (store key, token) -> monotonic time after which the store has surely expired it.
@@ -116,12 +132,13 @@ class InFlight:
         *args: object,
         releases: bool = False,
     ) -> Call | None:
-        """Run ``target(call, *args)`` in a thread of its own; None if no slot is free.
-        ``timeouts``: how long the heartbeat waits for it, and how long it may take."""
+        """Run ``target(call, *args)`` in a thread of its own; None if no slot is free (see
+        :meth:`full`). ``timeouts``: how long the heartbeat waits for it, and how long it may take."""
         call = Call(leases, now, *timeouts)
         with self.mutex:
-            if len(self.calls) >= MAX_CALLS:
+            if self.full():
                 return None
+            self.threads += 1
             self.calls.append(call)
             self.busy.update(map(id, leases))
             if releases:
@@ -141,6 +158,16 @@ class InFlight:
             if self.stopped:
                 with contextlib.suppress(Exception):  # a thread's last act: nothing to tell
                     self._close_store()  # a connection the call opened on the closed store
+            with self.mutex:
+                self.threads -= 1
+                capped = self.threads == MAX_THREADS - 1
+            if capped:
+                self._freed()  # a call can start again: the heartbeat need not wait for a deadline
+
+    def full(self) -> bool:
+        """True if no call can start now: :data:`MAX_CALLS` waited for, or :data:`MAX_THREADS`
+        threads alive (caller holds ``mutex``)."""
+        return len(self.calls) >= MAX_CALLS or self.threads >= MAX_THREADS
 
     def start_refreshes(
         self, due: list[Lease], now: float, batch_size: int, refresh: Callable[[Call], None]

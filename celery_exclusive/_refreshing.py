@@ -69,7 +69,7 @@ class Refreshing:
         self._refreshed = refreshed
         self._failed = failed
         self._wake = wake
-        self.inflight = InFlight(mutex, self.release_once, clock, provider.close)
+        self.inflight = InFlight(mutex, self.release_once, clock, provider.close, wake.set)
 
     def start(self, due: list[Lease], now: float, batch_size: int) -> list[Call]:
         """Start the refreshes of ``due`` (in batches, as call slots allow); the calls started."""
@@ -147,18 +147,28 @@ class Refreshing:
         self._refreshed(confirmed, duration)
 
     def _jeopardy(self, leases: Sequence[Lease], sent: float, exc: Exception) -> None:
-        if self.inflight.stopped:
-            # A call that failed after close() stopped the heartbeat: nothing retries it. The
-            # leases close() released (or gave up releasing, and said so) are not live.
+        inflight = self.inflight
+        if inflight.stopped or inflight.closing:
+            # A call that failed once close() began: nothing retries it after close (the
+            # heartbeat stops when close() has released the leases). The leases close()
+            # released (or gave up releasing, and said so) are not live.
             leases = [lease for lease in leases if lease._live()]
             if not leases:
                 return
-            logger.warning(
-                "celery-exclusive could not refresh %d lease(s) after close: %s; nothing "
-                "refreshes them any more, they end at their ttl",
-                len(leases),
-                exc,
-            )
+            if inflight.stopped:
+                logger.warning(
+                    "celery-exclusive could not refresh %d lease(s) after close: %s; nothing "
+                    "refreshes them any more, they end at their ttl",
+                    len(leases),
+                    exc,
+                )
+            else:
+                logger.warning(
+                    "celery-exclusive could not refresh %d lease(s) while close() releases: %s; "
+                    "nothing refreshes them after it, they end at their ttl unless it releases them",
+                    len(leases),
+                    exc,
+                )
         else:
             logger.warning(
                 "celery-exclusive could not refresh %d lease(s): %s; will retry before their deadlines",

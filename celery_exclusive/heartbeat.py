@@ -22,7 +22,10 @@ take theirs down. The call itself may go on until :func:`call_timeout` (the earl
 deadline: an answer after it is useless), which the provider enforces on the socket
 (``timeout=``); a slow store that answers by then still extends the leases.
 An answer that still arrives is applied if it extends a lease: it was measured from its
-send time, so it is safe however late it is.
+send time, so it is safe however late it is. At most :data:`MAX_CALLS` calls are waited
+for and :data:`MAX_THREADS` call threads alive (given-up calls' included, each holding a
+connection until its socket deadline); a lease due when no call can start waits for a
+slot, and is declared LOST at its local deadline if none comes in time.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 from celery_exclusive._inflight import (
     CALL_TIMEOUT_CAP,  # noqa: F401
     MAX_CALLS,
+    MAX_THREADS,  # noqa: F401
     MIN_CALL_TIMEOUT,  # noqa: F401
     RELEASE_RETRY_TIMEOUT,
     SWEEP_TIMEOUT,
@@ -259,6 +263,12 @@ class Heartbeat:
         """True while the heartbeat thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    def closing(self) -> None:
+        """Note that the service's close() has begun (caller holds ``mutex``): it releases
+        the leases and stops the heartbeat next, so a refresh failing from now on is not
+        said to be retried (see :meth:`stop`)."""
+        self._inflight.closing = True
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread for good (no lease added or release retried later starts it
         again), waiting up to ``timeout`` for it to end (it makes no store call itself:
@@ -408,7 +418,10 @@ class Heartbeat:
         with self.mutex:
             self._adopt()
             busy = self._inflight.busy
-            wake = [lease._wake_at(refreshing=id(lease) in busy) for lease in self._leases.values()]
+            # No call can start: a due lease waits for a slot (a call's answer or deadline, a
+            # thread's end wakes the thread) or its local deadline, not its refresh time (a spin).
+            full = self._inflight.full()
+            wake = [lease._wake_at(refreshing=full or id(lease) in busy) for lease in self._leases.values()]
             wake += self._inflight.wake_times()
             if self._inflight.pending_release:
                 wake.append(now + 1.0)

@@ -390,6 +390,7 @@ class LockService(PrefixedStore):
             if self._closed:
                 return
             self._closed = True
+            self._heartbeat.closing()
         if release:
             self._release_held()
         self._heartbeat.stop()

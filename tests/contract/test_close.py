@@ -194,12 +194,12 @@ def test_close_on_a_store_gone_silent_gives_its_releases_one_deadline_in_all(
 
 @contextlib.contextmanager
 def _refresh_in_flight(
-    store: Store, key: str
+    store: Store, *keys: str
 ) -> Iterator[tuple[LockService, TcpProxy, list[threading.Thread]]]:
-    """A service reaching the store through a relay, holding ``key`` (refreshed every 0.3 s),
+    """A service reaching the store through a relay, holding ``keys`` (refreshed every 0.3 s),
     the relay stalled until a refresh is sent and unanswered: (the service, the relay, the
     refresh's call threads). At the end the relay resumes, the service is closed and the
-    lease released."""
+    leases released."""
     if not store.cross_process or store.name == "sqlite":
         pytest.skip("no server to go silent")
     direct = store.service()
@@ -208,7 +208,7 @@ def _refresh_in_flight(
     proxy = TcpProxy(port)
     service = LockService(_via(store.url, proxy.port), prefix=direct.prefix)
     try:
-        lease = service.lock(key, ttl=60, refresh_interval=0.3)
+        leases = [service.lock(key, ttl=60, refresh_interval=0.3) for key in keys]
         earlier = set(_calls_in_flight())
         proxy.stall()
         time.sleep(0.5)  # a refresh is sent and unanswered
@@ -219,7 +219,8 @@ def _refresh_in_flight(
         proxy.resume()
         service.close(release=False)
         proxy.close()
-    direct.force_release(key, lease.token)
+    for lease in leases:
+        direct.force_release(lease.key, lease.token)
 
 
 def test_a_refresh_answered_after_close_leaves_no_connection_open(store: Store) -> None:
@@ -252,4 +253,27 @@ def test_a_refresh_failing_after_close_says_its_lease_ends_at_its_ttl(
         said = [r.getMessage() for r in caplog.records if "could not refresh" in r.getMessage()]
         assert said, "the refresh did not fail"
         wanted = ("after close", "end at their ttl")
+        assert all("will retry" not in text and all(w in text for w in wanted) for text in said), said
+
+
+def test_a_refresh_failing_while_close_releases_says_its_leases_end_at_their_ttl(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close(release=True) on a silent server (a stalled relay) with two leases held: the
+    first release waits its deadline (RELEASE_TIMEOUT) while the heartbeat, not stopped yet,
+    gives up the refreshes of the other lease. Those warnings say it ends at its ttl unless
+    close() releases it, not that it will be retried: the heartbeat stops when the releases
+    end, and nothing refreshes it after close()."""
+    with _refresh_in_flight(store, "closing-a", "closing-b") as (service, _, _):
+        with caplog.at_level(logging.WARNING, logger="celery_exclusive"):
+            closing = threading.Thread(target=lambda: service.close(release=True), daemon=True)
+            closing.start()
+            time.sleep(0.05)  # close() has begun
+            began = time.time()
+            closing.join(8 * RELEASE_TIMEOUT * store.slack)
+            assert not closing.is_alive()
+        late = [r.getMessage() for r in caplog.records if r.created > began]
+        said = [text for text in late if "could not refresh" in text]
+        assert said, "no refresh was given up while close() released"
+        wanted = ("while close() releases", "end at their ttl")
         assert all("will retry" not in text and all(w in text for w in wanted) for text in said), said

@@ -8,12 +8,15 @@ kernel buffers, no error reaches either side); a cut resets every connection.
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
 
 from celery_exclusive import LeaseState, ReleaseOutcome
+from celery_exclusive.heartbeat import MAX_CALLS, MAX_THREADS
 from celery_exclusive.lease import safety_margin
+from tests.conftest import TIME_SLACK
 from tests.faults.conftest import (
     LONG,
     SLACK,
@@ -159,4 +162,59 @@ def test_cut_connections_reconnect(backend: Backend, faults: Faults) -> None:
         connections_reset=reset,
         refresh_failures=len(refreshes.failed),
         violations=0,
+    )
+
+
+#: Leases held, each refreshed in a call of its own (``heartbeat_batch_size=1``), when the
+#: store goes silent: four times the calls the heartbeat waits for at once.
+STALLED_LEASES = 4 * MAX_CALLS
+
+
+def _call_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "celery-exclusive-call" and t.is_alive()}
+
+
+def test_a_long_stall_keeps_call_threads_within_the_cap(backend: Backend, faults: Faults) -> None:
+    """The store goes silent (a stalled relay) with many leases held, each in a call of its
+    own, their ttls 2-3.75 s: the heartbeat gives every refresh up at its deadline and
+    retries it on a fresh connection, but never has more than MAX_THREADS call threads
+    alive, those of the calls given up (still waiting on their sockets) included. Each
+    lease is still declared LOST by its local deadline (plus SLACK), those for which no
+    call could start too; once the store answers again the service locks and refreshes."""
+    proxy = faults.proxy(backend.port)
+    service = faults.service(backend.url(proxy.port, application_name="ce-threads"), heartbeat_batch_size=1)
+    lost: dict[str, float] = {}
+    leases = []
+    for i in range(STALLED_LEASES):
+        lease = service.lock(f"stalled-{i}", ttl=2.0 + (i % 8) * 0.25)
+        lease.on_lost(lambda lease, _reason: lost.setdefault(lease.key, time.monotonic()))
+        leases.append(lease)
+        time.sleep(0.01)  # refreshes fall due apart: each in a call of its own
+    time.sleep(1.0)
+    before = _call_threads()
+    proxy.stall()
+    time.sleep(0.1)  # an answer already received is applied; none comes after
+    now = time.monotonic()
+    deadlines = {lease.key: now + lease.expires_in for lease in leases}
+    peak = 0
+    while len(lost) < len(leases) and time.monotonic() < max(deadlines.values()) + 2 * SLACK + 1.0:
+        peak = max(peak, len(_call_threads() - before))
+        time.sleep(0.01)
+    late = {key: round(lost[key] - deadlines[key], 3) for key in lost if lost[key] > deadlines[key] + SLACK}
+    assert len(lost) == len(leases), f"{len(leases) - len(lost)} lease(s) never declared LOST"
+    assert not late, f"declared LOST past the local deadline + SLACK: {late}"
+    assert peak <= MAX_THREADS, f"{peak} call threads alive at once (cap {MAX_THREADS})"
+    assert peak == MAX_THREADS, "the premise: the cap was reached, calls could not start"
+    proxy.resume()
+    log = faults.refresh_log(service)
+    resumed = time.monotonic()
+    after = service.lock("after-the-stall", ttl=2.0)
+    assert wait_until(lambda: log.confirmed_since(resumed, 1), 2.0 * TIME_SLACK)
+    assert after.release() is ReleaseOutcome.RELEASED
+    faults.record(
+        store=backend.name,
+        leases=len(leases),
+        peak_call_threads=peak,
+        cap=MAX_THREADS,
+        latest_loss_past_deadline_s=round(max(lost[k] - deadlines[k] for k in lost), 3),
     )
