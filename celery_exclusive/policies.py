@@ -13,6 +13,7 @@ callable); see :mod:`celery_exclusive.task` for the behaviour each name promises
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -52,6 +53,9 @@ HANDS_ON_RERUNS = "hands_on_reruns"
 #: Message header of a rerun a holder sent: the fence of that holder's lease on the key (a
 #: rerun finding the key still held by it does not coalesce behind it, see :class:`Rerun`).
 RERUN_OF_HEADER = "celery_exclusive_rerun_of"
+#: Message header of a rerun a holder sent: a digest of that lease's token
+#: (:func:`token_digest`), which tells it from another lease of the same fence.
+RERUN_OF_DIGEST_HEADER = "celery_exclusive_rerun_of_digest"
 #: Message header counting how often a rerun re-sent itself to wait for the lease that sent
 #: it (not lock retries: see :meth:`Retry.behind_sender`).
 RERUN_WAITS_HEADER = "celery_exclusive_rerun_waits"
@@ -341,13 +345,21 @@ class Rerun(OnLocked):
 @dataclass(frozen=True)
 class Sender:
     """The lease that sends a rerun, as the rerun names it: its ``fence``
-    (:data:`RERUN_OF_HEADER`)."""
+    (:data:`RERUN_OF_HEADER`) and a digest of its token (:data:`RERUN_OF_DIGEST_HEADER`),
+    since a fence alone can repeat for a key (see :func:`_sent_by`)."""
 
     fence: int
+    digest: str
 
     @classmethod
     def of(cls, lease: Lease) -> Sender:
-        return cls(lease.fence)
+        return cls(lease.fence, token_digest(lease.token))
+
+
+def token_digest(token: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a lease's ``token``: what a rerun's message
+    names of its sender's token (never the token, which may release the lease)."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def hand_on(task: Task, key: str, sender: Sender) -> None:
@@ -528,9 +540,18 @@ def hand_on_when_gone(task: Task, lease: Lease, heartbeat: Heartbeat) -> None:
 
 
 def _sent_by(task: Task, holder: LockInfo) -> bool:
-    """Whether ``holder`` is the lease whose holder sent this run as its rerun."""
+    """Whether ``holder`` is the lease whose holder sent this run as its rerun: its fence
+    (:data:`RERUN_OF_HEADER`) and, where the message names it, its token's digest
+    (:data:`RERUN_OF_DIGEST_HEADER`). Fences alone can repeat for a key: a memory store's
+    count from 1 per key and process (and per semaphore slot), and an SQL store's counter
+    starts over with a new database file or table; a rerun would then wait behind an
+    unrelated holder instead of coalescing. Messages sent before the digest was added name
+    the fence only, and are judged by it, as before."""
     headers = task.request.headers
-    return bool(headers) and headers.get(RERUN_OF_HEADER) == holder.fence
+    if not headers or headers.get(RERUN_OF_HEADER) != holder.fence:
+        return False
+    digest = headers.get(RERUN_OF_DIGEST_HEADER)
+    return digest is None or not holder.token or digest == token_digest(holder.token)
 
 
 def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: float) -> str | None:
@@ -552,9 +573,10 @@ def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: fl
 
 def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any], sender: Sender) -> None:
     """Send the rerun a marker recorded (see :func:`_recorded_call`), naming the sending
-    holder's fence in its :data:`RERUN_OF_HEADER`."""
+    holder's lease in its :data:`RERUN_OF_HEADER` and :data:`RERUN_OF_DIGEST_HEADER`."""
     name = recorded.get("task_name") or task.name
-    options = {**(recorded.get("options") or {}), "headers": {RERUN_OF_HEADER: sender.fence}}
+    headers = {RERUN_OF_HEADER: sender.fence, RERUN_OF_DIGEST_HEADER: sender.digest}
+    options = {**(recorded.get("options") or {}), "headers": headers}
     args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
     if name in task.app.tasks:
         sent = task.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)
