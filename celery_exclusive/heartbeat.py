@@ -247,6 +247,13 @@ class Heartbeat:
             self._start_thread()
         self._wake.set()
 
+    def releasing(self, store_key: str, token: str) -> bool:
+        """Whether the release of ``token``'s lease on ``store_key`` is still being retried
+        (:meth:`retry_release`): the store has not confirmed it, so the lease may still hold
+        the key. False once it got through or its ``until`` passed."""
+        with self.mutex:
+            return (store_key, token) in self._inflight.pending_release
+
     def held(self) -> list[Lease]:
         """The leases currently kept alive."""
         with self.mutex:

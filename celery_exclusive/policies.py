@@ -13,6 +13,7 @@ callable); see :mod:`celery_exclusive.task` for the behaviour each name promises
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,12 +28,14 @@ from celery.utils.log import get_task_logger
 
 from celery_exclusive import observe, redelivery, semaphore, signals, waiting
 from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetriesExceeded
+from celery_exclusive.lease import Lease
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import LockInfo
 from celery_exclusive.validation import derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
+    from celery_exclusive.heartbeat import Heartbeat
     from celery_exclusive.settings import ExclusiveSettings
 
 logger = get_task_logger("celery_exclusive.task")
@@ -50,6 +53,9 @@ HANDS_ON_RERUNS = "hands_on_reruns"
 #: Message header of a rerun a holder sent: the fence of that holder's lease on the key (a
 #: rerun finding the key still held by it does not coalesce behind it, see :class:`Rerun`).
 RERUN_OF_HEADER = "celery_exclusive_rerun_of"
+#: Message header of a rerun a holder sent: a digest of that lease's token
+#: (:func:`token_digest`), which tells it from another lease of the same fence.
+RERUN_OF_DIGEST_HEADER = "celery_exclusive_rerun_of_digest"
 #: Message header counting how often a rerun re-sent itself to wait for the lease that sent
 #: it (not lock retries: see :meth:`Retry.behind_sender`).
 RERUN_WAITS_HEADER = "celery_exclusive_rerun_waits"
@@ -107,9 +113,9 @@ class OnLocked:
         """The result of a run that found ``key`` held by ``holder`` (or :data:`AGAIN`)."""
         raise NotImplementedError
 
-    def finished(self, task: Task, key: str, fence: int, *, retrying: bool) -> None:
-        """Called after a run holding ``key`` (its lease's ``fence``) released it, or tried
-        to (also when the release raised); ``retrying``: it ends in a retry."""
+    def finished(self, task: Task, lease: Lease, *, retrying: bool) -> None:
+        """Called after a run holding ``lease`` (its first, in canonical order) released it,
+        or tried to (also when the release raised); ``retrying``: it ends in a retry."""
 
 
 def skipped(task: Task, key: str, holder: LockInfo | None, *, coalesced: bool) -> dict[str, Any]:
@@ -263,6 +269,10 @@ class Rerun(OnLocked):
     in the background by this process (:func:`hand_on_later`) until it gets an answer or
     the marker's ttl has passed; if the process ends first, the marker stays in the store
     and the next run of the key to finish sends it.
+    While such a lease lingers, a request finding it (a rerun-policy holder) records a
+    rerun and is coalesced behind it, though that run has handed on already: so the run
+    hands on once more when its lease is surely gone (:func:`hand_on_when_gone`), with the
+    same caveat if the process ends first.
     """
 
     hands_on_reruns = True
@@ -300,19 +310,25 @@ class Rerun(OnLocked):
         try:
             lease.release()
         finally:
-            self.finished(task, first.key, first.fence, retrying=False)
+            self.finished(task, first, retrying=False)
         return skipped(task, key, holder, coalesced=True)
 
-    def finished(self, task: Task, key: str, fence: int, *, retrying: bool) -> None:
-        """Send the rerun recorded on ``key`` if this process is the one that deletes its marker
-        (not before a retry: the retry will run again and hand the rerun on itself). Never
-        raises: a store that does not answer leaves it to :func:`hand_on_later`. ``key`` is
-        the lease's key, a semaphore's own for every slot (its store key names the slot): the
-        first holder of any slot to finish hands the rerun on."""
+    def finished(self, task: Task, lease: Lease, *, retrying: bool) -> None:
+        """Send the rerun recorded on ``lease.key`` if this process is the one that deletes
+        its marker (not before a retry: the retry will run again and hand the rerun on
+        itself). Never raises: a store that does not answer leaves it to
+        :func:`hand_on_later`. ``lease.key`` is a semaphore's own for every slot (its store
+        key names the slot): the first holder of any slot to finish hands the rerun on.
+
+        If the store has not confirmed the release (the heartbeat retries it in the
+        background), the lease may hold the key a while longer, and a request arriving
+        meanwhile records a rerun behind it, trusting it to hand on: so this process hands
+        on once more when that lease is surely gone (:func:`hand_on_when_gone`)."""
         if retrying:
             return
+        key, sender = lease.key, Sender.of(lease)
         try:
-            hand_on(task, key, fence)
+            hand_on(task, key, sender)
         except Exception as exc:
             logger.warning(
                 "%s: could not look for a rerun recorded on lock %r: %s; trying again in the background",
@@ -320,12 +336,35 @@ class Rerun(OnLocked):
                 key,
                 exc,
             )
-            hand_on_later(task, key, fence)
+            hand_on_later(task, key, sender)
+        heartbeat = task.lock_service.heartbeat
+        if heartbeat.releasing(lease.store_key, lease.token):
+            hand_on_when_gone(task, lease, heartbeat)
 
 
-def hand_on(task: Task, key: str, fence: int) -> None:
-    """Send the rerun recorded on ``key`` if this call deletes its marker; ``fence``: the
-    sending holder's, named by the rerun (:data:`RERUN_OF_HEADER`).
+@dataclass(frozen=True)
+class Sender:
+    """The lease that sends a rerun, as the rerun names it: its ``fence``
+    (:data:`RERUN_OF_HEADER`) and a digest of its token (:data:`RERUN_OF_DIGEST_HEADER`),
+    since a fence alone can repeat for a key (see :func:`_sent_by`)."""
+
+    fence: int
+    digest: str
+
+    @classmethod
+    def of(cls, lease: Lease) -> Sender:
+        return cls(lease.fence, token_digest(lease.token))
+
+
+def token_digest(token: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a lease's ``token``: what a rerun's message
+    names of its sender's token (never the token, which may release the lease)."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def hand_on(task: Task, key: str, sender: Sender) -> None:
+    """Send the rerun recorded on ``key`` if this call deletes its marker; ``sender``: the
+    lease of the holder sending it, named by the rerun (:data:`RERUN_OF_HEADER`).
 
     Raises what the store calls raise: the marker is then still there for a later hand-on
     (unless the store deleted it and the answer was lost: the window of one round trip the
@@ -338,7 +377,7 @@ def hand_on(task: Task, key: str, fence: int) -> None:
     if info is None or not service.force_release(marker_key, info.token):
         return
     try:
-        _send_rerun(task, key, info.holder.get("rerun") or {}, fence)
+        _send_rerun(task, key, info.holder.get("rerun") or {}, sender)
     except Exception:
         logger.exception("%s: could not send the rerun recorded on lock %r", task.name, key)
 
@@ -347,25 +386,66 @@ def hand_on(task: Task, key: str, fence: int) -> None:
 #: later one waits twice as long, at most :data:`HAND_ON_RETRY_MAX`.
 HAND_ON_RETRY_FIRST = 1.0
 HAND_ON_RETRY_MAX = 30.0
+#: How often a hand-on waiting for a lease to be gone looks whether its release got through
+#: (in this process's heartbeat: no store call), in seconds.
+GONE_POLL = 0.25
+
+
+@dataclass(frozen=True)
+class _Gone:
+    """A lease whose release the store has not confirmed: gone once ``heartbeat`` no longer
+    retries it, or by ``at`` (monotonic) in any case."""
+
+    heartbeat: Heartbeat
+    store_key: str
+    token: str
+    at: float
+
+    def gone(self, now: float) -> bool:
+        return now >= self.at or not self.heartbeat.releasing(self.store_key, self.token)
+
+
+@dataclass
+class _Pending:
+    """A hand-on of one key to do in the background: as ``sender`` (the latest lease's),
+    at ``due`` (monotonic) once every lease of ``behind`` is gone, retried with ``step``
+    until ``until`` (the marker's ttl, at most)."""
+
+    task: Task
+    sender: Sender
+    until: float
+    due: float
+    behind: tuple[_Gone, ...] = ()
+    step: float = HAND_ON_RETRY_FIRST
+
+    def merged(self, other: _Pending) -> _Pending:
+        later = self.sender if self.sender.fence >= other.sender.fence else other.sender
+        return _Pending(
+            other.task,
+            later,
+            max(self.until, other.until),
+            min(self.due, other.due),
+            self.behind + other.behind,
+            min(self.step, other.step),
+        )
 
 
 class _HandOns:
-    """This process's hand-ons to retry in the background: one daemon thread for them all,
+    """This process's hand-ons to do in the background: one daemon thread for them all,
     started when the first is added and ending when none is left."""
 
     def __init__(self) -> None:
         self.mutex = threading.Lock()
-        #: (app id, key) -> (task, fence, monotonic time after which the marker has expired).
-        self.pending: dict[tuple[int, str], tuple[Task, int, float]] = {}
+        #: (app id, key) -> what to hand on, replaced (never changed) by add().
+        self.pending: dict[tuple[int, str], _Pending] = {}
         self.running = False
+        self.wake = threading.Event()
 
-    def add(self, task: Task, key: str, fence: int) -> None:
-        until = time.monotonic() + task.lock_settings.max_lifetime  # the marker's ttl, at most
+    def add(self, task: Task, key: str, pending: _Pending) -> None:
         with self.mutex:
             known = self.pending.get((id(task.app), key))
-            if known is not None and known[1] > fence:
-                fence = known[1]  # the later lease: the one that may still hold the key
-            self.pending[(id(task.app), key)] = (task, fence, until)
+            self.pending[(id(task.app), key)] = pending if known is None else known.merged(pending)
+            self.wake.set()
             if self.running:
                 return
             self.running = True
@@ -375,54 +455,103 @@ class _HandOns:
             with self.mutex:
                 self.running = False
                 self.pending.pop((id(task.app), key), None)
-            logger.error("%s: cannot retry handing on the rerun recorded on lock %r: %s", task.name, key, exc)
+            logger.error("%s: cannot hand on the rerun recorded on lock %r later: %s", task.name, key, exc)
 
     def _run(self) -> None:
-        delay = HAND_ON_RETRY_FIRST
         while True:
-            time.sleep(delay)
             with self.mutex:
+                self.wake.clear()
                 pending = list(self.pending.items())
-            for (app_id, key), (task, fence, until) in pending:
-                try:
-                    hand_on(task, key, fence)
-                except Exception as exc:
-                    if time.monotonic() < until:
-                        continue
-                    logger.error(
-                        "%s: gave up handing on the rerun recorded on lock %r: %s", task.name, key, exc
-                    )
-                with self.mutex:
-                    now = self.pending.get((app_id, key))
-                    if now is not None and now[1] == fence:  # not one of a later lease since
-                        del self.pending[(app_id, key)]
-            with self.mutex:
-                if not self.pending:
+                if not pending:
                     self.running = False
                     return
-            delay = min(delay * 2, HAND_ON_RETRY_MAX)
+            now = time.monotonic()
+            wake = now + HAND_ON_RETRY_MAX
+            for (app_id, key), each in pending:
+                if each.behind and not all(gone.gone(now) for gone in each.behind):
+                    wake = min(wake, now + GONE_POLL)
+                    continue
+                if now < each.due:
+                    wake = min(wake, each.due)
+                    continue
+                if not self._hand_on(key, each):
+                    with self.mutex:
+                        if self.pending.get((app_id, key)) is each:
+                            self.pending[(app_id, key)] = _Pending(
+                                each.task,
+                                each.sender,
+                                each.until,
+                                now + each.step,
+                                step=min(each.step * 2, HAND_ON_RETRY_MAX),
+                            )
+                    wake = min(wake, now + each.step)
+                    continue
+                with self.mutex:
+                    if self.pending.get((app_id, key)) is each:  # nothing added for the key since
+                        del self.pending[(app_id, key)]
+            self.wake.wait(max(0.0, wake - time.monotonic()))
+
+    @staticmethod
+    def _hand_on(key: str, each: _Pending) -> bool:
+        """:func:`hand_on`; False to try again later."""
+        task = each.task
+        try:
+            hand_on(task, key, each.sender)
+        except Exception as exc:
+            if time.monotonic() < each.until:
+                return False
+            logger.error("%s: gave up handing on the rerun recorded on lock %r: %s", task.name, key, exc)
+        return True
 
     def after_fork_in_child(self) -> None:
         """A forked child neither has the parent's thread nor owns its hand-ons."""
         self.mutex = threading.Lock()
         self.pending = {}
         self.running = False
+        self.wake = threading.Event()
 
 
 _hand_ons = _HandOns()
 os.register_at_fork(after_in_child=_hand_ons.after_fork_in_child)
 
 
-def hand_on_later(task: Task, key: str, fence: int) -> None:
+def hand_on_later(task: Task, key: str, sender: Sender) -> None:
     """:func:`hand_on` in a background thread of this process, every 1, 2, 4... up to 30 s,
     until the store answers or ``task``'s ``max_lifetime`` (the marker's ttl) has passed."""
-    _hand_ons.add(task, key, fence)
+    now = time.monotonic()
+    until = now + task.lock_settings.max_lifetime  # the marker's ttl, at most
+    _hand_ons.add(task, key, _Pending(task, sender, until, now + HAND_ON_RETRY_FIRST))
+
+
+def hand_on_when_gone(task: Task, lease: Lease, heartbeat: Heartbeat) -> None:
+    """:func:`hand_on` of ``lease.key`` in a background thread of this process once
+    ``lease`` is surely gone from the store: when ``heartbeat``'s retry of its release
+    got through (or ended), or at the lease's local deadline plus its ttl, whichever comes
+    first (then retried as by :func:`hand_on_later` if the store does not answer).
+
+    A request that found the key held by ``lease`` after this run had handed on recorded
+    a rerun behind it, trusting it to hand on when it finishes: this is that hand-on.
+    Should this process end first, the marker waits for the next run of the key to finish
+    (at most its ttl, ``max_lifetime``), as a hand-on retried by :func:`hand_on_later` does."""
+    now = time.monotonic()
+    gone = _Gone(heartbeat, lease.store_key, lease.token, now + max(lease.expires_in, 0.0) + lease.ttl)
+    until = gone.at + task.lock_settings.max_lifetime
+    _hand_ons.add(task, lease.key, _Pending(task, Sender.of(lease), until, now, (gone,)))
 
 
 def _sent_by(task: Task, holder: LockInfo) -> bool:
-    """Whether ``holder`` is the lease whose holder sent this run as its rerun."""
+    """Whether ``holder`` is the lease whose holder sent this run as its rerun: its fence
+    (:data:`RERUN_OF_HEADER`) and, where the message names it, its token's digest
+    (:data:`RERUN_OF_DIGEST_HEADER`). Fences alone can repeat for a key: a memory store's
+    count from 1 per key and process (and per semaphore slot), and an SQL store's counter
+    starts over with a new database file or table; a rerun would then wait behind an
+    unrelated holder instead of coalescing. Messages sent before the digest was added name
+    the fence only, and are judged by it, as before."""
     headers = task.request.headers
-    return bool(headers) and headers.get(RERUN_OF_HEADER) == holder.fence
+    if not headers or headers.get(RERUN_OF_HEADER) != holder.fence:
+        return False
+    digest = headers.get(RERUN_OF_DIGEST_HEADER)
+    return digest is None or not holder.token or digest == token_digest(holder.token)
 
 
 def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: float) -> str | None:
@@ -442,11 +571,12 @@ def _replace_marker(service: Any, marker_key: str, meta: dict[str, Any], ttl: fl
     return None
 
 
-def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any], fence: int) -> None:
+def _send_rerun(task: Task, key: str, recorded: Mapping[str, Any], sender: Sender) -> None:
     """Send the rerun a marker recorded (see :func:`_recorded_call`), naming the sending
-    holder's ``fence`` in its :data:`RERUN_OF_HEADER`."""
+    holder's lease in its :data:`RERUN_OF_HEADER` and :data:`RERUN_OF_DIGEST_HEADER`."""
     name = recorded.get("task_name") or task.name
-    options = {**(recorded.get("options") or {}), "headers": {RERUN_OF_HEADER: fence}}
+    headers = {RERUN_OF_HEADER: sender.fence, RERUN_OF_DIGEST_HEADER: sender.digest}
+    options = {**(recorded.get("options") or {}), "headers": headers}
     args, kwargs = recorded.get("args") or [], recorded.get("kwargs") or {}
     if name in task.app.tasks:
         sent = task.app.tasks[name].apply_async(args=tuple(args), kwargs=kwargs, **options)

@@ -653,7 +653,7 @@ def _finish(
         return _runs.finish(lease, done)
     finally:
         first = _runs.first(lease)
-        plan.policy.finished(task, first.key, first.fence, retrying=retrying)
+        plan.policy.finished(task, first, retrying=retrying)
 
 
 def _lock(

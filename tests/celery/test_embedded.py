@@ -117,6 +117,13 @@ def rerun_task(n: str, tag: str, hold: float = 0.0) -> str:
     return tag
 
 
+@exclusive_task(app=app, key="pair:{n}", on_locked="rerun", limit=2)
+def rerun_pair_task(n: str, tag: str) -> str:
+    """A semaphore of 2 under ``"rerun"``."""
+    executed("pair", (n, tag))
+    return tag
+
+
 @exclusive_task(app=app, key="mixed:{n}", on_locked="skip")
 def mixed_holder_task(n: str, hold: float) -> str:
     """A skip-policy task sharing its key with a rerun-policy one."""
@@ -417,6 +424,48 @@ def test_rerun_coalesces_ten_requests_into_one(locks: LockService) -> None:
     assert ran("rerun", (n, "req0")) == 1, "the rerun uses the first coalesced request's arguments"
     assert sum(ran("rerun", (n, f"req{i}")) for i in range(10)) == 1
     assert locks.peek(f"rerun:{n}#rerun") is None
+
+
+def test_a_rerun_coalesces_behind_another_lease_of_its_senders_fence(locks: LockService) -> None:
+    """The memory store counts fences per slot, so the two slots' holders both have fence 1.
+    A rerun handed on by slot 2's lease, finding the semaphore full again and slot 1's
+    holder named, coalesces behind that holder, which is not its sender (a different token)
+    though its fence is the same: it used to wait for it as for its own sender, re-sent
+    without coalescing. It runs once, when a holder hands it on."""
+    from celery_exclusive.policies import COALESCED, MARKER_FIELD, Sender, hand_on
+
+    n = uid()
+    key, meta = f"pair:{n}", {HANDS_ON_RERUNS: True}
+    first, second = locks.lock(key, limit=2, holder=meta), locks.lock(key, limit=2, holder=meta)
+    assert first.fence == second.fence, "one fence, two leases"
+    value = rerun_pair_task.delay(n, "request").get(timeout=10, interval=0.01)
+    assert value[MARKER_FIELD] == COALESCED, value
+    second.release()
+    third = locks.lock(key, limit=2, holder=meta)
+    sent: list[str] = []
+
+    def receiver(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("task") == rerun_pair_task.name:
+            sent.append(headers["id"])
+
+    before_task_publish.connect(receiver)
+    try:
+        hand_on(rerun_pair_task, key, Sender.of(second))  # as slot 2's run did when it finished
+    finally:
+        before_task_publish.disconnect(receiver)
+    (rerun,) = sent
+    value = rerun_pair_task.AsyncResult(rerun).get(timeout=10, interval=0.01)
+    assert value[MARKER_FIELD] == COALESCED, value
+    assert value["holder"]["fence"] == first.fence
+    assert ran("pair", (n, "request")) == 0
+    first.release()
+    hand_on(rerun_pair_task, key, Sender.of(first))  # as slot 1's run does when it finishes
+    third.release()
+    deadline = time.monotonic() + 10
+    while ran("pair", (n, "request")) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert ran("pair", (n, "request")) == 1
 
 
 def wait_held(locks: LockService, key: str) -> Any:

@@ -1,0 +1,121 @@
+"""``on_locked="rerun"``: a request coalesced behind a lease whose release was not confirmed.
+
+The run has finished and handed on (nothing recorded yet), but the store refused its
+release, so its lease stays until the heartbeat's background release gets through or its
+ttl. A request arriving meanwhile finds that lease (a rerun-policy holder), records a rerun
+and is coalesced behind it; the finished run must still send that rerun once the lease is
+gone. A prefork worker (two processes) whose lock store is the suite's private Redis as an
+ACL user of its own; the test takes ``HDEL`` away from it on lock keys (the release script
+uses it; acquire, refresh, peek and the markers' own release keep working), and gives it back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from celery_exclusive import is_skipped
+from celery_exclusive.policies import COALESCED, MARKER_FIELD
+from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
+from tests.faults.servers import PrivateRedis
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+#: The ttl of ``rerun_hand_on``'s lease, in seconds (tests/faults/_celery_app.py).
+TTL = 3.0
+
+
+@dataclass
+class Worker(AppWorker):
+    """The worker, its store as ACL user ``user``; ``events``: the broker's db as the default
+    user, where the tasks record their runs."""
+
+    events: redis.Redis
+    user: str
+
+    def refuse_releases(self) -> None:
+        """The store refuses the release of every lock from now on, but a rerun marker's."""
+        self.events.execute_command("ACL", "SETUSER", self.user, "-hdel", "(~*#rerun +hdel)")
+
+    def answer(self) -> None:
+        self.events.execute_command("ACL", "SETUSER", self.user, "clearselectors", "+@all")
+
+    def runs(self, tag: str) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in self.events.lrange(f"{tag}:runs", 0, -1)]
+
+    def send(self, *args: Any) -> Any:
+        return self.app.rerun_hand_on.apply_async(args, queue=self.queue)
+
+    def coalesced_behind_a_stale_lease(self, tag: str) -> dict[str, Any]:
+        """Run 1 of ``tag`` finishes while the store refuses its release (it hands on with
+        nothing recorded); run 2, sent then, is coalesced behind its lease, still in the
+        store. Run 1's record of its run."""
+        first = self.send(tag, 1, True)
+        raw = self.events.blpop([f"{tag}:ready"], timeout=60)
+        assert raw is not None, self.text()[-4000:]
+        self.refuse_releases()
+        self.events.rpush(f"{tag}:go", 1)
+        assert first.get(timeout=30) == 1
+        held = self.store.peek(f"rerun:{tag}")
+        assert held is not None, "run 1's release was refused: its lease is still in the store"
+        second = self.send(tag, 2).get(timeout=30)
+        assert is_skipped(second), second
+        assert second[MARKER_FIELD] == COALESCED, second
+        assert second["holder"]["fence"] == held.fence, "coalesced behind run 1's lease"
+        (run,) = self.runs(tag)
+        return run
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
+    events = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    log = tmp_path_factory.mktemp("celery-stale") / "worker.log"
+    try:
+        with acl_user(events, "ce-stale") as (user, password):
+            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+            with app_worker(redis_server, url, "stale", log, concurrency=2) as base:
+                yield Worker(base.queue, base.log, base.app, base.store, events, user)
+    finally:
+        events.close()
+
+
+def _ran_once_after(worker: Worker, tag: str, first: dict[str, Any], within: float) -> None:
+    """Run 2 (the rerun) runs within ``within`` seconds, after run 1, once."""
+    assert wait_until(lambda: len(worker.runs(tag)) > 1, within), worker.text()[-6000:]
+    time.sleep(2.0)  # a second rerun would have run by now
+    runs = worker.runs(tag)
+    assert [run["n"] for run in runs] == [1, 2], runs
+    assert runs[1]["fence"] > first["fence"]
+    assert runs[1]["start"] >= first["end"]
+
+
+def test_a_request_coalesced_behind_a_stale_lease_runs_once_the_release_gets_through(worker: Worker) -> None:
+    """The store answers again right after run 2 was coalesced: the finished run's
+    background release gets through, and it hands on once more, sending run 2's rerun,
+    which runs once (it used to wait for some later run of the key: lost until then)."""
+    tag = uuid.uuid4().hex[:8]
+    try:
+        first = worker.coalesced_behind_a_stale_lease(tag)
+    finally:
+        worker.answer()
+    _ran_once_after(worker, tag, first, 2 * TTL + 4 * SLACK)
+
+
+def test_a_request_coalesced_behind_a_stale_lease_runs_once_that_lease_has_expired(worker: Worker) -> None:
+    """The store refuses run 1's release all along: the heartbeat's retry finds its lease
+    gone once the store expired it (its ttl), and the finished run hands on once more then:
+    run 2's rerun runs once, while releases are still refused (it used to be lost)."""
+    tag = uuid.uuid4().hex[:8]
+    try:
+        first = worker.coalesced_behind_a_stale_lease(tag)
+        _ran_once_after(worker, tag, first, 2 * TTL + 4 * SLACK)
+    finally:
+        worker.answer()
