@@ -507,7 +507,9 @@ class Wait(OnLocked):
         service = task.lock_service
         waiter = waiting.Waiter(service.provider, remaining, step=call.wait_step)
         try:
-            slots = semaphore.store_slot_keys(service.prefix, key, settings.limit)
+            slots = semaphore.store_slot_keys(
+                service.prefix, key, settings.limit, service.provider.max_key_length
+            )
             waiter.watch(slots[0], slots[1:])
             waiter.pause()
         finally:
