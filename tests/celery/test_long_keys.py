@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from celery.contrib.testing.worker import start_worker
 
-from celery_exclusive import InvalidArgumentError, redelivery, signals
+from celery_exclusive import InvalidArgumentError, policies, redelivery, signals
 from celery_exclusive.dedupe import QUEUED_SUFFIX
 from celery_exclusive.policies import RERUN_SUFFIX
 from celery_exclusive.task import exclusive_task, is_skipped
@@ -196,4 +196,53 @@ def test_a_semaphore_task_of_the_longest_key_holds_its_slots_and_task_id_leases(
     finally:
         signals.task_skipped.disconnect(skipped)
         go.set()
+        close_lock_services()
+
+
+def test_a_rerun_of_the_longest_key_behind_an_earlier_versions_holder_is_not_lost(store: Store) -> None:
+    """A run of an earlier version holds the longest key the store takes: its holder metadata
+    says it hands on reruns, but it looks for them on ``<key>#rerun``, which the store does
+    not take, never on the marker made to fit. A rerun-policy run finding it held does not
+    coalesce behind it (nobody would send that rerun: it was lost); it waits its turn like
+    ``"retry"`` and runs once the holder releases. Behind a holder of this version it
+    coalesces (the rerun test above)."""
+    prefix = store.service().prefix
+    app = embedded_app(f"ce-long-old-{store.name}", f"ce-long-old-{uuid.uuid4().hex[:8]}")
+    app.conf.update(exclusive_url=store.url, exclusive_prefix=prefix)
+    runs: list[str] = []
+    contended = threading.Event()
+
+    def job(k: str) -> int:
+        runs.append(k)
+        return len(runs)
+
+    name = f"long.old.{uuid.uuid4().hex[:8]}"
+    task = exclusive_task(app=app, key="{k}", on_locked="rerun", lock_retry_backoff=0.1, name=name)(job)
+    try:
+        service = get_lock_service(app)
+        key = "old-".ljust(service.provider.max_key_length - len(prefix), "k")
+
+        def refused(sender: Any = None, **kwargs: Any) -> None:  # held (before: coalesced)
+            if kwargs.get("key") == key:
+                contended.set()
+
+        earlier = {"task_name": name, "task_id": uuid.uuid4().hex, policies.HANDS_ON_RERUNS: True}
+        lease = service.lock(key, ttl=60, holder=earlier)
+        signals.task_skipped.connect(refused, weak=False)
+        signals.lock_contended.connect(refused, weak=False)
+        try:
+            with start_worker(
+                app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=30
+            ):
+                sent = task.delay(key)
+                assert contended.wait(30)
+                lease.release()  # as the earlier version's run ends: it hands nothing on
+                result = sent.get(timeout=30)
+                assert not is_skipped(result), result
+                assert runs == [key]
+                wait_for(lambda: service.locks() == [], 30, what="the run's release")
+        finally:
+            signals.task_skipped.disconnect(refused)
+            signals.lock_contended.disconnect(refused)
+    finally:
         close_lock_services()
