@@ -51,7 +51,7 @@ import functools
 import re
 
 from celery_exclusive.errors import InvalidArgumentError
-from celery_exclusive.validation import shortened, shown
+from celery_exclusive.validation import check_key, shortened, shown
 
 #: Largest ``limit`` accepted (slots a refused attempt may have to look at).
 MAX_LIMIT = 64
@@ -93,8 +93,14 @@ def slot_keys(key: str, limit: int, *, prefix: str = "", max_length: int | None 
 @functools.lru_cache(maxsize=4096)
 def store_slot_keys(prefix: str, key: str, limit: int, max_length: int | None = None) -> tuple[str, ...]:
     """The store keys (``prefix`` + slot key) of slots ``1..limit`` of ``key``, cached: every
-    acquire of the semaphore needs them (building them costs more than the cache lookup)."""
-    return tuple(prefix + slot for slot in slot_keys(key, limit, prefix=prefix, max_length=max_length))
+    acquire of the semaphore needs them (building them costs more than the cache lookup).
+    InvalidArgumentError if one does not fit (a store whose longest key has no room for
+    :func:`slot_key`'s hash)."""
+    slots = slot_keys(key, limit, prefix=prefix, max_length=max_length)
+    if max_length is not None:
+        for slot in slots:
+            check_key(slot, prefix=prefix, max_length=max_length)
+    return tuple(prefix + slot for slot in slots)
 
 
 def slot_of(listed: str) -> tuple[str, int]:

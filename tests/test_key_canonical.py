@@ -18,7 +18,7 @@ import pytest
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.keys import KeyBuilder
-from celery_exclusive.semaphore import MAX_LIMIT, slot_keys, slot_of
+from celery_exclusive.semaphore import MAX_LIMIT, slot_keys, slot_of, store_slot_keys
 from celery_exclusive.validation import derived_key
 
 
@@ -240,3 +240,6 @@ def test_slot_keys_of_a_key_near_the_stores_longest_fit_and_share_their_braced_t
         assert hashed != {
             slot_of(slot)[0] for slot in slot_keys(key[:-1] + "b", 3, prefix=prefix, max_length=limit)[1:]
         }
+    # A store whose longest key has no room for the hash: the slot key is refused, as before.
+    with pytest.raises(InvalidArgumentError, match="at most 28"):
+        store_slot_keys(prefix, "k" * 27, 3, 30)
