@@ -69,6 +69,7 @@ class Acquiring:
         #: The longest key (without the prefix) the store takes; both are fixed for the service.
         length = service.provider.max_key_length
         self._room = sys.maxsize if length is None else length - len(service.prefix)
+        self._longest = length
 
     def take(  # noqa: PLR0912, PLR0915, PLR0917 - the hot paths of one key and of a semaphore, inline
         self,
@@ -88,26 +89,17 @@ class Acquiring:
         as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed.
         ``on_lost`` (checked callable by the caller) is the lease's first loss callback."""
         service = self._service
-        if limit == 1:
-            # check_key's whole test of the usual key (ASCII, no NUL, within the store's
-            # length), inline; anything else gets the full check and its message.
-            if (
-                type(key) is not str
-                or not key.isascii()
-                or "\x00" in key
-                or not 0 < len(key) <= self._room
-                or service._closed
-            ):
-                service._check_key(key)
-        elif (  # the same inline test, for the longest slot key ``{key}#<limit>``
+        # check_key's whole test of the usual key (ASCII, no NUL, within the store's length),
+        # inline; anything else gets the full check and its message. A semaphore's slot keys
+        # fit where its key does (semaphore.slot_key).
+        if (
             type(key) is not str
             or not key.isascii()
             or "\x00" in key
-            or not 0 < len(key) <= self._room - (4 if limit < 10 else 5)
+            or not 0 < len(key) <= self._room
             or service._closed
         ):
-            service._check_key(key)  # an empty or non-str key, too, before its slot key is built
-            service._check_key(semaphore.slot_key(key, limit))
+            service._check_key(key)
         ttl_s, interval_s, lifetime_s = (
             (service.ttl, service.refresh_interval, service.max_lifetime)  # durations()'s first test
             if ttl is None and refresh_interval is None and max_lifetime is None
@@ -169,7 +161,7 @@ class Acquiring:
                 args = (store_key, token, ttl_s, lifetime_s, encoded)
                 answer = self._after_failure(as_store_error("acquire", exc), start, sent, *args, once)
         else:
-            keys = semaphore.store_slot_keys(service.prefix, key, limit)
+            keys = semaphore.store_slot_keys(service.prefix, key, limit, self._longest)
             direct = self._any_direct
             if direct is not None:
                 # The first attempt in one store call, without acquire_slot's and _retried's

@@ -71,8 +71,8 @@ class Leasing:
             seconds = waiting.check_wait(wait)
             # Each attempt checks these too, but a waiter subscribes to releases (or, on
             # SQLite, marks itself) before its first attempt: bad input must not get that far.
-            # The key itself first: its slot key ``{key}#N`` is a str whatever ``key`` is.
-            self._check([key] if limit == 1 else [key, semaphore.slot_key(key, limit)], durations, holder)
+            # (A key that fits has slot keys that fit: semaphore.slot_key.)
+            self._check([key], durations, holder)
             taken = waiting.take_waiting(
                 lambda final: take(
                     key,
@@ -86,7 +86,9 @@ class Leasing:
                 self._service.provider,
                 self._service.prefix + key,
                 seconds,
-                more=semaphore.store_slot_keys(self._service.prefix, key, limit)[1:],
+                more=semaphore.store_slot_keys(
+                    self._service.prefix, key, limit, self._service.provider.max_key_length
+                )[1:],
                 turns=self._releasing.turns,
                 key=key,
                 probe=self._probe(key, limit),
@@ -103,7 +105,7 @@ class Leasing:
         provider = service.provider
         if getattr(provider, "waiters_peek", False) is not True:
             return None
-        slots = semaphore.store_slot_keys(service.prefix, key, limit)
+        slots = semaphore.store_slot_keys(service.prefix, key, limit, provider.max_key_length)
         return lambda: any(service._call("peek", provider.peek, slot) is None for slot in slots)
 
     def try_lock(

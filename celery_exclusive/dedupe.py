@@ -110,8 +110,9 @@ from celery.app.control import Control
 
 from celery_exclusive._process import new_token
 from celery_exclusive._releasing import release_later
-from celery_exclusive.errors import AlreadyQueued, BackendError
+from celery_exclusive.errors import AlreadyQueued, BackendError, ExclusiveError
 from celery_exclusive.providers.base import Held
+from celery_exclusive.urls import store_configured
 from celery_exclusive.validation import MAX_LIFETIME_CAP, derived_key
 
 if TYPE_CHECKING:
@@ -479,10 +480,11 @@ def _marker(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
 
 
 def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
-    """Release ``marker`` by its token; a failure is logged, and a store failure's release
-    retried in the background until the store answers (:func:`.release_later`): a marker
-    left behind would refuse every send of its key until its ttl (an hour by default),
-    answering each with the AsyncResult of this message, which has run."""
+    """Release ``marker`` by its token; a failure is logged (in one line when it is the
+    store's or the settings'), and a store failure's release retried in the background
+    until the store answers (:func:`.release_later`): a marker left behind would refuse
+    every send of its key until its ttl (an hour by default), answering each with the
+    AsyncResult of this message, which has run."""
     from celery_exclusive.worker import get_lock_service
 
     service = None
@@ -492,11 +494,13 @@ def _release(app: Any, marker: Mapping[str, Any], why: str) -> None:
     except Exception as exc:
         retried = isinstance(exc, BackendError) and service is not None
         logger.warning(
-            "could not release the queued marker of %r (%s)%s",
+            "could not release the queued marker of %r (%s): %s%s",
             marker.get("key"),
             why,
+            exc,
             "; retrying in the background" if retried else "",
-            exc_info=True,
+            # The store's or the settings' error says it all; anything else is a defect.
+            exc_info=not isinstance(exc, ExclusiveError),
         )
         if retried:
             assert service is not None
@@ -602,23 +606,32 @@ class RevokingControl(Control):
 def release_revoked(app: Any, task_ids: Any) -> int:
     """Release the queued markers naming ``task_ids`` (an id or ids); how many it released.
 
-    Only after the revoke broadcast went out (a revoke that raised frees nothing). A failure
-    here (a store outage, settings that do not resolve) is logged, not raised: the revoke
-    itself took effect, and the worker that meets the message releases its marker then
-    (``task_revoked``), the marker's ttl at the latest.
+    Only after the revoke broadcast went out (a revoke that raised frees nothing). A process
+    with no lock store configured (a client that only sends and revokes) has taken no
+    marker and looks for none. A failure here (a store outage, settings that do not
+    resolve) is logged in one line, not raised: the revoke itself took effect, and the
+    worker that meets the message releases its marker then (``task_revoked``), the
+    marker's ttl at the latest.
     """
     ids = {task_ids} if isinstance(task_ids, str) else {str(one) for one in task_ids or ()}
-    from celery_exclusive.worker import get_lock_service
+    from celery_exclusive.worker import app_settings, get_lock_service
 
     released = 0
     try:
-        if not ids or not _dedupes(app):
+        if not ids or not _dedupes(app) or not store_configured(app_settings(app).url, app.conf):
             return 0
         service = get_lock_service(app)
         for info in service.locks():
             if info.key.endswith(QUEUED_SUFFIX) and info.holder.get("task_id") in ids:
                 released += service.force_release(info.key, info.token)
-    except Exception:  # the revoke went out: its caller must not see it fail (see above)
+    except ExclusiveError as exc:  # the revoke went out: its caller must not see it fail (see above)
+        logger.warning(
+            "could not release the queued markers of revoked %s: %s; the worker that meets "
+            "their messages releases them (their dedupe_ttl at the latest)",
+            sorted(ids),
+            exc,
+        )
+    except Exception:  # not the store's nor the settings': a defect, with its traceback
         logger.warning("could not release the queued markers of revoked %s", sorted(ids), exc_info=True)
     return released
 

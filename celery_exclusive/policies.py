@@ -50,6 +50,9 @@ LOCK_RETRIES_HEADER = "celery_exclusive_lock_retries"
 RERUN_SUFFIX = "#rerun"
 #: Holder metadata flag of runs that send a pending rerun when they finish.
 HANDS_ON_RERUNS = "hands_on_reruns"
+#: Holder metadata flag of rerun-policy runs that also find a rerun recorded on a marker key
+#: made to fit the store (:func:`rerun_key`); earlier versions' holders lack it.
+HANDS_ON_FITTED = "hands_on_fitted"
 #: Message header of a rerun a holder sent: the fence of that holder's lease on the key (a
 #: rerun finding the key still held by it does not coalesce behind it, see :class:`Rerun`).
 RERUN_OF_HEADER = "celery_exclusive_rerun_of"
@@ -283,13 +286,17 @@ class Rerun(OnLocked):
         # sent this very rerun (it has handed on already: its release has not got through
         # yet), a coalesced request would wait for some later rerun-policy run, or forever.
         # So wait like "retry" (behind the sender, for as long as its lease lasts).
+        service, request = task.lock_service, task.request
+        marker_key = rerun_key(service, key)
         if holder is not None:
             if _sent_by(task, holder):
                 return RETRY.behind_sender(task, key, holder, call)
-            if not holder.holder.get(HANDS_ON_RERUNS):
+            if not holder.holder.get(HANDS_ON_RERUNS) or (
+                # An earlier version's holder looks for ``<key>#rerun`` only, which the store
+                # does not take here: a rerun recorded on the fitted marker would never be sent.
+                not holder.holder.get(HANDS_ON_FITTED) and marker_key != key + RERUN_SUFFIX
+            ):
                 return RETRY.locked(task, key, holder, call)
-        service, request = task.lock_service, task.request
-        marker_key = rerun_key(service, key)
         meta = {**holder_of(task), "rerun": _recorded_call(task, call)}
         token = service.mark(marker_key, ttl=task.lock_settings.max_lifetime, holder=meta)
         if token is None and task.lock_settings.rerun_args == "latest":
@@ -637,7 +644,9 @@ class Wait(OnLocked):
         service = task.lock_service
         waiter = waiting.Waiter(service.provider, remaining, step=call.wait_step)
         try:
-            slots = semaphore.store_slot_keys(service.prefix, key, settings.limit)
+            slots = semaphore.store_slot_keys(
+                service.prefix, key, settings.limit, service.provider.max_key_length
+            )
             waiter.watch(slots[0], slots[1:])
             waiter.pause()
         finally:
@@ -709,6 +718,7 @@ def holder_fields(task: Task, hostname: str | None) -> dict[str, Any]:
         holder["worker"] = hostname
     if of(task).hands_on_reruns:
         holder[HANDS_ON_RERUNS] = True
+        holder[HANDS_ON_FITTED] = True
     if task.lock_settings.cooldown:
         holder["cooldown"] = task.lock_settings.cooldown
     return holder

@@ -31,10 +31,12 @@ With records turned off there is nothing that would end the deferred copy, so th
 only dropped.
 
 A semaphore's run (``limit > 1``) takes any free slot, so its slot cannot tell a copy: such
-a run also holds a lease on its own task id's key, ``<key>#id:<task id>`` (:func:`guard_key`),
-taken before the slot and released after it, and that lease plays the single lock's part
-(the copy finds it held; its release writes the record). One acquire and one release more
-per semaphore run; an id too long for the store's keys gets no such lease (nor records).
+a run also holds a lease on its own task id's key, ``<key>#id:<task id>`` (:func:`guard_key`;
+for a key near the store's longest, made to fit as a marker's key is:
+:func:`~celery_exclusive.validation.derived_key`), taken before the slot and released after
+it, and that lease plays the single lock's part (the copy finds it held; its release writes
+the record). One acquire and one release more per semaphore run; an id too long for the
+store's keys gets no such lease (nor records).
 
 ``self.retry()`` is told from a redelivery by the attempt: every record names the
 request's ``retries`` (the release before a retry records ``retried``); a message of a
@@ -73,7 +75,7 @@ from celery_exclusive.providers.base import (
     LockInfo,
 )
 from celery_exclusive.semaphore import slot_keys
-from celery_exclusive.validation import check_key
+from celery_exclusive.validation import check_key, derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView
@@ -204,10 +206,12 @@ def guard_of(task: TaskView, key: str, task_id: object) -> str | None:
     task_id = usable_id(task_id)
     if task_id is None:
         return None
-    guard = f"{key}{GUARD_INFIX}{task_id}"
     service = task.lock_service
+    prefix, longest = service.prefix, service.provider.max_key_length
     try:
-        check_key(guard, prefix=service.prefix, max_length=service.provider.max_key_length)
+        # Made to fit the store for a key near its longest, as markers' keys are.
+        guard = derived_key(key, f"{GUARD_INFIX}{task_id}", prefix=prefix, max_length=longest)
+        check_key(guard, prefix=prefix, max_length=longest)
     except InvalidArgumentError:
         return None
     return guard
@@ -310,7 +314,7 @@ def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo |
     if limit == 1 or not (task.request.headers or {}).get(COOLING_HEADER):
         return None
     service = task.lock_service
-    for slot in slot_keys(key, limit)[1:]:
+    for slot in slot_keys(key, limit, prefix=service.prefix, max_length=service.provider.max_key_length)[1:]:
         info = service.peek(slot)
         if is_predecessor(task, info):
             return info

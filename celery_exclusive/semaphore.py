@@ -2,6 +2,10 @@
 
 * Slots: slot 1 of ``key`` is ``key`` itself, so ``limit=1`` is exactly the single lock (same
   rows and keys, no migration); slot ``i > 1`` is the key ``{key}#i`` (:func:`slot_key`).
+  Where that would not fit the store (a key within 3 characters of its longest with the
+  prefix; within 4 for slots 10 and up) the slot's key is ``{<key's start>~<32 hex digits
+  of its SHA-256>}#i``, the braced text the same for every such slot and short enough for
+  two-digit slots; slot keys that fit keep their names.
   Each slot is an ordinary lease: its own token, fence, heartbeat, state machine and
   release, unchanged. Only acquiring differs: it takes the first free slot.
 * One round trip where the store allows it (:class:`~celery_exclusive.providers.base.AcquiresAny`):
@@ -27,7 +31,8 @@
   on slots above it keep running until released or expired (nothing revokes them). Lowering
   N therefore takes effect as the higher slots' holders finish; raising it is immediate.
 * Listing: ``locks()`` / ``peek`` / CLI ``list`` show each slot as its own lease, slot ``i``
-  under ``{key}#i`` (sorted after ``key``); :func:`slot_of` reads a listed key back.
+  under ``{key}#i`` (sorted after ``key``); :func:`slot_of` reads a listed key back (for a
+  shortened slot key, the braced text: the key's start and its hash).
 * Waiting (``wait=``) on a full semaphore subscribes to the release signals of every slot
   (``subscribe_any``, :class:`~celery_exclusive.providers.base.WakesOnAny`: memory, Redis,
   PostgreSQL), so the release of any slot wakes it; on a store with only ``subscribe`` it
@@ -46,10 +51,13 @@ import functools
 import re
 
 from celery_exclusive.errors import InvalidArgumentError
-from celery_exclusive.validation import shown
+from celery_exclusive.validation import check_key, shortened, shown
 
 #: Largest ``limit`` accepted (slots a refused attempt may have to look at).
 MAX_LIMIT = 64
+
+#: Characters a slot key adds to the key: ``{``, ``}#`` and the slot's two digits at most.
+_SLOT_ROOM = 5
 
 _SLOT = re.compile(r"\{(.*)\}#([2-9]|[1-5][0-9]|6[0-4])", re.DOTALL)
 
@@ -63,21 +71,36 @@ def check_limit(limit: object) -> int:
     return limit
 
 
-def slot_key(key: str, slot: int) -> str:
-    """The key of ``slot`` (1-based) of the semaphore ``key``: ``key`` itself for slot 1."""
-    return key if slot == 1 else f"{{{key}}}#{slot}"
+def slot_key(key: str, slot: int, *, prefix: str = "", max_length: int | None = None) -> str:
+    """The key of ``slot`` (1-based) of the semaphore ``key``: ``key`` itself for slot 1, else
+    ``{key}#<slot>``; where that would not fit the store (``max_length`` characters with
+    ``prefix``), ``{<shortened key>}#<slot>``, the key shortened to leave room for any slot
+    (:func:`~celery_exclusive.validation.shortened`: its start, ``~``, a hash of it), the same
+    text for every such slot and in every process."""
+    if slot == 1:
+        return key
+    plain = f"{{{key}}}#{slot}"
+    if max_length is None or len(prefix) + len(plain) <= max_length:
+        return plain
+    return f"{{{shortened(key, max_length - len(prefix) - _SLOT_ROOM)}}}#{slot}"
 
 
-def slot_keys(key: str, limit: int) -> list[str]:
-    """The keys of slots ``1..limit`` of ``key``."""
-    return [slot_key(key, slot) for slot in range(1, limit + 1)]
+def slot_keys(key: str, limit: int, *, prefix: str = "", max_length: int | None = None) -> list[str]:
+    """The keys of slots ``1..limit`` of ``key`` (made to fit the store as :func:`slot_key` says)."""
+    return [slot_key(key, slot, prefix=prefix, max_length=max_length) for slot in range(1, limit + 1)]
 
 
 @functools.lru_cache(maxsize=4096)
-def store_slot_keys(prefix: str, key: str, limit: int) -> tuple[str, ...]:
+def store_slot_keys(prefix: str, key: str, limit: int, max_length: int | None = None) -> tuple[str, ...]:
     """The store keys (``prefix`` + slot key) of slots ``1..limit`` of ``key``, cached: every
-    acquire of the semaphore needs them (building them costs more than the cache lookup)."""
-    return tuple(prefix + slot for slot in slot_keys(key, limit))
+    acquire of the semaphore needs them (building them costs more than the cache lookup).
+    InvalidArgumentError if one does not fit (a store whose longest key has no room for
+    :func:`slot_key`'s hash)."""
+    slots = slot_keys(key, limit, prefix=prefix, max_length=max_length)
+    if max_length is not None:
+        for slot in slots:
+            check_key(slot, prefix=prefix, max_length=max_length)
+    return tuple(prefix + slot for slot in slots)
 
 
 def slot_of(listed: str) -> tuple[str, int]:

@@ -439,9 +439,19 @@ def hide_from_celery_reports() -> None:
         )
 
 
+def store_configured(explicit: str | None = None, conf: Mapping[str, Any] | None = None) -> bool:
+    """Whether a lock store URL is set in any place :func:`resolve_url` looks (it may still
+    be wrong: resolve_url and the store say so)."""
+    return any(candidate not in (None, "") for candidate in _candidates(explicit, conf))
+
+
+def _candidates(explicit: str | None, conf: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    return (explicit, (conf or {}).get(SETTING), os.environ.get(ENV_VAR))
+
+
 def resolve_url(explicit: str | None = None, conf: Mapping[str, Any] | None = None) -> str:
     """Pick the lock store URL by precedence, or raise naming every place to set it."""
-    for candidate in (explicit, (conf or {}).get(SETTING), os.environ.get(ENV_VAR)):
+    for candidate in _candidates(explicit, conf):
         if candidate is None or candidate == "":
             continue
         if not isinstance(candidate, str):

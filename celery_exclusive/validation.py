@@ -73,21 +73,28 @@ _DIGEST = 32
 def derived_key(key: str, suffix: str, *, prefix: str, max_length: int | None) -> str:
     """The key of a lease derived from ``key`` (a marker's: ``key + suffix``), made to fit the
     store (``max_length`` characters with ``prefix``): where ``key + suffix`` would not, the
-    start of ``key``, ``~``, 32 hex digits of the SHA-256 of ``key`` and ``suffix``, exactly
-    the longest key the store takes. The same text in every process for the same store
-    limit and prefix; it still ends with ``suffix``. A ``key`` that does not fit itself is
-    refused (InvalidArgumentError naming the store's limit), as its lock would be.
+    :func:`shortened` ``key`` and ``suffix``, exactly the longest key the store takes. The
+    same text in every process for the same store limit and prefix; it still ends with
+    ``suffix``. A ``key`` that does not fit itself is refused (InvalidArgumentError naming
+    the store's limit), as its lock would be.
 
     A plain ``other + suffix`` equals a hashed key only if ``other`` was made to: the start
     of ``key``, ``~`` and those 32 hex digits."""
     if max_length is None or len(prefix) + len(key) + len(suffix) <= max_length:
         return key + suffix
     check_key(key, prefix=prefix, max_length=max_length)
-    head = max_length - len(prefix) - len(suffix) - 1 - _DIGEST
-    if head < 0:  # a store whose keys are shorter than the digest: the suffixed key is refused
-        return key + suffix
+    return shortened(key, max_length - len(prefix) - len(suffix)) + suffix
+
+
+def shortened(key: str, length: int) -> str:
+    """``key`` in ``length`` characters where it is longer: its start, ``~`` and 32 hex digits
+    of its SHA-256 (:func:`derived_key`); ``key`` itself where it fits, or where ``length``
+    has no room for the digest (the caller's check then refuses what it builds)."""
+    head = length - 1 - _DIGEST
+    if len(key) <= length or head < 0:
+        return key
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:_DIGEST]
-    return f"{key[:head]}~{digest}{suffix}"
+    return f"{key[:head]}~{digest}"
 
 
 def check_token(token: object) -> str:

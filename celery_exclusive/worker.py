@@ -494,7 +494,7 @@ def release_killed(
         keys = keys_for(tuple(args or ()), dict(kwargs or {}))
         service = get_lock_service(task.app)
         done = redelivery.killed(task, keys, task_id, attempt) if record else None
-        held = _held_by(task, keys, task_id)
+        held = _held_by(task, service, keys, task_id)
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
         return None
@@ -512,7 +512,7 @@ def release_killed(
     return thread
 
 
-def _held_by(task: Any, keys: list[str], task_id: str) -> list[list[str]]:
+def _held_by(task: Any, service: LockService, keys: list[str], task_id: str) -> list[list[str]]:
     """The keys a run of ``task_id`` with ``keys`` may hold, in groups of which it holds one
     lease at most: each of its keys; for a semaphore, any one of its slots (slot 1 is the
     key itself, see :mod:`celery_exclusive.semaphore`), then the lease on its own task id
@@ -521,7 +521,8 @@ def _held_by(task: Any, keys: list[str], task_id: str) -> list[list[str]]:
     if limit == 1 or len(keys) != 1:  # several keys never make a semaphore
         return [[key] for key in keys]
     guard = redelivery.guard_of(task, keys[0], task_id)
-    return [slot_keys(keys[0], limit), *([[guard]] if guard is not None else [])]
+    slots = slot_keys(keys[0], limit, prefix=service.prefix, max_length=service.provider.max_key_length)
+    return [slots, *([[guard]] if guard is not None else [])]
 
 
 def _release_all_when_gone(

@@ -18,6 +18,7 @@ import pytest
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.keys import KeyBuilder
+from celery_exclusive.semaphore import MAX_LIMIT, slot_keys, slot_of, store_slot_keys
 from celery_exclusive.validation import derived_key
 
 
@@ -216,3 +217,29 @@ def test_a_derived_key_fits_the_store_and_is_the_same_in_every_process() -> None
     with pytest.raises(InvalidArgumentError, match=f"at most {room}"):
         derived_key("a" * (room + 1), "#queued", prefix=prefix, max_length=limit)
     assert derived_key("x" * 5000, "#q", prefix="", max_length=None) == "x" * 5000 + "#q"
+
+
+def test_slot_keys_of_a_key_near_the_stores_longest_fit_and_share_their_braced_text() -> None:
+    """A semaphore's slot keys ``{key}#i`` where they fit; else ``{<key's start>~<hash>}#i``
+    for each slot that does not, all with the same braced text (a Redis Cluster hash tag:
+    those slots stay in one hash slot), short enough for two-digit slots: every slot key
+    fits, and differs from another key's."""
+    prefix, limit = "p:", 512
+    room = limit - len(prefix)
+    fits = "f" * (room - 5)
+    assert slot_keys(fits, MAX_LIMIT, prefix=prefix, max_length=limit) == slot_keys(fits, MAX_LIMIT)
+    for key in ("a" * room, "a" * (room - 3), "a" * (room - 4)):
+        slots = slot_keys(key, MAX_LIMIT, prefix=prefix, max_length=limit)
+        assert slots[0] == key
+        assert all(len(prefix + slot) <= limit for slot in slots)
+        assert len(set(slots)) == MAX_LIMIT
+        plain = [slot for slot in slots[1:] if slot == f"{{{key}}}#{slot_of(slot)[1]}"]
+        assert len(plain) == (8 if len(key) == room - 4 else 0)  # {key}#2..#9 fit, #10.. do not
+        hashed = {slot_of(slot)[0] for slot in slots[1:] if slot not in plain}
+        assert len(hashed) == 1
+        assert hashed != {
+            slot_of(slot)[0] for slot in slot_keys(key[:-1] + "b", 3, prefix=prefix, max_length=limit)[1:]
+        }
+    # A store whose longest key has no room for the hash: the slot key is refused, as before.
+    with pytest.raises(InvalidArgumentError, match="at most 28"):
+        store_slot_keys(prefix, "k" * 27, 3, 30)

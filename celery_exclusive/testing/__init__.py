@@ -226,7 +226,9 @@ class ExclusiveStore:
         Tasks then meet their ``on_locked`` policy (skip, retry, raise, rerun). ``holder``
         is the metadata they see (``LockedError.holder.holder``, the skip marker's
         ``holder``); add ``"hands_on_reruns": True`` to play a holder with the rerun
-        policy, to which ``on_locked="rerun"`` requests coalesce. Raises
+        policy, to which ``on_locked="rerun"`` requests coalesce (for a key within 6
+        characters of the store's longest, whose rerun marker is made to fit the store,
+        also ``"hands_on_fitted": True``, as this version's rerun runs say). Raises
         :class:`InvalidArgumentError` if the key is already held.
         """
         check_key(key, prefix=self.prefix, max_length=self.provider.max_key_length)

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from celery_exclusive import InvalidArgumentError, LockService, ReleaseOutcome
+from celery_exclusive import InvalidArgumentError, LockService, ReleaseOutcome, signals
 from celery_exclusive._options import store_from
 from celery_exclusive.providers.base import LockProvider
 from celery_exclusive.service import RELEASE_TIMEOUT
@@ -112,6 +112,59 @@ def test_a_lock_under_way_when_close_runs_gets_no_lease(store: Store, release: b
     assert service.held() == []
     assert other.peek("k") is None
     assert _sockets() <= before
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_callers_waiting_for_a_held_key_when_close_runs_raise_that_it_is_closed(
+    store: Store, limit: int
+) -> None:
+    """lock(wait=), try_lock(wait=) and lock_many(wait=) waiting (each refused at least
+    once) on a key another service holds when close() runs: each raises InvalidArgumentError
+    saying the service is closed, long before its wait ends (bounded by a hang guard, not
+    timed), none answers "not acquired", and no lease is left on the key but the holder's
+    (a release signal's listener, PostgreSQL's LISTEN connection, Redis's pub/sub, SQLite's
+    waiter marks, is closed with the store)."""
+    holder, service = store.service(), store.service()
+    held = [holder.lock("k", ttl=60, limit=limit) for _ in range(limit)]
+    refused = threading.Semaphore(0)
+
+    def contended(sender: object = None, **_: Any) -> None:
+        if sender is service:
+            refused.release()
+
+    calls: list[Callable[[], object]] = [
+        lambda: service.lock("k", ttl=60, limit=limit, wait=60),
+        lambda: service.try_lock("k", ttl=60, limit=limit, wait=60),
+        lambda: service.lock_many(["free", "k"], ttl=60, wait=60),
+    ]
+    answers: list[object] = []
+
+    def call(each: Callable[[], object]) -> None:
+        try:
+            answers.append(each())
+        except BaseException as exc:
+            answers.append(exc)
+
+    signals.lock_contended.connect(contended, weak=False)
+    try:
+        threads = [threading.Thread(target=call, args=(each,), daemon=True) for each in calls]
+        for thread in threads:
+            thread.start()
+        for _ in threads:
+            assert refused.acquire(timeout=10)
+        service.close()
+        for thread in threads:
+            thread.join(10 * store.slack)  # a hang guard: each waits 60 s otherwise
+    finally:
+        signals.lock_contended.disconnect(contended)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(answers) == 3
+    assert all(isinstance(answer, InvalidArgumentError) and "closed" in str(answer) for answer in answers), (
+        answers
+    )
+    assert sorted((info.key, info.token) for info in holder.locks()) == sorted(
+        (lease.store_key[len(holder.prefix) :], lease.token) for lease in held
+    )
 
 
 def _via(url: str, port: int) -> str:
