@@ -149,13 +149,24 @@ _budget = threading.local()
 
 @contextlib.contextmanager
 def connect_budget(timeout: float | None) -> Iterator[None]:
-    """Within the block, connections this thread opens get at most ``timeout`` seconds."""
+    """Within the block, connections this thread opens or takes from a pool get at most
+    ``timeout`` seconds (None: their own timeouts)."""
     previous = getattr(_budget, "deadline", None)
     _budget.deadline = None if timeout is None else time.monotonic() + timeout
     try:
         yield
     finally:
         _budget.deadline = previous
+
+
+def checkout_wait(configured: float) -> float:
+    """How long a connection pool may wait for a free connection now: its ``configured``
+    timeout, lowered to what is left of this thread's :func:`connect_budget` (at least 0)."""
+    deadline = getattr(_budget, "deadline", None)
+    if deadline is None:
+        return configured
+    left: float = deadline - time.monotonic()
+    return max(min(configured, left), 0.0)
 
 
 def connect_timeout(configured: object) -> int | None:
