@@ -6,10 +6,15 @@ stalled server, more threads than the pool has connections) waits for one to com
 up to SQLAlchemy's ``pool_timeout`` (30 s) before, however short its own deadline. Now the
 wait ends by the call's deadline, with BackendError naming the pool (an outage, never "not
 acquired"). On the shared PostgreSQL and MariaDB, and on a SQLite file.
+
+A connect that gives up (a server that accepts and never answers: ``tests/silent.py``)
+closes its socket at once. psycopg left the PostgreSQL one open, its half-made connection
+referenced from the error's traceback, until the garbage collector found it.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +27,9 @@ from celery_exclusive import BackendError
 from celery_exclusive.providers.base import RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
 from tests.conftest import MYSQL_URL, POSTGRES_URL, drop_lock_table, require_server, with_option
+from tests.contract.test_close import _open_to
 from tests.faults.conftest import SLACK
+from tests.silent import silent_server
 
 CALL_TIMEOUT = 1.0
 
@@ -77,3 +84,34 @@ def test_a_call_on_an_exhausted_pool_ends_by_its_deadline(sql_url: str, call: st
         CALLS[call](provider, key)
     finally:
         provider.close()
+
+
+#: The store URLs of a server on ``port`` (libpq's connect_timeout is whole seconds, at least 2).
+SILENT_URLS = {
+    "postgres": "postgresql+psycopg://postgres@127.0.0.1:{port}/test?connect_timeout=2",
+    "mariadb": "mysql+pymysql://root@127.0.0.1:{port}/test?connect_timeout=2",
+}
+
+
+@pytest.mark.parametrize(
+    ("store", "timeout"), [("postgres", None), ("postgres", CALL_TIMEOUT), ("mariadb", CALL_TIMEOUT)]
+)
+def test_a_connect_that_gives_up_leaves_no_socket_open(store: str, timeout: float | None) -> None:
+    """Against a server that accepts and never answers, a call whose connect gives up (by
+    the URL's connect_timeout, or by the call's deadline) raises BackendError with no socket
+    to the server left open, while its error is still held and with the garbage collector
+    off. (MariaDB without a deadline waits for the server's greeting forever: not here.)"""
+    with silent_server() as port:
+        url = SILENT_URLS[store].format(port=port) + "&ce_create_table=false"
+        provider = SqlLockProvider.from_url(url)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with pytest.raises(BackendError) as raised:
+                provider.peek("k", timeout=timeout)
+            left = _open_to(port)
+            assert left == 0, f"{left} socket(s) to the server left open by {raised.value}"
+        finally:
+            if collecting:
+                gc.enable()
+            provider.close()
