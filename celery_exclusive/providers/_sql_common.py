@@ -372,6 +372,11 @@ class DeadlinePool(QueuePool):
     comes first: the call then raises ``sqlalchemy.exc.TimeoutError`` naming the pool and
     the deadline, as it would after the pool's own timeout (``pool_timeout``, 30 s)."""
 
+    # SQLAlchemy names a pool's logger after its class: under our package, its DEBUG lines
+    # (a failed connect's driver error, unmasked) would follow the application's log level
+    # instead of the ``sqlalchemy`` logger's (WARN unless enabled), as QueuePool's do.
+    _sqla_logger_namespace = "sqlalchemy.pool.impl.QueuePool"
+
     @property
     def _timeout(self) -> float:
         """What QueuePool reads as its timeout: the configured one, or what is left of the
