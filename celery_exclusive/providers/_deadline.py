@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,13 +150,24 @@ _budget = threading.local()
 
 @contextlib.contextmanager
 def connect_budget(timeout: float | None) -> Iterator[None]:
-    """Within the block, connections this thread opens get at most ``timeout`` seconds."""
+    """Within the block, connections this thread opens or takes from a pool get at most
+    ``timeout`` seconds (None: their own timeouts)."""
     previous = getattr(_budget, "deadline", None)
     _budget.deadline = None if timeout is None else time.monotonic() + timeout
     try:
         yield
     finally:
         _budget.deadline = previous
+
+
+def checkout_wait(configured: float) -> float:
+    """How long a connection pool may wait for a free connection now: its ``configured``
+    timeout, lowered to what is left of this thread's :func:`connect_budget` (at least 0)."""
+    deadline = getattr(_budget, "deadline", None)
+    if deadline is None:
+        return configured
+    left: float = deadline - time.monotonic()
+    return max(min(configured, left), 0.0)
 
 
 def connect_timeout(configured: object) -> int | None:
@@ -174,18 +186,26 @@ def connect_timeout(configured: object) -> int | None:
 
 def bounded_connect(dialect: Any, _record: object, cargs: Any, cparams: dict[str, Any]) -> Any:
     """SQLAlchemy ``do_connect`` listener: a connection opened inside :func:`connect_budget`
-    gives up connecting by then (``connect_timeout``, libpq's and PyMySQL's keyword).
+    gives up connecting by then (``connect_timeout``, libpq's and PyMySQL's keyword), and a
+    psycopg connect that gives up closes its socket at once.
 
     PyMySQL's ``connect_timeout`` covers the TCP connect only: the server's greeting, the
     authentication and the session set-up are read with ``read_timeout`` (none by default),
     so a server that accepts and never greets held the call forever. PyMySQL connections
     are therefore opened here with read and write timeouts of what is left, which are then
-    given back their configured values (the statements have the watchdog's deadlines)."""
+    given back their configured values (the statements have the watchdog's deadlines).
+
+    psycopg's connect, when its ``connect_timeout`` expires, leaves the half-made libpq
+    connection in one of its frames, which the error's traceback keeps: its socket stayed
+    open as long as the error (or, in a reference cycle, until the garbage collector ran).
+    psycopg connections are therefore opened here, and a failed one's frames cleared."""
     timeout = connect_timeout(cparams.get("connect_timeout"))
-    if timeout is None:
-        return None
-    cparams["connect_timeout"] = timeout
-    if getattr(dialect, "driver", None) != "pymysql":
+    if timeout is not None:
+        cparams["connect_timeout"] = timeout
+    driver = getattr(dialect, "driver", None)
+    if driver == "psycopg":
+        return _closing_on_failure(dialect.connect, cargs, cparams)
+    if timeout is None or driver != "pymysql":
         return None
     left = max(_budget.deadline - time.monotonic(), 0.001)
     read, write = cparams.get("read_timeout"), cparams.get("write_timeout")
@@ -194,3 +214,13 @@ def bounded_connect(dialect: Any, _record: object, cargs: Any, cparams: dict[str
     )
     connection._read_timeout, connection._write_timeout = read, write  # PyMySQL's own fields
     return connection
+
+
+def _closing_on_failure(connect: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+    """``connect(*cargs, **cparams)``; if it raises, the finished frames of its traceback
+    are cleared first, so what they held (a half-made connection) is freed at once."""
+    try:
+        return connect(*cargs, **cparams)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        raise

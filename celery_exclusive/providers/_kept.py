@@ -19,9 +19,12 @@ socket down only in the process that made it. A store whose close sends a goodby
 wire (libpq's Terminate) passes an
 ``on_fork`` that keeps them referenced, unclosed, instead.
 
-Thread-safe without a lock (a list's ``append`` and ``pop`` are atomic): a connection is
-used by one thread at a time, between :meth:`~KeptConnections.take` and
-:meth:`~KeptConnections.give`; concurrent givers may overshoot ``limit`` by one each.
+Thread-safe without a lock (a list's ``append``, ``pop`` and ``remove`` are atomic): a
+connection is used by one thread at a time, between :meth:`~KeptConnections.take` and
+:meth:`~KeptConnections.give`; concurrent givers may overshoot ``limit`` by one each. A
+give racing :meth:`~KeptConnections.close` looks at ``closed`` again after its append and
+takes the connection back out if the close's drain missed it (one of the two gets it: the
+giver's ``remove`` or the drain's ``pop``), so no connection is kept, unclosed, past a close.
 """
 
 from __future__ import annotations
@@ -87,18 +90,33 @@ class KeptConnections(Generic[C]):
 
     def give(self, conn: C, used: float | None = None) -> bool:
         """Keep ``conn``, last used at ``used`` (default: now); False if full or closed (close
-        it yourself)."""
+        it yourself). True once kept: a :meth:`close` from then on returns it."""
         limit = self._limit
-        if self.closed or (limit is not None and len(self._idle) >= limit):  # has_room(), inline
+        idle = self._idle
+        refused = self.closed or (limit is not None and len(idle) >= limit)  # has_room(), inline
+        if refused:
             return False
-        self._idle.append((conn, time.monotonic() if used is None else used))
+        entry = (conn, time.monotonic() if used is None else used)
+        idle.append(entry)
+        if self.closed:  # close() ran since the check: its drain may have come before the append
+            try:
+                idle.remove(entry)
+            except ValueError:  # the drain (or a take) had it: the connection is theirs
+                return True
+            return False
         return True
 
     def drain(self) -> list[C]:
         """Every connection kept by this process, no longer kept (to close them)."""
         self._forked()
-        drained, self._idle = self._idle, []
-        return [conn for conn, _ in drained]
+        # Popped one by one from the one list, never swapped for a new one: a give() that
+        # looked the list up before a swap would append to the old list, which nobody drains.
+        idle, drained = self._idle, []
+        while True:
+            try:
+                drained.append(idle.pop()[0])
+            except IndexError:
+                return drained
 
     def close(self) -> list[C]:
         """Keep nothing from now on; :meth:`drain`'s connections (to close them)."""

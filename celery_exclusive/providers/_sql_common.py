@@ -31,7 +31,7 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Dialect, Engine, make_url
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import QueuePool, StaticPool
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
@@ -365,6 +365,47 @@ def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
     return backend, driver, url
 
 
+class DeadlinePool(QueuePool):
+    """SQLAlchemy's QueuePool (the pool of every engine a store builds from a URL, but an
+    in-memory SQLite database's), whose wait for a free connection also ends by the calling
+    thread's connect budget (:func:`._deadline.connect_budget`: the call's deadline), if that
+    comes first: the call then raises ``sqlalchemy.exc.TimeoutError`` naming the pool and
+    the deadline, as it would after the pool's own timeout (``pool_timeout``, 30 s)."""
+
+    # SQLAlchemy names a pool's logger after its class: under our package, its DEBUG lines
+    # (a failed connect's driver error, unmasked) would follow the application's log level
+    # instead of the ``sqlalchemy`` logger's (WARN unless enabled), as QueuePool's do.
+    _sqla_logger_namespace = "sqlalchemy.pool.impl.QueuePool"
+
+    @property
+    def _timeout(self) -> float:
+        """What QueuePool reads as its timeout: the configured one, or what is left of the
+        call's deadline if less."""
+        return _deadline.checkout_wait(self._configured_timeout)
+
+    @_timeout.setter
+    def _timeout(self, value: float) -> None:
+        self._configured_timeout = value
+
+    def _do_get(self) -> Any:
+        wait, configured = self._timeout, self._configured_timeout
+        try:
+            return super()._do_get()
+        except sa_exc.TimeoutError:
+            if wait >= configured:
+                raise
+        raise sa_exc.TimeoutError(
+            f"QueuePool limit of size {self.size()} overflow {self._max_overflow} reached: no "
+            f"connection came free by the call's deadline ({wait:.3g} s left of it; "
+            f"pool_timeout {configured:g} s)",
+            code="3o7r",
+        )
+
+    def recreate(self) -> QueuePool:
+        with _deadline.connect_budget(None):  # the new pool gets the configured timeout
+            return super().recreate()
+
+
 def _postgres_options(url: sa.URL, driver: str, prepare: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
     # libpq has no read timeout: without these a call on a network that went silent
@@ -408,6 +449,7 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         kwargs, connect_args = _sqlite_options(url)
     else:
         kwargs, connect_args = _mysql_options(url, driver)
+    kwargs.setdefault("poolclass", DeadlinePool)
     try:
         engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
     except (ImportError, sa_exc.NoSuchModuleError) as exc:

@@ -1,9 +1,15 @@
-"""KeptConnections across fork: a child never takes a connection its parent kept."""
+"""KeptConnections across fork (a child never takes a connection its parent kept) and
+across close (a connection given back while the store closes is closed too)."""
 
 from __future__ import annotations
 
+import threading
+import uuid
+from typing import Any
+
 from celery_exclusive.providers._kept import KeptConnections
-from tests.conftest import in_forked_child
+from celery_exclusive.providers.postgres import PostgresLockProvider
+from tests.conftest import POSTGRES_URL, drop_lock_table, in_forked_child, require_server
 
 
 def test_a_forked_child_hands_the_parents_connections_to_on_fork_and_takes_none() -> None:
@@ -33,3 +39,48 @@ def test_a_grandchild_is_a_new_process_too() -> None:
 
     assert in_forked_child(child)
     assert len(kept) == 1
+
+
+class _PausedAppend(list[tuple[Any, float]]):
+    """A kept list whose next ``append`` stops just before it appends, until let go: the
+    giving thread descheduled between give()'s closed check and its append."""
+
+    def __init__(self, items: list[tuple[Any, float]]) -> None:
+        super().__init__(items)
+        self.arrived, self.go = threading.Event(), threading.Event()
+        self.appended: list[Any] = []
+
+    def append(self, item: tuple[Any, float]) -> None:
+        self.appended.append(item[0])
+        self.arrived.set()
+        self.go.wait(30)
+        super().append(item)
+
+
+def test_a_connection_given_back_while_the_store_closes_is_closed() -> None:
+    """PostgreSQL: a call gives its connection back while close() runs, between give()'s
+    check that the kept connections are not closed and its append. The connection is closed
+    all the same (by close(), or by the caller when give() refuses it), never left open in
+    a list close() no longer looks at."""
+    require_server(POSTGRES_URL)
+    table = f"ce_kept_{uuid.uuid4().hex[:10]}"
+    provider = PostgresLockProvider(POSTGRES_URL, table=table)
+    try:
+        provider.peek("k", timeout=5)  # its connection now kept, out of the pool
+        kept = provider._executor.kept
+        assert kept is not None
+        assert len(kept) == 1
+        paused = _PausedAppend(kept._idle)
+        kept._idle = paused
+        peek = threading.Thread(target=provider.peek, args=("k",), kwargs={"timeout": 5})
+        peek.start()
+        assert paused.arrived.wait(10), "the peek never gave its connection back"
+        provider.close()
+        paused.go.set()
+        peek.join(10)
+        assert not peek.is_alive()
+        (connection,) = paused.appended
+        assert connection.closed, "the connection given back during close() was left open"
+    finally:
+        provider.close()
+        drop_lock_table(POSTGRES_URL, table)
