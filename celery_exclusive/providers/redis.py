@@ -46,7 +46,9 @@ expires, however many distinct keys (one per work item, say) are ever used.
 Completion records (``release(..., completion)``) are fields ``done:<task id>`` of the
 same hash, valued ``expires|recorded|attempt|outcome`` (server milliseconds): no key of
 their own, so they never collide with a lock key and stay in the lock's hash slot. A record
-past its expiry counts as absent; expired ones are pruned by a later release on that key.
+past its expiry counts as absent; expired ones are pruned by a later release writing a
+record on that key, once the hash has more fields than 16 plus twice what the last pruning
+left (a hash without earlier records is not counted: it cannot have that many).
 The hash then lives as long as its longest-kept record (field ``done_max``), if longer:
 a release clears the lease fields and keeps the hash that long.
 
