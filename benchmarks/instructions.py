@@ -9,8 +9,13 @@ the instructions per run (start-up, imports and warm-up left out). The variants 
 acquire + release, plain plus ``LockService.lock + release``, an exclusive no-op) run
 through Celery's own tracer, one task per run; the bare cycles run no Celery at all:
 ``provider_cycle`` is one provider ``acquire + release`` with the deadlines the service
-passes (``call_timeout``, and at most 5 s for the release), ``lock_cycle`` one
-``LockService.lock(key).release()``, each over 256 keys with a new token per cycle.
+passes (``call_timeout``, and at most 5 s for the release), ``provider_cycle_once`` the same
+with an exclusive run's completion record (the acquire checks a task id's record, the
+release writes it, as Celery's ``floor_once`` does: a new task id per cycle, kept a day;
+the records made before counting), so that its excess over ``provider_cycle`` is what the
+provider spends on the record,
+``lock_cycle`` one ``LockService.lock(key).release()``, each over 256 keys with a new token
+per cycle.
 
 The PostgreSQL store runs on ``CE_BENCH_POSTGRES_URL`` (default: the shared server's
 ``test`` database) in a table of this run's own, dropped at the end; the counts do not
@@ -37,7 +42,7 @@ from typing import Any
 
 VARIANTS = ("plain", "floor", "floor_once", "service", "service_once", "exclusive")
 #: Cycles counted outside Celery (see the module docstring).
-BARE = ("provider_cycle", "lock_cycle")
+BARE = ("provider_cycle", "provider_cycle_once", "lock_cycle")
 STORES = ("memory", "redis", "postgres")
 _TOTALS = re.compile(r"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
 
@@ -57,9 +62,10 @@ def _bare(variant: str, store: str, warm: int, count: int, control: Any) -> None
     """``warm`` then ``count`` bare cycles (``BARE``) of a LockService on ``store``, counted
     between ``control``'s client requests."""
     import secrets
+    import uuid
 
     from celery_exclusive import LockService
-    from celery_exclusive.providers.base import encode_holder
+    from celery_exclusive.providers.base import Completion, encode_holder
 
     service = LockService(_url(store), prefix=f"ceinstr-{os.getpid()}:")
     provider: Any = service.provider
@@ -67,6 +73,13 @@ def _bare(variant: str, store: str, warm: int, count: int, control: Any) -> None
     ttl, life = service.ttl, service.max_lifetime
     acquire_timeout, release_timeout = service.call_timeout, min(service.call_timeout, 5.0)
     keys = [f"{service.prefix}k{i}" for i in range(256)]
+    # Celery's task ids (uuid4 text) and their records, made before counting: a task is given
+    # its id, and the record is the caller's (the Celery layer makes it without the frozen
+    # dataclass's __init__), so the row over provider_cycle is what the provider adds.
+    once = variant == "provider_cycle_once"
+    records = [
+        Completion(str(uuid.uuid4()), "success", 0, 86400.0) for _ in range(warm + count if once else 0)
+    ]
     lock = service.lock
     try:
         for i in range(warm + count):
@@ -74,6 +87,12 @@ def _bare(variant: str, store: str, warm: int, count: int, control: Any) -> None
                 control.cg_start()
             if variant == "lock_cycle":
                 lock(f"k{i % 256}").release()
+            elif variant == "provider_cycle_once":
+                key, token, record = keys[i % 256], secrets.token_hex(16), records[i]
+                provider.acquire(
+                    key, token, ttl, life, holder, task_id=record.task_id, timeout=acquire_timeout
+                )
+                provider.release(key, token, record, timeout=release_timeout)
             else:
                 key, token = keys[i % 256], secrets.token_hex(16)
                 provider.acquire(key, token, ttl, life, holder, timeout=acquire_timeout)

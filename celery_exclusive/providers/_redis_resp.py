@@ -111,21 +111,21 @@ def release(key: str, token: str) -> bytes | None:
     return text.encode() if text.isascii() else None
 
 
-def release_done(key: str, token: str, task_id: str, result: str, retain_ms: int) -> bytes | None:
-    """release.lua's ``EVALSHA`` writing a completion record (``result``: the provider's
-    ``attempt|outcome``, ``retain_ms`` its int); None if not ASCII text."""
+def record(result: str, retain_ms: int) -> str:
+    """release.lua's last two arguments, a completion record's ``attempt|outcome`` and its
+    retain ms (an int), as RESP: the tail of :func:`release_done` (made once per kind of
+    record by the provider, which writes few)."""
+    return f"${len(result)}\r\n{result}\r\n" + (_NUMBERS.get(retain_ms) or _number(retain_ms))
+
+
+def release_done(key: str, token: str, task_id: str, tail: str) -> bytes | None:
+    """release.lua's ``EVALSHA`` writing a completion record (``tail``: :func:`record`'s);
+    None if not ASCII text."""
     if type(key) is not str or type(token) is not str or type(task_id) is not str:
         return None
-    retain = _NUMBERS.get(retain_ms) or _number(retain_ms)
-    lengths, k, t, i, r = _LENGTHS, len(key), len(token), len(task_id), len(result)
-    if k < SHORT and t < SHORT and i < SHORT and r < SHORT:
-        text = (
-            f"{_RELEASE_DONE}{lengths[k]}{key}\r\n{lengths[t]}{token}\r\n"
-            f"{lengths[i]}{task_id}\r\n{lengths[r]}{result}\r\n{retain}"
-        )
+    lengths, k, t, i = _LENGTHS, len(key), len(token), len(task_id)
+    if k < SHORT and t < SHORT and i < SHORT:
+        text = f"{_RELEASE_DONE}{lengths[k]}{key}\r\n{lengths[t]}{token}\r\n{lengths[i]}{task_id}\r\n{tail}"
     else:
-        text = (
-            f"{_RELEASE_DONE}${k}\r\n{key}\r\n${t}\r\n{token}\r\n"
-            f"${i}\r\n{task_id}\r\n${r}\r\n{result}\r\n{retain}"
-        )
+        text = f"{_RELEASE_DONE}${k}\r\n{key}\r\n${t}\r\n{token}\r\n${i}\r\n{task_id}\r\n{tail}"
     return text.encode() if text.isascii() else None

@@ -89,19 +89,37 @@ _TEXT_ORDERS = {
 }
 
 
-def _record_text(completion: Completion) -> list[bytes | None]:
-    """The text parameters of ``completion``'s record (task id, outcome, attempt, retain),
-    as the runner makes them from :func:`record_params`'s mapping."""
+#: The text parameters of the latest record of each outcome written here: outcome ->
+#: (attempt, retain, outcome, attempt and retain as text). A process writes few kinds of
+#: record (attempt 0, one retention), so each is made once, not per release (an int and
+#: a float converted, two encodes: ~2.5k instructions).
+_RECORDS: dict[str, tuple[Any, Any, bytes, bytes, bytes]] = {}
+_MAX_RECORDS = 16
+
+
+def _release_text(key: str, token: str, completion: Completion, channel: str) -> list[bytes | None]:
+    """The text parameters of release_done (``_TEXT_ORDERS``) for ``completion``'s record, as
+    the runner makes them from a mapping with :func:`record_params`'s (``key`` and ``token``
+    are str: the caller checked)."""
     task_id, outcome = completion.task_id, completion.outcome
-    if task_id.__class__ is str is outcome.__class__:
-        retain = float(completion.retain)
-        return [
-            task_id.encode(),
+    if task_id.__class__ is not str or outcome.__class__ is not str:
+        record = _libpq.utf8_text(tuple(record_params(completion).values()))
+        return [key.encode(), token.encode(), *record, channel.encode()]
+    attempt, retain = completion.attempt, completion.retain
+    made = _RECORDS.get(outcome)
+    # Equal attempts (retains) make equal text: it is made from int() (float()) of them.
+    if made is None or made[0] != attempt or made[1] != retain:
+        seconds = float(retain)
+        made = (
+            attempt,
+            retain,
             outcome.encode(),
-            str(int(completion.attempt)).encode(),
-            _float_texts.get(retain) or _float_text(retain),
-        ]
-    return _libpq.utf8_text(tuple(record_params(completion).values()))
+            str(int(attempt)).encode(),
+            _float_texts.get(seconds) or _float_text(seconds),
+        )
+        if len(_RECORDS) < _MAX_RECORDS:
+            _RECORDS[outcome] = made
+    return [key.encode(), token.encode(), task_id.encode(), made[2], made[3], made[4], channel.encode()]
 
 
 T = TypeVar("T")
@@ -318,7 +336,8 @@ class PostgresLockProvider(SqlStore):
             granted = float(granted)
         life = max_lifetime if max_lifetime.__class__ is float else float(max_lifetime)
         params = None
-        if task_id is not None and not self._records_on():
+        # _records_on() inline once known (True: the usual answer, without the call).
+        if task_id is not None and self._records is not True and not self._records_on():
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
         op = "acquire" if task_id is None else "acquire_once"
@@ -431,7 +450,7 @@ class PostgresLockProvider(SqlStore):
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
         channel = _channel(self.table.name, key)
-        if completion is not None and not self._records_on():
+        if completion is not None and self._records is not True and not self._records_on():
             completion = None
         # Our own listener may still hold the key's registration for a wait that just ended
         # (its unlock is sent by the listener's thread): a notify then may be ours alone,
@@ -452,11 +471,7 @@ class PostgresLockProvider(SqlStore):
                 if completion is None:
                     rows = run_text(op, [key.encode(), token.encode(), channel.encode()], timeout)
                 else:
-                    rows = run_text(
-                        op,
-                        [key.encode(), token.encode(), *_record_text(completion), channel.encode()],
-                        timeout,
-                    )
+                    rows = run_text(op, _release_text(key, token, completion, channel), timeout)
             else:
                 params: dict[str, Any] = {"key": key, "token": token, "channel": channel}
                 if completion is not None:

@@ -46,7 +46,9 @@ expires, however many distinct keys (one per work item, say) are ever used.
 Completion records (``release(..., completion)``) are fields ``done:<task id>`` of the
 same hash, valued ``expires|recorded|attempt|outcome`` (server milliseconds): no key of
 their own, so they never collide with a lock key and stay in the lock's hash slot. A record
-past its expiry counts as absent; expired ones are pruned by a later release on that key.
+past its expiry counts as absent; expired ones are pruned by a later release writing a
+record on that key, once the hash has more fields than 16 plus twice what the last pruning
+left (a hash without earlier records is not counted: it cannot have that many).
 The hash then lives as long as its longest-kept record (field ``done_max``), if longer:
 a release clears the lease fields and keeps the hash that long.
 
@@ -459,9 +461,12 @@ class RedisLockProvider:
             packed = resp.release(key, token) if self._packs else None
             reply = self._scripts.run(RELEASE, 1, key, token, timeout=timeout, packed=packed)
         else:
-            record = _record_args(completion)
-            packed = resp.release_done(key, token, *record) if self._packs else None
-            reply = self._scripts.run(RELEASE, 1, key, token, *record, timeout=timeout, packed=packed)
+            task_id = completion.task_id
+            result, retain_ms, tail = _record_args(completion)
+            packed = resp.release_done(key, token, task_id, tail) if self._packs else None
+            reply = self._scripts.run(
+                RELEASE, 1, key, token, task_id, result, retain_ms, timeout=timeout, packed=packed
+            )
         reached = reply == 2  # 2: its release signal reached a waiter (release.lua)
         if reached or self._woken._keys:  # Woken.note(key, False) with no key noted: nothing to do
             self._woken.note(key, reached)
@@ -554,6 +559,23 @@ class RedisLockProvider:
         self._server.close()
 
 
-def _record_args(completion: Completion) -> tuple[str, str, int]:
-    """release.lua's ARGV[2:4] for a completion record: task id, 'attempt|outcome', retain ms."""
-    return (completion.task_id, f"{completion.attempt}|{completion.outcome}", whole_ms(completion.retain))
+#: release.lua's record arguments, by outcome, of the latest record of that outcome written
+#: here: (attempt, retain, ``attempt|outcome``, retain ms, those two as RESP). A process
+#: writes few kinds of record (attempt 0, one retention), so each is made once, not per
+#: release (~3k instructions: an int formatted, ``whole_ms``, the RESP tail).
+_RECORDS: dict[str, tuple[int, float, str, int, str]] = {}
+_MAX_RECORDS = 16
+
+
+def _record_args(completion: Completion) -> tuple[str, int, str]:
+    """release.lua's ARGV[3:4] for a completion record, 'attempt|outcome' and retain ms, and
+    their RESP (:func:`._redis_resp.record`); ARGV[2] is its task id."""
+    outcome, attempt, retain = completion.outcome, completion.attempt, completion.retain
+    made = _RECORDS.get(outcome) if outcome.__class__ is str else None
+    # Exact types only: an int subclass (a bool) formats otherwise than the int it equals.
+    if made is None or made[0] != attempt or made[1] != retain or attempt.__class__ is not int:
+        result, retain_ms = f"{attempt}|{outcome}", whole_ms(retain)
+        made = (attempt, retain, result, retain_ms, resp.record(result, retain_ms))
+        if outcome.__class__ is str and attempt.__class__ is int and len(_RECORDS) < _MAX_RECORDS:
+            _RECORDS[outcome] = made
+    return made[2], made[3], made[4]

@@ -237,6 +237,60 @@ def test_a_completion_record_keeps_the_hash_for_its_retention(
     assert provider._client.pttl(key) > 299_000
 
 
+def test_the_hash_ends_with_its_longest_kept_record(provider: RedisLockProvider, prefix: str) -> None:
+    """A record is stored as ``expires|recorded|attempt|outcome``, ``expires`` exactly its
+    retention after ``recorded``; the hash ends exactly when its longest-kept record does
+    (``done_max``), whatever shorter record or plain release comes later."""
+    key = prefix + "longest"
+    client = provider._client
+
+    def ends_at() -> int:
+        try:
+            return int(client.execute_command("PEXPIRETIME", key))
+        except redis.ResponseError:  # Redis < 7: within the ms the pttl tells
+            return int(client.hget(key, "done_max")) if client.pttl(key) > 0 else -1
+
+    assert isinstance(provider.acquire(key, "tok", 30.0, 60.0, "{}", task_id="long"), Grant)
+    assert provider.release(key, "tok", Completion("long", "success", 0, 300.0)) is True
+    expires, recorded, attempt, outcome = client.hget(key, "done:long").decode().split("|")
+    assert (int(expires) - int(recorded), attempt, outcome) == (300_000, "0", "success")
+    assert ends_at() == int(client.hget(key, "done_max")) == int(expires)
+    assert isinstance(provider.acquire(key, "tok2", 30.0, 60.0, "{}", task_id="short"), Grant)
+    assert provider.release(key, "tok2", Completion("short", "retried", 3, 10.0)) is True
+    expires2, recorded2, attempt2, outcome2 = client.hget(key, "done:short").decode().split("|")
+    assert (int(expires2) - int(recorded2), attempt2, outcome2) == (10_000, "3", "retried")
+    assert ends_at() == int(client.hget(key, "done_max")) == int(expires)  # the longer one's
+    assert provider.release(key, "nobody", Completion("other", "failure", 1, 5.0)) is False
+    assert ends_at() == int(expires)
+    assert isinstance(provider.acquire(key, "tok3", 30.0, 60.0, "{}"), Grant)
+    assert provider.release(key, "tok3") is True
+    assert ends_at() == int(expires)
+    assert {r.task_id for r in provider.completions(prefix)} == {"long", "short", "other"}
+
+
+def test_expired_records_are_pruned_as_the_hash_grows(provider: RedisLockProvider, prefix: str) -> None:
+    """Records expire by the server's clock and are pruned by later releases once the hash
+    has more than 16 fields (then twice as many as after the last pruning): a key that gets
+    a record per run does not keep every expired one for as long as a live one keeps it."""
+    key = prefix + "pruned"
+    client = provider._client
+    assert provider.release(key, "nobody", Completion("keeper", "success", 0, 300.0)) is False
+    for i in range(10):
+        assert isinstance(provider.acquire(key, f"tok-{i}", 30.0, 60.0, "{}", task_id=f"old-{i}"), Grant)
+        assert provider.release(key, f"tok-{i}", Completion(f"old-{i}", "success", 0, 0.05)) is True
+    time.sleep(0.1 * TIME_SLACK)  # every old-* record has expired; the keeper keeps the hash
+    assert [r.task_id for r in provider.completions(prefix)] == ["keeper"]
+    for i in range(10):
+        assert isinstance(provider.acquire(key, f"new-tok-{i}", 30.0, 60.0, "{}", task_id=f"new-{i}"), Grant)
+        assert provider.release(key, f"new-tok-{i}", Completion(f"new-{i}", "success", 0, 300.0)) is True
+    fields = {f.decode() for f in client.hkeys(key)}
+    assert {f for f in fields if f.startswith("done:")} == {
+        "done:keeper",
+        *(f"done:new-{i}" for i in range(10)),
+    }
+    assert len(provider.completions(prefix)) == 11
+
+
 def test_acquire_any_grants_like_acquire(provider: RedisLockProvider, prefix: str) -> None:
     """A semaphore slot taken by acquire_any.lua expires with its lease (PEXPIRETIME equals
     its ``expires``) and draws its fence from the high-water key like acquire.lua (above the

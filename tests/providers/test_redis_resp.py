@@ -31,7 +31,7 @@ def test_release_is_what_hiredis_packs(key: str) -> None:
     assert resp.release(key, token) == pack_command(("EVALSHA", SHA[RELEASE], 1, key, token))
     for retain_ms in (1, 86_400_000):
         expected = pack_command(("EVALSHA", SHA[RELEASE], 1, key, token, "t-9", "0|success", retain_ms))
-        assert resp.release_done(key, token, "t-9", "0|success", retain_ms) == expected
+        assert resp.release_done(key, token, "t-9", resp.record("0|success", retain_ms)) == expected
 
 
 def test_anything_but_ascii_text_is_left_to_hiredis() -> None:
@@ -49,8 +49,10 @@ def test_anything_but_ascii_text_is_left_to_hiredis() -> None:
     assert resp.acquire("k", FENCES, Text(token), 1000, 1000, HOLDER, None) is None
     assert resp.release("clé", token) is None
     assert resp.release("k", Text(token)) is None
-    assert resp.release_done("k", token, "tâche", "0|success", 1) is None
-    assert resp.release_done("k", token, b"t", "0|success", 1) is None  # type: ignore[arg-type]
+    tail = resp.record("0|success", 1)
+    assert resp.release_done("k", token, "tâche", tail) is None
+    assert resp.release_done("k", token, b"t", tail) is None  # type: ignore[arg-type]
+    assert resp.release_done("k", token, "t", resp.record("0|succès", 1)) is None
 
 
 def test_the_durations_kept_are_bounded() -> None:
@@ -79,6 +81,31 @@ def test_length_headers_are_hiredis_s_either_side_of_the_table(size: int) -> Non
             assert packed == pack_command(command)
         assert resp.release(key, tok) == pack_command(("EVALSHA", SHA[RELEASE], 1, key, tok))
         done = (task_id or "t-9", "|" + text)
-        assert resp.release_done(key, tok, *done, 86_400_000) == pack_command(
+        assert resp.release_done(key, tok, done[0], resp.record(done[1], 86_400_000)) == pack_command(
             ("EVALSHA", SHA[RELEASE], 1, key, tok, *done, 86_400_000)
         )
+
+
+def test_a_release_s_record_arguments_are_made_afresh_for_every_kind_of_record() -> None:
+    """The provider keeps the record arguments it made last per outcome: each call answers
+    what it would make from scratch, however the attempt, retention or outcome change
+    between calls (a bool attempt is not the int it equals), and it keeps few."""
+    from celery_exclusive.providers.base import Completion
+    from celery_exclusive.providers.redis import _RECORDS, _record_args, whole_ms
+
+    def fresh(c: Completion) -> tuple[str, int, str]:
+        result, ms = f"{c.attempt}|{c.outcome}", whole_ms(c.retain)
+        return result, ms, resp.record(result, ms)
+
+    kinds = [(0, "success", 86400.0), (2, "success", 86400.0), (0, "success", 60.0), (0, "success", 86400)]
+    kinds += [
+        (1, "failure", 86400.0),
+        (True, "success", 86400.0),
+        (1, "success", 86400.0),
+        (True, "success", 1.0),
+    ]
+    kinds += [(0, f"outcome-{i}", 1.5) for i in range(40)]
+    for attempt, outcome, retain in kinds * 2:
+        c = Completion("t-1", outcome, attempt, retain)
+        assert _record_args(c) == fresh(c), (attempt, outcome, retain)
+    assert len(_RECORDS) <= 16

@@ -646,6 +646,52 @@ def test_pg_acquire_is_one_statement_unless_it_takes_over_a_dead_lease(pg: Db) -
         provider.close()
 
 
+def test_pg_a_release_s_record_parameters_are_made_afresh_for_every_kind_of_record(pg: Db) -> None:
+    """The provider keeps the record parameters it made last per outcome: each release sends
+    the text a mapping of record_params() makes (attempt by int(), retain by float()),
+    however the attempt, retention or outcome change between releases, and the record
+    reads back as written."""
+    from celery_exclusive.providers import _libpq, postgres
+    from celery_exclusive.providers._sql_common import record_params
+
+    provider = pg.provider()
+    sent: list[list[bytes | None]] = []
+    run_text = provider._run_text
+    assert run_text is not None
+
+    def keeping(op: str, values: list[bytes | None], timeout: float | None) -> Any:
+        if op.startswith("release_done"):
+            sent.append(values)
+        return run_text(op, values, timeout)
+
+    provider._run_text = keeping
+    kinds: list[tuple[Any, str, Any]] = [
+        (0, "success", 86400.0),
+        (2, "success", 86400.0),
+        (0, "success", 60.0),
+        (0, "success", 86400),
+        (1, "failure", 86400.0),
+        (True, "success", 86400.0),
+        (1, "success", 1.5),
+        *((0, f"outcome-{i}", 30.0) for i in range(20)),
+    ]
+    try:
+        for i, (attempt, outcome, retain) in enumerate(kinds * 2):
+            key, record = f"k{i}", Completion(f"t-{i}", outcome, attempt, retain)
+            assert isinstance(provider.acquire(key, "tok", 5, 60, "{}", task_id=record.task_id), Grant)
+            assert provider.release(key, "tok", record) is True
+            channel = postgres._channel(pg.table, key)
+            made = _libpq.utf8_text(tuple(record_params(record).values()))
+            assert sent.pop() == [key.encode(), b"tok", *made, channel.encode()], (attempt, outcome, retain)
+            stored = provider.completion(key, record.task_id)
+            assert stored is not None
+            assert (stored.outcome, stored.attempt) == (outcome, int(attempt))
+            assert float(retain) - 5 < stored.expires_in <= float(retain)
+        assert len(postgres._RECORDS) <= 16
+    finally:
+        provider.close()
+
+
 def test_pg_hot_statements_use_the_connection_encoding(pg: Db) -> None:
     """The libpq path encodes parameters and decodes results in the session's client
     encoding, as psycopg does: a LATIN1 session stores and reports the same text."""

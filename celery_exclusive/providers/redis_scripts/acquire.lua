@@ -10,12 +10,11 @@
 -- that), or as long as its longest-kept completion record (field 'done_max').
 -- Runs after prelude.lua: cat prelude.lua acquire.lua > /tmp/acquire.lua &&
 --   redis-cli --eval /tmp/acquire.lua KEY celery-exclusive:fences , TOKEN 30000 60000 '{}'
-if ARGV[5] then
-  local d = redis.call('HGET', KEYS[1], 'done:' .. ARGV[5])
-  if d and (tonumber(string.match(d, '^(%d+)|')) or 0) > now then return {2, d, now} end
-end
+-- ARGV[5]'s record is read by the same HMGET (a field more than one more call costs).
 local r = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires', 'created', 'deadline', 'holder',
-                     'done_max')
+                     'done_max', ARGV[5] and 'done:' .. ARGV[5] or 'done_max')
+local d = ARGV[5] and r[8]
+if d and (tonumber(string.match(d, '^(%d+)|')) or 0) > now then return {2, d, now} end
 local expires = tonumber(r[3]) or 0
 if r[1] and expires > now then
   if r[1] == ARGV[1] then return {1, tonumber(r[2]), expires * 1000 - us} end

@@ -41,27 +41,39 @@ if field and r[4] then
     field = nil
   end
 end
+-- The hash's end is absolute (PEXPIREAT): the longest-kept record's expiry, as text already
+-- made ('done_max' as stored, or this record's), since each int() costs the server ~5k
+-- instructions (string.format of a double).
+local last = keep > 0 and r[3]
 if field then
-  local until_ms = now + tonumber(ARGV[4])
-  redis.call('HSET', KEYS[1], field, int(until_ms) .. '|' .. int(now) .. '|' .. ARGV[3])
-  if until_ms - now > keep then
-    keep = until_ms - now
-    redis.call('HSET', KEYS[1], 'done_max', int(until_ms))
+  local retain = tonumber(ARGV[4])
+  local until_ms = int(now + retain)
+  if retain > keep then
+    keep, last = retain, until_ms
+    redis.call('HSET', KEYS[1], field, until_ms .. '|' .. int(now) .. '|' .. ARGV[3], 'done_max', until_ms)
+  else
+    redis.call('HSET', KEYS[1], field, until_ms .. '|' .. int(now) .. '|' .. ARGV[3])
   end
-  local n = redis.call('HLEN', KEYS[1])
-  if n > 2 * (tonumber(redis.call('HGET', KEYS[1], 'done_scan')) or 0) + 16 then
-    local all = redis.call('HGETALL', KEYS[1])
-    for i = 1, #all, 2 do
-      local gone = (tonumber(string.match(all[i + 1], '^(%d+)|')) or 0) <= now
-      if string.sub(all[i], 1, 5) == 'done:' and gone then
-        redis.call('HDEL', KEYS[1], all[i])
+  -- Pruning counts the fields of a hash that held records before this one ('done_max' is
+  -- written with the first): without them it holds this record, 'done_max', 'fence' and at
+  -- most a live lease's five others, under the threshold's 16, so neither HLEN nor the
+  -- HGET of 'done_scan' is needed to know that nothing is due.
+  if r[3] then
+    local n = redis.call('HLEN', KEYS[1])
+    if n > 16 and n > 2 * (tonumber(redis.call('HGET', KEYS[1], 'done_scan')) or 0) + 16 then
+      local all = redis.call('HGETALL', KEYS[1])
+      for i = 1, #all, 2 do
+        local gone = (tonumber(string.match(all[i + 1], '^(%d+)|')) or 0) <= now
+        if string.sub(all[i], 1, 5) == 'done:' and gone then
+          redis.call('HDEL', KEYS[1], all[i])
+        end
       end
+      redis.call('HSET', KEYS[1], 'done_scan', redis.call('HLEN', KEYS[1]))
     end
-    redis.call('HSET', KEYS[1], 'done_scan', redis.call('HLEN', KEYS[1]))
   end
-  if not cleared and redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], int(keep)) end
+  if not cleared and redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIREAT', KEYS[1], last) end
 end
 if cleared then
-  if keep > 0 then redis.call('PEXPIRE', KEYS[1], int(keep)) else redis.call('DEL', KEYS[1]) end
+  if keep > 0 then redis.call('PEXPIREAT', KEYS[1], last) else redis.call('DEL', KEYS[1]) end
 end
 return owned
