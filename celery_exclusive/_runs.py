@@ -128,13 +128,14 @@ def finish(
     return lease if gone else None
 
 
-def release_all(lease: Lease | LeaseSet, done: Completion | None) -> None:
+def release_all(lease: Lease | LeaseSet, done: Completion | None) -> list[Lease]:
     """Release every lease of a run (before ``self.retry()``), ``done`` on the carrier, last;
-    all of them even if one release raises."""
+    all of them even if one release raises. The leases whose release the store did not
+    confirm (UNKNOWN, NOT_OWNED): they may still be in the store."""
     if isinstance(lease, LeaseSet):
-        _release_set(lease, Lease.release, done)
-    else:
-        lease.release(done)
+        outcomes = _release_set(lease, Lease.release, done)
+        return [each for each in lease.leases if outcomes[each.key] is not ReleaseOutcome.RELEASED]
+    return [] if lease.release(done) is ReleaseOutcome.RELEASED else [lease]
 
 
 def first(lease: Lease | LeaseSet) -> Lease:

@@ -686,13 +686,19 @@ def of(task: Task) -> OnLocked:
 def held(task: Task, key: str, holder: LockInfo | None, call: Call) -> Any:
     """The answer to a held key: the redelivery check (policy-independent, and first: a copy
     of this very message's run never reaches a policy, nor does a retry that finds its previous
-    attempt's lease cooling down), then the policy's ``locked`` hook."""
-    # Only a cooldown's lease outlives its run (its holder says "cooldown"): no lookup else.
-    cools = task.lock_settings.cooldown or (holder is not None and "cooldown" in holder.holder)
+    attempt's lease still in the store: cooling, or its release not confirmed), then the
+    policy's ``locked`` hook."""
+    # A lease outlives its run under a cooldown (its holder says "cooldown"), or when its
+    # release was not confirmed (the retry's message then names it): no lookup else.
+    cools = (
+        task.lock_settings.cooldown
+        or (holder is not None and "cooldown" in holder.holder)
+        or redelivery.COOLING_HEADER in (task.request.headers or {})
+    )
     cooling = redelivery.predecessor(task, key, holder) if cools else None
     if cooling is not None:
         if call.inline:  # an eager retry: no message to re-publish, so it waits here
-            time.sleep(cooling.expires_in + waiting.POLL_MIN)
+            time.sleep(redelivery.look_again(task, cooling) + waiting.POLL_MIN)
             return AGAIN
         redelivery.after_cooldown(task, key, cooling, call.args, call.kwargs)
     if not call.inline and (redelivery.is_copy(task, holder) or redelivery.is_guard(task, key)):

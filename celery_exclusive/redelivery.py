@@ -45,13 +45,17 @@ So a retry sent by ``self.retry(throw=False)`` runs even if its attempt then end
 (killed at its hard time limit, recorded as failed). Eager runs and direct calls neither
 check nor write records.
 
-A retry of a task with a ``cooldown`` can find its previous attempt's lease still held,
-cooling down (the release before the retry shortened it, it did not delete it): the same
-task id, yet no copy. The retry's message names the fences of that attempt's leases
-(header ``celery_exclusive_cooling``, :func:`is_predecessor`), so the retry re-publishes
-itself to run at the cooldown's end (:func:`after_cooldown`), with or without records,
-instead of ending as a copy (without records, that lost the retry); an eager retry waits
-for it inline.
+A retry can find its previous attempt's lease still in the store, held by its own task id
+yet no copy: under a ``cooldown`` (the release before the retry shortened the lease, it did
+not delete it), or when the store did not confirm that release (an outage: the heartbeat
+retries it in the background until the store answers or the lease expires). The retry's
+message names the fences of those leases (header ``celery_exclusive_cooling``,
+:func:`is_predecessor`), so the retry re-publishes itself to look again
+(:func:`after_cooldown`), with or without records, instead of ending as a copy (without
+records, that lost the retry): at the cooldown's end, or for a release not confirmed after
+0.5 s, doubled at each look, at most until the lease expires. A copy of the retry's own
+message finds the retry's own lease, whose fence no message names: a copy. An eager retry
+waits inline.
 """
 
 from __future__ import annotations
@@ -93,8 +97,12 @@ DEFAULT_RETENTION = 24 * 60 * 60.0
 GUARD_INFIX = "#id:"
 #: Message header counting how often a copy during the run deferred itself.
 DEFERRED_HEADER = "celery_exclusive_deferred"
-#: Message header of a retry whose previous attempt left its key cooling: that attempt's fences.
+#: Message header of a retry (or replacement) whose previous attempt may have left leases in
+#: the store (cooling, or their release not confirmed): their fences.
 COOLING_HEADER = "celery_exclusive_cooling"
+#: A retry behind its previous attempt's lease whose release the store did not confirm looks
+#: again after this many seconds, doubled at each look (:func:`look_again`).
+LINGER_STEP = 0.5
 
 
 #: Task attribute: the task tracks STARTED itself, not Celery's tracer (:func:`hold_back_started`).
@@ -291,8 +299,9 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
 
 
 def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
-    """Whether ``holder`` is the cooling lease of an earlier attempt of this task id (its
-    fence is one the retry's message names, see the module docs), not a run in progress."""
+    """Whether ``holder`` is a lease an earlier attempt of this task id left in the store
+    (cooling, or its release not confirmed): its fence is one the retry's message names
+    (see the module docs), not a run in progress."""
     request = task.request
     fences = (request.headers or {}).get(COOLING_HEADER)
     return (
@@ -304,14 +313,14 @@ def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
 
 
 def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo | None:
-    """The cooling lease of this retry's previous attempt (:func:`is_predecessor`) among
+    """The lease this retry's previous attempt left (:func:`is_predecessor`) among
     the holders of ``key``: ``holder``, which the store named, or for a semaphore whose
     every slot is full, whichever slot's holder it is (the store names slot 1's only), or
-    None. Slots are looked up only by a retry whose message names cooling fences."""
+    None. Slots are looked up only by a retry whose message names fences, refused a slot."""
     if is_predecessor(task, holder):
         return holder
     limit = task.lock_settings.limit
-    if limit == 1 or not (task.request.headers or {}).get(COOLING_HEADER):
+    if limit == 1 or not (task.request.headers or {}).get(COOLING_HEADER) or is_guard(task, key):
         return None
     service = task.lock_service
     for slot in slot_keys(key, limit, prefix=service.prefix, max_length=service.provider.max_key_length)[1:]:
@@ -324,20 +333,33 @@ def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo |
 def after_cooldown(
     task: TaskView, key: str, holder: LockInfo, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> NoReturn:
-    """End this retry's delivery, re-published to run once its previous attempt's cooldown
-    on ``key`` (``holder``) is over."""
+    """End this retry's delivery, re-published to look again (:func:`look_again`) once its
+    previous attempt's lease on ``key`` (``holder``) may be gone."""
     request = task.request
-    deferred = _defer(task, holder, args, kwargs)
+    deferred = _defer(task, holder, args, kwargs, after=look_again(task, holder))
     logger.info(
-        "cooling: %s[%s] is a retry, and lock %r still cools down from its previous attempt (%s); "
-        "it runs in %.1f s",
+        "%s: %s[%s] is a retry, and lock %r is still held by its previous attempt (%s, %s); "
+        "it looks again in %.1f s",
+        "cooling" if "cooldown" in holder.holder else "releasing",
         task.name,
         request.id,
         key,
         holder.describe(),
+        "cooling down" if "cooldown" in holder.holder else "its release not confirmed yet",
         deferred,
     )
     raise Ignore()
+
+
+def look_again(task: TaskView, holder: LockInfo) -> float:
+    """Seconds until a retry behind ``holder``, its previous attempt's lease
+    (:func:`is_predecessor`), looks again: the lease's expiry under a cooldown (it stays
+    until then); else (its release not confirmed: the heartbeat retries it each second)
+    :data:`LINGER_STEP` doubled at each look of this retry, at most the expiry."""
+    if "cooldown" in holder.holder:
+        return holder.expires_in
+    looks = int((task.request.headers or {}).get(DEFERRED_HEADER) or 0)
+    return min(holder.expires_in, LINGER_STEP * 2.0 ** min(looks, 20))
 
 
 def is_guard(task: TaskView, key: str) -> bool:
@@ -412,10 +434,20 @@ def visibility_cap(app: Any) -> float | None:
     return float(options.get("visibility_timeout", 3600)) / 2
 
 
-def _defer(task: TaskView, holder: LockInfo | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
-    """Re-publish this delivery to look again once the holder's lease could have expired."""
+def _defer(
+    task: TaskView,
+    holder: LockInfo | None,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    after: float | None = None,
+) -> float:
+    """Re-publish this delivery to look again once the holder's lease could have expired
+    (``after``: that many seconds from now instead)."""
     request = task.request
-    countdown = max(0.5, (holder.expires_in if holder is not None else task.lock_settings.lease_ttl) + 0.25)
+    if after is None:
+        after = holder.expires_in if holder is not None else task.lock_settings.lease_ttl
+    countdown = max(0.5, after + 0.25)
     cap = visibility_cap(task.app)
     countdown = countdown if cap is None else min(countdown, cap)
     headers = dict(request.headers or {})

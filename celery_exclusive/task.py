@@ -880,28 +880,35 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:
     """Release the run's lease before its retry is sent, and restart the lock-retry count.
 
-    Under a ``cooldown`` the release leaves the key cooling, held by this very task id: the
-    retry's message names the fences of the leases released, so it tells that lease from
-    a copy of its own run (:func:`redelivery.is_predecessor`)."""
+    Under a ``cooldown`` the release leaves the key cooling, held by this very task id, and
+    a release the store did not confirm leaves the lease there until the heartbeat's retry
+    gets through: the retry's message names the fences of those leases, so it tells them
+    from a copy of its own run (:func:`redelivery.is_predecessor`). The headers this
+    attempt's message had for itself (lock retries, deferrals, fences) are not passed on."""
     cooling = _hand_on(task, redelivery.retried(task))
     headers = task.request.headers
-    if "headers" not in options and (cooling or (headers and LOCK_RETRIES_HEADER in headers)):
-        options["headers"] = {k: v for k, v in (headers or {}).items() if k != LOCK_RETRIES_HEADER}
+    if "headers" not in options and (cooling or (headers and any(name in headers for name in _OWN_HEADERS))):
+        options["headers"] = {k: v for k, v in (headers or {}).items() if k not in _OWN_HEADERS}
     if cooling:
         options["headers"] = {**(options["headers"] or {}), redelivery.COOLING_HEADER: cooling}
 
 
 def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int]:
     """Release the run's lease(s) before its task id is handed on (a retry, a replacement),
-    recording ``done``; the fences of the leases left cooling (a ``cooldown``), which the
-    next message of the id names (:data:`redelivery.COOLING_HEADER`), else []."""
+    recording ``done``; the fences of the leases that may still be in the store (all of
+    them under a ``cooldown``, else those whose release the store did not confirm), which
+    the next message of the id names (:data:`redelivery.COOLING_HEADER`), else []."""
     lease = _runs.current(task)
     if lease is None:
         return []
-    _runs.release_all(lease, done)
+    unconfirmed = _runs.release_all(lease, done)
     if task.lock_settings.cooldown is None:
-        return []
+        return [each.fence for each in unconfirmed]
     return [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
+
+
+#: Headers of an attempt's message that are its own, not its retry's (:func:`_before_retry`).
+_OWN_HEADERS = (LOCK_RETRIES_HEADER, redelivery.DEFERRED_HEADER, redelivery.COOLING_HEADER)
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:

@@ -127,3 +127,107 @@ def slow_to_die(self: Any, tag: str) -> None:
     signal.signal(signal.SIGTERM, die)
     events.rpush(f"{tag}:ready", json.dumps({"fence": self.lock.fence}))
     time.sleep(60)
+
+
+#: The ttl of the ``retrying*`` tasks' leases, in seconds: a lease whose release the store
+#: refused stays in it that long (unless the heartbeat's background release gets through).
+RETRY_TTL = 20.0
+
+
+def _retrying_run(task: Any, tag: str, countdown: float, hold: bool = False, *, auto: bool = False) -> int:
+    """Records its run (attempt, fence, start) in ``<tag>:runs``. Attempt 0 says so in
+    ``<tag>:ready``, waits for ``<tag>:go`` (the test makes the store refuse releases
+    meanwhile) and retries with ``countdown`` (``auto``: raises KeyError, which
+    ``autoretry_for`` retries); a later attempt returns its number (``hold``: after it says
+    so in ``<tag>:ready`` and the test pushes ``<tag>:go`` again)."""
+    events = _events()
+    attempt = int(task.request.retries or 0)
+    events.rpush(
+        f"{tag}:runs", json.dumps({"attempt": attempt, "fence": task.lock.fence, "start": time.time()})
+    )
+    if attempt == 0:
+        events.rpush(f"{tag}:ready", 1)
+        events.blpop([f"{tag}:go"], timeout=60)
+        if auto:
+            raise KeyError(tag)
+        raise task.retry(countdown=countdown)
+    if hold:
+        events.rpush(f"{tag}:ready", 1)
+        events.blpop([f"{tag}:go"], timeout=60)
+    return attempt
+
+
+@exclusive_task(app=app, key="retry:{tag}", ttl=RETRY_TTL, time_limit=60, bind=True)
+def retrying(self: Any, tag: str, countdown: float) -> int:
+    """:func:`_retrying_run`, completion records kept (the default)."""
+    return _retrying_run(self, tag, countdown)
+
+
+@exclusive_task(app=app, key="retry:{tag}", ttl=RETRY_TTL, time_limit=60, done_retention=False, bind=True)
+def retrying_unrecorded(self: Any, tag: str, countdown: float, hold: bool = False) -> int:
+    """:func:`_retrying_run` without completion records."""
+    return _retrying_run(self, tag, countdown, hold)
+
+
+@exclusive_task(app=app, key="retry:{tag}", ttl=RETRY_TTL, time_limit=60, limit=2, bind=True)
+def retrying_slot(self: Any, tag: str, countdown: float) -> int:
+    """:func:`_retrying_run` on a semaphore (a slot behind the lease on its task id)."""
+    return _retrying_run(self, tag, countdown)
+
+
+@exclusive_task(
+    app=app, key="retry:{tag}", ttl=RETRY_TTL, time_limit=60, limit=2, done_retention=False, bind=True
+)
+def retrying_slot_unrecorded(self: Any, tag: str, countdown: float) -> int:
+    """:func:`retrying_slot` without completion records."""
+    return _retrying_run(self, tag, countdown)
+
+
+@exclusive_task(
+    app=app,
+    key="retry:{tag}",
+    ttl=RETRY_TTL,
+    time_limit=60,
+    done_retention=False,
+    autoretry_for=(KeyError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=2,
+    bind=True,
+)
+def autoretrying(self: Any, tag: str, countdown: float) -> int:
+    """:func:`_retrying_run` whose attempt 0 raises KeyError: ``autoretry_for`` retries it
+    after ``retry_backoff`` (1 s), without completion records (``countdown`` unused)."""
+    return _retrying_run(self, tag, countdown, auto=True)
+
+
+@exclusive_task(
+    app=app,
+    key="retry:{tag}",
+    ttl=RETRY_TTL,
+    soft_time_limit=1.0,
+    time_limit=60,
+    done_retention=False,
+    bind=True,
+)
+def retrying_past_soft_limit(self: Any, tag: str) -> int:
+    """Attempt 0 says so in ``<tag>:ready``, waits for ``<tag>:go`` (the test stalls the
+    store meanwhile) and retries: its release waits for the store until the soft time limit
+    (1 s) interrupts it, and it retries again from there (noted in ``<tag>:soft``). Records
+    its runs as :func:`_retrying_run` does; a later attempt returns its number."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    events = _events()
+    attempt = int(self.request.retries or 0)
+    events.rpush(
+        f"{tag}:runs", json.dumps({"attempt": attempt, "fence": self.lock.fence, "start": time.time()})
+    )
+    if attempt:
+        return attempt
+    events.rpush(f"{tag}:ready", 1)
+    events.blpop([f"{tag}:go"], timeout=60)
+    try:
+        raise self.retry(countdown=0)
+    except SoftTimeLimitExceeded:
+        events.rpush(f"{tag}:soft", 1)
+        raise self.retry(countdown=0) from None

@@ -1,0 +1,203 @@
+"""``self.retry()`` whose release the store refused: the retry finds its previous attempt's
+lease still in the store, held by its own task id.
+
+The attempt released its lease before sending the retry (a new message, the same task id),
+but the store refused that release, so the lease stays until the heartbeat's background
+release gets through (or its ttl, 20 s here). The retry, delivered meanwhile, is no copy of
+a run in progress: it must run once that lease is gone, with or without completion
+records, single lock or semaphore. A prefork worker whose lock store is the suite's private
+Redis as an ACL user of its own; the test takes ``HDEL`` away from it (the release script
+uses it; acquire, refresh and peek keep working) and gives it back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery.exceptions import TimeoutError
+
+from celery_exclusive.redelivery import COOLING_HEADER
+from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
+from tests.faults.servers import PrivateRedis, TcpProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+#: How long the store refuses the releases, in seconds.
+OUTAGE = 2.5
+#: How soon the retry runs once the store answers again (and its countdown is over): the
+#: heartbeat retries the release each second, and the retry looks again within 2 s of that.
+SETTLED = 4.0 + 4 * SLACK
+
+
+@dataclass
+class Worker(AppWorker):
+    """The worker, its store as ACL user ``user``; ``events``: the broker's db as the default
+    user, where the tasks record their runs."""
+
+    events: redis.Redis
+    user: str
+
+    def refuse_releases(self) -> None:
+        """The store refuses every release of a lock from now on."""
+        self.events.execute_command("ACL", "SETUSER", self.user, "-hdel")
+
+    def answer(self) -> None:
+        self.events.execute_command("ACL", "SETUSER", self.user, "+@all")
+
+    def result(self, result: Any, timeout: float) -> Any:
+        """``result.get(timeout=timeout)``, failing with the worker's log if it times out."""
+        try:
+            return result.get(timeout=timeout)
+        except TimeoutError:
+            pytest.fail(f"no result within {timeout:.1f} s:\n{self.text()[-6000:]}")
+
+    def runs(self, tag: str) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in self.events.lrange(f"{tag}:runs", 0, -1)]
+
+    def retried_behind_a_refused_release(
+        self, task: str, countdown: float, *args: Any
+    ) -> tuple[Any, str, float]:
+        """Attempt 0 of ``task`` retries (``countdown``) while the store refuses its release,
+        which answers again :data:`OUTAGE` seconds later, with the lease still in the store.
+        The result, the tag, and when the store answered again."""
+        tag = uuid.uuid4().hex[:8]
+        result = getattr(self.app, task).apply_async((tag, countdown, *args), queue=self.queue)
+        try:
+            assert self.events.blpop([f"{tag}:ready"], timeout=60) is not None, self.text()[-4000:]
+            self.refuse_releases()
+            self.events.rpush(f"{tag}:go", 1)
+            time.sleep(OUTAGE)
+            # A single lock's key, or a semaphore's lease on its task id.
+            held = self.store.peek(f"retry:{tag}") or self.store.peek(f"retry:{tag}#id:{result.id}")
+            assert held is not None, "the store refused the release: the lease is still there"
+        finally:
+            self.answer()
+        return result, tag, time.time()
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
+    events = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    log = tmp_path_factory.mktemp("celery-retry") / "worker.log"
+    try:
+        with acl_user(events, "ce-retry") as (user, password):
+            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+            with app_worker(redis_server, url, "retry", log, concurrency=2) as base:
+                yield Worker(base.queue, base.log, base.app, base.store, events, user)
+    finally:
+        events.close()
+
+
+@pytest.mark.parametrize(
+    "task",
+    ["retrying", "retrying_unrecorded", "retrying_slot", "retrying_slot_unrecorded"],
+)
+@pytest.mark.parametrize("countdown", [0.0, 1.0])
+def test_a_retry_behind_its_attempts_unreleased_lease_runs_once_that_lease_is_gone(
+    worker: Worker, task: str, countdown: float
+) -> None:
+    """The retry runs, once, after the store answered again, within seconds (with records
+    it used to be taken for a copy of a run in progress and deferred until the lease's
+    ttl; without records it was dropped: lost)."""
+    result, tag, answered = worker.retried_behind_a_refused_release(task, countdown)
+    assert worker.result(result, OUTAGE + countdown + SETTLED) == 1
+    time.sleep(1.0)  # a second run of the retry would have started by now
+    runs = worker.runs(tag)
+    assert [run["attempt"] for run in runs] == [0, 1], runs
+    assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
+    assert f"redelivered: tests.faults._celery_app.{task}[{result.id}]" not in worker.text()
+
+
+def test_an_autoretry_behind_its_attempts_unreleased_lease_runs(worker: Worker) -> None:
+    """``autoretry_for`` with ``retry_backoff`` (1 s), without records: the retry runs once
+    (it used to be dropped as a copy)."""
+    result, tag, answered = worker.retried_behind_a_refused_release("autoretrying", 0.0)
+    assert worker.result(result, OUTAGE + 1.0 + SETTLED) == 1
+    runs = worker.runs(tag)
+    assert [run["attempt"] for run in runs] == [0, 1], runs
+    assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
+
+
+def test_a_copy_of_the_retrys_message_is_still_a_copy(worker: Worker) -> None:
+    """Without records: while the retry runs, a copy of its message (the same task id,
+    ``retries`` and headers, naming attempt 0's fence) finds the retry's own lease, which
+    no message names: it is a copy and does not run (dropped), not a retry waiting."""
+    result, tag, _ = worker.retried_behind_a_refused_release("retrying_unrecorded", 0.0, True)
+    assert worker.events.blpop([f"{tag}:ready"], timeout=30) is not None, worker.text()[-6000:]
+    first, _retry = worker.runs(tag)
+    worker.app.retrying_unrecorded.apply_async(
+        (tag, 0.0, True),
+        task_id=result.id,
+        retries=1,
+        headers={COOLING_HEADER: [first["fence"]]},
+        queue=worker.queue,
+    )
+    copy = f"redelivered: tests.faults._celery_app.retrying_unrecorded[{result.id}]"
+    try:
+        assert wait_until(lambda: copy in worker.text(), 30), worker.text()[-6000:]
+    finally:
+        worker.events.rpush(f"{tag}:go", 1)
+    assert worker.result(result, 30) == 1
+    time.sleep(1.0)  # the copy, had it waited behind the retry's lease, would have run by now
+    assert [run["attempt"] for run in worker.runs(tag)] == [0, 1]
+
+
+@dataclass
+class ProxiedWorker(Worker):
+    """:class:`Worker` whose store is reached through ``proxy``, which the test can stall."""
+
+    proxy: TcpProxy
+
+
+@pytest.fixture(scope="module")
+def proxied(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedWorker]:
+    """A worker as :func:`worker`'s, its store through a proxy; stopped and deleted afterwards."""
+    events = redis.Redis(port=redis_server.port, db=3)
+    proxy = TcpProxy(redis_server.port)
+    log = tmp_path_factory.mktemp("celery-retry-soft") / "worker.log"
+    try:
+        with acl_user(events, "ce-retrysoft") as (user, password):
+            url = f"redis://{user}:{password}@127.0.0.1:{proxy.port}/0"
+            with app_worker(redis_server, url, "retrysoft", log) as base:
+                yield ProxiedWorker(base.queue, base.log, base.app, base.store, events, user, proxy)
+    finally:
+        proxy.close()
+        events.close()
+
+
+def test_a_retry_sent_after_its_release_was_interrupted_runs(proxied: ProxiedWorker) -> None:
+    """Without records: the store stalls, and the soft time limit interrupts the release
+    before ``self.retry()``; the attempt retries again, its lease released already (not
+    confirmed by the store). The store then refuses releases (the heartbeat's retry of that
+    one), so the lease stays: the retry still tells it from a copy, and runs once the store
+    answers (it used to be dropped)."""
+    worker = proxied
+    tag = uuid.uuid4().hex[:8]
+    result = worker.app.retrying_past_soft_limit.apply_async((tag,), queue=worker.queue)
+    assert worker.events.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-6000:]
+    try:
+        worker.proxy.stall()
+        worker.events.rpush(f"{tag}:go", 1)
+        assert wait_until(lambda: worker.events.llen(f"{tag}:soft"), 10), worker.text()[-6000:]
+        worker.refuse_releases()
+        worker.proxy.resume()
+        time.sleep(OUTAGE)
+        held = worker.store.peek(f"retry:{tag}")
+        assert held is not None, "the store refused the release: the lease is still there"
+    finally:
+        worker.proxy.resume()
+        worker.answer()
+    answered = time.time()
+    assert worker.result(result, SETTLED) == 1
+    runs = worker.runs(tag)
+    assert [run["attempt"] for run in runs] == [0, 1], runs
+    assert runs[0]["fence"] == held.fence
+    assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
