@@ -11,7 +11,8 @@ values) before anything imports this module:
 * ``CE_CELERY_BACKEND_RETRIES``  how often the result backend reconnects before it gives up
   (Celery's default, 20 retries about 1 s apart, if unset)
 
-Every task body records its run (start/end wall time, key, fence, pid) in a Redis list.
+Every task body records its run (start/end wall time, key, fence, pid) in a Redis list;
+``beat_job`` also records each send (in the beat process) and each skip (with the holder's fence).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any
 import redis
 from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import worker_ready
+from celery.signals import after_task_publish, worker_ready
 
+from celery_exclusive.signals import task_skipped
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
 from celery_exclusive.worker import get_lock_service
 from tests.fork_safe_redis import ForkSafeRedis
@@ -284,6 +286,24 @@ def positional(self: Any, work_id: int, tag: str = "", duration: float = 0.0) ->
 def beat_job(self: Any, tag: str, duration: float) -> dict[str, Any]:
     """The beat-scheduled job: one global lock (the task name), skip when held."""
     return _body(self, tag, duration)
+
+
+@after_task_publish.connect
+def record_beat_send(sender: Any = None, headers: Any = None, body: Any = None, **_: Any) -> None:
+    """Record each ``beat_job`` message once published (only beat processes send it): ``sent``
+    with its task id and the sender's pid."""
+    if sender == beat_job.name:
+        args, _kwargs, _embed = body
+        record("sent", args[0], at=time.time(), task_id=headers["id"])
+
+
+@task_skipped.connect
+def record_beat_skip(sender: Any = None, holder: Any = None, **_: Any) -> None:
+    """Record each skipped ``beat_job``: ``skip`` with its task id and the holder's fence."""
+    if getattr(sender, "name", None) == beat_job.name:
+        request = sender.request
+        fence = None if holder is None else holder.fence
+        record("skip", request.args[0], at=time.time(), task_id=request.id, holder_fence=fence)
 
 
 def _multi_body(task: Any, tag: str, duration: float) -> dict[str, Any]:
