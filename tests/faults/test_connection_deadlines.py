@@ -15,6 +15,7 @@ referenced from the error's traceback, until the garbage collector found it.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -115,3 +116,73 @@ def test_a_connect_that_gives_up_leaves_no_socket_open(store: str, timeout: floa
             if collecting:
                 gc.enable()
             provider.close()
+
+
+def _ended(call: Callable[[], object], within: float) -> object:
+    """What ``call()`` returned or raised, run in a thread of its own and waited for at most
+    ``within`` seconds (the test fails if it is still running: a hang is not waited out)."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="deadline-test-call", daemon=True)
+    thread.start()
+    thread.join(within)
+    assert outcome, f"the call was still waiting after {within:.3g} s"
+    return outcome[0]
+
+
+#: PyMySQL's handshake without a deadline: within the URL's connect_timeout.
+HANDSHAKE = 2.0
+
+
+@pytest.mark.parametrize("call", ["peek", "diagnose"])
+def test_mariadb_without_a_deadline_gives_up_on_a_server_that_never_greets(call: str) -> None:
+    """A MariaDB call without ``timeout=`` (a direct provider call) against a server that
+    accepts and never greets raises BackendError after the store's connect_timeout (the
+    URL's 2 s here, 10 s by default): PyMySQL reads the greeting and the authentication with
+    its read_timeout, none by default, so it waited for ever."""
+    with silent_server() as port:
+        url = f"mysql+pymysql://root@127.0.0.1:{port}/test?connect_timeout=2"
+        provider = SqlLockProvider.from_url(url)
+        calls: dict[str, Callable[[], object]] = {
+            "peek": lambda: provider.peek("k"),
+            "diagnose": provider.diagnose,
+        }
+        try:
+            started = time.monotonic()
+            answer = _ended(calls[call], HANDSHAKE + 8.0)
+            took = time.monotonic() - started
+            if call == "peek":
+                assert isinstance(answer, BackendError), answer
+            else:
+                assert isinstance(answer, list), answer
+                assert [(d.check, d.status) for d in answer] == [("connect", "fail")]
+            assert took <= HANDSHAKE + SLACK, f"{call}() took {took:.3f} s"
+        finally:
+            provider.close()
+
+
+def test_mariadb_connections_made_without_a_deadline_keep_the_configured_statement_timeouts() -> None:
+    """The handshake's bound is given back once connected: statements without a deadline
+    keep PyMySQL's read and write timeouts as configured (none, or the URL's)."""
+    require_server(MYSQL_URL)
+    table = f"ce_fault_{uuid.uuid4().hex[:10]}"
+    for extra, expected in (("", (None, None)), ("&read_timeout=33&write_timeout=34", (33, 34))):
+        url = with_option(MYSQL_URL, "table", table) + extra
+        provider = SqlLockProvider.from_url(url)
+        try:
+            provider.peek("k")  # connected without a deadline
+            pooled = provider._engine.raw_connection()
+            try:
+                driver = pooled.driver_connection
+                assert (driver._read_timeout, driver._write_timeout) == expected, extra
+            finally:
+                pooled.close()
+        finally:
+            provider.close()
+    drop_lock_table(MYSQL_URL, table)
