@@ -9,9 +9,10 @@ never answers (a hung server, a silent network) is a failed check after the dead
 command that hangs for the driver's own timeouts. The service's own deadline is not enough
 for that (measured on a silent server with ``call_timeout=1``, tests/test_cli.py): the
 service's peek ends by its deadline on Redis (1.0 s) and MariaDB (1.1 s), but PostgreSQL's
-first call sets up the schema within libpq's 2 s ``connect_timeout`` floor (2.0-2.2 s),
-and a provider's ``diagnose()`` takes no timeout at all (10 s on Redis and PostgreSQL,
-over 60 s on MariaDB).
+first call sets up the schema within libpq's 2 s ``connect_timeout`` floor (2.0-2.2 s).
+A ``diagnose()`` that takes the ``timeout`` keyword (the SQL stores') is given the deadline
+and ends by it itself; one that does not (Redis's: 10 s on a silent server) runs in a
+thread that doctor stops waiting for at the deadline.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import BackendError
-from celery_exclusive.providers.base import Diagnosis
+from celery_exclusive.providers.base import Diagnosis, accepts_timeout
 from celery_exclusive.service import LockService
 from celery_exclusive.urls import mask_url, scheme_family, url_secrets
 
@@ -92,7 +93,7 @@ class _Bounded:
 
     The service's ``peek`` and ``locks`` are bounded by its ``call_timeout`` already, but not
     tightly enough for a doctor on PostgreSQL (libpq's 2 s connect floor, see the module
-    docs), so they are wrapped here too; ``diagnose()`` has no deadline of its own."""
+    docs), so they are wrapped here too; so is a ``diagnose()`` without a ``timeout``."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -112,8 +113,12 @@ class _Bounded:
         """How many live leases the service lists."""
         return len(self._calls.call("scan", service.locks, timeout=self.timeout))
 
-    def diagnose(self, diagnose: Callable[[], Iterable[object]]) -> list[object]:
-        """The provider's findings (listed in the call's thread, for a diagnose() that yields)."""
+    def diagnose(self, diagnose: Callable[..., Iterable[object]]) -> list[object]:
+        """The provider's findings: a diagnose() taking ``timeout`` is given the deadline (it
+        ends by then itself, no thread left waiting); another is listed in the call's thread
+        (for a diagnose() that yields)."""
+        if accepts_timeout(diagnose):
+            return list(self._calls.call("diagnose", diagnose, timeout=self.timeout))
         return self._calls.call("diagnose", lambda: list(diagnose()), timeout=self.timeout)
 
 

@@ -146,6 +146,9 @@ def watch(fd: int, timeout: float | None) -> Iterator[Watch | None]:
 
 
 _budget = threading.local()
+#: Seconds PyMySQL's greeting and authentication may take on a connection opened without a
+#: call deadline and without a ``connect_timeout`` (an engine the store built has one, 10 s).
+HANDSHAKE = 10.0
 
 
 @contextlib.contextmanager
@@ -192,8 +195,10 @@ def bounded_connect(dialect: Any, _record: object, cargs: Any, cparams: dict[str
     PyMySQL's ``connect_timeout`` covers the TCP connect only: the server's greeting, the
     authentication and the session set-up are read with ``read_timeout`` (none by default),
     so a server that accepts and never greets held the call forever. PyMySQL connections
-    are therefore opened here with read and write timeouts of what is left, which are then
-    given back their configured values (the statements have the watchdog's deadlines).
+    are therefore opened here with read and write timeouts of what is left of the budget
+    (without one: the connection's ``connect_timeout``, 10 s unless the URL says otherwise,
+    or the configured timeout if shorter), which are then given back their configured values
+    (statements with a deadline have the watchdog's; those without, the configured ones).
 
     psycopg's connect, when its ``connect_timeout`` expires, leaves the half-made libpq
     connection in one of its frames, which the error's traceback keeps: its socket stayed
@@ -205,15 +210,28 @@ def bounded_connect(dialect: Any, _record: object, cargs: Any, cparams: dict[str
     driver = getattr(dialect, "driver", None)
     if driver == "psycopg":
         return _closing_on_failure(dialect.connect, cargs, cparams)
-    if timeout is None or driver != "pymysql":
+    if driver != "pymysql":
         return None
-    left = max(_budget.deadline - time.monotonic(), 0.001)
     read, write = cparams.get("read_timeout"), cparams.get("write_timeout")
+    if timeout is None:  # no call deadline: the handshake within the connect timeout
+        handshake = _seconds(cparams.get("connect_timeout")) or HANDSHAKE
+        reads, writes = (min(handshake, _seconds(t) or handshake) for t in (read, write))
+    else:
+        reads = writes = max(_budget.deadline - time.monotonic(), 0.001)
     connection = dialect.loaded_dbapi.connect(
-        *cargs, **{**cparams, "read_timeout": left, "write_timeout": left}
+        *cargs, **{**cparams, "read_timeout": reads, "write_timeout": writes}
     )
     connection._read_timeout, connection._write_timeout = read, write  # PyMySQL's own fields
     return connection
+
+
+def _seconds(configured: object) -> float | None:
+    """A configured timeout in seconds; None for none (or one that is not a positive number)."""
+    try:
+        seconds = float(str(configured)) if configured is not None else 0.0
+    except ValueError:
+        return None
+    return seconds if seconds > 0 else None
 
 
 def _closing_on_failure(connect: Any, cargs: Any, cparams: dict[str, Any]) -> Any:

@@ -56,6 +56,8 @@ class RedisServer:
         self.wire: Wire | None = None
         #: On a cluster the provider built: one Wire per node name, made on first use.
         self._node_wires: dict[str, Wire] = {}
+        #: Set by :meth:`close`: a node's Wire made after it keeps no connection either.
+        self._closed = False
         execute: Callable[..., Any]
         if target.built and not self.cluster:
             self.wire = Wire(target.pool, redis.ResponseError, (*self.errors, OSError))
@@ -155,6 +157,8 @@ class RedisServer:
                 if wire is None:
                     wire = Wire(node.connection_pool, self.response_error, (*self.errors, OSError))
                     self._node_wires[name] = wire
+                    if self._closed:  # made after close(), or during it, after its snapshot
+                        wire.close()
         return wire
 
     def _remap(self) -> None:
@@ -233,8 +237,10 @@ class RedisServer:
 
     def close(self) -> None:
         """Close the wire and a client the provider built, with its connections to the
-        sentinels (a client you passed stays open)."""
-        for wire in (self.wire, *self._node_wires.values()):
+        sentinels (a client you passed stays open). The wires keep no connection from then
+        on, a node's wire made later included."""
+        self._closed = True  # before the snapshot: a wire added after it sees the flag
+        for wire in (self.wire, *list(self._node_wires.values())):
             if wire is not None:
                 wire.close()
         if self.target.built and self.target.client is not None:

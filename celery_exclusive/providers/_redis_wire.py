@@ -359,7 +359,8 @@ class Wire:
             conn.disconnect()
             raise
         finally:
-            self.kept.give(conn, now)
+            if not self.kept.give(conn, now):  # _give, inline (the hot path): closed, so not kept
+                conn.disconnect()
 
     def send_later(self, command: tuple[Any, ...], timeout: float | None) -> Callable[[], Any]:
         """Send one command now; the call returned reads its reply (an error reply is raised),
@@ -376,7 +377,7 @@ class Wire:
                 line.put(self._packed((command,)), deadline)
         except BaseException:
             conn.disconnect()
-            self.kept.give(conn, now)
+            self.kept.give(conn, now)  # disconnected: nothing left open if refused
             raise
 
         def reply() -> Any:
@@ -395,9 +396,14 @@ class Wire:
                 conn.disconnect()
                 raise
             finally:
-                self.kept.give(conn, now)
+                self._give(conn, now)
 
         return reply
+
+    def _give(self, conn: Any, used: float) -> None:
+        """Keep ``conn`` for the next call, or disconnect it if the wire is closed (or full)."""
+        if not self.kept.give(conn, used):
+            conn.disconnect()
 
     def _taken(self) -> tuple[Any, float]:
         """A kept connection and when it was last used, or a new unconnected one (0.0)."""
@@ -461,5 +467,7 @@ class Wire:
         return line
 
     def close(self) -> None:
-        for conn in self.kept.drain():
+        """Disconnect the kept connections and keep none from now on: one given back while
+        this runs, or by a call after it, is disconnected (``KeptConnections.close``)."""
+        for conn in self.kept.close():
             conn.disconnect()  # the fast path's own connections, never the pool's

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -490,6 +490,16 @@ def error_text(masked: str, op: str, exc: BaseException, secrets: Sequence[str])
     return f"SQL lock store {masked} failed to {op}: {type(cause).__name__}: {reason}"
 
 
+def socket_of(driver_connection: Any) -> int | None:
+    """The socket descriptor of a PyMySQL or psycopg connection; None for other drivers."""
+    sock = getattr(driver_connection, "_sock", None)  # PyMySQL's
+    if sock is not None:
+        fd = sock.fileno()
+    else:
+        fd = getattr(getattr(driver_connection, "pgconn", None), "socket", None)  # psycopg's
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
 class Translated:
     """``with store._translated(op):``: a driver error raised inside becomes the store's
     :class:`BackendError` (chained from it, credentials masked); anything else, a
@@ -595,13 +605,13 @@ class SqlStore(metaclass=abc.ABCMeta):
     # -- the reads both stores answer the same way -------------------------------------
 
     def completion(self, key: str, task_id: str, *, timeout: float | None = None) -> CompletionInfo | None:
-        if not self._records_on():
+        if not self._records_on(timeout):
             return None
         rows = self._read("read a record", "done_get", {"key": key, "task_id": task_id}, timeout)
         return record_of(rows[0]) if rows else None
 
     def completions(self, prefix: str, *, timeout: float | None = None) -> list[CompletionInfo]:
-        if not self._records_on():
+        if not self._records_on(timeout):
             return []
         params = {"prefix": prefix, "pattern": like_pattern(prefix)}
         rows = self._read("list records", "done_list", params, timeout)
@@ -647,14 +657,46 @@ class SqlStore(metaclass=abc.ABCMeta):
         """Held around every use of a connection (SQLite's fork gate and serial lock)."""
         return contextlib.nullcontext()
 
-    def _records_on(self) -> bool:
-        """Whether the completion-record table is there; warns once if it is not."""
+    @contextlib.contextmanager
+    def _connected(self, timeout: float | None) -> Iterator[Connection]:
+        """A connection of the engine for the block, all of it within ``timeout`` seconds
+        (None: the driver's own timeouts): the wait for a pooled connection and the connect
+        by :func:`._deadline.connect_budget`, the statements by the watchdog on its socket
+        (PyMySQL's, psycopg's: shut down at the deadline, the connection then dropped) or
+        SQLite's busy timeout. For the lookups and checks outside the operations' own paths
+        (the record table, diagnose), so they end by their call's deadline too."""
+        if timeout is None:
+            with self._engine.connect() as conn:
+                yield conn
+            return
+        end = time.monotonic() + timeout
+        with _deadline.connect_budget(timeout):
+            conn = self._engine.connect()
+        with conn:
+            self._bound_schema_call(conn, end)  # SQLite: its busy timeout
+            fd = socket_of(conn.connection.driver_connection)
+            if fd is None:  # SQLite, or another driver: its own timeouts
+                yield conn
+                return
+            ticket, watch = _deadline.arm(fd, end)
+            try:
+                yield conn
+            finally:
+                _deadline.disarm(ticket)
+                if watch.fired and not conn.invalidated:  # its socket shut down: never reused
+                    conn.invalidate()
+
+    def _records_on(self, timeout: float | None = None) -> bool:
+        """Whether the completion-record table is there (looked up on first use, within
+        ``timeout`` seconds); warns once if it is not."""
         ready = self._records
         if ready is None:
-            self._ensure_schema()
+            end = None if timeout is None else time.monotonic() + timeout
+            self._ensure_schema(timeout)
             name = self.table.name + "_done"
             translated = self._translated("look for the completion-record table")
-            with translated, self._session(), self._engine.connect() as conn:
+            left = None if end is None else max(end - time.monotonic(), 0.001)
+            with translated, self._session(), self._connected(left) as conn:
                 ready = bool(sa.inspect(conn).has_table(name))
             if not ready:
                 logger.warning(
@@ -700,8 +742,9 @@ class SqlStore(metaclass=abc.ABCMeta):
                 create_fence(self.table, conn)
 
     def _bound_schema_call(self, conn: Connection, end: float) -> None:
-        """Make the set-up's transaction on ``conn`` end by monotonic ``end`` where the
-        connection itself does not (SQLite: see ``SqlLockProvider``); nothing here."""
+        """Make the set-up's transaction (or :meth:`_connected`'s block) on ``conn`` end by
+        monotonic ``end`` where the connection itself does not (SQLite: see
+        ``SqlLockProvider``); nothing here."""
         return
 
     def _schema_findings(self, conn: Connection, findings: list[Diagnosis]) -> bool:

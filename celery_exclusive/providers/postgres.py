@@ -337,7 +337,7 @@ class PostgresLockProvider(SqlStore):
         life = max_lifetime if max_lifetime.__class__ is float else float(max_lifetime)
         params = None
         # _records_on() inline once known (True: the usual answer, without the call).
-        if task_id is not None and self._records is not True and not self._records_on():
+        if task_id is not None and self._records is not True and not self._records_on(timeout):
             task_id = None
         end = None if timeout is None else time.monotonic() + timeout
         op = "acquire" if task_id is None else "acquire_once"
@@ -450,7 +450,7 @@ class PostgresLockProvider(SqlStore):
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
         channel = _channel(self.table.name, key)
-        if completion is not None and self._records is not True and not self._records_on():
+        if completion is not None and self._records is not True and not self._records_on(timeout):
             completion = None
         # Our own listener may still hold the key's registration for a wait that just ended
         # (its unlock is sent by the listener's thread): a notify then may be ours alone,
@@ -517,7 +517,7 @@ class PostgresLockProvider(SqlStore):
         return self._listening.subscribe_any(keys)
 
     def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
-        if not self._records_on():
+        if not self._records_on(timeout):
             return False
         rows = self._call("done_forget", {"key": key, "task_id": task_id}, timeout)
         return any(bool(alive) for (alive,) in rows)
@@ -526,7 +526,7 @@ class PostgresLockProvider(SqlStore):
         """Delete up to ``limit`` dead leases and ``limit`` expired records under ``prefix``
         in one statement (see ``Sweeps.sweep``); the rows deleted."""
         params = {"pattern": like_pattern(check_sweep(prefix, limit)), "limit": int(limit)}
-        op = "sweep" if self._records_on() else "sweep_leases"
+        op = "sweep" if self._records_on(timeout) else "sweep_leases"
         rows = self._call(op, params, timeout)
         return sum(int(n) for n in rows[0]) if rows else 0
 
@@ -572,13 +572,14 @@ class PostgresLockProvider(SqlStore):
         if self._owns_engine:
             self._engine.dispose()
 
-    def diagnose(self) -> list[Diagnosis]:
+    def diagnose(self, *, timeout: float | None = None) -> list[Diagnosis]:
         """Schema presence (the table's marker function too), server clock vs this machine's,
         a read-only server, and the server's ``synchronous_commit`` (which acquire and
-        refresh override)."""
+        refresh override). With ``timeout``, a store that does not answer by then is a
+        failed ``connect`` finding."""
         findings: list[Diagnosis] = []
         try:
-            with self._engine.connect() as conn:
+            with self._connected(timeout) as conn:
                 if self._schema_findings(conn, findings) and not has_unless_function(conn, self.table.name):
                     name = unless_function(self.table.name)
                     detail = (
@@ -597,10 +598,12 @@ class PostgresLockProvider(SqlStore):
         """``acquire_unless``, or its form without the re-read when the schema lacks the
         table's marker function (made by an earlier version, with create_table off: looked
         up once, and warned about)."""
+        end = None if timeout is None else time.monotonic() + timeout
         self._ensure_schema(timeout)  # with create_table on, this makes the function
         fresh = self._fresh
         if fresh is None:
-            with self._translated("look for the marker function"), self._engine.connect() as conn:
+            left = None if end is None else max(end - time.monotonic(), 0.001)
+            with self._translated("look for the marker function"), self._connected(left) as conn:
                 fresh = has_unless_function(conn, self.table.name)
             if not fresh:
                 logger.warning(

@@ -162,7 +162,7 @@ class SqlLockProvider(LocalWaiters, SqlStore):
     ) -> Grant | Held | Done:
         granted = float(min(ttl, max_lifetime))
         params = {"key": key, "token": token, "ttl": granted, "life": float(max_lifetime), "holder": holder}
-        if task_id is not None and not self._records_on():
+        if task_id is not None and not self._records_on(timeout):
             task_id = None
         return self._transact(
             "acquire", lambda conn: self._acquires.one(conn, params, granted, task_id), timeout
@@ -231,7 +231,7 @@ class SqlLockProvider(LocalWaiters, SqlStore):
         self, key: str, token: str, completion: Completion | None = None, *, timeout: float | None = None
     ) -> bool:
         params: dict[str, Any] = {"key": key, "token": token}
-        if completion is not None and not self._records_on():
+        if completion is not None and not self._records_on(timeout):
             completion = None
         if completion is not None:
             params.update(record_params(completion))
@@ -258,7 +258,7 @@ class SqlLockProvider(LocalWaiters, SqlStore):
         return self._transact("release", attempt, timeout)
 
     def forget(self, key: str, task_id: str, *, timeout: float | None = None) -> bool:
-        if not self._records_on():
+        if not self._records_on(timeout):
             return False
         params: dict[str, Any] = {"key": key, "task_id": task_id}
 
@@ -279,7 +279,7 @@ class SqlLockProvider(LocalWaiters, SqlStore):
             "pattern": like_pattern(prefix),
             "limit": int(limit),
         }
-        tables = ("leases", "done") if self._records_on() else ("leases",)
+        tables = ("leases", "done") if self._records_on(timeout) else ("leases",)
 
         def attempt(conn: Connection) -> int:
             params.update(self._tx.now(conn))
@@ -317,12 +317,13 @@ class SqlLockProvider(LocalWaiters, SqlStore):
                 for pool in self._disposed:
                     pool.dispose()
 
-    def diagnose(self) -> list[Diagnosis]:
+    def diagnose(self, *, timeout: float | None = None) -> list[Diagnosis]:
         """Schema presence, the lease clock (SQLite) or server clock vs this machine's, and
-        a read-only server (MariaDB/MySQL)."""
+        a read-only server (MariaDB/MySQL). With ``timeout``, a store that does not answer
+        by then is a failed ``connect`` finding."""
         findings: list[Diagnosis] = []
         try:
-            with self._tx.gate(), self._engine.connect() as conn:
+            with self._tx.gate(), self._connected(timeout) as conn:
                 exists = self._schema_findings(conn, findings)
                 findings.append(_clock_finding(self._clock, conn, self._sql, exists))
                 if self._clock is None:  # MariaDB/MySQL

@@ -15,6 +15,7 @@ referenced from the error's traceback, until the garbage collector found it.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from celery_exclusive.providers.base import RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
 from tests.conftest import MYSQL_URL, POSTGRES_URL, drop_lock_table, require_server, with_option
 from tests.contract.test_close import _open_to
-from tests.faults.conftest import SLACK
+from tests.faults.conftest import SLACK, Faults
 from tests.silent import silent_server
 
 CALL_TIMEOUT = 1.0
@@ -115,3 +116,166 @@ def test_a_connect_that_gives_up_leaves_no_socket_open(store: str, timeout: floa
             if collecting:
                 gc.enable()
             provider.close()
+
+
+#: A silent server's store URLs with the drivers' own connect timeouts (10 s) and no
+#: set-up (``ce_create_table=false``): what a first use then looks up connects on its own.
+SILENT_FIRST_USE = {
+    "postgres": "postgresql+psycopg://postgres@127.0.0.1:{port}/test?ce_create_table=false",
+    "mariadb": "mysql+pymysql://root@127.0.0.1:{port}/test?ce_create_table=false",
+}
+#: libpq's connect_timeout is whole seconds, at least 2: the floor of a bounded connect.
+CONNECT_FLOOR = 2.0
+
+
+def _ended(call: Callable[[], object], within: float) -> object:
+    """What ``call()`` returned or raised, run in a thread of its own and waited for at most
+    ``within`` seconds (the test fails if it is still running: a hang is not waited out)."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="deadline-test-call", daemon=True)
+    thread.start()
+    thread.join(within)
+    assert outcome, f"the call was still waiting after {within:.3g} s"
+    return outcome[0]
+
+
+#: The first uses that looked something up on a connection of their own, with the call's
+#: deadline (the completion-record table; PostgreSQL's marker function).
+FIRST_USES: dict[str, Callable[[Any], object]] = {
+    "completion": lambda p: p.completion("k", "task-1", timeout=CALL_TIMEOUT),
+    "acquire_once": lambda p: p.acquire("k", "tok", 30.0, 30.0, "h", task_id="t", timeout=CALL_TIMEOUT),
+    "acquire_unless": lambda p: p.acquire_unless("k", "tok", 30.0, "h", blocker="b", timeout=CALL_TIMEOUT),
+}
+
+
+@pytest.mark.parametrize(
+    ("store", "call"),
+    [("postgres", name) for name in FIRST_USES] + [("mariadb", "completion"), ("mariadb", "acquire_once")],
+)
+def test_a_first_use_lookup_on_a_silent_server_ends_by_the_calls_deadline(store: str, call: str) -> None:
+    """With create_table off, the first call that needs the completion-record table (or, on
+    PostgreSQL, the marker function) looks it up on a connection of its own. That connect
+    waited the driver's 10 s connect timeout (PostgreSQL) or, MariaDB's greeting never
+    coming, for ever, whatever the call's deadline; now it raises BackendError by then."""
+    with silent_server() as port:
+        provider = SqlLockProvider.from_url(SILENT_FIRST_USE[store].format(port=port))
+        try:
+            started = time.monotonic()
+            raised = _ended(lambda: FIRST_USES[call](provider), 8.0)
+            took = time.monotonic() - started
+            assert isinstance(raised, BackendError), raised
+            assert took <= max(CALL_TIMEOUT, CONNECT_FLOOR) + SLACK, f"{call}() took {took:.3f} s"
+        finally:
+            provider.close()
+
+
+@pytest.mark.parametrize("store", ["postgres", "mariadb"])
+def test_diagnose_on_a_silent_server_ends_by_its_deadline(store: str) -> None:
+    """``diagnose(timeout=)`` (what ``celery-exclusive doctor`` calls) reports the failed
+    connect by its deadline: it took no deadline, its connect waiting 10 s (PostgreSQL) or
+    for ever (MariaDB) in a thread doctor had stopped waiting for."""
+    with silent_server() as port:
+        provider = SqlLockProvider.from_url(SILENT_FIRST_USE[store].format(port=port))
+        try:
+            started = time.monotonic()
+            found = _ended(lambda: provider.diagnose(timeout=CALL_TIMEOUT), 8.0)
+            took = time.monotonic() - started
+            assert isinstance(found, list), found
+            assert [(d.check, d.status) for d in found] == [("connect", "fail")]
+            assert took <= max(CALL_TIMEOUT, CONNECT_FLOOR) + SLACK, f"diagnose() took {took:.3f} s"
+        finally:
+            provider.close()
+
+
+#: The shared servers' URLs and ports, for a relay in front of them.
+SHARED = {"postgres": (POSTGRES_URL, 5432), "mariadb": (MYSQL_URL, 3306)}
+
+
+@pytest.mark.parametrize("store", list(SHARED))
+def test_diagnose_on_a_stalled_server_ends_by_its_deadline(faults: Faults, store: str) -> None:
+    """Behind a relay that stalls once the store is set up and its connection pooled,
+    diagnose's statements end by its deadline too (the socket watchdog: a failed ``connect``
+    finding), and diagnose passes again once the relay resumes."""
+    server, port = SHARED[store]
+    require_server(server)
+    proxy = faults.proxy(port)
+    table = f"ce_fault_{uuid.uuid4().hex[:10]}"
+    url = with_option(server.replace(f":{port}/", f":{proxy.port}/"), "table", table)
+    provider = SqlLockProvider.from_url(url)
+    try:
+        provider.set_up(timeout=10)
+        assert all(d.status != "fail" for d in provider.diagnose(timeout=10))
+        proxy.stall()
+        try:
+            started = time.monotonic()
+            found = _ended(lambda: provider.diagnose(timeout=CALL_TIMEOUT), 8.0)
+            took = time.monotonic() - started
+        finally:
+            proxy.resume()
+        assert isinstance(found, list), found
+        assert [(d.check, d.status) for d in found] == [("connect", "fail")]
+        assert took <= CALL_TIMEOUT + SLACK, f"diagnose() took {took:.3f} s"
+        proxy.cut()
+        assert all(d.status != "fail" for d in provider.diagnose(timeout=10))
+    finally:
+        provider.close()
+        drop_lock_table(server, table)
+
+
+#: PyMySQL's handshake without a deadline: within the URL's connect_timeout.
+HANDSHAKE = 2.0
+
+
+@pytest.mark.parametrize("call", ["peek", "diagnose"])
+def test_mariadb_without_a_deadline_gives_up_on_a_server_that_never_greets(call: str) -> None:
+    """A MariaDB call without ``timeout=`` (a direct provider call) against a server that
+    accepts and never greets raises BackendError after the store's connect_timeout (the
+    URL's 2 s here, 10 s by default): PyMySQL reads the greeting and the authentication with
+    its read_timeout, none by default, so it waited for ever."""
+    with silent_server() as port:
+        url = f"mysql+pymysql://root@127.0.0.1:{port}/test?connect_timeout=2"
+        provider = SqlLockProvider.from_url(url)
+        calls: dict[str, Callable[[], object]] = {
+            "peek": lambda: provider.peek("k"),
+            "diagnose": provider.diagnose,
+        }
+        try:
+            started = time.monotonic()
+            answer = _ended(calls[call], HANDSHAKE + 8.0)
+            took = time.monotonic() - started
+            if call == "peek":
+                assert isinstance(answer, BackendError), answer
+            else:
+                assert isinstance(answer, list), answer
+                assert [(d.check, d.status) for d in answer] == [("connect", "fail")]
+            assert took <= HANDSHAKE + SLACK, f"{call}() took {took:.3f} s"
+        finally:
+            provider.close()
+
+
+def test_mariadb_connections_made_without_a_deadline_keep_the_configured_statement_timeouts() -> None:
+    """The handshake's bound is given back once connected: statements without a deadline
+    keep PyMySQL's read and write timeouts as configured (none, or the URL's)."""
+    require_server(MYSQL_URL)
+    table = f"ce_fault_{uuid.uuid4().hex[:10]}"
+    for extra, expected in (("", (None, None)), ("&read_timeout=33&write_timeout=34", (33, 34))):
+        url = with_option(MYSQL_URL, "table", table) + extra
+        provider = SqlLockProvider.from_url(url)
+        try:
+            provider.peek("k")  # connected without a deadline
+            pooled = provider._engine.raw_connection()
+            try:
+                driver = pooled.driver_connection
+                assert (driver._read_timeout, driver._write_timeout) == expected, extra
+            finally:
+                pooled.close()
+        finally:
+            provider.close()
+    drop_lock_table(MYSQL_URL, table)

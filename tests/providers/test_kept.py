@@ -9,7 +9,8 @@ from typing import Any
 
 from celery_exclusive.providers._kept import KeptConnections
 from celery_exclusive.providers.postgres import PostgresLockProvider
-from tests.conftest import POSTGRES_URL, drop_lock_table, in_forked_child, require_server
+from celery_exclusive.providers.redis import RedisLockProvider
+from tests.conftest import POSTGRES_URL, REDIS_URL, drop_lock_table, in_forked_child, require_server
 
 
 def test_a_forked_child_hands_the_parents_connections_to_on_fork_and_takes_none() -> None:
@@ -84,3 +85,48 @@ def test_a_connection_given_back_while_the_store_closes_is_closed() -> None:
     finally:
         provider.close()
         drop_lock_table(POSTGRES_URL, table)
+
+
+def test_a_redis_connection_given_back_while_the_store_closes_is_closed() -> None:
+    """Redis: the same interleaving on the fast path's kept connections (``Wire``). Its
+    close() drained them without marking them closed, so the connection given back just
+    after the drain stayed kept, and connected, until something closed the store again."""
+    require_server(REDIS_URL)
+    provider = RedisLockProvider(REDIS_URL)
+    key = f"ce-kept:{uuid.uuid4().hex}"
+    try:
+        provider.peek(key, timeout=5)  # its connection now kept by the wire
+        wire = provider._wire
+        assert wire is not None
+        assert len(wire.kept) == 1
+        paused = _PausedAppend(wire.kept._idle)
+        wire.kept._idle = paused
+        peek = threading.Thread(target=provider.peek, args=(key,), kwargs={"timeout": 5})
+        peek.start()
+        assert paused.arrived.wait(10), "the peek never gave its connection back"
+        provider.close()
+        paused.go.set()
+        peek.join(10)
+        assert not peek.is_alive()
+        (connection,) = paused.appended
+        assert len(wire.kept) == 0, "the connection given back during close() is still kept"
+        assert connection._sock is None, "the connection given back during close() was left open"
+    finally:
+        provider.close()
+
+
+def test_a_redis_call_after_close_keeps_no_connection() -> None:
+    """Redis: a provider called after close() (its own caller's, without a service) still
+    answers, on a connection it closes after the call instead of keeping it."""
+    require_server(REDIS_URL)
+    provider = RedisLockProvider(REDIS_URL)
+    key = f"ce-kept:{uuid.uuid4().hex}"
+    try:
+        provider.peek(key, timeout=5)
+        provider.close()
+        assert provider.peek(key, timeout=5) is None
+        wire = provider._wire
+        assert wire is not None
+        assert len(wire.kept) == 0, "a connection made after close() is kept"
+    finally:
+        provider.close()

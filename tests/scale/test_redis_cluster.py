@@ -223,6 +223,25 @@ def test_a_given_cluster_client_is_used_and_left_open(redis_cluster: str) -> Non
     client.close()
 
 
+def test_no_nodes_wire_keeps_a_connection_after_close(redis_cluster: str) -> None:
+    """Calls after close() (a provider used without a service) still answer, and no node's
+    fast-path wire keeps their connections: neither one made before close() nor one made
+    after it (a node first reached then; such a wire was never closed)."""
+    provider = RedisLockProvider(redis_cluster)
+    prefix = f"w{uuid.uuid4().hex[:8]}:"
+    try:
+        assert provider.peek(f"{prefix}first", timeout=5) is None
+        provider.close()
+        for i in range(30):  # keys on every primary
+            assert provider.peek(f"{prefix}{i}", timeout=5) is None
+        wires = provider._server._node_wires
+        assert len(wires) == 3
+        kept = {name: len(wire.kept) for name, wire in wires.items()}
+        assert sum(kept.values()) == 0, f"connections kept after close(): {kept}"
+    finally:
+        provider.close()
+
+
 def test_diagnose_checks_every_primary(provider: RedisLockProvider, redis_cluster: str) -> None:
     """diagnose() reports the cluster and each primary; a plain URL at a cluster node fails."""
     found = provider.diagnose()
