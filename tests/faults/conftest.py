@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -133,6 +133,49 @@ def app_worker(
             os.killpg(process.pid, signal.SIGKILL)  # its own process group: the pool too
         process.wait(10)
         store.close()
+
+
+@dataclass
+class AclWorker(AppWorker):
+    """An :func:`app_worker` whose store logs in as a Redis ACL user of its own, ``user``
+    (see :func:`acl_app_worker`); ``admin``: the broker's db as the default user, which
+    changes that user's commands and holds what the tasks record."""
+
+    admin: Any
+    user: str
+
+    def answer(self) -> None:
+        """The store answers the worker's user again: every command, no selector left."""
+        self.admin.execute_command("ACL", "SETUSER", self.user, "clearselectors", "+@all")
+
+
+_Worker = TypeVar("_Worker", bound=AclWorker)
+
+
+@contextlib.contextmanager
+def acl_app_worker(
+    redis_server: PrivateRedis,
+    name: str,
+    log_dir: Path,
+    kind: type[_Worker],
+    *extra: Any,
+    concurrency: int = 1,
+    store_port: int | None = None,
+) -> Iterator[_Worker]:
+    """:func:`app_worker` whose store is the private Redis as a new ACL user ``ce-<name>-…``
+    (:func:`acl_user`), reached at ``store_port`` (a proxy's; default the server's), as a
+    ``kind`` (its fields after :class:`AclWorker`'s: ``extra``); its log in ``log_dir``.
+    Everything is stopped and deleted at the end."""
+    import redis
+
+    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    try:
+        with acl_user(admin, f"ce-{name}") as (user, password):
+            url = f"redis://{user}:{password}@127.0.0.1:{store_port or redis_server.port}/0"
+            with app_worker(redis_server, url, name, log_dir / "worker.log", concurrency=concurrency) as base:
+                yield kind(base.queue, base.log, base.app, base.store, admin, user, *extra)
+    finally:
+        admin.close()
 
 
 @pytest.fixture(scope="session")

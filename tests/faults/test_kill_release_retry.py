@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 
-from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
+from tests.faults.conftest import SLACK, AclWorker, acl_app_worker, wait_until
 from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -32,19 +31,12 @@ SETTLED = 5.0 + 4 * SLACK
 
 
 @dataclass
-class Worker(AppWorker):
-    """One prefork worker on the private Redis, its store as ACL user ``user``; ``admin``:
-    the broker's db as the default user."""
-
-    admin: redis.Redis
-    user: str
+class Worker(AclWorker):
+    """One prefork worker on the private Redis, its store as ACL user ``user`` (:class:`AclWorker`)."""
 
     def refuse(self) -> None:
         """The store refuses every command of the worker's user from now on."""
         self.admin.execute_command("ACL", "SETUSER", self.user, "-@all")
-
-    def answer(self) -> None:
-        self.admin.execute_command("ACL", "SETUSER", self.user, "+@all")
 
     def outlast(self, tag: str, fence: int, outage: float) -> None:
         """With the store refusing the worker (``refuse()`` called), wait ``outage`` seconds
@@ -68,15 +60,8 @@ class Worker(AppWorker):
 @pytest.fixture(scope="module")
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
-    log = tmp_path_factory.mktemp("celery-kill") / "worker.log"
-    try:
-        with acl_user(admin, "ce-kill") as (user, password):
-            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
-            with app_worker(redis_server, url, "kill", log) as base:
-                yield Worker(base.queue, base.log, base.app, base.store, admin, user)
-    finally:
-        admin.close()
+    with acl_app_worker(redis_server, "kill", tmp_path_factory.mktemp("celery-kill"), Worker) as worker:
+        yield worker
 
 
 def test_a_hard_time_limit_kill_the_store_refuses_is_released_with_its_record_later(worker: Worker) -> None:

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 
 from celery_exclusive import is_skipped
 from celery_exclusive.policies import COALESCED, MARKER_FIELD
-from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
+from tests.faults.conftest import SLACK, AclWorker, acl_app_worker, wait_until
 from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -33,22 +32,15 @@ TTL = 3.0
 
 
 @dataclass
-class Worker(AppWorker):
-    """The worker, its store as ACL user ``user``; ``events``: the broker's db as the default
-    user, where the tasks record their runs."""
-
-    events: redis.Redis
-    user: str
+class Worker(AclWorker):
+    """The worker (:class:`AclWorker`); the tasks record their runs in ``admin``'s db."""
 
     def refuse_releases(self) -> None:
         """The store refuses the release of every lock from now on, but a rerun marker's."""
-        self.events.execute_command("ACL", "SETUSER", self.user, "-hdel", "(~*#rerun +hdel)")
-
-    def answer(self) -> None:
-        self.events.execute_command("ACL", "SETUSER", self.user, "clearselectors", "+@all")
+        self.admin.execute_command("ACL", "SETUSER", self.user, "-hdel", "(~*#rerun +hdel)")
 
     def runs(self, tag: str) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in self.events.lrange(f"{tag}:runs", 0, -1)]
+        return [json.loads(raw) for raw in self.admin.lrange(f"{tag}:runs", 0, -1)]
 
     def send(self, *args: Any) -> Any:
         return self.app.rerun_hand_on.apply_async(args, queue=self.queue)
@@ -58,10 +50,10 @@ class Worker(AppWorker):
         nothing recorded); run 2, sent then, is coalesced behind its lease, still in the
         store. Run 1's record of its run."""
         first = self.send(tag, 1, True)
-        raw = self.events.blpop([f"{tag}:ready"], timeout=60)
+        raw = self.admin.blpop([f"{tag}:ready"], timeout=60)
         assert raw is not None, self.text()[-4000:]
         self.refuse_releases()
-        self.events.rpush(f"{tag}:go", 1)
+        self.admin.rpush(f"{tag}:go", 1)
         assert first.get(timeout=30) == 1
         held = self.store.peek(f"rerun:{tag}")
         assert held is not None, "run 1's release was refused: its lease is still in the store"
@@ -76,15 +68,10 @@ class Worker(AppWorker):
 @pytest.fixture(scope="module")
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    events = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
-    log = tmp_path_factory.mktemp("celery-stale") / "worker.log"
-    try:
-        with acl_user(events, "ce-stale") as (user, password):
-            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
-            with app_worker(redis_server, url, "stale", log, concurrency=2) as base:
-                yield Worker(base.queue, base.log, base.app, base.store, events, user)
-    finally:
-        events.close()
+    with acl_app_worker(
+        redis_server, "stale", tmp_path_factory.mktemp("celery-stale"), Worker, concurrency=2
+    ) as worker:
+        yield worker
 
 
 def _ran_once_after(worker: Worker, tag: str, first: dict[str, Any], within: float) -> None:

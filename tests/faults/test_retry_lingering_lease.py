@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 from celery.exceptions import TimeoutError
 
 from celery_exclusive.redelivery import COOLING_HEADER
-from tests.faults.conftest import SLACK, AppWorker, acl_user, app_worker, wait_until
+from tests.faults.conftest import SLACK, AclWorker, acl_app_worker, wait_until
 from tests.faults.servers import PrivateRedis, TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -37,19 +36,12 @@ SETTLED = 4.0 + 4 * SLACK
 
 
 @dataclass
-class Worker(AppWorker):
-    """The worker, its store as ACL user ``user``; ``events``: the broker's db as the default
-    user, where the tasks record their runs."""
-
-    events: redis.Redis
-    user: str
+class Worker(AclWorker):
+    """The worker (:class:`AclWorker`); the tasks record their runs in ``admin``'s db."""
 
     def refuse_releases(self) -> None:
         """The store refuses every release of a lock from now on."""
-        self.events.execute_command("ACL", "SETUSER", self.user, "-hdel")
-
-    def answer(self) -> None:
-        self.events.execute_command("ACL", "SETUSER", self.user, "+@all")
+        self.admin.execute_command("ACL", "SETUSER", self.user, "-hdel")
 
     def result(self, result: Any, timeout: float) -> Any:
         """``result.get(timeout=timeout)``, failing with the worker's log if it times out."""
@@ -59,7 +51,7 @@ class Worker(AppWorker):
             pytest.fail(f"no result within {timeout:.1f} s:\n{self.text()[-6000:]}")
 
     def runs(self, tag: str) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in self.events.lrange(f"{tag}:runs", 0, -1)]
+        return [json.loads(raw) for raw in self.admin.lrange(f"{tag}:runs", 0, -1)]
 
     def retried_behind_a_refused_release(
         self, task: str, countdown: float, *args: Any
@@ -70,9 +62,9 @@ class Worker(AppWorker):
         tag = uuid.uuid4().hex[:8]
         result = getattr(self.app, task).apply_async((tag, countdown, *args), queue=self.queue)
         try:
-            assert self.events.blpop([f"{tag}:ready"], timeout=60) is not None, self.text()[-4000:]
+            assert self.admin.blpop([f"{tag}:ready"], timeout=60) is not None, self.text()[-4000:]
             self.refuse_releases()
-            self.events.rpush(f"{tag}:go", 1)
+            self.admin.rpush(f"{tag}:go", 1)
             time.sleep(OUTAGE)
             # A single lock's key, or a semaphore's lease on its task id.
             held = self.store.peek(f"retry:{tag}") or self.store.peek(f"retry:{tag}#id:{result.id}")
@@ -85,15 +77,10 @@ class Worker(AppWorker):
 @pytest.fixture(scope="module")
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    events = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
-    log = tmp_path_factory.mktemp("celery-retry") / "worker.log"
-    try:
-        with acl_user(events, "ce-retry") as (user, password):
-            url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
-            with app_worker(redis_server, url, "retry", log, concurrency=2) as base:
-                yield Worker(base.queue, base.log, base.app, base.store, events, user)
-    finally:
-        events.close()
+    with acl_app_worker(
+        redis_server, "retry", tmp_path_factory.mktemp("celery-retry"), Worker, concurrency=2
+    ) as worker:
+        yield worker
 
 
 @pytest.mark.parametrize(
@@ -131,7 +118,7 @@ def test_a_copy_of_the_retrys_message_is_still_a_copy(worker: Worker) -> None:
     ``retries`` and headers, naming attempt 0's fence) finds the retry's own lease, which
     no message names: it is a copy and does not run (dropped), not a retry waiting."""
     result, tag, _ = worker.retried_behind_a_refused_release("retrying_unrecorded", 0.0, True)
-    assert worker.events.blpop([f"{tag}:ready"], timeout=30) is not None, worker.text()[-6000:]
+    assert worker.admin.blpop([f"{tag}:ready"], timeout=30) is not None, worker.text()[-6000:]
     first, _retry = worker.runs(tag)
     worker.app.retrying_unrecorded.apply_async(
         (tag, 0.0, True),
@@ -144,7 +131,7 @@ def test_a_copy_of_the_retrys_message_is_still_a_copy(worker: Worker) -> None:
     try:
         assert wait_until(lambda: copy in worker.text(), 30), worker.text()[-6000:]
     finally:
-        worker.events.rpush(f"{tag}:go", 1)
+        worker.admin.rpush(f"{tag}:go", 1)
     assert worker.result(result, 30) == 1
     time.sleep(1.0)  # the copy, had it waited behind the retry's lease, would have run by now
     assert [run["attempt"] for run in worker.runs(tag)] == [0, 1]
@@ -160,17 +147,15 @@ class ProxiedWorker(Worker):
 @pytest.fixture(scope="module")
 def proxied(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedWorker]:
     """A worker as :func:`worker`'s, its store through a proxy; stopped and deleted afterwards."""
-    events = redis.Redis(port=redis_server.port, db=3)
     proxy = TcpProxy(redis_server.port)
-    log = tmp_path_factory.mktemp("celery-retry-soft") / "worker.log"
+    log_dir = tmp_path_factory.mktemp("celery-retry-soft")
     try:
-        with acl_user(events, "ce-retrysoft") as (user, password):
-            url = f"redis://{user}:{password}@127.0.0.1:{proxy.port}/0"
-            with app_worker(redis_server, url, "retrysoft", log) as base:
-                yield ProxiedWorker(base.queue, base.log, base.app, base.store, events, user, proxy)
+        with acl_app_worker(
+            redis_server, "retrysoft", log_dir, ProxiedWorker, proxy, store_port=proxy.port
+        ) as worker:
+            yield worker
     finally:
         proxy.close()
-        events.close()
 
 
 def test_a_retry_sent_after_its_release_was_interrupted_runs(proxied: ProxiedWorker) -> None:
@@ -182,11 +167,11 @@ def test_a_retry_sent_after_its_release_was_interrupted_runs(proxied: ProxiedWor
     worker = proxied
     tag = uuid.uuid4().hex[:8]
     result = worker.app.retrying_past_soft_limit.apply_async((tag,), queue=worker.queue)
-    assert worker.events.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-6000:]
+    assert worker.admin.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-6000:]
     try:
         worker.proxy.stall()
-        worker.events.rpush(f"{tag}:go", 1)
-        assert wait_until(lambda: worker.events.llen(f"{tag}:soft"), 10), worker.text()[-6000:]
+        worker.admin.rpush(f"{tag}:go", 1)
+        assert wait_until(lambda: worker.admin.llen(f"{tag}:soft"), 10), worker.text()[-6000:]
         worker.refuse_releases()
         worker.proxy.resume()
         time.sleep(OUTAGE)
