@@ -58,6 +58,23 @@ class _PausedAppend(list[tuple[Any, float]]):
         super().append(item)
 
 
+def _given_back_during_close(provider: Any, kept: KeptConnections[Any], key: str) -> Any:
+    """Pause the next give() of ``kept`` just before its append, while ``provider.peek(key)``
+    in another thread gives its connection back; close ``provider`` meanwhile, then let the
+    give go on. The connection given back."""
+    paused = _PausedAppend(kept._idle)
+    kept._idle = paused
+    peek = threading.Thread(target=provider.peek, args=(key,), kwargs={"timeout": 5})
+    peek.start()
+    assert paused.arrived.wait(10), "the peek never gave its connection back"
+    provider.close()
+    paused.go.set()
+    peek.join(10)
+    assert not peek.is_alive()
+    (connection,) = paused.appended
+    return connection
+
+
 def test_a_connection_given_back_while_the_store_closes_is_closed() -> None:
     """PostgreSQL: a call gives its connection back while close() runs, between give()'s
     check that the kept connections are not closed and its append. The connection is closed
@@ -71,16 +88,7 @@ def test_a_connection_given_back_while_the_store_closes_is_closed() -> None:
         kept = provider._executor.kept
         assert kept is not None
         assert len(kept) == 1
-        paused = _PausedAppend(kept._idle)
-        kept._idle = paused
-        peek = threading.Thread(target=provider.peek, args=("k",), kwargs={"timeout": 5})
-        peek.start()
-        assert paused.arrived.wait(10), "the peek never gave its connection back"
-        provider.close()
-        paused.go.set()
-        peek.join(10)
-        assert not peek.is_alive()
-        (connection,) = paused.appended
+        connection = _given_back_during_close(provider, kept, "k")
         assert connection.closed, "the connection given back during close() was left open"
     finally:
         provider.close()
@@ -99,16 +107,7 @@ def test_a_redis_connection_given_back_while_the_store_closes_is_closed() -> Non
         wire = provider._wire
         assert wire is not None
         assert len(wire.kept) == 1
-        paused = _PausedAppend(wire.kept._idle)
-        wire.kept._idle = paused
-        peek = threading.Thread(target=provider.peek, args=(key,), kwargs={"timeout": 5})
-        peek.start()
-        assert paused.arrived.wait(10), "the peek never gave its connection back"
-        provider.close()
-        paused.go.set()
-        peek.join(10)
-        assert not peek.is_alive()
-        (connection,) = paused.appended
+        connection = _given_back_during_close(provider, wire.kept, key)
         assert len(wire.kept) == 0, "the connection given back during close() is still kept"
         assert connection._sock is None, "the connection given back during close() was left open"
     finally:
