@@ -194,9 +194,9 @@ class ReleaseSignals:
             conn._sock.settimeout(None)  # a subscriber waits for messages as long as it takes
             _keep_alive(conn._sock)
             link = _Link(self, node, conn)
-            with self._lock:
+            with self._lock:  # started with it: close() joins every link it finds
                 self._links[node] = link
-            link.thread.start()
+                link.thread.start()
             return link
 
     def _send(self, link: _Link, *command: str) -> None:

@@ -250,3 +250,45 @@ def test_a_release_tells_whether_its_signal_reached_a_waiter(prefix: str) -> Non
     finally:
         releaser.close()
         listener.close()
+
+
+def test_close_while_the_first_subscription_starts_its_listener_waits_for_it(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() running between a new link's registration and its reader thread's start
+    (forced here: the start waits for close() to have been called) ends that link like any
+    other instead of raising "cannot join thread before it is started" (a CI failure)."""
+    provider = RedisLockProvider(REDIS_URL)
+    real_start = threading.Thread.start
+    closer_errors: list[BaseException] = []
+    closing = threading.Event()
+
+    def close_now() -> None:
+        closing.set()
+        try:
+            provider.close()
+        except BaseException as exc:
+            closer_errors.append(exc)
+
+    closer = threading.Thread(target=close_now, daemon=True)
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith("celery-exclusive-wake") and not closer.is_alive():
+            closer.start()
+            assert closing.wait(5)
+            time.sleep(0.2)  # the old code's close() runs all the way through here
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        with pytest.raises(ConnectionError):  # closed under it: the waiter polls instead
+            provider.subscribe(prefix + "k").close()
+    finally:
+        monkeypatch.undo()
+        closer.join(10)
+    assert not closer.is_alive()
+    assert closer_errors == []
+    assert wait_until(
+        lambda: all(not t.name.startswith("celery-exclusive-wake") for t in threading.enumerate()), 5
+    )
+    provider.close()
