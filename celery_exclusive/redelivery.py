@@ -100,6 +100,9 @@ DEFERRED_HEADER = "celery_exclusive_deferred"
 #: Message header of a retry (or replacement) whose previous attempt may have left leases in
 #: the store (cooling, or their release not confirmed): their fences.
 COOLING_HEADER = "celery_exclusive_cooling"
+#: Message header of the replacement of a run (``self.replace()``) of a later attempt than
+#: 0: that run's attempt, which the replacement's own attempts count on from (:func:`attempt`).
+ATTEMPTS_HEADER = "celery_exclusive_attempts"
 #: A retry behind its previous attempt's lease whose release the store did not confirm looks
 #: again after this many seconds, doubled at each look (:func:`look_again`).
 LINGER_STEP = 0.5
@@ -256,7 +259,24 @@ def completion(
         outcome = "failure"
     keep = retention(task)
     assert keep is not None  # once_id() said records are on
-    return Completion(task_id, outcome, int(request.retries or 0), keep)
+    return Completion(task_id, outcome, attempt_of(request), keep)
+
+
+def attempt_of(request: Any) -> int:
+    """The attempt the records of ``request``'s task id name for it: :func:`attempt` of its
+    ``retries`` and headers."""
+    return attempt(request.retries or 0, request.headers) or 0
+
+
+def attempt(retries: object, headers: Mapping[str, Any] | None) -> int | None:
+    """The attempt of a message with ``retries`` and ``headers`` that records name: its
+    ``retries``, counted on from the attempt of the run it replaced (:data:`ATTEMPTS_HEADER`),
+    so that a replacement (``retries`` 0 again) is no copy of the attempts before it; None
+    if ``retries`` is not a count."""
+    if type(retries) is not int or retries < 0:
+        return None
+    before = headers.get(ATTEMPTS_HEADER) if headers else None
+    return retries + before if type(before) is int and before > 0 else retries
 
 
 def retried(task: TaskView) -> Completion | None:
@@ -273,7 +293,7 @@ def killed(
 
     Celery acknowledges such a message (a final FAILURE) unless ``acks_late`` without
     ``acks_on_timeout`` (``task_acks_on_failure_or_timeout``) requeues it, to run again: no
-    record then. ``attempt`` is the killed run's ``retries``; None (not known) records
+    record then. ``attempt`` is the killed run's (:func:`attempt`); None (not known) records
     :data:`MAX_ATTEMPT`, which ends a message of any attempt of the id."""
     task_id = usable_id(task_id)
     keep = retention(task)
@@ -378,7 +398,7 @@ def settle(
 ) -> None:
     """End this delivery if ``record`` covers it; return if it is a later attempt (a retry
     its attempt sent, whatever the attempt's own outcome)."""
-    if int(task.request.retries or 0) > record.attempt:
+    if attempt_of(task.request) > record.attempt:
         return
     end(task, key, ALREADY_DONE, args, kwargs, record=record)
 

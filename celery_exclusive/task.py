@@ -371,14 +371,20 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
         lease is released first, without a completion record (the id's work goes on in
         ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
-        for a copy of this run. Under a ``cooldown`` a replacement signature names the
-        fences of the leases left cooling, as a retry does, and runs at the cooldown's end."""
+        for a copy of this run. The signature that takes the id (``sig``, or a chain's task)
+        names, as a retry does, the fences of the leases that may still be in the store
+        (cooling, or their release not confirmed), and runs once they are gone; and, for a
+        run of a later attempt than 0, that attempt, which its own count on from (a
+        ``retried`` record of an earlier attempt does not end it as a copy)."""
+        request = self.request
         cooling = _hand_on(self, None)
-        if cooling and sig.subtask_type is None:  # one task's signature, not a canvas
-            sig.options["headers"] = {
-                **(sig.options.get("headers") or {}),
-                redelivery.COOLING_HEADER: cooling,
-            }
+        attempt = redelivery.attempt_of(request)
+        own: dict[str, Any] = {redelivery.COOLING_HEADER: cooling} if cooling else {}
+        if attempt:
+            own[redelivery.ATTEMPTS_HEADER] = attempt
+        if own:
+            for each in _taking_id(sig, request.id):
+                each.options["headers"] = {**(each.options.get("headers") or {}), **own}
         return super().on_replace(sig)
 
     # -- internals ------------------------------------------------------------------------
@@ -595,6 +601,9 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
     # redelivery.completion() of a body that returned, without its two calls.
     keep = plan.retention
     attempt = request.retries or 0
+    headers = request.headers
+    if headers and redelivery.ATTEMPTS_HEADER in headers:  # a replacement's (attempt_of)
+        attempt = redelivery.attempt_of(request)
     direct = plan.direct and type(lease) is Lease and lease._service is plan.service
     if record is None or keep is None:
         done = None
@@ -905,6 +914,15 @@ def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int
     if task.lock_settings.cooldown is None:
         return [each.fence for each in unconfirmed]
     return [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
+
+
+def _taking_id(sig: Any, task_id: object) -> list[Any]:
+    """The signatures in the replacement ``sig`` that Celery gave the replaced run's
+    ``task_id`` (``Task.replace`` freezes ``sig`` with it): ``sig`` itself, or the task
+    of a chain that has it (the last, unless the replaced run was in a chain itself)."""
+    if sig.subtask_type == "chain":
+        return [each for task in sig.tasks for each in _taking_id(task, task_id)]
+    return [sig] if sig.subtask_type is None and sig.options.get("task_id") == task_id else []
 
 
 #: Headers of an attempt's message that are its own, not its retry's (:func:`_before_retry`).

@@ -261,6 +261,18 @@ def replacing(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
     return {"pages": page}
 
 
+@exclusive_task(app=app, key="replaceretry:{key_id}", bind=True)
+def replacing_retried(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
+    """Page 1 retries once (at once), then its retry replaces itself (same task id, same
+    key) with page 2."""
+    record("page", tag, page=page, attempt=self.request.retries)
+    if page < 2:
+        if not self.request.retries:
+            raise self.retry(countdown=0)
+        raise self.replace(replacing_retried.si(key_id, tag, page + 1))
+    return {"pages": page}
+
+
 @exclusive_task(app=app, key="replacecool:{key_id}", cooldown=1, done_retention=False, bind=True)
 def replacing_cooled(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
     """``replacing`` with a 1 s cooldown and no completion records."""

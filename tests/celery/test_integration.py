@@ -317,6 +317,16 @@ def test_a_replacement_of_the_same_key_runs_at_once(group: WorkerGroup) -> None:
     assert [r["page"] for r in records(tag)] == [1, 2]
 
 
+def test_a_replacement_sent_by_a_retry_runs(group: WorkerGroup) -> None:
+    """Attempt 0 retries (its record: ``retried``, attempt 0) and the retry replaces itself:
+    the replacement, ``retries`` 0 again under the same task id, runs once; it used to be
+    ended as a copy of attempt 0 (``already_done``), its result never stored."""
+    tag = uid()
+    result = group.send(tasks.replacing_retried, tag, tag, 1)
+    assert result.get(timeout=RESULT_TIMEOUT / 6) == {"pages": 2}
+    assert [(r["page"], r["attempt"]) for r in records(tag)] == [(1, 0), (1, 1), (2, 0)]
+
+
 def test_soft_time_limit_fails_the_task_and_frees_the_lock(group: WorkerGroup) -> None:
     """A soft time limit raises in the body; the task fails with it and its lock is free at once."""
     tag = uid()
