@@ -60,7 +60,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial as _partial
 from typing import (
     TYPE_CHECKING,
@@ -589,12 +589,12 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
                 interrupter.disarm()
     except _interrupt.LeaseLostInterrupt as exc:
         done = redelivery.completion(task, exc, interrupted=True, task_id=record, request=request)
-        lost = _finish(task, plan, lease, retrying=False, done=done)
+        lost = _finish(task, plan, lease, retry_in=None, done=done)
         which = lost or _runs.first_lost(leases)
         raise LockLost(which.key, which.fence, _INTERRUPTED) from None
     except BaseException as exc:
         done = redelivery.completion(task, exc, task_id=record, request=request)
-        lost = _finish(task, plan, lease, retrying=isinstance(exc, Retry), done=done)
+        lost = _finish(task, plan, lease, retry_in=_retry_in(exc), done=done)
         if report is not None:
             report.finished(lost or leases[0], lost is not None)
         raise
@@ -629,7 +629,7 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
         done = checked_completion(record, "success", int(attempt), keep)
         direct = False
     if plan.finishes:  # the rerun hand-on, whatever the release did
-        lost = _finish(task, plan, lease, retrying=False, done=done)
+        lost = _finish(task, plan, lease, retry_in=None, done=done)
     elif direct:
         # Released through the service's own release (what lease.release and service.release
         # call), the record already checked.
@@ -649,20 +649,31 @@ def _finish(
     plan: _Plan,
     lease: Lease | LeaseSet,
     *,
-    retrying: bool,
+    retry_in: float | None,
     done: Completion | None,
 ) -> Lease | None:
     """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
     ``finished`` hook (the rerun hand-on), even if the release raised (which it then raises
-    again: a rerun recorded meanwhile is handed on all the same). The lease that had been
-    lost, or None."""
+    again: a rerun recorded meanwhile is handed on all the same). ``retry_in``: the run
+    ends in a retry, which runs in that many seconds (:func:`_retry_in`). The lease that
+    had been lost, or None."""
     if not plan.finishes:
         return _runs.finish(lease, done)
     try:
         return _runs.finish(lease, done)
     finally:
         first = _runs.first(lease)
-        plan.policy.finished(task, first, retrying=retrying)
+        plan.policy.finished(task, first, retry_in=retry_in)
+
+
+def _retry_in(exc: BaseException) -> float | None:
+    """Seconds until the retry that ``exc`` sent runs (a Celery ``Retry``), else None."""
+    if not isinstance(exc, Retry):
+        return None
+    when = exc.when
+    if isinstance(when, datetime):  # an eta
+        return max(0.0, when.timestamp() - time.time())
+    return max(0.0, float(when)) if isinstance(when, (int, float)) else 0.0
 
 
 def _lock(

@@ -292,3 +292,43 @@ def replaced_then_killed(self: Any, tag: str, stage: int = 0) -> None:
     ready = {"stage": stage, "attempt": self.request.retries, "fence": self.lock.fence}
     _events().rpush(f"{tag}:ready", json.dumps(ready))
     time.sleep(60)
+
+
+def _rerun_retrying_run(task: Any, tag: str, n: int, countdown: float) -> int:
+    """Records its run (``n``, attempt, fence, start, end) in ``<tag>:runs``. Run 1's attempt
+    0 says so in ``<tag>:ready`` (its fence), waits for ``<tag>:go`` and retries with
+    ``countdown``; any other run returns ``n``."""
+    events = _events()
+    attempt, start = int(task.request.retries or 0), time.time()
+    run = {"n": n, "attempt": attempt, "fence": task.lock.fence, "start": start}
+    if n == 1 and not attempt:
+        events.rpush(f"{tag}:ready", json.dumps(run))
+        events.blpop([f"{tag}:go"], timeout=60)
+        events.rpush(f"{tag}:runs", json.dumps({**run, "end": time.time()}))
+        raise task.retry(countdown=countdown)
+    events.rpush(f"{tag}:runs", json.dumps({**run, "end": time.time()}))
+    return n
+
+
+@exclusive_task(app=app, key="rerun:{tag}", on_locked="rerun", ttl=RETRY_TTL, time_limit=60, bind=True)
+def rerun_retrying(self: Any, tag: str, n: int, countdown: float = 0.0) -> int:
+    """:func:`_rerun_retrying_run` under ``on_locked="rerun"``."""
+    return _rerun_retrying_run(self, tag, n, countdown)
+
+
+#: The max_lifetime of :func:`rerun_retrying_short`'s runs (and so its rerun marker's ttl).
+SHORT_LIFETIME = 3.0
+
+
+@exclusive_task(
+    app=app,
+    key="rerun:{tag}",
+    on_locked="rerun",
+    ttl=2,
+    max_lifetime=SHORT_LIFETIME,
+    time_limit=60,
+    bind=True,
+)
+def rerun_retrying_short(self: Any, tag: str, n: int, countdown: float = 0.0) -> int:
+    """:func:`rerun_retrying` whose runs live 3 s at most: a recorded rerun's marker too."""
+    return _rerun_retrying_run(self, tag, n, countdown)
