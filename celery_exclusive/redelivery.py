@@ -56,6 +56,13 @@ records, that lost the retry): at the cooldown's end, or for a release not confi
 0.5 s, doubled at each look, at most until the lease expires. A copy of the retry's own
 message finds the retry's own lease, whose fence no message names: a copy. An eager retry
 waits inline.
+
+``self.replace(sig)`` hands the task id on too: the signature that takes it (``sig``, or a
+chain's task) names those fences as a retry's message does, and so do a chain's other
+tasks: its first, a new id whose parent is the replaced run, waits for them too. Its ``retries`` start from 0
+again, so a replacement of a run of attempt N carries N (header
+``celery_exclusive_attempts``): its attempts, and the records they write, count on from N
+(:func:`attempt`), and the ``retried`` record of attempt N - 1 does not end it as a copy.
 """
 
 from __future__ import annotations
@@ -321,15 +328,15 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
 def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
     """Whether ``holder`` is a lease an earlier attempt of this task id left in the store
     (cooling, or its release not confirmed): its fence is one the retry's message names
-    (see the module docs), not a run in progress."""
+    (see the module docs), not a run in progress. Or one the run that replaced itself by
+    this message's chain left (its task id is this message's parent's, for the chain's
+    first task)."""
     request = task.request
     fences = (request.headers or {}).get(COOLING_HEADER)
-    return (
-        holder is not None
-        and isinstance(fences, list)
-        and holder.fence in fences
-        and holder.holder.get("task_id") == request.id
-    )
+    if holder is None or not isinstance(fences, list) or holder.fence not in fences:
+        return False
+    owner = holder.holder.get("task_id")
+    return owner is not None and owner in (request.id, getattr(request, "parent_id", None))
 
 
 def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo | None:

@@ -371,19 +371,20 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
         lease is released first, without a completion record (the id's work goes on in
         ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
-        for a copy of this run. The signature that takes the id (``sig``, or a chain's task)
-        names, as a retry does, the fences of the leases that may still be in the store
-        (cooling, or their release not confirmed), and runs once they are gone; and, for a
-        run of a later attempt than 0, that attempt, which its own count on from (a
+        for a copy of this run. Its tasks (``sig``, or a chain's) name, as a retry does, the
+        fences of the leases that may still be in the store (cooling, or their release not
+        confirmed): the one that takes the id, or the first of a chain, runs once they are
+        gone (:func:`redelivery.is_predecessor`). The one that takes the id also names, for
+        a run of a later attempt than 0, that attempt, which its own count on from (a
         ``retried`` record of an earlier attempt does not end it as a copy)."""
         request = self.request
         cooling = _hand_on(self, None)
         attempt = redelivery.attempt_of(request)
-        own: dict[str, Any] = {redelivery.COOLING_HEADER: cooling} if cooling else {}
-        if attempt:
-            own[redelivery.ATTEMPTS_HEADER] = attempt
-        if own:
-            for each in _taking_id(sig, request.id):
+        for each in _tasks_of(sig):
+            own: dict[str, Any] = {redelivery.COOLING_HEADER: cooling} if cooling else {}
+            if attempt and each.options.get("task_id") == request.id:
+                own[redelivery.ATTEMPTS_HEADER] = attempt
+            if own:
                 each.options["headers"] = {**(each.options.get("headers") or {}), **own}
         return super().on_replace(sig)
 
@@ -927,13 +928,13 @@ def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int
     return [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
 
 
-def _taking_id(sig: Any, task_id: object) -> list[Any]:
-    """The signatures in the replacement ``sig`` that Celery gave the replaced run's
-    ``task_id`` (``Task.replace`` freezes ``sig`` with it): ``sig`` itself, or the task
-    of a chain that has it (the last, unless the replaced run was in a chain itself)."""
+def _tasks_of(sig: Any) -> list[Any]:
+    """The single tasks' signatures of the replacement ``sig``: ``sig`` itself, or a chain's
+    tasks (not a group's or chord's: their runs take ids of their own, and the task id of
+    the replaced run goes to a chord's body, Celery's own ``accumulate``)."""
     if sig.subtask_type == "chain":
-        return [each for task in sig.tasks for each in _taking_id(task, task_id)]
-    return [sig] if sig.subtask_type is None and sig.options.get("task_id") == task_id else []
+        return [each for task in sig.tasks for each in _tasks_of(task)]
+    return [sig] if sig.subtask_type is None else []
 
 
 #: Headers of an attempt's message that are its own, not its retry's (:func:`_before_retry`).

@@ -238,7 +238,8 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
     attempt 0 says so in ``<tag>:ready`` and waits for ``<tag>:go`` (the test makes the store
     refuse releases meanwhile; ``how`` ``"retried"``: it retries first, at once, and its
     attempt 1 replaces itself without waiting); then ``self.replace()`` by stage 1 of
-    ``replacement`` (``how`` ``"chain"``: behind a run of :func:`noted`); stage 1 returns 1."""
+    ``replacement`` (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the
+    task id; ``"chain-first"``: before it, under an id of its own); stage 1 returns 1."""
     from celery import chain
 
     events = _events()
@@ -259,7 +260,11 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
         events.rpush(f"{tag}:ready", 1)
         events.blpop([f"{tag}:go"], timeout=60)
     follow = replacement.si(tag, 1, how)
-    raise task.replace(chain(noted.si(tag), follow) if how == "chain" else follow)
+    if how == "chain":
+        raise task.replace(chain(noted.si(tag), follow))
+    if how == "chain-first":
+        raise task.replace(chain(follow, noted.si(tag)))
+    raise task.replace(follow)
 
 
 @app.task

@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from celery_exclusive.redelivery import ATTEMPTS_HEADER
-from tests.faults.conftest import SLACK, acl_app_worker, wait_until
-from tests.faults.servers import PrivateRedis
-from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker
+from tests.faults.conftest import SLACK, wait_until
+from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker, module_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    with acl_app_worker(
-        redis_server, "replace", tmp_path_factory.mktemp("celery-replace"), Worker, concurrency=2
-    ) as worker:
-        yield worker
+worker = module_worker("replace")
 
 
 def replaced_behind_a_refused_release(worker: Worker, task: str, how: str) -> tuple[Any, str, float]:
@@ -71,6 +63,20 @@ def test_a_replacement_behind_its_runs_unreleased_lease_runs_once_that_lease_is_
     assert f"redelivered: tests.faults._celery_app.{task}[{result.id}]" not in worker.text()
     if how == "chain":
         assert worker.admin.llen(f"{tag}:noted") == 1
+
+
+def test_a_replacement_chains_first_task_behind_its_runs_unreleased_lease_runs(worker: Worker) -> None:
+    """The chain's first task (a new task id, its parent the replaced run's; the chain's
+    last task takes the run's id) locks the same key: it waits for the replaced run's
+    lease, as a retry does, and runs once (it met that lease as any other holder: under
+    ``on_locked="skip"`` it was skipped)."""
+    result, tag, answered = replaced_behind_a_refused_release(worker, "replacing", "chain-first")
+    assert worker.result(result, OUTAGE + SETTLED) is None  # the chain's last task: noted
+    runs = worker.runs(tag)
+    assert [run["stage"] for run in runs] == [0, 1], runs
+    assert runs[1]["id"] != result.id
+    assert runs[1]["start"] >= answered - SLACK, "the replacement ran while the lease was held"
+    assert worker.admin.llen(f"{tag}:noted") == 1
 
 
 def test_a_replacement_after_a_retry_runs(worker: Worker) -> None:

@@ -14,26 +14,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from celery_exclusive import is_skipped
-from tests.faults.conftest import SLACK, acl_app_worker, wait_until
-from tests.faults.servers import PrivateRedis
-from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker
+from tests.faults.conftest import SLACK, wait_until
+from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker, module_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    with acl_app_worker(
-        redis_server, "rerunretry", tmp_path_factory.mktemp("celery-rerun-retry"), Worker, concurrency=2
-    ) as worker:
-        yield worker
+worker = module_worker("rerunretry")
 
 
 def coalesced(worker: Worker, task: str, tag: str) -> None:

@@ -74,13 +74,20 @@ class Worker(AclWorker):
         return result, tag, time.time()
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    with acl_app_worker(
-        redis_server, "retry", tmp_path_factory.mktemp("celery-retry"), Worker, concurrency=2
-    ) as worker:
-        yield worker
+def module_worker(name: str) -> Any:
+    """A module's ``worker`` fixture: a :class:`Worker` called ``name`` (two processes),
+    its ACL user and the test's app; stopped and deleted afterwards."""
+
+    @pytest.fixture(scope="module")
+    def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+        log_dir = tmp_path_factory.mktemp(f"celery-{name}")
+        with acl_app_worker(redis_server, name, log_dir, Worker, concurrency=2) as worker:
+            yield worker
+
+    return worker
+
+
+worker = module_worker("retry")
 
 
 @pytest.mark.parametrize(
