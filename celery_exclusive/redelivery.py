@@ -59,10 +59,11 @@ waits inline.
 
 ``self.replace(sig)`` hands the task id on too: the signature that takes it (``sig``, or a
 chain's task) names those fences as a retry's message does, and so do a chain's other
-tasks: its first, a new id whose parent is the replaced run, waits for them too. Its ``retries`` start from 0
-again, so a replacement of a run of attempt N carries N (header
-``celery_exclusive_attempts``): its attempts, and the records they write, count on from N
-(:func:`attempt`), and the ``retried`` record of attempt N - 1 does not end it as a copy.
+tasks (its first, a new id whose parent is the replaced run, waits for them too). The
+replacement's ``retries`` start from 0 again, so a replacement of a run of attempt N
+carries N (header ``celery_exclusive_attempts``): its attempts, and the records they
+write, count on from N (:func:`attempt`), and the ``retried`` record of attempt N - 1 does
+not end it as a copy.
 """
 
 from __future__ import annotations
