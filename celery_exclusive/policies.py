@@ -31,7 +31,7 @@ from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetri
 from celery_exclusive.lease import Lease
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import LockInfo
-from celery_exclusive.validation import derived_key
+from celery_exclusive.validation import MAX_LIFETIME_CAP, derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
@@ -116,9 +116,10 @@ class OnLocked:
         """The result of a run that found ``key`` held by ``holder`` (or :data:`AGAIN`)."""
         raise NotImplementedError
 
-    def finished(self, task: Task, lease: Lease, *, retrying: bool) -> None:
+    def finished(self, task: Task, lease: Lease, *, retry_in: float | None) -> None:
         """Called after a run holding ``lease`` (its first, in canonical order) released it,
-        or tried to (also when the release raised); ``retrying``: it ends in a retry."""
+        or tried to (also when the release raised); ``retry_in``: it ends in a retry, which
+        runs in that many seconds (None: it does not)."""
 
 
 def skipped(task: Task, key: str, holder: LockInfo | None, *, coalesced: bool) -> dict[str, Any]:
@@ -317,13 +318,14 @@ class Rerun(OnLocked):
         try:
             lease.release()
         finally:
-            self.finished(task, first, retrying=False)
+            self.finished(task, first, retry_in=None)
         return skipped(task, key, holder, coalesced=True)
 
-    def finished(self, task: Task, lease: Lease, *, retrying: bool) -> None:
+    def finished(self, task: Task, lease: Lease, *, retry_in: float | None) -> None:
         """Send the rerun recorded on ``lease.key`` if this process is the one that deletes
-        its marker (not before a retry: the retry will run again and hand the rerun on
-        itself). Never raises: a store that does not answer leaves it to
+        its marker; not before a retry (``retry_in``): the run's work is not done, and its
+        retry hands the rerun on when it finishes, so the marker is kept until then
+        (:func:`keep_for_retry`). Never raises: a store that does not answer leaves it to
         :func:`hand_on_later`. ``lease.key`` is a semaphore's own for every slot (its store
         key names the slot): the first holder of any slot to finish hands the rerun on.
 
@@ -331,7 +333,8 @@ class Rerun(OnLocked):
         background), the lease may hold the key a while longer, and a request arriving
         meanwhile records a rerun behind it, trusting it to hand on: so this process hands
         on once more when that lease is surely gone (:func:`hand_on_when_gone`)."""
-        if retrying:
+        if retry_in is not None:
+            keep_for_retry(task, lease, retry_in)
             return
         key, sender = lease.key, Sender.of(lease)
         try:
@@ -367,6 +370,41 @@ def token_digest(token: str) -> str:
     """The first 16 hex digits of the SHA-256 of a lease's ``token``: what a rerun's message
     names of its sender's token (never the token, which may release the lease)."""
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def keep_for_retry(task: Task, lease: Lease, retry_in: float) -> None:
+    """Keep the rerun recorded on ``lease.key`` until the retry of ``lease``'s run, sent to
+    run in ``retry_in`` seconds, can have finished and handed it on: a marker lives
+    ``max_lifetime`` from when it was recorded, which the retry's countdown may outlast
+    (the rerun was lost). Its ttl is made ``retry_in`` plus ``max_lifetime`` (at most 24 h)
+    where it would end sooner: deleted (so owned) and recorded again; if another request
+    records a rerun in between, that one stands. If recording it again fails, the rerun is
+    sent now rather than lost. Never raises: a store that does not answer leaves the marker."""
+    service = task.lock_service
+    marker_key = rerun_key(service, lease.key)
+    ttl = min(MAX_LIFETIME_CAP, retry_in + task.lock_settings.max_lifetime)
+    try:
+        info = service.peek(marker_key)
+        if info is None or info.expires_in >= ttl or not service.force_release(marker_key, info.token):
+            return
+    except Exception as exc:
+        logger.warning(
+            "%s: could not keep the rerun recorded on lock %r for its retry: %s", task.name, lease.key, exc
+        )
+        return
+    try:
+        service.mark(marker_key, ttl=ttl, holder=info.holder)
+    except Exception as exc:
+        logger.warning(
+            "%s: could not keep the rerun recorded on lock %r for its retry: %s; sending it now",
+            task.name,
+            lease.key,
+            exc,
+        )
+        try:
+            _send_rerun(task, lease.key, info.holder.get("rerun") or {}, Sender.of(lease))
+        except Exception:
+            logger.exception("%s: could not send the rerun recorded on lock %r", task.name, lease.key)
 
 
 def hand_on(task: Task, key: str, sender: Sender) -> None:

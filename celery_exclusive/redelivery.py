@@ -56,6 +56,14 @@ records, that lost the retry): at the cooldown's end, or for a release not confi
 0.5 s, doubled at each look, at most until the lease expires. A copy of the retry's own
 message finds the retry's own lease, whose fence no message names: a copy. An eager retry
 waits inline.
+
+``self.replace(sig)`` hands the task id on too: the signature that takes it (``sig``, or a
+chain's task) names those fences as a retry's message does, and so do a chain's other
+tasks (its first, a new id whose parent is the replaced run, waits for them too). The
+replacement's ``retries`` start from 0 again, so a replacement of a run of attempt N
+carries N (header ``celery_exclusive_attempts``): its attempts, and the records they
+write, count on from N (:func:`attempt`), and the ``retried`` record of attempt N - 1 does
+not end it as a copy.
 """
 
 from __future__ import annotations
@@ -100,6 +108,9 @@ DEFERRED_HEADER = "celery_exclusive_deferred"
 #: Message header of a retry (or replacement) whose previous attempt may have left leases in
 #: the store (cooling, or their release not confirmed): their fences.
 COOLING_HEADER = "celery_exclusive_cooling"
+#: Message header of the replacement of a run (``self.replace()``) of a later attempt than
+#: 0: that run's attempt, which the replacement's own attempts count on from (:func:`attempt`).
+ATTEMPTS_HEADER = "celery_exclusive_attempts"
 #: A retry behind its previous attempt's lease whose release the store did not confirm looks
 #: again after this many seconds, doubled at each look (:func:`look_again`).
 LINGER_STEP = 0.5
@@ -256,7 +267,24 @@ def completion(
         outcome = "failure"
     keep = retention(task)
     assert keep is not None  # once_id() said records are on
-    return Completion(task_id, outcome, int(request.retries or 0), keep)
+    return Completion(task_id, outcome, attempt_of(request), keep)
+
+
+def attempt_of(request: Any) -> int:
+    """The attempt the records of ``request``'s task id name for it: :func:`attempt` of its
+    ``retries`` and headers."""
+    return attempt(request.retries or 0, request.headers) or 0
+
+
+def attempt(retries: object, headers: Mapping[str, Any] | None) -> int | None:
+    """The attempt of a message with ``retries`` and ``headers`` that records name: its
+    ``retries``, counted on from the attempt of the run it replaced (:data:`ATTEMPTS_HEADER`),
+    so that a replacement (``retries`` 0 again) is no copy of the attempts before it; None
+    if ``retries`` is not a count."""
+    if type(retries) is not int or retries < 0:
+        return None
+    before = headers.get(ATTEMPTS_HEADER) if headers else None
+    return retries + before if type(before) is int and before > 0 else retries
 
 
 def retried(task: TaskView) -> Completion | None:
@@ -273,7 +301,7 @@ def killed(
 
     Celery acknowledges such a message (a final FAILURE) unless ``acks_late`` without
     ``acks_on_timeout`` (``task_acks_on_failure_or_timeout``) requeues it, to run again: no
-    record then. ``attempt`` is the killed run's ``retries``; None (not known) records
+    record then. ``attempt`` is the killed run's (:func:`attempt`); None (not known) records
     :data:`MAX_ATTEMPT`, which ends a message of any attempt of the id."""
     task_id = usable_id(task_id)
     keep = retention(task)
@@ -301,15 +329,15 @@ def is_copy(task: TaskView, holder: LockInfo | None) -> bool:
 def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
     """Whether ``holder`` is a lease an earlier attempt of this task id left in the store
     (cooling, or its release not confirmed): its fence is one the retry's message names
-    (see the module docs), not a run in progress."""
+    (see the module docs), not a run in progress. Or one the run that replaced itself by
+    this message's chain left (its task id is this message's parent's, for the chain's
+    first task)."""
     request = task.request
     fences = (request.headers or {}).get(COOLING_HEADER)
-    return (
-        holder is not None
-        and isinstance(fences, list)
-        and holder.fence in fences
-        and holder.holder.get("task_id") == request.id
-    )
+    if holder is None or not isinstance(fences, list) or holder.fence not in fences:
+        return False
+    owner = holder.holder.get("task_id")
+    return owner is not None and owner in (request.id, getattr(request, "parent_id", None))
 
 
 def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo | None:
@@ -378,7 +406,7 @@ def settle(
 ) -> None:
     """End this delivery if ``record`` covers it; return if it is a later attempt (a retry
     its attempt sent, whatever the attempt's own outcome)."""
-    if int(task.request.retries or 0) > record.attempt:
+    if attempt_of(task.request) > record.attempt:
         return
     end(task, key, ALREADY_DONE, args, kwargs, record=record)
 

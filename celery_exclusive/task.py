@@ -60,7 +60,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial as _partial
 from typing import (
     TYPE_CHECKING,
@@ -371,14 +371,21 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
         lease is released first, without a completion record (the id's work goes on in
         ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
-        for a copy of this run. Under a ``cooldown`` a replacement signature names the
-        fences of the leases left cooling, as a retry does, and runs at the cooldown's end."""
+        for a copy of this run. Its tasks (``sig``, or a chain's) name, as a retry does, the
+        fences of the leases that may still be in the store (cooling, or their release not
+        confirmed): the one that takes the id, or the first of a chain, runs once they are
+        gone (:func:`redelivery.is_predecessor`). The one that takes the id also names, for
+        a run of a later attempt than 0, that attempt, which its own count on from (a
+        ``retried`` record of an earlier attempt does not end it as a copy)."""
+        request = self.request
         cooling = _hand_on(self, None)
-        if cooling and sig.subtask_type is None:  # one task's signature, not a canvas
-            sig.options["headers"] = {
-                **(sig.options.get("headers") or {}),
-                redelivery.COOLING_HEADER: cooling,
-            }
+        attempt = redelivery.attempt_of(request)
+        for each in _tasks_of(sig):
+            own: dict[str, Any] = {redelivery.COOLING_HEADER: cooling} if cooling else {}
+            if attempt and each.options.get("task_id") == request.id:
+                own[redelivery.ATTEMPTS_HEADER] = attempt
+            if own:
+                each.options["headers"] = {**(each.options.get("headers") or {}), **own}
         return super().on_replace(sig)
 
     # -- internals ------------------------------------------------------------------------
@@ -583,18 +590,21 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
                 interrupter.disarm()
     except _interrupt.LeaseLostInterrupt as exc:
         done = redelivery.completion(task, exc, interrupted=True, task_id=record, request=request)
-        lost = _finish(task, plan, lease, retrying=False, done=done)
+        lost = _finish(task, plan, lease, retry_in=None, done=done)
         which = lost or _runs.first_lost(leases)
         raise LockLost(which.key, which.fence, _INTERRUPTED) from None
     except BaseException as exc:
         done = redelivery.completion(task, exc, task_id=record, request=request)
-        lost = _finish(task, plan, lease, retrying=isinstance(exc, Retry), done=done)
+        lost = _finish(task, plan, lease, retry_in=_retry_in(exc), done=done)
         if report is not None:
             report.finished(lost or leases[0], lost is not None)
         raise
     # redelivery.completion() of a body that returned, without its two calls.
     keep = plan.retention
     attempt = request.retries or 0
+    headers = request.headers
+    if headers and redelivery.ATTEMPTS_HEADER in headers:  # a replacement's (attempt_of)
+        attempt = redelivery.attempt_of(request)
     direct = plan.direct and type(lease) is Lease and lease._service is plan.service
     if record is None or keep is None:
         done = None
@@ -620,7 +630,7 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
         done = checked_completion(record, "success", int(attempt), keep)
         direct = False
     if plan.finishes:  # the rerun hand-on, whatever the release did
-        lost = _finish(task, plan, lease, retrying=False, done=done)
+        lost = _finish(task, plan, lease, retry_in=None, done=done)
     elif direct:
         # Released through the service's own release (what lease.release and service.release
         # call), the record already checked.
@@ -640,20 +650,31 @@ def _finish(
     plan: _Plan,
     lease: Lease | LeaseSet,
     *,
-    retrying: bool,
+    retry_in: float | None,
     done: Completion | None,
 ) -> Lease | None:
     """Pop and release the run's lease(s) (see :func:`_runs.finish`), then the policy's
     ``finished`` hook (the rerun hand-on), even if the release raised (which it then raises
-    again: a rerun recorded meanwhile is handed on all the same). The lease that had been
-    lost, or None."""
+    again: a rerun recorded meanwhile is handed on all the same). ``retry_in``: the run
+    ends in a retry, which runs in that many seconds (:func:`_retry_in`). The lease that
+    had been lost, or None."""
     if not plan.finishes:
         return _runs.finish(lease, done)
     try:
         return _runs.finish(lease, done)
     finally:
         first = _runs.first(lease)
-        plan.policy.finished(task, first, retrying=retrying)
+        plan.policy.finished(task, first, retry_in=retry_in)
+
+
+def _retry_in(exc: BaseException) -> float | None:
+    """Seconds until the retry that ``exc`` sent runs (a Celery ``Retry``), else None."""
+    if not isinstance(exc, Retry):
+        return None
+    when = exc.when
+    if isinstance(when, datetime):  # an eta
+        return max(0.0, when.timestamp() - time.time())
+    return max(0.0, float(when)) if isinstance(when, (int, float)) else 0.0
 
 
 def _lock(
@@ -905,6 +926,15 @@ def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int
     if task.lock_settings.cooldown is None:
         return [each.fence for each in unconfirmed]
     return [each.fence for each in (lease.leases if isinstance(lease, LeaseSet) else (lease,))]
+
+
+def _tasks_of(sig: Any) -> list[Any]:
+    """The single tasks' signatures of the replacement ``sig``: ``sig`` itself, or a chain's
+    tasks (not a group's or chord's: their runs take ids of their own, and the task id of
+    the replaced run goes to a chord's body, Celery's own ``accumulate``)."""
+    if sig.subtask_type == "chain":
+        return [each for task in sig.tasks for each in _tasks_of(task)]
+    return [sig] if sig.subtask_type is None else []
 
 
 #: Headers of an attempt's message that are its own, not its retry's (:func:`_before_retry`).

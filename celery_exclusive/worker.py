@@ -419,34 +419,32 @@ def _first_report(task: Any, task_id: str | None, traceback: Any) -> bool:
 
 
 def _timed_out_attempt(traceback: Any) -> int | None:
-    """The ``retries`` of the run whose hard time limit Celery's ``Request.on_timeout``
-    reports, or None. Its ``task_failure`` carries no request, but its traceback is of the
-    ``TimeLimitExceeded`` that method raises and catches itself: the frame's ``self`` is
-    that request (the same task id's retry may be queued here already, so the request by
-    id could be the wrong attempt)."""
+    """The attempt (:func:`redelivery.attempt`) of the run whose hard time limit Celery's
+    ``Request.on_timeout`` reports, or None. Its ``task_failure`` carries no request, but
+    its traceback is of the ``TimeLimitExceeded`` that method raises and catches itself:
+    the frame's ``self`` is that request (the same task id's retry may be queued here
+    already, so the request by id could be the wrong attempt)."""
     from celery.worker.request import Request  # the worker's main process has it imported
 
     frame = getattr(traceback, "tb_frame", None)
     request = None if frame is None else frame.f_locals.get("self")
     if not isinstance(request, Request) or request.id is None:
         return None
-    retries = request.request_dict.get("retries")
-    return retries if type(retries) is int and retries >= 0 else None
+    return redelivery.attempt(request.request_dict.get("retries"), request.request_dict)
 
 
 def _failing_attempt(task: Any, task_id: str | None) -> int | None:
-    """The ``retries`` of the run ``task_id`` whose failure Celery's ``Request.on_failure``
-    reports, or None. billiard's hard time limit first ends the job with the exception
-    (``on_failure``: a traceback as text) and only then calls ``on_timeout``: the first
-    ``task_failure`` must name the attempt too, since a record never goes back to an
-    earlier attempt (a first one naming the highest would refuse the retry the run sent).
-    ``on_failure`` pushes the failing request's context on the task's request stack for
-    the signal's receivers."""
+    """The attempt (:func:`redelivery.attempt`) of the run ``task_id`` whose failure
+    Celery's ``Request.on_failure`` reports, or None. billiard's hard time limit first ends
+    the job with the exception (``on_failure``: a traceback as text) and only then calls
+    ``on_timeout``: the first ``task_failure`` must name the attempt too, since a record
+    never goes back to an earlier attempt (a first one naming the highest would refuse the
+    retry the run sent). ``on_failure`` pushes the failing request's context on the task's
+    request stack for the signal's receivers."""
     context = getattr(task, "request", None)
     if task_id is None or getattr(context, "id", None) != task_id:
         return None
-    retries = getattr(context, "retries", None)
-    return retries if type(retries) is int and retries >= 0 else None
+    return redelivery.attempt(getattr(context, "retries", None), getattr(context, "headers", None))
 
 
 for _signal, _receiver in (
@@ -480,7 +478,8 @@ def release_killed(
     and billiard kills the process (which may release its lease on its way out, without a
     record), within :data:`RECORD_TIMEOUT`; the release writes it again. A copy of the
     message then ends as ``already_done`` instead of running the body again (a retry the
-    run sent still runs: ``attempt`` is the run's ``retries``, None when not known).
+    run sent still runs: ``attempt`` is the run's (:func:`redelivery.attempt`), None when
+    not known).
 
     A store that does not answer does not end this: the lease is looked for again until it
     answers, and a release (or record) that fails is handed to the service's heartbeat,

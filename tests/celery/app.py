@@ -140,6 +140,17 @@ def work_rerun(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[
     return _body(self, tag, duration)
 
 
+@exclusive_task(app=app, key="rerunretry:{key_id}", on_locked="rerun", ttl=2, max_lifetime=3, bind=True)
+def rerun_retrying(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
+    """:func:`work_rerun` whose runs live 3 s at most (its rerun marker too); the run of
+    ``tag == key_id`` records ``start``, sleeps ``duration`` and retries once, 4 s later."""
+    if tag == key_id and not self.request.retries:
+        record("start", tag, at=time.time())
+        time.sleep(duration)
+        raise self.retry(countdown=4)
+    return _body(self, tag, 0.0)
+
+
 @exclusive_task(app=app, key="rerun2:{key_id}", on_locked="rerun", limit=2, bind=True)
 def work_rerun_limit2(self: Any, key_id: str, tag: str, hold: bool = False) -> dict[str, Any]:
     """A semaphore of 2 under ``"rerun"``. ``hold``: records ``holding`` (its fence), then
@@ -258,6 +269,18 @@ def replacing(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
     record("page", tag, page=page)
     if page < 2:
         raise self.replace(replacing.si(key_id, tag, page + 1))
+    return {"pages": page}
+
+
+@exclusive_task(app=app, key="replaceretry:{key_id}", bind=True)
+def replacing_retried(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
+    """Page 1 retries once (at once), then its retry replaces itself (same task id, same
+    key) with page 2."""
+    record("page", tag, page=page, attempt=self.request.retries)
+    if page < 2:
+        if not self.request.retries:
+            raise self.retry(countdown=0)
+        raise self.replace(replacing_retried.si(key_id, tag, page + 1))
     return {"pages": page}
 
 

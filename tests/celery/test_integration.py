@@ -168,6 +168,22 @@ def test_rerun_ten_requests_become_one_rerun(group: WorkerGroup) -> None:
     assert reruns[0]["start"] >= runs(tag)[0]["end"]
 
 
+def test_rerun_behind_a_run_that_retries_runs_after_the_retry(group: WorkerGroup) -> None:
+    """A request coalesced behind a run that then retries (4 s later, past the recorded
+    rerun's 3 s marker: ``max_lifetime``) is rerun once, after the retry's run (it used to
+    be lost with the marker)."""
+    tag = uid()
+    first = group.send(tasks.rerun_retrying, tag, tag, 1.0)
+    wait_for(lambda: records(tag), 20, what="the first run to start")
+    second = group.send(tasks.rerun_retrying, tag, f"{tag}-2").get(timeout=RESULT_TIMEOUT)
+    assert second["celery_exclusive"] == "coalesced"
+    assert first.get(timeout=RESULT_TIMEOUT)["retries"] == 1
+    wait_for(lambda: runs(f"{tag}-2"), 20, what="the rerun")
+    time.sleep(1.5)  # any second rerun would have started by now
+    (retried,), (rerun,) = runs(tag), runs(f"{tag}-2")
+    assert rerun["start"] >= retried["end"]
+
+
 def test_rerun_under_a_semaphore_is_handed_on_by_the_first_holder_to_finish(group: WorkerGroup) -> None:
     """``limit=2``: a request coalesced while both slots are held is rerun as soon as either
     holder finishes, here the one on slot 2 while slot 1's still runs (only slot 1's holder
@@ -315,6 +331,16 @@ def test_a_replacement_of_the_same_key_runs_at_once(group: WorkerGroup) -> None:
     result = group.send(tasks.replacing, tag, tag, 1)
     assert result.get(timeout=RESULT_TIMEOUT / 6) == {"pages": 2}
     assert [r["page"] for r in records(tag)] == [1, 2]
+
+
+def test_a_replacement_sent_by_a_retry_runs(group: WorkerGroup) -> None:
+    """Attempt 0 retries (its record: ``retried``, attempt 0) and the retry replaces itself:
+    the replacement, ``retries`` 0 again under the same task id, runs once; it used to be
+    ended as a copy of attempt 0 (``already_done``), its result never stored."""
+    tag = uid()
+    result = group.send(tasks.replacing_retried, tag, tag, 1)
+    assert result.get(timeout=RESULT_TIMEOUT / 6) == {"pages": 2}
+    assert [(r["page"], r["attempt"]) for r in records(tag)] == [(1, 0), (1, 1), (2, 0)]
 
 
 def test_soft_time_limit_fails_the_task_and_frees_the_lock(group: WorkerGroup) -> None:

@@ -231,3 +231,109 @@ def retrying_past_soft_limit(self: Any, tag: str) -> int:
     except SoftTimeLimitExceeded:
         events.rpush(f"{tag}:soft", 1)
         raise self.retry(countdown=0) from None
+
+
+def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) -> int:
+    """Records its run (stage, attempt, fence, start, task id) in ``<tag>:runs``. Stage 0 of
+    attempt 0 says so in ``<tag>:ready`` and waits for ``<tag>:go`` (the test makes the store
+    refuse releases meanwhile; ``how`` ``"retried"``: it retries first, at once, and its
+    attempt 1 replaces itself without waiting); then ``self.replace()`` by stage 1 of
+    ``replacement`` (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the
+    task id; ``"chain-first"``: before it, under an id of its own); stage 1 returns 1."""
+    from celery import chain
+
+    events = _events()
+    attempt = int(task.request.retries or 0)
+    run = {
+        "stage": stage,
+        "attempt": attempt,
+        "fence": task.lock.fence,
+        "start": time.time(),
+        "id": task.request.id,
+    }
+    events.rpush(f"{tag}:runs", json.dumps(run))
+    if stage:
+        return 1
+    if attempt == 0:
+        if how == "retried":
+            raise task.retry(countdown=0)
+        events.rpush(f"{tag}:ready", 1)
+        events.blpop([f"{tag}:go"], timeout=60)
+    follow = replacement.si(tag, 1, how)
+    if how == "chain":
+        raise task.replace(chain(noted.si(tag), follow))
+    if how == "chain-first":
+        raise task.replace(chain(follow, noted.si(tag)))
+    raise task.replace(follow)
+
+
+@app.task
+def noted(tag: str) -> None:
+    """Notes in ``<tag>:noted`` that it ran (the first link of a replacement chain)."""
+    _events().rpush(f"{tag}:noted", 1)
+
+
+@exclusive_task(app=app, key="replace:{tag}", ttl=RETRY_TTL, time_limit=60, bind=True)
+def replacing(self: Any, tag: str, stage: int, how: str = "") -> int:
+    """:func:`_replacing_run` by itself, completion records kept (the default)."""
+    return _replacing_run(self, tag, stage, how, replacing)
+
+
+@exclusive_task(app=app, key="replace:{tag}", ttl=RETRY_TTL, time_limit=60, done_retention=False, bind=True)
+def replacing_unrecorded(self: Any, tag: str, stage: int, how: str = "") -> int:
+    """:func:`_replacing_run` by itself without completion records."""
+    return _replacing_run(self, tag, stage, how, replacing_unrecorded)
+
+
+@exclusive_task(app=app, key="killed:{tag}", ttl=30, time_limit=3, bind=True)
+def replaced_then_killed(self: Any, tag: str, stage: int = 0) -> None:
+    """Stage 0 retries once (at once), and its retry replaces itself by stage 1, which says
+    so in ``<tag>:ready`` (stage, attempt, fence) and sleeps into its hard time limit (3 s):
+    the worker's main process kills it and releases its lease with its record."""
+    if not stage:
+        if not self.request.retries:
+            raise self.retry(countdown=0)
+        raise self.replace(replaced_then_killed.si(tag, 1))
+    ready = {"stage": stage, "attempt": self.request.retries, "fence": self.lock.fence}
+    _events().rpush(f"{tag}:ready", json.dumps(ready))
+    time.sleep(60)
+
+
+def _rerun_retrying_run(task: Any, tag: str, n: int, countdown: float) -> int:
+    """Records its run (``n``, attempt, fence, start, end) in ``<tag>:runs``. Run 1's attempt
+    0 says so in ``<tag>:ready`` (its fence), waits for ``<tag>:go`` and retries with
+    ``countdown``; any other run returns ``n``."""
+    events = _events()
+    attempt, start = int(task.request.retries or 0), time.time()
+    run = {"n": n, "attempt": attempt, "fence": task.lock.fence, "start": start}
+    if n == 1 and not attempt:
+        events.rpush(f"{tag}:ready", json.dumps(run))
+        events.blpop([f"{tag}:go"], timeout=60)
+        events.rpush(f"{tag}:runs", json.dumps({**run, "end": time.time()}))
+        raise task.retry(countdown=countdown)
+    events.rpush(f"{tag}:runs", json.dumps({**run, "end": time.time()}))
+    return n
+
+
+@exclusive_task(app=app, key="rerun:{tag}", on_locked="rerun", ttl=RETRY_TTL, time_limit=60, bind=True)
+def rerun_retrying(self: Any, tag: str, n: int, countdown: float = 0.0) -> int:
+    """:func:`_rerun_retrying_run` under ``on_locked="rerun"``."""
+    return _rerun_retrying_run(self, tag, n, countdown)
+
+
+#: The max_lifetime of :func:`rerun_retrying_short`'s runs (and so its rerun marker's ttl).
+SHORT_LIFETIME = 3.0
+
+
+@exclusive_task(
+    app=app,
+    key="rerun:{tag}",
+    on_locked="rerun",
+    ttl=2,
+    max_lifetime=SHORT_LIFETIME,
+    time_limit=60,
+    bind=True,
+)
+def rerun_retrying_short(self: Any, tag: str, n: int, countdown: float = 0.0) -> int:
+    """:func:`rerun_retrying` whose runs live 3 s at most: a recorded rerun's marker too."""
+    return _rerun_retrying_run(self, tag, n, countdown)

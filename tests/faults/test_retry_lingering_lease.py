@@ -74,13 +74,20 @@ class Worker(AclWorker):
         return result, tag, time.time()
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    with acl_app_worker(
-        redis_server, "retry", tmp_path_factory.mktemp("celery-retry"), Worker, concurrency=2
-    ) as worker:
-        yield worker
+def module_worker(name: str) -> Any:
+    """A module's ``worker`` fixture: a :class:`Worker` called ``name`` (two processes),
+    its ACL user and the test's app; stopped and deleted afterwards."""
+
+    @pytest.fixture(scope="module")
+    def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+        log_dir = tmp_path_factory.mktemp(f"celery-{name}")
+        with acl_app_worker(redis_server, name, log_dir, Worker, concurrency=2) as worker:
+            yield worker
+
+    return worker
+
+
+worker = module_worker("retry")
 
 
 @pytest.mark.parametrize(
@@ -186,3 +193,68 @@ def test_a_retry_sent_after_its_release_was_interrupted_runs(proxied: ProxiedWor
     assert [run["attempt"] for run in runs] == [0, 1], runs
     assert runs[0]["fence"] == held.fence
     assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
+
+
+#: The ttl of the eager test's lease, in seconds.
+EAGER_TTL = 4.0
+
+
+@pytest.mark.parametrize("outage", [OUTAGE, None], ids=["answers", "refuses-past-ttl"])
+def test_an_eager_retry_behind_its_attempts_unreleased_lease_runs_once(
+    redis_server: PrivateRedis, outage: float | None
+) -> None:
+    """``task_always_eager`` (the retry runs inline, in the same call): attempt 0's release
+    is refused and it retries. The retry waits inline behind that lease (no message to
+    re-publish), never running while it is held and never skipped (``on_locked="skip"``):
+    it runs once, after the store answered again (the heartbeat's background release got
+    through), or, if the store refuses releases for good, once the lease expired (4 s)."""
+    import threading
+
+    import redis
+    from celery import Celery
+
+    from celery_exclusive.task import exclusive_task
+    from tests.faults.conftest import acl_user
+
+    admin = redis.Redis(port=redis_server.port)
+    answered: list[float] = []
+    try:
+        with acl_user(admin, "ce-eager") as (user, password):
+
+            def answer() -> None:
+                admin.execute_command("ACL", "SETUSER", user, "+@all")
+                answered.append(time.time())
+
+            app = Celery("eager_retry", broker="memory://", set_as_current=False)
+            app.conf.update(
+                task_always_eager=True,
+                exclusive_url=f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0",
+                exclusive_prefix=f"e{uuid.uuid4().hex[:10]}:",
+            )
+            runs: list[tuple[int, int, float]] = []
+
+            @exclusive_task(app=app, key="k", ttl=EAGER_TTL, on_locked="skip", shared=False, bind=True)
+            def job(self: Any) -> int:
+                assert self.lock is not None
+                runs.append((self.request.retries, self.lock.fence, time.time()))
+                if not self.request.retries:
+                    admin.execute_command("ACL", "SETUSER", user, "-hdel")
+                    if outage is not None:
+                        threading.Timer(outage, answer).start()
+                    raise self.retry(countdown=0)
+                return int(self.request.retries)
+
+            try:
+                assert job.delay().get() == 1
+            finally:
+                job.lock_service.close()
+    finally:
+        admin.close()
+    assert [attempt for attempt, _, _ in runs] == [0, 1], runs
+    (_, first, began), (_, second, retried) = runs
+    assert second != first
+    if outage is None:
+        assert retried >= began + EAGER_TTL - SLACK, "the retry ran while its attempt's lease was held"
+    else:
+        assert answered, "the store never answered again"
+        assert retried >= answered[0] - SLACK, "the retry ran while its attempt's lease was held"

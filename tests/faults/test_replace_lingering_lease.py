@@ -1,0 +1,111 @@
+"""``self.replace(sig)`` by an exclusive run: the replacement, which Celery gives the run's
+own task id (a single signature; the last task of a chain), must run once, never be taken
+for a copy of the run it replaced.
+
+The run releases its lease before the replacement is sent, but the store refuses that
+release (the worker's Redis ACL user may not ``HDEL``: see
+:mod:`tests.faults.test_retry_lingering_lease`), so the lease stays until the heartbeat's
+background release gets through (or its ttl, 20 s). A replacement of the same key and task
+id delivered meanwhile finds it; and a run that retried before it replaced itself left a
+completion record (``retried``, attempt 0) that the replacement (attempt 0 again) finds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from celery_exclusive.redelivery import ATTEMPTS_HEADER
+from tests.faults.conftest import SLACK, wait_until
+from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker, module_worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+worker = module_worker("replace")
+
+
+def replaced_behind_a_refused_release(worker: Worker, task: str, how: str) -> tuple[Any, str, float]:
+    """Stage 0 of ``task`` replaces itself (``how``) while the store refuses its release,
+    which answers again :data:`OUTAGE` seconds later, the lease still in the store. The
+    result, the tag, and when the store answered again."""
+    tag = uuid.uuid4().hex[:8]
+    result = getattr(worker.app, task).apply_async((tag, 0, how), queue=worker.queue)
+    try:
+        assert worker.admin.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-4000:]
+        worker.refuse_releases()
+        worker.admin.rpush(f"{tag}:go", 1)
+        time.sleep(OUTAGE)
+        assert worker.store.peek(f"replace:{tag}") is not None, "the lease is still there"
+    finally:
+        worker.answer()
+    return result, tag, time.time()
+
+
+@pytest.mark.parametrize("task", ["replacing", "replacing_unrecorded"])
+@pytest.mark.parametrize("how", ["", "chain"])
+def test_a_replacement_behind_its_runs_unreleased_lease_runs_once_that_lease_is_gone(
+    worker: Worker, task: str, how: str
+) -> None:
+    """The replacement (the same task and key, the same task id; or the last task of a
+    chain, which takes the id) runs once, soon after the store answered again: not taken
+    for a copy (deferred to the lease's ttl with records, dropped without)."""
+    result, tag, answered = replaced_behind_a_refused_release(worker, task, how)
+    assert worker.result(result, OUTAGE + SETTLED) == 1
+    time.sleep(1.0)  # a second run of the replacement would have started by now
+    runs = worker.runs(tag)
+    assert [run["stage"] for run in runs] == [0, 1], runs
+    assert runs[1]["id"] == result.id
+    assert runs[1]["start"] >= answered - SLACK, "the replacement ran while the lease was held"
+    assert f"redelivered: tests.faults._celery_app.{task}[{result.id}]" not in worker.text()
+    if how == "chain":
+        assert worker.admin.llen(f"{tag}:noted") == 1
+
+
+def test_a_replacement_chains_first_task_behind_its_runs_unreleased_lease_runs(worker: Worker) -> None:
+    """The chain's first task (a new task id, its parent the replaced run's; the chain's
+    last task takes the run's id) locks the same key: it waits for the replaced run's
+    lease, as a retry does, and runs once (it met that lease as any other holder: under
+    ``on_locked="skip"`` it was skipped)."""
+    result, tag, answered = replaced_behind_a_refused_release(worker, "replacing", "chain-first")
+    assert worker.result(result, OUTAGE + SETTLED) is None  # the chain's last task: noted
+    runs = worker.runs(tag)
+    assert [run["stage"] for run in runs] == [0, 1], runs
+    assert runs[1]["id"] != result.id
+    assert runs[1]["start"] >= answered - SLACK, "the replacement ran while the lease was held"
+    assert worker.admin.llen(f"{tag}:noted") == 1
+
+
+def test_a_replacement_after_a_retry_runs(worker: Worker) -> None:
+    """Attempt 0 retries (its record: ``retried``, attempt 0), attempt 1 replaces itself:
+    the replacement, attempt 0 of the same task id again, is no copy of attempt 0 (it was
+    ended as ``already_done``: lost)."""
+    tag = uuid.uuid4().hex[:8]
+    result = worker.app.replacing.apply_async((tag, 0, "retried"), queue=worker.queue)
+    assert worker.result(result, 30) == 1
+    runs = worker.runs(tag)
+    assert [(run["stage"], run["attempt"]) for run in runs] == [(0, 0), (0, 1), (1, 0)], runs
+
+
+def test_a_copy_of_a_killed_replacement_does_not_run(worker: Worker) -> None:
+    """A replacement sent by a retry (attempt 1 of its task id, though its own ``retries``
+    is 0) killed at its hard time limit: the worker's main process records its failure at
+    that attempt, so a copy of its message ends as ``already_done`` (the record named
+    attempt 0, and the copy ran the body again)."""
+    from billiard.exceptions import TimeLimitExceeded
+
+    tag = uuid.uuid4().hex[:8]
+    result = worker.app.replaced_then_killed.apply_async((tag,), queue=worker.queue)
+    raw = worker.admin.blpop([f"{tag}:ready"], timeout=60)
+    assert raw is not None, worker.text()[-4000:]
+    with pytest.raises(TimeLimitExceeded):
+        worker.result(result, 30)
+    worker.app.replaced_then_killed.apply_async(
+        (tag, 1), task_id=result.id, headers={ATTEMPTS_HEADER: 1}, queue=worker.queue
+    )
+    done = f"already_done: tests.faults._celery_app.replaced_then_killed[{result.id}]"
+    assert wait_until(lambda: done in worker.text(), 30), worker.text()[-6000:]
+    assert worker.admin.llen(f"{tag}:ready") == 0, "the copy ran"
