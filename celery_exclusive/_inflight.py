@@ -10,8 +10,10 @@ re-exports the deadlines and constants.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -36,12 +38,16 @@ MAX_CALLS = 16
 #: it no call starts (a store gone silent would only get one more connection) until one
 #: ends, and a lease with no call is declared LOST at its local deadline as ever.
 MAX_THREADS = 2 * MAX_CALLS
+#: Least time between two warnings that :data:`MAX_THREADS` kept calls from starting, in seconds.
+CAP_WARNING_INTERVAL = 60.0
 #: Deadline of a sweep call (``sweep=``), in seconds; it holds one call slot meanwhile.
 SWEEP_TIMEOUT = 5.0
 #: A lease's refresh interval.
 interval_of = operator.attrgetter("refresh_interval")
 #: (store key, token) of a release to retry, and the time after which the store surely expired it.
 Release = tuple[tuple[str, str], float]
+
+logger = logging.getLogger("celery_exclusive")
 
 
 def _deadline(lease: Lease) -> float:
@@ -122,6 +128,9 @@ class InFlight:
         # (store key, token) -> the completion record its release writes (a run's, see add_release).
         self.pending_records: dict[tuple[str, str], Completion] = {}
         self.releasing: Call | None = None
+        #: Calls refused at the thread cap since its last warning, and when that was (monotonic).
+        self._refused = 0
+        self._warned_at = -CAP_WARNING_INTERVAL
 
     def start(
         self,
@@ -133,21 +142,55 @@ class InFlight:
         releases: bool = False,
     ) -> Call | None:
         """Run ``target(call, *args)`` in a thread of its own; None if no slot is free (see
-        :meth:`full`). ``timeouts``: how long the heartbeat waits for it, and how long it may take."""
+        :meth:`full`; refusals at :data:`MAX_THREADS` are a WARNING at most each
+        :data:`CAP_WARNING_INTERVAL`). ``timeouts``: how long the heartbeat waits for it, and
+        how long it may take. A thread that cannot start (RuntimeError) is not counted: the
+        call is forgotten and the error raised."""
         call = Call(leases, now, *timeouts)
         with self.mutex:
-            if self.full():
-                return None
-            self.threads += 1
-            self.calls.append(call)
-            self.busy.update(map(id, leases))
-            if releases:
-                self.releasing = call
+            refused = self.full()
+            warning = self._refused_at_cap() if refused else None
+            if not refused:
+                self.threads += 1
+                self.calls.append(call)
+                self.busy.update(map(id, leases))
+                if releases:
+                    self.releasing = call
+        if warning is not None:
+            logger.warning(
+                "celery-exclusive: all %d heartbeat call threads are busy, %d of them of calls "
+                "given up (still waiting on a store that does not answer); %d call(s) could not "
+                "start since the last such warning. A lease whose refresh cannot start is "
+                "declared LOST at its local deadline.",
+                *warning,
+            )
+        if refused:
+            return None
         # Not the heartbeat's thread_factory: that one makes the heartbeat thread (tests replace it).
         thread = threading.Thread(target=self._run, args=(target, call, *args), name="celery-exclusive-call")
         thread.daemon = True
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self.mutex:
+                self.threads -= 1
+                if call in self.calls:
+                    self._drop(call)
+            raise
         return call
+
+    def _refused_at_cap(self) -> tuple[int, int, int] | None:
+        """Count a call refused; (threads, of calls given up, refused) if it was refused at
+        :data:`MAX_THREADS` and no warning was given for :data:`CAP_WARNING_INTERVAL`
+        (caller holds ``mutex``)."""
+        if self.threads < MAX_THREADS:
+            return None  # MAX_CALLS waited for: ordinary back-pressure, the calls end by their deadlines
+        self._refused += 1
+        at = time.monotonic()
+        if at - self._warned_at < CAP_WARNING_INTERVAL:
+            return None
+        refused, self._refused, self._warned_at = self._refused, 0, at
+        return self.threads, self.threads - len(self.calls), refused
 
     def _run(self, target: Callable[..., None], call: Call, *args: object) -> None:
         try:

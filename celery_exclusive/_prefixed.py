@@ -71,12 +71,25 @@ class PrefixedStore:
     def locks(self, prefix: str = "") -> list[LockInfo]:
         """Every live lease whose key (without the service prefix) starts with ``prefix``, and
         the higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys."""
-        found = self._call("scan", self.provider.scan, self.prefix + check_filter(prefix))
-        if prefix and not prefix.startswith("{"):  # "" already covers every slot key
-            braced = self._call("scan", self.provider.scan, self.prefix + "{" + prefix)
-            slots = [info for info in braced if _slot_of_filtered(info.key[len(self.prefix) :], prefix)]
-            found = sorted([*found, *slots], key=lambda info: semaphore.slot_of(info.key[len(self.prefix) :]))
-        return [unprefixed(info, self.prefix) for info in found]
+        found = [
+            unprefixed(info, self.prefix)
+            for info in self._call("scan", self.provider.scan, self.prefix + check_filter(prefix))
+        ]
+        if not prefix or prefix.startswith("{"):  # "" already covers every slot key
+            return found
+        limit = self.provider.max_key_length
+        start = semaphore.slot_scan(prefix, prefix=self.prefix, max_length=limit)
+        braced = self._call("scan", self.provider.scan, self.prefix + start)
+        listed = semaphore.slots_listed(
+            prefix, [info.key for info in found], prefix=self.prefix, max_length=limit
+        )
+        order = {id(info): semaphore.slot_of(info.key) for info in found}
+        for info in (unprefixed(each, self.prefix) for each in braced):
+            slot = listed(info.key)
+            if slot is not None:
+                found.append(info)
+                order[id(info)] = slot
+        return sorted(found, key=lambda info: order[id(info)])
 
     def force_release(
         self, key: str, token: str, *, completion: Completion | None = None, keep_for: float | None = None
@@ -239,10 +252,3 @@ class PrefixedStore:
 
     def _after_fork_in_child(self) -> None:
         self._calls = StoreCalls()  # the parent's stuck calls have no thread here
-
-
-def _slot_of_filtered(key: str, prefix: str) -> bool:
-    """Whether ``key`` (found by its start ``"{" + prefix``) is a higher slot of a semaphore
-    whose key starts with ``prefix``, not a plain key that only starts so."""
-    semaphore_key, slot = semaphore.slot_of(key)
-    return slot > 1 and semaphore_key.startswith(prefix)

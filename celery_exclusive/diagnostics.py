@@ -10,9 +10,9 @@ command that hangs for the driver's own timeouts. The service's own deadline is 
 for that (measured on a silent server with ``call_timeout=1``, tests/test_cli.py): the
 service's peek ends by its deadline on Redis (1.0 s) and MariaDB (1.1 s), but PostgreSQL's
 first call sets up the schema within libpq's 2 s ``connect_timeout`` floor (2.0-2.2 s).
-A ``diagnose()`` that takes the ``timeout`` keyword (the SQL stores') is given the deadline
-and ends by it itself; one that does not (Redis's: 10 s on a silent server) runs in a
-thread that doctor stops waiting for at the deadline.
+A ``diagnose()`` that takes the ``timeout`` keyword (the SQL stores' and Redis's) is given the
+deadline and ends by it itself; one that does not (a third-party store's) runs in a thread
+that doctor stops waiting for at the deadline.
 """
 
 from __future__ import annotations

@@ -370,13 +370,16 @@ class Heartbeat:
                 started.append(call)
         if self._sweep is not None and self._sweep.due(now, self._inflight):
             # After the refreshes, in a call thread of its own: it never delays them.
-            call = self._inflight.start(
-                [], now, (SWEEP_TIMEOUT, SWEEP_TIMEOUT), self._sweep.run, self._clock, self._inflight
-            )
+            call = None
+            try:
+                call = self._inflight.start(
+                    [], now, (SWEEP_TIMEOUT, SWEEP_TIMEOUT), self._sweep.run, self._clock, self._inflight
+                )
+            finally:
+                if call is None:  # refused, or its thread did not start: due again next pass
+                    self._sweep.running = False
             if call is not None:
                 started.append(call)
-            else:
-                self._sweep.running = False
         return started
 
     def _lose_apart(self, lost: list[Lease]) -> None:

@@ -32,7 +32,10 @@
   N therefore takes effect as the higher slots' holders finish; raising it is immediate.
 * Listing: ``locks()`` / ``peek`` / CLI ``list`` show each slot as its own lease, slot ``i``
   under ``{key}#i`` (sorted after ``key``); :func:`slot_of` reads a listed key back (for a
-  shortened slot key, the braced text: the key's start and its hash).
+  shortened slot key, the braced text: the key's start and its hash). ``locks(start)``
+  lists the higher slots of every key starting with ``start`` (:func:`slots_listed`), the
+  shortened ones too: by the start they keep, or, for a longer ``start``, by the hash of
+  ``start`` itself or of a listed key (slot 1 held) that starts so.
 * Waiting (``wait=``) on a full semaphore subscribes to the release signals of every slot
   (``subscribe_any``, :class:`~celery_exclusive.providers.base.WakesOnAny`: memory, Redis,
   PostgreSQL), so the release of any slot wakes it; on a store with only ``subscribe`` it
@@ -49,9 +52,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Iterable
 
 from celery_exclusive.errors import InvalidArgumentError
-from celery_exclusive.validation import check_key, shortened, shown
+from celery_exclusive.validation import DIGEST_LENGTH, check_key, shortened, shown
 
 #: Largest ``limit`` accepted (slots a refused attempt may have to look at).
 MAX_LIMIT = 64
@@ -107,3 +111,55 @@ def slot_of(listed: str) -> tuple[str, int]:
     """``(semaphore key, slot)`` of a listed key: ``("K", 3)`` for ``{K}#3``, ``(key, 1)`` else."""
     found = _SLOT.fullmatch(listed)
     return (found.group(1), int(found.group(2))) if found else (listed, 1)
+
+
+def _kept(prefix: str, max_length: int | None) -> tuple[int, int] | None:
+    """(length of a shortened slot key's braced text, characters of the key it keeps), or
+    None where no slot key is shortened."""
+    if max_length is None:
+        return None
+    length = max_length - len(prefix) - _SLOT_ROOM
+    return length, length - 1 - DIGEST_LENGTH
+
+
+def slot_scan(start: str, *, prefix: str = "", max_length: int | None = None) -> str:
+    """The text every higher slot key of every key starting with ``start`` starts with
+    (``{`` and ``start``, cut to what a shortened slot key keeps of its key)."""
+    kept = _kept(prefix, max_length)
+    return "{" + (start if kept is None or kept[1] < 0 else start[: kept[1]])
+
+
+def slots_listed(
+    start: str, keys: Iterable[str], *, prefix: str = "", max_length: int | None = None
+) -> Callable[[str], tuple[str, int] | None]:
+    """For a key found by :func:`slot_scan`: ``(semaphore key, slot)`` if it is a higher slot
+    of a key starting with ``start``, else None. A shortened slot key (``{<start>~<hash>}#i``)
+    keeps too little of its key to compare with a longer ``start``: it is one if it is the
+    slot key of ``start`` itself or of one of ``keys`` (listed keys starting with ``start``),
+    and its semaphore key is then that key."""
+    kept = _kept(prefix, max_length)
+    hashed: dict[str, str] | None = None
+
+    def listed(key: str) -> tuple[str, int] | None:
+        nonlocal hashed
+        text, slot = slot_of(key)
+        if slot == 1:
+            return None
+        if kept is None or len(start) <= kept[1] or not _is_shortened(text, *kept):
+            return (text, slot) if text.startswith(start) else None
+        if hashed is None:  # only a start longer than the kept text needs the hashes
+            hashed = {shortened(each, kept[0]): each for each in (start, *keys) if each.startswith(start)}
+        original = hashed.get(text)
+        return None if original is None else (original, slot)
+
+    return listed
+
+
+def _is_shortened(text: str, length: int, head: int) -> bool:
+    """Whether ``text`` (a slot key's braced text) has the form :func:`shortened` gives a key."""
+    return (
+        len(text) == length and head >= 0 and text[head] == "~" and _HEX.fullmatch(text, head + 1) is not None
+    )
+
+
+_HEX = re.compile(r"[0-9a-f]+")

@@ -67,7 +67,8 @@ def check_key(key: object, *, prefix: str = "", max_length: int | None = None) -
 
 
 #: Hex digits of a long key's SHA-256 in the keys derived from it (:func:`derived_key`): 128 bits.
-_DIGEST = 32
+#: Hex digits of SHA-256 a :func:`shortened` key ends with.
+DIGEST_LENGTH = _DIGEST = 32
 
 
 def derived_key(key: str, suffix: str, *, prefix: str, max_length: int | None) -> str:

@@ -8,8 +8,8 @@ this module is imported (``celery_exclusive.task`` imports it):
   exclusive and the lock store is not configured (or its settings are invalid), an ERROR
   line names the setting; ``exclusive_startup_check = "fatal"`` (or
   ``CELERY_EXCLUSIVE_STARTUP_CHECK=fatal``) stops the worker instead, ``"off"`` says
-  nothing. Also notes whether the worker sends task events (``-E``), for
-  :mod:`celery_exclusive.observe`.
+  nothing (another value: an ERROR line naming it, then the ``"log"`` check). Also notes
+  whether the worker sends task events (``-E``), for :mod:`celery_exclusive.observe`.
 * ``worker_process_init`` (each prefork child; the main process for other pools, at start):
   the lock store's connection is opened, so the first task does not pay for importing
   its driver and connecting (a prefork worker imports the driver once, in the main
@@ -234,7 +234,11 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
     if _pool_forks(instance):  # inherited by the pool's children, read by warm_up_process
         alive = app.conf.get("worker_proc_alive_timeout") or PROC_ALIVE_TIMEOUT
         _child_warm_up[0] = min(WARM_UP_TIMEOUT, UP_SHARE * float(alive))
-    mode = startup_check_mode(app.conf)
+    try:
+        mode = startup_check_mode(app.conf)
+    except ConfigurationError as exc:
+        logger.error("celery-exclusive: %s; checking as with 'log'.", exc)
+        mode = "log"
     if mode == "off":
         return
     names = exclusive_task_names(app)
@@ -484,7 +488,8 @@ def release_killed(
     A store that does not answer does not end this: the lease is looked for again until it
     answers, and a release (or record) that fails is handed to the service's heartbeat,
     which retries it each second (:func:`.release_later`); each gives up once the lease's
-    ttl has passed, by when the store has expired it.
+    ttl has passed, by when the store has expired it. Such a give-up, a configuration
+    error or a key the run's arguments cannot make is one log line, without a traceback.
     """
     keys_for = getattr(task, "lock_keys_for", None)
     if keys_for is None or not task_id:
@@ -494,6 +499,15 @@ def release_killed(
         service = get_lock_service(task.app)
         done = redelivery.killed(task, keys, task_id, attempt) if record else None
         held = _held_by(task, service, keys, task_id)
+    except ExclusiveError as exc:  # the store's configuration, the key's arguments: said already
+        logger.error(
+            "celery-exclusive cannot release the lock of %s[%s] (%s): %s",
+            getattr(task, "name", task),
+            task_id,
+            why,
+            exc,
+        )
+        return None
     except Exception:
         logger.exception("cannot release the lock of %s[%s] (%s)", getattr(task, "name", task), task_id, why)
         return None
@@ -572,6 +586,8 @@ def _release_when_gone(
         finally:
             with _handling_mutex:
                 _handling.discard((key, info.token))
+    except ExclusiveError as exc:  # the store down past the lease's ttl: expected, said in a line
+        logger.warning("%s: could not release its lock %r: %s; it expires with its ttl", what, key, exc)
     except Exception:
         logger.exception("%s: could not release its lock %r; it expires with its ttl", what, key)
 

@@ -161,6 +161,19 @@ class RedisServer:
                         wire.close()
         return wire
 
+    @property
+    def on_wires(self) -> bool:
+        """Whether calls can go on Wires, within deadlines: not through a client you passed."""
+        return self.wire is not None or (self.cluster and self.target.built)
+
+    def primary_wires(self, deadline: float) -> list[tuple[str, Wire]]:
+        """The Wire to each primary (with its node's name, "" for one server), for calls
+        within ``deadline`` (monotonic); only :attr:`on_wires`."""
+        if self.wire is not None:
+            return [("", self.wire)]
+        nodes = self.client_by(deadline).get_primaries()
+        return [(node.name, self._wire_to(node.name, node.redis_connection)) for node in nodes]
+
     def _remap(self) -> None:
         """Ask the cluster for its slot map again (a node answered MOVED or ASK)."""
         if self.cluster:

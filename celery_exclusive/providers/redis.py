@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_exclusive.errors import ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _redis_resp as resp
-from celery_exclusive.providers._redis_diagnose import diagnose_servers
+from celery_exclusive.providers._redis_diagnose import diagnose_servers, within
 from celery_exclusive.providers._redis_scripts import (
     ACQUIRE,
     ACQUIRE_ANY,
@@ -528,13 +528,19 @@ class RedisLockProvider:
         reply = self._scripts.run(PEEK, 1, key, timeout=timeout)
         return None if reply[1] == 0 else self._info(key, reply[1], reply[0])
 
-    def diagnose(self) -> list[Diagnosis]:
+    def diagnose(self, *, timeout: float | None = None) -> list[Diagnosis]:
         """Server version and role, clock skew, scripting, eviction and persistence settings.
 
-        On a cluster every primary is checked (details name the node).
+        On a cluster every primary is checked (details name the node). With ``timeout``, a
+        store that does not answer by then is a BackendError by then (through a client you
+        passed: a thread asking it is no longer waited for).
         """
-        found = diagnose_servers(self._server)
-        self.peek("celery-exclusive:doctor")  # the scripts run (a proxy may refuse EVAL)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if deadline is not None and not self._server.on_wires:
+            return within(deadline, self._server, self.diagnose)
+        found = diagnose_servers(self._server, deadline)
+        # The scripts run (a proxy may refuse EVAL).
+        self.peek("celery-exclusive:doctor", timeout=_left(deadline))
         found.append(Diagnosis("scripts", "ok", "Lua scripts run"))
         return found
 

@@ -97,6 +97,25 @@ def test_unknown_startup_check_value_is_a_configuration_error(value: str) -> Non
         startup_check_mode({STARTUP_CHECK_SETTING: value})
 
 
+def test_an_unknown_startup_check_value_is_one_error_line_at_worker_start(celery_logdir: Path) -> None:
+    """A misspelt ``exclusive_startup_check`` is one ERROR line naming the setting, and the
+    worker goes on with the default check (``"log"``: here, the missing store's line); it
+    used to raise out of the signal receiver (Celery logged a traceback, checked nothing)."""
+    require_server(BROKER_URL)
+    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": "", STARTUP_CHECK_ENV: "loud"})
+    try:
+        wait_ready([worker])
+        log = worker.text()
+    finally:
+        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    assert "check_at_worker_start" not in log, log[-3000:]  # Celery's "Signal handler ... raised"
+    errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
+    assert len(errors) == 2, log[-3000:]
+    assert STARTUP_CHECK_SETTING in errors[0]
+    assert "'loud'" in errors[0]
+    assert "CELERY_EXCLUSIVE_URL" in errors[1]
+
+
 def _body() -> None:
     pass
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from celery_exclusive.worker import (
     KILL_LOOKUP_WINDOW,
     get_lock_service,
     process_gone,
+    release_killed,
     release_on_hard_time_limit,
     release_on_process_shutdown,
     release_on_terminate,
@@ -313,3 +316,74 @@ def test_a_hard_time_limit_reported_twice_is_handled_once(
     finally:
         child.kill()
         child.wait()
+
+
+def _hook_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.name.startswith("celery_exclusive")]
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        (None, "no lock store configured"),
+        ("postgresql+nodriver://u:hunter2@127.0.0.1/test", "the 'nodriver' package is required"),
+    ],
+)
+def test_a_kill_hook_on_a_misconfigured_store_logs_one_line(
+    url: str | None, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A configuration problem (no URL, a missing driver) met by the kill hook is one ERROR
+    line naming the run and the problem: no traceback (it used to log one, with the
+    driver's chained error), no credentials."""
+    app = Celery(f"ce_hooks_{uuid.uuid4().hex[:6]}", set_as_current=False)
+    if url is not None:
+        app.conf.exclusive_url = url
+
+    @exclusive_task(app=app, key="job:{n}", name=f"{app.main}.job", shared=False)
+    def job(n: int) -> None: ...
+
+    request = type("Request", (), {"id": "T-conf", "args": [1], "kwargs": {}})()
+    with caplog.at_level(logging.DEBUG, logger="celery_exclusive"):
+        release_on_terminate(sender=job, request=request, terminated=True)
+    records = _hook_records(caplog)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    record = records[0]
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is None
+    assert record.exc_text is None
+    message = record.getMessage()
+    assert f"{job.name}[T-conf]" in message
+    assert "terminated (revoked)" in message
+    assert reason in message
+    assert "hunter2" not in caplog.text
+
+
+def test_a_kill_hooks_lookup_on_a_store_down_past_the_ttl_ends_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The release thread that looked for the killed run's lease while the store was down
+    gives up once the lease's ttl has passed: a WARNING line saying so, no traceback (an
+    outage is expected there), no credentials."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = Celery(f"ce_hooks_{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.exclusive_url = f"redis://:hunter2@127.0.0.1:{port}/0"
+
+    @exclusive_task(app=app, key="job:{n}", name=f"{app.main}.job", shared=False, ttl=1)
+    def job(n: int) -> None: ...
+
+    request = type("Request", (), {"id": "T-down", "args": [1], "kwargs": {}})()
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_exclusive"):
+            thread = release_killed(job, request.id, request.args, request.kwargs, "terminated (revoked)")
+            assert thread is not None
+            thread.join(30)
+            assert not thread.is_alive()
+    finally:
+        get_lock_service(app).close(release=False)
+    records = _hook_records(caplog)
+    assert records, "nothing logged"
+    assert all(record.exc_info is None for record in records), caplog.text
+    assert "it expires with its ttl" in records[-1].getMessage()
+    assert "hunter2" not in caplog.text

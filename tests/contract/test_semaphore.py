@@ -258,6 +258,41 @@ def test_locks_with_a_filter_include_the_higher_slots(store: Store) -> None:
         lease.release()
 
 
+def test_locks_by_a_long_key_include_its_hashed_slots(store: Store) -> None:
+    """A key too long for ``{key}#i`` has slots ``{<start>~<hash>}#i``, which keep only the
+    key's start: locks() by the key itself, or by a start longer than the one kept, still
+    lists them (by the hash of the key, or of a listed key that starts so), and not the
+    slots of another long key that shares the kept start."""
+    service = store.service()
+    longest = service.provider.max_key_length - len(service.prefix)
+    base = f"long-{uuid.uuid4().hex[:8]}-"
+    first, second, third = (base + "k" * (longest - len(base) - 1) + end for end in "abc")
+    held = {key: [service.lock(key, limit=3, ttl=30) for _ in range(3)] for key in (first, second, third)}
+    assert "~" in slot_key(first, 2, prefix=service.prefix, max_length=service.provider.max_key_length)
+    held[third][0].release()  # slot 1 of the third is free: its hashed slots are found by the key's hash
+    try:
+
+        def listed(prefix: str) -> list[str]:
+            return [info.key for info in service.locks(prefix)]
+
+        def slots(key: str, *numbers: int) -> list[str]:
+            return [
+                slot_key(key, n, prefix=service.prefix, max_length=service.provider.max_key_length)
+                for n in numbers
+            ]
+
+        assert listed(first) == slots(first, 1, 2, 3)
+        assert listed(third) == slots(third, 2, 3)
+        assert listed(first[:-1]) == [*slots(first, 1, 2, 3), *slots(second, 1, 2, 3)]
+        assert sorted(listed(base)) == sorted(
+            [*slots(first, 1, 2, 3), *slots(second, 1, 2, 3), *slots(third, 2, 3)]
+        )
+    finally:
+        for leases in held.values():
+            for lease in leases:
+                lease.release()
+
+
 def test_a_waiter_on_a_full_semaphore_gets_the_slot_a_holder_releases(store: Store) -> None:
     """lock(limit=2, wait=) on a full key acquires once one holder releases (polled or woken),
     and gives up at its timeout when nobody does."""

@@ -23,13 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
-from celery_exclusive import BackendError
+from celery_exclusive import BackendError, LockService
+from celery_exclusive.diagnostics import provider_findings
 from celery_exclusive.providers.base import RefreshRequest
+from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.providers.sql import SqlLockProvider
-from tests.conftest import MYSQL_URL, POSTGRES_URL, drop_lock_table, require_server, with_option
+from tests.conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, drop_lock_table, require_server, with_option
 from tests.contract.test_close import _open_to
 from tests.faults.conftest import SLACK, Faults
+from tests.faults.servers import TcpProxy
 from tests.silent import silent_server
 
 CALL_TIMEOUT = 1.0
@@ -194,6 +198,18 @@ def test_diagnose_on_a_silent_server_ends_by_its_deadline(store: str) -> None:
             provider.close()
 
 
+def _while_stalled(proxy: TcpProxy, call: Callable[[], object]) -> tuple[object, float]:
+    """What ``call()`` gave (see :func:`_ended`) while ``proxy`` was stalled, and the seconds
+    it took; the proxy is resumed after."""
+    proxy.stall()
+    try:
+        started = time.monotonic()
+        found = _ended(call, 8.0)
+        return found, time.monotonic() - started
+    finally:
+        proxy.resume()
+
+
 #: The shared servers' URLs and ports, for a relay in front of them.
 SHARED = {"postgres": (POSTGRES_URL, 5432), "mariadb": (MYSQL_URL, 3306)}
 
@@ -212,13 +228,7 @@ def test_diagnose_on_a_stalled_server_ends_by_its_deadline(faults: Faults, store
     try:
         provider.set_up(timeout=10)
         assert all(d.status != "fail" for d in provider.diagnose(timeout=10))
-        proxy.stall()
-        try:
-            started = time.monotonic()
-            found = _ended(lambda: provider.diagnose(timeout=CALL_TIMEOUT), 8.0)
-            took = time.monotonic() - started
-        finally:
-            proxy.resume()
+        found, took = _while_stalled(proxy, lambda: provider.diagnose(timeout=CALL_TIMEOUT))
         assert isinstance(found, list), found
         assert [(d.check, d.status) for d in found] == [("connect", "fail")]
         assert took <= CALL_TIMEOUT + SLACK, f"diagnose() took {took:.3f} s"
@@ -227,6 +237,74 @@ def test_diagnose_on_a_stalled_server_ends_by_its_deadline(faults: Faults, store
     finally:
         provider.close()
         drop_lock_table(server, table)
+
+
+#: A password that must never show in a Redis error.
+REDIS_SECRET = "pw-diagnose"
+
+
+@pytest.mark.parametrize("given", ["url", "client"])
+def test_redis_diagnose_on_a_silent_server_ends_by_its_deadline(given: str) -> None:
+    """Redis's ``diagnose(timeout=)`` (what ``celery-exclusive doctor`` calls) raises
+    BackendError by its deadline on a server that accepts and never answers: it took no
+    deadline, doctor waiting for it in a thread left asking for the client's 10 s. Through
+    a client you passed (whose calls take no deadline) too."""
+    with silent_server() as port:
+        if given == "url":
+            provider = RedisLockProvider(f"redis://:{REDIS_SECRET}@127.0.0.1:{port}/0")
+        else:
+            provider = RedisLockProvider(
+                client=redis.Redis(port=port, password=REDIS_SECRET, socket_timeout=30)
+            )
+        try:
+            started = time.monotonic()
+            found = _ended(lambda: provider.diagnose(timeout=CALL_TIMEOUT), 8.0)
+            took = time.monotonic() - started
+            assert isinstance(found, BackendError), found
+            assert took <= CALL_TIMEOUT + SLACK, f"diagnose() took {took:.3f} s"
+            assert REDIS_SECRET not in str(found)
+        finally:
+            provider.close()
+
+
+def _redis_behind(proxy_port: int) -> str:
+    return REDIS_URL.replace(":6379/", f":{proxy_port}/")
+
+
+def test_redis_diagnose_on_a_stalled_server_ends_by_its_deadline(faults: Faults) -> None:
+    """Behind a relay that stalls once diagnose has passed on it, Redis's diagnose ends by
+    its deadline with BackendError, and passes again once the relay is cut (a fresh
+    connection)."""
+    require_server(REDIS_URL)
+    proxy = faults.proxy(6379)
+    provider = RedisLockProvider(_redis_behind(proxy.port))
+    try:
+        assert all(d.status != "fail" for d in provider.diagnose(timeout=10)), provider.diagnose()
+        found, took = _while_stalled(proxy, lambda: provider.diagnose(timeout=CALL_TIMEOUT))
+        assert isinstance(found, BackendError), found
+        assert took <= CALL_TIMEOUT + SLACK, f"diagnose() took {took:.3f} s"
+        proxy.cut()
+        assert all(d.status != "fail" for d in provider.diagnose(timeout=10))
+    finally:
+        provider.close()
+
+
+def test_doctors_redis_findings_on_a_stalled_server_are_the_stores_own_deadline(faults: Faults) -> None:
+    """doctor's provider findings on a stalled Redis are a failed ``diagnose`` check by the
+    deadline, raised by the store's own diagnose (given the deadline), not doctor's wait for
+    a thread that goes on asking (as before, for the client's 10 s)."""
+    require_server(REDIS_URL)
+    proxy = faults.proxy(6379)
+    service = LockService(_redis_behind(proxy.port), prefix=f"ce-doctor-{uuid.uuid4().hex[:6]}:")
+    try:
+        assert all(d.status != "fail" for d in provider_findings(service, timeout=10))
+        found, took = _while_stalled(proxy, lambda: provider_findings(service, timeout=CALL_TIMEOUT))
+        assert isinstance(found, list), found
+        assert [(d.check, d.status) for d in found] == [("diagnose", "fail")], found
+        assert "gave no answer during diagnose" not in found[0].detail, found[0].detail
+        assert took <= CALL_TIMEOUT + SLACK, f"doctor's diagnose took {took:.3f} s"
+    finally:
+        service.close(release=False)
 
 
 #: PyMySQL's handshake without a deadline: within the URL's connect_timeout.

@@ -7,6 +7,7 @@ kernel buffers, no error reaches either side); a cut resets every connection.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -174,13 +175,18 @@ def _call_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "celery-exclusive-call" and t.is_alive()}
 
 
-def test_a_long_stall_keeps_call_threads_within_the_cap(backend: Backend, faults: Faults) -> None:
+def test_a_long_stall_keeps_call_threads_within_the_cap(
+    backend: Backend, faults: Faults, caplog: pytest.LogCaptureFixture
+) -> None:
     """The store goes silent (a stalled relay) with many leases held, each in a call of its
     own, their ttls 2-3.75 s: the heartbeat gives every refresh up at its deadline and
     retries it on a fresh connection, but never has more than MAX_THREADS call threads
     alive, those of the calls given up (still waiting on their sockets) included. Each
     lease is still declared LOST by its local deadline (plus SLACK), those for which no
-    call could start too; once the store answers again the service locks and refreshes."""
+    call could start too; once the store answers again the service locks and refreshes.
+    The refused calls are one WARNING line (rate-limited), naming the cap and the threads
+    of calls given up: they used to be refused silently."""
+    caplog.set_level(logging.WARNING, logger="celery_exclusive")
     proxy = faults.proxy(backend.port)
     service = faults.service(backend.url(proxy.port, application_name="ce-threads"), heartbeat_batch_size=1)
     lost: dict[str, float] = {}
@@ -205,6 +211,11 @@ def test_a_long_stall_keeps_call_threads_within_the_cap(backend: Backend, faults
     assert not late, f"declared LOST past the local deadline + SLACK: {late}"
     assert peak <= MAX_THREADS, f"{peak} call threads alive at once (cap {MAX_THREADS})"
     assert peak == MAX_THREADS, "the premise: the cap was reached, calls could not start"
+    capped = [r.getMessage() for r in caplog.records if "call threads" in r.getMessage()]
+    assert len(capped) == 1, capped  # the stall is far shorter than CAP_WARNING_INTERVAL
+    assert f"all {MAX_THREADS} heartbeat call threads are busy" in capped[0]
+    assert "given up" in capped[0]
+    assert "declared LOST at its local deadline" in capped[0]
     proxy.resume()
     log = faults.refresh_log(service)
     resumed = time.monotonic()

@@ -8,14 +8,17 @@ key becomes free. A lease's expiry as the store saw it is bracketed by a ``peek`
 
 from __future__ import annotations
 
+import logging
+import math
 import signal
+import threading
 import time
 
 import pytest
 
 from celery_exclusive import LeaseState, ReleaseOutcome
 from tests.conftest import TIME_SLACK
-from tests.faults.conftest import LONG, SLACK, Backend, Faults, HolderProcess, faketime_wrapper
+from tests.faults.conftest import LONG, SLACK, Backend, Faults, HolderProcess, faketime_wrapper, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -131,3 +134,59 @@ def test_skewed_wall_clock_changes_nothing(backend: Backend, faults: Faults, off
         violations=0,
         **figures,
     )
+
+
+def test_a_call_thread_that_cannot_start_is_not_counted(
+    backend: Backend, faults: Faults, caplog: pytest.LogCaptureFixture
+) -> None:
+    """For a while this process cannot start a thread (a thread stack of 16 TiB cannot be
+    mapped): the heartbeat's refresh calls fail to start, and the heartbeat says so and
+    tries again. A failed start is undone: once threads start again the lease is refreshed
+    and no call thread is counted that does not run (one used to stay counted per failed
+    start, and MAX_THREADS of them left no call startable: every lease then LOST)."""
+    caplog.set_level(logging.WARNING, logger="celery_exclusive")
+    service = faults.service(backend.url(application_name="ce-nothread"), ttl=3.0, refresh_interval=0.25)
+    lease = service.lock(KEY)
+    inflight = service.heartbeat._inflight
+    log = faults.refresh_log(service)
+
+    def start_failed() -> bool:
+        return any(
+            record.exc_info is not None and "can't start new thread" in str(record.exc_info[1])
+            for record in caplog.records
+        )
+
+    normal = threading.stack_size(2**44)
+    try:
+        assert wait_until(start_failed, 5 * TIME_SLACK), caplog.text
+    finally:
+        threading.stack_size(normal)
+    resumed = time.monotonic()
+    assert wait_until(lambda: log.confirmed_since(resumed, 1), 3 * TIME_SLACK)
+    assert wait_until(lambda: inflight.threads == 0, 2 * TIME_SLACK), (
+        f"{inflight.threads} call thread(s) counted"
+    )
+    assert lease.state is LeaseState.HELD
+    assert lease.release() is ReleaseOutcome.RELEASED
+
+
+def test_a_sweep_whose_thread_cannot_start_is_tried_again(backend: Backend, faults: Faults) -> None:
+    """The heartbeat's sweep is due while this process cannot start a thread, and no refresh
+    is (a long ttl): the sweep's call fails to start. Once threads start again the sweep
+    runs again (a sweep whose start failed used to stay "running": none ever again)."""
+    service = faults.service(backend.url(application_name="ce-nosweep"), ttl=60.0, sweep_interval=0.2)
+    lease = service.lock(KEY)
+    sweeper = service.heartbeat._sweep
+    if sweeper is None:
+        pytest.skip(f"the {backend.name} store has no heartbeat sweep")
+    assert wait_until(lambda: sweeper.at != math.inf, 5 * TIME_SLACK)
+    normal = threading.stack_size(2**44)
+    try:
+        # The sweep fell due and could not start: it is "running" with no thread, or failed.
+        swept_at = sweeper.at
+        time.sleep(1.0)
+        assert sweeper.at == swept_at, "a sweep ran while no thread could start"
+    finally:
+        threading.stack_size(normal)
+    assert wait_until(lambda: sweeper.at != swept_at, 5 * TIME_SLACK), "no sweep after threads start again"
+    assert lease.release() is ReleaseOutcome.RELEASED

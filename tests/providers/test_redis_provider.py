@@ -781,8 +781,14 @@ def test_fork_safety(provider: RedisLockProvider, prefix: str) -> None:
 
 
 def test_diagnose(provider: RedisLockProvider, private_redis: str) -> None:
-    """diagnose() reports version, scripts, clock and persistence, and an outage as an error."""
+    """diagnose() reports version, scripts, clock and persistence, and an outage as an error;
+    with ``timeout=`` (its questions then on the provider's own connections) the same."""
     checks = {d.check: d for d in provider.diagnose()}
+    within = {d.check: d for d in provider.diagnose(timeout=10)}
+    assert {c: d.status for c, d in within.items()} == {c: d.status for c, d in checks.items()}
+    assert {c: d.detail for c, d in within.items() if c != "clock"} == {
+        c: d.detail for c, d in checks.items() if c != "clock"
+    }
     assert checks["server"].status == "ok"
     assert checks["scripts"].status == "ok"
     assert checks["clock"].status in ("ok", "warn")
@@ -790,12 +796,14 @@ def test_diagnose(provider: RedisLockProvider, private_redis: str) -> None:
     private = RedisLockProvider(private_redis)
     try:
         assert {d.check: d.status for d in private.diagnose()}["persistence"] == "warn"  # appendonly no
+        assert {d.check: d.status for d in private.diagnose(timeout=10)}["persistence"] == "warn"
     finally:
         private.close()
     dead = RedisLockProvider("redis://:s3cret@127.0.0.1:1/0")
-    with pytest.raises(BackendError) as raised:
-        dead.diagnose()
-    assert "s3cret" not in str(raised.value)
+    for timeout in (None, 10):
+        with pytest.raises(BackendError) as raised:
+            dead.diagnose(timeout=timeout)
+        assert "s3cret" not in str(raised.value)
 
 
 def test_volatile_eviction_policy_is_a_diagnosed_failure(private_redis: str) -> None:

@@ -243,8 +243,11 @@ def test_no_nodes_wire_keeps_a_connection_after_close(redis_cluster: str) -> Non
 
 
 def test_diagnose_checks_every_primary(provider: RedisLockProvider, redis_cluster: str) -> None:
-    """diagnose() reports the cluster and each primary; a plain URL at a cluster node fails."""
+    """diagnose() reports the cluster and each primary; a plain URL at a cluster node fails.
+    With ``timeout=`` (each primary asked on its Wire) the same findings."""
     found = provider.diagnose()
+    within = provider.diagnose(timeout=10)
+    assert [(d.check, d.status) for d in within] == [(d.check, d.status) for d in found]
     checks = {d.check for d in found}
     assert {"cluster", "server", "clock", "scripts"} <= checks
     assert [d.status for d in found if d.check == "cluster"] == ["ok"]
@@ -255,6 +258,7 @@ def test_diagnose_checks_every_primary(provider: RedisLockProvider, redis_cluste
     try:
         statuses = {d.check: d.status for d in plain.diagnose()}
         assert statuses["cluster"] == "fail"
+        assert {d.check: d.status for d in plain.diagnose(timeout=10)} == statuses
     finally:
         plain.close()
 

@@ -244,6 +244,7 @@ def test_database_number_and_diagnose(sentinel: tuple[int, int]) -> None:
         assert direct.hget(key, "token") == b"tok"
         assert provider.release(key, "tok") is True
         checks = {d.check: d.status for d in provider.diagnose()}
+        assert {d.check: d.status for d in provider.diagnose(timeout=10)} == checks
         assert checks["server"] == "ok"
         assert "replica" not in checks  # a primary without replicas
     finally:
