@@ -559,6 +559,18 @@ class RefreshLog:
         signals.refresh_failed.disconnect(self._failed, sender=self.service)
 
 
+def cpu_wait(thread: threading.Thread | None) -> float | None:
+    """Seconds ``thread`` (of this process) has spent runnable but waiting for a CPU since it
+    started (Linux ``schedstat``); None where that is not known. A loaded machine's share in
+    a lateness, not the library's."""
+    tid = None if thread is None else thread.native_id
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def warm_pool(service: LockService, connections: int = 4) -> None:
     """Fill an SQL provider's pool with ``connections`` open connections (no-op for Redis),
     so that a fault leaves several stale ones behind."""
