@@ -245,9 +245,10 @@ def test_a_long_stall_keeps_call_threads_within_the_cap(
     assert len(lost) == len(leases), f"{len(leases) - len(lost)} lease(s) never declared LOST"
     assert not late, f"declared LOST past the local deadline + SLACK: {late}"
     assert peak <= MAX_THREADS, f"{peak} call threads alive at once (cap {MAX_THREADS})"
-    assert peak == MAX_THREADS, "the premise: the cap was reached, calls could not start"
+    # The premise, that the cap was reached and calls could not start, is the warning: it is
+    # given only at the cap (sampling every 10 ms may miss the peak on a loaded machine).
     capped = [r.getMessage() for r in caplog.records if "call threads" in r.getMessage()]
-    assert len(capped) == 1, capped  # the stall is far shorter than CAP_WARNING_INTERVAL
+    assert len(capped) == 1, (peak, capped)  # the stall is far shorter than CAP_WARNING_INTERVAL
     assert f"all {MAX_THREADS} heartbeat call threads are busy" in capped[0]
     assert "given up" in capped[0]
     assert "declared LOST at its local deadline" in capped[0]
