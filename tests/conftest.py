@@ -66,7 +66,8 @@ SERIAL = (
 #: handed on after a lost lease, behind an 8 s lease, or across a 14 s stall (each waits
 #: for the rerun's run; the file's soft-time-limit and 3 s-lease tests stay serial); the
 #: close() stress (rounds for a set time, each checked for crashes, leaks and words, not
-#: durations); the
+#: durations); the sockets a failed connect leaves and the statement timeouts a MariaDB
+#: connection keeps (counted and compared; the silent server is the test's own); the
 #: completion records on the Cluster (tests/contract/
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
@@ -79,6 +80,8 @@ UNTIMED = (
     "faults/test_dedupe_faults.py",
     "faults/test_record_faults.py",
     "faults/test_close_race.py",
+    "faults/test_connection_deadlines.py::test_a_connect_that_gives_up_leaves_no_socket_open",
+    "faults/test_connection_deadlines.py::test_mariadb_connections_made_without_a_deadline_keep_the_configured_statement_timeouts",
     "faults/test_rerun_hand_on.py::test_a_rerun_waits_out_its_senders_lease_past_lock_max_retries",
     "faults/test_rerun_hand_on.py::test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background",
     "faults/test_rerun_hand_on.py::test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun",
@@ -104,6 +107,8 @@ PARALLEL_FIRST = (
     "test_benchmarks_quick.py",
     "test_cli.py",
     "faults/test_close_race.py",
+    "faults/test_connection_deadlines.py::test_a_connect_that_gives_up_leaves_no_socket_open",
+    "faults/test_connection_deadlines.py::test_mariadb_connections_made_without_a_deadline_keep_the_configured_statement_timeouts",
     "celery/test_long_keys.py",
     "celery/test_integration.py",
     "test_model.py",
