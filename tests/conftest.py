@@ -71,7 +71,9 @@ SERIAL = (
 #: completion records on the Cluster (tests/contract/
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
-#: (counted in turns, so load lengthens the run instead of failing it), not latencies.
+#: (counted in turns, so load lengthens the run instead of failing it), not latencies; the
+#: Celery stress (enqueues for a set time, then checks the log for overlaps, fence order and
+#: lost tasks; its 6 s leases are refreshed every 2 s, its drain bounded only by a hang guard).
 UNTIMED = (
     "faults/test_pg_semaphore_races.py",
     "faults/test_pg_takeover_races.py",
@@ -89,6 +91,7 @@ UNTIMED = (
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
     "stress/test_fence_order.py",
+    "stress/test_stress.py",
 )
 #: Modules whose tests the parallel part runs on every store already (the lock contract, the
 #: semaphore contract), their few bounds sized for its load (``TIME_SLACK``): collected
@@ -113,6 +116,7 @@ PARALLEL_FIRST = (
     "celery/test_integration.py",
     "test_model.py",
     "test_demo.py",
+    "stress/test_stress.py",
     "celery/test_wait_workers.py",
     "celery/test_startup.py",
     "django/test_django_contract.py",
