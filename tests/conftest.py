@@ -66,11 +66,14 @@ SERIAL = (
 #: handed on after a lost lease, behind an 8 s lease, or across a 14 s stall (each waits
 #: for the rerun's run; the file's soft-time-limit and 3 s-lease tests stay serial); the
 #: close() stress (rounds for a set time, each checked for crashes, leaks and words, not
-#: durations); the
+#: durations); the sockets a failed connect leaves and the statement timeouts a MariaDB
+#: connection keeps (counted and compared; the silent server is the test's own); the
 #: completion records on the Cluster (tests/contract/
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
-#: (counted in turns, so load lengthens the run instead of failing it), not latencies.
+#: (counted in turns, so load lengthens the run instead of failing it), not latencies; the
+#: Celery stress (enqueues for a set time, then checks the log for overlaps, fence order and
+#: lost tasks; its 6 s leases are refreshed every 2 s, its drain bounded only by a hang guard).
 UNTIMED = (
     "faults/test_pg_semaphore_races.py",
     "faults/test_pg_takeover_races.py",
@@ -79,6 +82,8 @@ UNTIMED = (
     "faults/test_dedupe_faults.py",
     "faults/test_record_faults.py",
     "faults/test_close_race.py",
+    "faults/test_connection_deadlines.py::test_a_connect_that_gives_up_leaves_no_socket_open",
+    "faults/test_connection_deadlines.py::test_mariadb_connections_made_without_a_deadline_keep_the_configured_statement_timeouts",
     "faults/test_rerun_hand_on.py::test_a_rerun_waits_out_its_senders_lease_past_lock_max_retries",
     "faults/test_rerun_hand_on.py::test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background",
     "faults/test_rerun_hand_on.py::test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun",
@@ -86,6 +91,7 @@ UNTIMED = (
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
     "stress/test_fence_order.py",
+    "stress/test_stress.py",
 )
 #: Modules whose tests the parallel part runs on every store already (the lock contract, the
 #: semaphore contract), their few bounds sized for its load (``TIME_SLACK``): collected
@@ -104,10 +110,13 @@ PARALLEL_FIRST = (
     "test_benchmarks_quick.py",
     "test_cli.py",
     "faults/test_close_race.py",
+    "faults/test_connection_deadlines.py::test_a_connect_that_gives_up_leaves_no_socket_open",
+    "faults/test_connection_deadlines.py::test_mariadb_connections_made_without_a_deadline_keep_the_configured_statement_timeouts",
     "celery/test_long_keys.py",
     "celery/test_integration.py",
     "test_model.py",
     "test_demo.py",
+    "stress/test_stress.py",
     "celery/test_wait_workers.py",
     "celery/test_startup.py",
     "django/test_django_contract.py",

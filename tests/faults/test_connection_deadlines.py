@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,12 +47,13 @@ CALLS: dict[str, Callable[[Any, str], object]] = {
 }
 
 
-@pytest.fixture(params=["sqlite", "postgres", "mariadb"])
-def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """Each SQL store's URL, with a fresh table (dropped after)."""
+@pytest.fixture(scope="module", params=["sqlite", "postgres", "mariadb"])
+def sql_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Each SQL store's URL, with a table of the module's (dropped after): its tests use
+    keys of their own, and only the first creates the schema."""
     name: str = request.param
     if name == "sqlite":
-        yield f"sqlite:///{tmp_path / 'locks.db'}"
+        yield f"sqlite:///{tmp_path_factory.mktemp('pool') / 'locks.db'}"
         return
     server = POSTGRES_URL if name == "postgres" else MYSQL_URL
     require_server(server)

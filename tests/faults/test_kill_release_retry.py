@@ -10,7 +10,6 @@ did not release stays that long.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,8 +22,8 @@ from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-#: How long the store refuses the worker's commands, in seconds.
-OUTAGE = 4.0
+#: How long the worker may take to report the store's refusals it will retry (a hang guard).
+REPORTED = 30.0
 #: How soon after the store answers again the killed run's lease must be gone: the
 #: heartbeat retries a release each second (without the retry it stays its 30 s ttl).
 SETTLED = 5.0 + 4 * SLACK
@@ -38,13 +37,18 @@ class Worker(AclWorker):
         """The store refuses every command of the worker's user from now on."""
         self.admin.execute_command("ACL", "SETUSER", self.user, "-@all")
 
-    def outlast(self, tag: str, fence: int, outage: float) -> None:
-        """With the store refusing the worker (``refuse()`` called), wait ``outage`` seconds
-        and check the killed run's lease (``fence``) is still held; then let the store
-        answer and check the lease is released within :data:`SETTLED`."""
+    def outlast(self, tag: str, fence: int, *refused: str) -> None:
+        """With the store refusing the worker (``refuse()`` called), wait until its log shows
+        each of ``refused`` (the failures it retries, ``{key}`` standing for the lock's key)
+        and check the killed run's lease (``fence``) is still held; then let the store answer
+        and check the lease is released within :data:`SETTLED`."""
+        key = f"killed:{tag}"
         try:
-            time.sleep(outage)
-            held = self.store.peek(f"killed:{tag}")
+            lines = [line.format(key=repr(key)) for line in refused]
+            assert wait_until(lambda: all(line in self.text() for line in lines), REPORTED, interval=0.05), (
+                f"the worker did not report all of {lines}:\n{self.text()[-4000:]}"
+            )
+            held = self.store.peek(key)
             assert held is not None, "the lease was released while the store refused the worker"
             assert held.fence == fence
         finally:
@@ -82,7 +86,9 @@ def test_a_hard_time_limit_kill_the_store_refuses_is_released_with_its_record_la
     except BaseException:
         worker.answer()
         raise
-    worker.outlast(tag, fence, OUTAGE)
+    worker.outlast(
+        tag, fence, "could not look for its lock {key}", "could not record it as failed on lock {key} yet"
+    )
     record = worker.store.completion(f"killed:{tag}", result.id)
     assert record is not None, worker.text()[-4000:]
     assert record.outcome == "failure"
@@ -99,6 +105,5 @@ def test_a_terminated_runs_release_the_store_refuses_is_retried(worker: Worker) 
     worker.app.app.control.revoke(result.id, terminate=True)
     assert worker.admin.blpop([f"{tag}:dying"], timeout=30) is not None, worker.text()[-4000:]
     worker.refuse()
-    worker.outlast(tag, fence, worker.app.DYING + OUTAGE)
     # The release after the process's exit failed, and was retried (not the lookup).
-    assert f"could not release its lock 'killed:{tag}' (fence {fence})" in worker.text()
+    worker.outlast(tag, fence, f"could not release its lock {{key}} (fence {fence})")

@@ -220,7 +220,11 @@ def test_a_long_stall_keeps_call_threads_within_the_cap(
     lease is still declared LOST by its local deadline (plus SLACK), those for which no
     call could start too; once the store answers again the service locks and refreshes.
     The refused calls are one WARNING line (rate-limited), naming the cap and the threads
-    of calls given up: they used to be refused silently."""
+    of calls given up: they used to be refused silently. The cap is the store-independent
+    call layer's (``_inflight``): the short mode runs this on PostgreSQL only, ``CE_LONG=1``
+    on Redis too."""
+    if not LONG and backend.name != "postgres":
+        pytest.skip("the call-thread cap is store-independent: the short mode runs it on PostgreSQL")
     caplog.set_level(logging.WARNING, logger="celery_exclusive")
     proxy = faults.proxy(backend.port)
     service = faults.service(backend.url(proxy.port, application_name="ce-threads"), heartbeat_batch_size=1)

@@ -27,6 +27,10 @@ TTL = 1.5
 INTERVAL = 0.5
 #: Clock tolerance between the store's clock and ours (same machine: rates agree).
 EPS = 0.01
+#: The skewed-clock cases of the short mode: each store's holder an hour off one way, each
+#: way on one store (either way puts any wall-clock reading an hour from the truth, far past
+#: the ttl). ``CE_LONG=1`` runs both ways on both stores.
+SHORT_SKEWS = {("postgres", "+1h"), ("redis", "-1h")}
 
 
 def kill_and_take_over(
@@ -103,6 +107,8 @@ def test_stopped_holder_learns_it_lost(backend: Backend, faults: Faults) -> None
 @pytest.mark.parametrize("offset", ["+1h", "-1h"])
 def test_skewed_wall_clock_changes_nothing(backend: Backend, faults: Faults, offset: str) -> None:
     """A holder whose wall clock is an hour off keeps its lease, and its lease still expires on schedule."""
+    if not LONG and (backend.name, offset) not in SHORT_SKEWS:
+        pytest.skip("the short mode skews each store's clock one way (CE_LONG=1: both ways)")
     skew = 3600.0 if offset.startswith("+") else -3600.0
     wrapper = faketime_wrapper(offset)
     # Held for several ttls, under libfaketime: the ttl scales with the machine's load (a
