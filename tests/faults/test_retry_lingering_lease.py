@@ -36,6 +36,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SETTLED = 6.5 + 4 * SLACK
 #: How long the retry may take to look at its key for the first time (a hang guard).
 FIRST_LOOK = 30.0
+#: How long the store refuses releases in the tests that cannot wait on the retry's look
+#: (an eager retry; a replacement's and a rerun's, tests/faults/test_replace_lingering_lease.py
+#: and test_rerun_retry.py), in seconds: the lease is still in the store when it ends.
+OUTAGE = 2.5
 #: The tasks the short mode retries with a countdown too: records on and off, single lock
 #: and semaphore, each once (the countdown only delays the retry's first look; the store
 #: calls after it are those of the countdown-0 cases). ``CE_LONG=1``: all four.
