@@ -446,6 +446,25 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("redis-broken-ipv6", f"redis://:{MARKER}@[::1/0", "malformed lock store URL"),
     ("redis-bad-db", "redis://h/0?db=notanint", "bad redis URL"),
     ("missing-driver", "postgresql+nosuchdriver://h/x", "pip install"),
+    # Driver parameters SQLAlchemy converts when it builds the engine: named, never a ValueError.
+    ("sqlite-timeout", "sqlite:///x.db?timeout=abc", "bad value for URL option 'timeout'"),
+    ("sqlite-flag", "sqlite:///x.db?uri=abc&timeout=2", "bad value for URL option 'uri'"),
+    ("sqlite-int", "sqlite:///x.db?cached_statements=1.5", "bad value for URL option 'cached_statements'"),
+    (
+        "mysql-timeout",
+        f"{UNREACHABLE['mariadb']}?connect_timeout=abc",
+        "bad value for URL option 'connect_timeout'",
+    ),
+    (
+        "mysql-flag",
+        f"{UNREACHABLE['mariadb']}?charset=utf8mb4&compress=abc",
+        "bad value for URL option 'compress'",
+    ),
+    (
+        "mariadb-timeout",
+        f"mariadb+pymysql://u:{MARKER}@h/x?read_timeout=1e3",
+        "bad value for URL option 'read_timeout'",
+    ),
 ]
 
 

@@ -25,26 +25,37 @@ def lock_random_sets(
     *,
     keys: list[str],
     seconds: float,
+    cap: float,
+    wait: float,
     busy_dir: str,
     seed: int,
     results: Any,
     start: Any,
+    progress: Any,
 ) -> None:
     """Lock random 3-of-N key sets (in random order) with ``lock_many(wait=)`` for
-    ``seconds``; mark each key busy in ``busy_dir`` (O_EXCL files) while held, counting any
-    key found already busy (an overlap). Reports (acquisitions, overlaps, timeouts)."""
+    ``seconds``, and on until this process got one set (at most ``cap`` seconds); mark each
+    key busy in ``busy_dir`` (O_EXCL files) while held, counting any key found already busy
+    (an overlap). ``progress`` counts every process's acquisitions: a wait that ran out
+    while it stood still is a stall (nobody could take anything: a deadlock), one that ran
+    out while others were served is a starved wait (load, or bad luck on a polling store).
+    Reports (seed, acquisitions, overlaps, stalls, starved waits)."""
     rng = random.Random(seed)
     service = LockService(url, prefix=prefix, ttl=30)
-    acquired = overlaps = timeouts = 0
+    acquired = overlaps = stalls = starved = 0
     service.peek(keys[0])  # connect before the start line
     start.wait()
-    end = time.monotonic() + seconds
+    began = time.monotonic()
     try:
-        while time.monotonic() < end:
+        while time.monotonic() - began < (seconds if acquired else cap):
             chosen = rng.sample(keys, 3)
-            taken = service.try_lock_many(chosen, wait=5.0)
+            before = progress.value
+            taken = service.try_lock_many(chosen, wait=wait)
             if taken is None:
-                timeouts += 1
+                if progress.value == before:
+                    stalls += 1
+                else:
+                    starved += 1
                 continue
             with taken:
                 marks = []
@@ -59,9 +70,11 @@ def lock_random_sets(
                 for mark in marks:
                     mark.unlink()
             acquired += 1
+            with progress.get_lock():
+                progress.value += 1
     finally:
         service.close()
-    results.put((seed, acquired, overlaps, timeouts))
+    results.put((seed, acquired, overlaps, stalls, starved))
 
 
 def take_turns(

@@ -424,15 +424,20 @@ def test_lock_many_waits_without_holding_anything(store: Store) -> None:
 
 def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp_path: Path) -> None:
     """8 processes lock random 3-of-6 key sets in random order (a few seconds; 20 s with
-    CE_LONG=1): every process makes progress, no key is ever held by two at once (an
-    external oracle: O_EXCL marker files), no wait times out (no deadlock)."""
+    CE_LONG=1, and on until each got a set): no key is ever held by two at once (an
+    external oracle: O_EXCL marker files), no wait runs out while nobody is served (a
+    deadlock), and every process gets a set. A wait that runs out while others are served
+    is starvation, which a loaded machine causes on a polling store (a first lock_many of
+    5.4 s was measured on SQLite with 12 busy loops beside it): counted and printed, not
+    failed; the cap (30 s x TIME_SLACK) ends a run that starves a process for good."""
     if not store.cross_process:
         pytest.skip(f"store {store.name!r} is not run across processes (cross_process=False)")
     ctx = process_context()
-    results, start = ctx.Queue(), ctx.Barrier(8)
+    results, start, progress = ctx.Queue(), ctx.Barrier(8), ctx.Value("i", 0)
     prefix = store.service().prefix
     keys = [f"res{i}" for i in range(6)]
     seconds = 20.0 if LONG else 3.0
+    cap, wait = 30.0 * TIME_SLACK, 5.0 * TIME_SLACK
     procs = [
         ctx.Process(
             target=_wait_workers.lock_random_sets,
@@ -440,24 +445,30 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
             kwargs={
                 "keys": keys,
                 "seconds": seconds,
+                "cap": cap,
+                "wait": wait,
                 "busy_dir": str(tmp_path),
                 "seed": seed,
                 "results": results,
                 "start": start,
+                "progress": progress,
             },
         )
         for seed in range(8)
     ]
     for proc in procs:
         proc.start()
-    reports = sorted(results.get(timeout=seconds + 90) for _ in procs)
+    reports = sorted(results.get(timeout=cap + wait + 90) for _ in procs)
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0
-    assert all(overlaps == 0 for _, _, overlaps, _ in reports), reports
-    assert all(timeouts == 0 for _, _, _, timeouts in reports), reports
-    assert all(acquired > 0 for _, acquired, _, _ in reports), reports
-    print(f"{store.name}: acquisitions per process {[acquired for _, acquired, _, _ in reports]}")
+    assert all(overlaps == 0 for _, _, overlaps, _, _ in reports), reports
+    assert all(stalls == 0 for _, _, _, stalls, _ in reports), reports
+    assert all(acquired > 0 for _, acquired, _, _, _ in reports), reports
+    print(
+        f"{store.name}: acquisitions per process {[acquired for _, acquired, _, _, _ in reports]},"
+        f" starved waits {sum(starved for *_, starved in reports)}"
+    )
 
 
 def jain_index(counts: list[int]) -> float:

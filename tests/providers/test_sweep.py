@@ -139,7 +139,8 @@ def test_sigkilled_holders_rows_are_swept_by_another_process_heartbeat(db: Db) -
 def test_a_live_lease_is_never_swept_while_sweeps_race_acquires_takeovers_and_refreshes(db: Db) -> None:
     """Sweeps in a loop against acquirers that take keys (free, or taking over a dead row),
     refresh and let some expire: every lease refreshed within its ttl is still owned, and
-    each key's fences grow strictly. The race lasts at least 3 s (10 s with CE_LONG=1) and
+    each key's fences grow strictly in the order the store granted them (see
+    _fences_grow_with_real_time). The race lasts at least 3 s (10 s with CE_LONG=1) and
     until it counted what it must (rows swept, live leases checked), which a loaded machine
     only delays: at most 30 s x TIME_SLACK."""
     provider, sweeper = db.provider(), db.provider()
@@ -148,7 +149,7 @@ def test_a_live_lease_is_never_swept_while_sweeps_race_acquires_takeovers_and_re
     stop = threading.Event()
     swept: list[int] = []
     errors: list[BaseException] = []
-    fences: dict[str, list[int]] = {key: [] for key in keys}
+    grants: dict[str, list[tuple[float, float, int]]] = {key: [] for key in keys}
     checked = [0]
 
     def sweep() -> None:
@@ -168,9 +169,10 @@ def test_a_live_lease_is_never_swept_while_sweeps_race_acquires_takeovers_and_re
                 token = f"{index}-{n}"
                 sent = time.monotonic()
                 got = provider.acquire(key, token, 0.3, 10, "{}")
+                returned = time.monotonic()
                 if not isinstance(got, Grant):
                     continue
-                fences[key].append(got.fence)
+                grants[key].append((sent, returned, got.fence))
                 answer = provider.refresh([RefreshRequest(key, token, 0.3)])[0]
                 if time.monotonic() - sent < 0.2:  # still well inside its ttl: must be owned
                     assert answer is not None, f"live lease {key} was swept"
@@ -201,8 +203,21 @@ def test_a_live_lease_is_never_swept_while_sweeps_race_acquires_takeovers_and_re
     assert not errors, errors
     assert checked[0] > 20, checked[0]
     assert sum(swept) > 0  # the sweeps really deleted dead rows meanwhile
-    for key, drawn in fences.items():
-        assert drawn == sorted(set(drawn)), f"fences of {key} did not grow: {drawn}"
+    for key, drawn in grants.items():
+        _fences_grow_with_real_time(key, drawn)
+
+
+def _fences_grow_with_real_time(key: str, grants: list[tuple[float, float, int]]) -> None:
+    """Each of ``key``'s grants, ``(sent, returned, fence)`` on the monotonic clock, has a
+    larger fence than every grant of the key that returned before it was asked for, and no
+    two share a fence. Grants whose calls overlap are not ordered: with 0.3 s leases a
+    caller descheduled between its grant and reading the clock may see the next holder's
+    grant return first, so the order the callers record is not the store's."""
+    fences = [fence for _, _, fence in grants]
+    assert len(set(fences)) == len(fences), f"fences of {key} reused: {fences}"
+    for sent, _, fence in grants:
+        earlier = [(f, returned) for _, returned, f in grants if returned < sent and f >= fence]
+        assert not earlier, f"{key}: fence {fence} asked for at {sent:.3f} after grants {earlier} returned"
 
 
 def test_sweep_touches_only_dead_rows_under_the_prefix(db: Db) -> None:
