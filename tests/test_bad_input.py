@@ -468,6 +468,7 @@ BAD_URLS: list[tuple[str, str, str]] = [
     # Values SQLAlchemy passes on as they are: the driver would reject them only on connect.
     ("mysql-charset", f"{UNREACHABLE['mariadb']}?charset=nope", "bad value for URL option 'charset'"),
     ("mariadb-charset", f"mariadb://u:{MARKER}@h/x?charset=nope", "bad value for URL option 'charset'"),
+    ("mysql-int", f"{UNREACHABLE['mariadb']}?max_allowed_packet=16M", "URL option 'max_allowed_packet'"),
     ("mysql-timeout-zero", f"{UNREACHABLE['mariadb']}?read_timeout=0", "URL option 'read_timeout'"),
     (
         "pg-keepalives-idle",
@@ -521,7 +522,10 @@ def test_bad_urls_raise_configuration_error(url: str, fragment: str) -> None:
             "keepalives_idle=%207&keepalives=1&tcp_user_timeout=+20000&sslsni=0&connect_timeout=5",
         ),
         (POSTGRES_URL, "application_name=ce-bad-input&target_session_attrs=any"),
-        (MYSQL_URL, "charset=utf8mb4&read_timeout=30&write_timeout=30&local_infile=0"),
+        (
+            MYSQL_URL,
+            "charset=utf8mb4&read_timeout=30&write_timeout=30&local_infile=0&max_allowed_packet=65536",
+        ),
     ],
     ids=["postgres-numbers", "postgres-strings", "mariadb"],
 )

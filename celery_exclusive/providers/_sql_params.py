@@ -38,7 +38,7 @@ _LIBPQ_INTS = frozenset(
 #: libpq parameters documented as 0 or 1; libpq reads any value starting with "1" as on and
 #: any other as off (``sslsni=yes`` would silently be off), so only 0 and 1 are let through.
 _LIBPQ_FLAGS = frozenset({"sslcompression", "sslsni", "gssdelegation"})
-_LIBPQ_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+_DECIMAL = re.compile(r"\s*[+-]?[0-9]+\s*")
 _INT32 = range(-(2**31), 2**31)
 
 
@@ -67,7 +67,7 @@ def _values(url: sa.URL) -> Iterator[tuple[str, str]]:
 
 def _check_libpq(url: sa.URL, raw: str) -> None:
     for name, value in _values(url):
-        if name in _LIBPQ_INTS and not (_LIBPQ_INT.fullmatch(value) and int(value) in _INT32):
+        if name in _LIBPQ_INTS and not (_DECIMAL.fullmatch(value) and int(value) in _INT32):
             raise bad_option(name, raw, f"libpq needs a decimal integer, got {value!r}")
         if name in _LIBPQ_FLAGS and value not in ("0", "1"):
             raise bad_option(name, raw, f"libpq needs 0 or 1, got {value!r}")
@@ -94,8 +94,13 @@ def _check_pymysql(dialect: Dialect, url: sa.URL, connect_args: dict[str, Any], 
     for name, value in _values(url):
         if name == "charset" and charsets.charset_by_name(value) is None:
             raise bad_option(name, raw, f"PyMySQL knows no charset {value!r}")
+    defaults = {p.name: p.default for p in inspect.signature(connection).parameters.values()}
     for name in url.query:
         cargs, cparams = dialect.create_connect_args(url.set(query={name: url.query[name]}))
+        given, default = cparams.get(name), defaults.get(name)
+        # An int argument SQLAlchemy passes on as text (max_allowed_packet): PyMySQL stores it.
+        if isinstance(given, str) and type(default) is int and not _DECIMAL.fullmatch(given):
+            raise bad_option(name, raw, f"PyMySQL needs an integer, got {given!r}")
         try:
             connection(*cargs, **{**cparams, **connect_args, "defer_connect": True})
         except (ValueError, TypeError, LookupError, OSError) as exc:  # OSError: an ssl_* file
