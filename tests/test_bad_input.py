@@ -465,6 +465,39 @@ BAD_URLS: list[tuple[str, str, str]] = [
         f"mariadb+pymysql://u:{MARKER}@h/x?read_timeout=1e3",
         "bad value for URL option 'read_timeout'",
     ),
+    # Values SQLAlchemy passes on as they are: the driver would reject them only on connect.
+    ("mysql-charset", f"{UNREACHABLE['mariadb']}?charset=nope", "bad value for URL option 'charset'"),
+    ("mariadb-charset", f"mariadb://u:{MARKER}@h/x?charset=nope", "bad value for URL option 'charset'"),
+    ("mysql-int", f"{UNREACHABLE['mariadb']}?max_allowed_packet=16M", "URL option 'max_allowed_packet'"),
+    ("mysql-timeout-zero", f"{UNREACHABLE['mariadb']}?read_timeout=0", "URL option 'read_timeout'"),
+    (
+        "pg-keepalives-idle",
+        f"{UNREACHABLE_PG}?keepalives_idle=abc",
+        "bad value for URL option 'keepalives_idle'",
+    ),
+    (
+        "pg-connect-timeout",
+        f"{UNREACHABLE_PG}?connect_timeout=abc",
+        "bad value for URL option 'connect_timeout'",
+    ),
+    (
+        "pg-int-fraction",
+        f"{UNREACHABLE_PG}?tcp_user_timeout=1.5",
+        "bad value for URL option 'tcp_user_timeout'",
+    ),
+    ("pg-int-overflow", f"{UNREACHABLE_PG}?keepalives_count=9999999999", "URL option 'keepalives_count'"),
+    ("pg-flag", f"{UNREACHABLE_PG}?sslsni=yes", "bad value for URL option 'sslsni'"),
+    (
+        "pg-host-list",
+        f"postgresql://u:{MARKER}@h1,h2:5/x?keepalives=x",
+        "bad value for URL option 'keepalives'",
+    ),
+    (
+        "pg-secret-in-query",
+        f"{UNREACHABLE_PG}?password={MARKER}&keepalives_interval=-",
+        "bad value for URL option 'keepalives_interval'",
+    ),
+    ("pg-unknown-option", f"{UNREACHABLE_PG}?keepalive=1", "unknown URL option 'keepalive'"),
 ]
 
 
@@ -479,6 +512,34 @@ def test_bad_urls_raise_configuration_error(url: str, fragment: str) -> None:
         assert fragment in str(raised.value)
         assert MARKER not in str(raised.value)
         assert MARKER not in repr(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("server", "options"),
+    [
+        (
+            POSTGRES_URL,
+            "keepalives_idle=%207&keepalives=1&tcp_user_timeout=+20000&sslsni=0&connect_timeout=5",
+        ),
+        (POSTGRES_URL, "application_name=ce-bad-input&target_session_attrs=any"),
+        (
+            MYSQL_URL,
+            "charset=utf8mb4&read_timeout=30&write_timeout=30&local_infile=0&max_allowed_packet=65536",
+        ),
+    ],
+    ids=["postgres-numbers", "postgres-strings", "mariadb"],
+)
+def test_valid_driver_options_still_work(server: str, options: str) -> None:
+    """The driver parameter checks let every valid value through: the store serves a lock."""
+    require_server(server)
+    table = f"ce_opt_{uuid.uuid4().hex[:10]}"
+    service = LockService(f"{server}?{options}&ce_table={table}", prefix="opt:")
+    try:
+        lease = service.lock("k", ttl=30)
+        assert lease.release() is ReleaseOutcome.RELEASED
+    finally:
+        service.close()
+        drop_lock_table(server, table)
 
 
 def test_missing_driver_is_a_configuration_error_naming_the_extra() -> None:

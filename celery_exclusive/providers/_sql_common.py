@@ -35,8 +35,9 @@ from sqlalchemy.pool import QueuePool, StaticPool
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
+from celery_exclusive.providers._sql_params import bad_option, check_params
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
-from celery_exclusive.urls import SECRET_NAME, known_secrets, mask_error, mask_url, split_options, url_secrets
+from celery_exclusive.urls import known_secrets, mask_error, mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
 
 logger = logging.getLogger("celery_exclusive.providers.sql")
@@ -456,6 +457,7 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         raise _missing_driver(backend, driver) from exc
     except (ValueError, TypeError):  # a driver parameter SQLAlchemy could not convert
         raise _bad_option(url, raw) from None
+    check_params(engine.dialect, url, connect_args, raw)
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_connect)
         event.listen(engine, "begin", _sqlite_begin)
@@ -470,10 +472,7 @@ def _bad_option(url: sa.URL, raw: str) -> ConfigurationError:
         try:
             dialect.create_connect_args(url.set(query={name: value}))
         except (ValueError, TypeError) as exc:
-            why = "" if SECRET_NAME.fullmatch(name) else f" ({exc})"
-            return ConfigurationError(
-                f"bad value for URL option {name!r} in lock store URL {mask_url(raw)!r}{why}"
-            )
+            return bad_option(name, raw, str(exc))
     return ConfigurationError(f"bad URL options in lock store URL {mask_url(raw)!r}")
 
 
