@@ -100,7 +100,10 @@ def spent_acquiring(seconds: float) -> None:
 
 
 def _task_span(task: Any, request: Any = None) -> Any:
-    """The task's own recording span in this thread, or None."""
+    """The task's own recording span in this thread, or None. Only until the run publishes
+    a message: opentelemetry-instrumentation-celery can leave its (ended) publish span current
+    after that, when another thread publishes the same task id at the same time (the
+    client's send of the message whose lock retry this is)."""
     # Never imported here: a span can only be recording if an SDK, which imports this
     # module, is set up; so the package costs nothing where OpenTelemetry is not used.
     trace = sys.modules.get("opentelemetry.trace")
@@ -132,11 +135,23 @@ def _send_event(task: Any, type_: str, **fields: Any) -> None:
         logger.warning("could not send the %s event of this run", type_, exc_info=True)
 
 
+#: ``span=``'s default: look the span up (a caller that has looked passes what it found).
+_ASK: Any = object()
+
+
 def not_acquired(
-    task: Any, key: str, holder: LockInfo | None, outcome: str, *, reason: str | None = None
+    task: Any,
+    key: str,
+    holder: LockInfo | None,
+    outcome: str,
+    *,
+    reason: str | None = None,
+    span: Any = _ASK,
 ) -> None:
-    """The run did not get ``key``: ``outcome`` is skipped, coalesced, retried or raised."""
-    span = _task_span(task)
+    """The run did not get ``key``: ``outcome`` is skipped, coalesced, retried or raised.
+    ``span``: the run's :func:`_task_span`, if the caller looked it up (it must, before
+    publishing anything: see :func:`_task_span`)."""
+    span = _task_span(task) if span is _ASK else span
     if span is not None:
         span.set_attribute(KEY, key)
         span.set_attribute(OUTCOME, outcome)
@@ -158,10 +173,6 @@ def not_acquired(
             exclusive_reason=reason or "held",
             exclusive_holder=who,
         )
-
-
-#: ``Run(span=)``'s default: look the span up (a caller that has looked passes what it found).
-_ASK: Any = object()
 
 
 class Run:

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
+from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -89,6 +90,41 @@ def losing(n: str, duration: float) -> str:
     return "returned"
 
 
+class PublishClash:
+    """Forces one interleaving of two publishes of a task id: the client's, and the worker's
+    lock retry of it. opentelemetry-instrumentation-celery keeps a publish span under its
+    task id on the (shared) task object, so the client's ``after_task_publish`` ends and
+    forgets the retry's publish span, and the worker's then finds none: the ended publish
+    span stays the worker thread's current span. ``before`` is connected ahead of the
+    instrumentation's receiver, ``after`` behind it."""
+
+    def __init__(self) -> None:
+        self.task_id: str | None = None
+        self.client = 0
+        self.retry_sent = threading.Event()
+        self.client_done = threading.Event()
+
+    def arm(self, task_id: str) -> None:
+        self.task_id, self.client = task_id, threading.get_ident()
+
+    def before(self, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if self.task_id is None or (headers or {}).get("id") != self.task_id:
+            return
+        if threading.get_ident() == self.client:  # the client's publish waits for the retry's
+            self.retry_sent.wait(15)
+        else:  # the retry's publish (in the worker) waits for the client's to have ended
+            self.retry_sent.set()
+            self.client_done.wait(15)
+
+    def after(self, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        mine = self.task_id is not None and (headers or {}).get("id") == self.task_id
+        if mine and threading.get_ident() == self.client:
+            self.client_done.set()
+
+
+clash = PublishClash()
+
+
 @pytest.fixture(scope="module")
 def spans() -> Iterator[InMemorySpanExporter]:
     """The instrumentation on a real SDK provider, and an embedded worker on the real broker."""
@@ -98,12 +134,16 @@ def spans() -> Iterator[InMemorySpanExporter]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instrumentor = CeleryInstrumentor()
+    signals.after_task_publish.connect(clash.before, weak=False)
     instrumentor.instrument(tracer_provider=provider)
+    signals.after_task_publish.connect(clash.after, weak=False)
     try:
         with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30):
             yield exporter
     finally:
         instrumentor.uninstrument()
+        signals.after_task_publish.disconnect(clash.before)
+        signals.after_task_publish.disconnect(clash.after)
         delete_redis_prefix(REDIS_URL, PREFIX)
         delete_redis_prefix(BROKER_URL, f"cetest-{SESSION}:obs:")
 
@@ -204,6 +244,32 @@ def test_retried_then_raised_outcomes(spans: InMemorySpanExporter, locks: LockSe
 
     wait_for(lambda: len(retried_runs()) >= 2, 15, what="both runs of the retried task")
     assert sorted(lock_attributes(s)[observe.OUTCOME] for s in retried_runs()) == ["raised", "retried"]
+
+
+def test_retried_outcome_lands_on_the_run_span_when_the_publish_spans_clash(
+    spans: InMemorySpanExporter, locks: LockService
+) -> None:
+    """The client's publish of a task id overlaps the worker's lock retry of it (as under
+    load, when the worker runs the task before the client's publish has returned): the
+    retry's publish span is left current, ended, in the worker thread; the outcome is still
+    set on the run's own span."""
+    n, task_id = uid(), str(uuid.uuid4())
+    before = otel_context.get_current()
+    clash.arm(task_id)
+    try:
+        with locks.lock(f"obs-retry:{n}", ttl=30):
+            retried = retrying.apply_async((n,), task_id=task_id)
+            with pytest.raises(LockRetriesExceeded):
+                retried.get(timeout=20)
+    finally:
+        clash.task_id = None
+        # The client's ended publish span is left current here too: later tests expect none.
+        otel_context.attach(before)
+    assert clash.retry_sent.is_set()
+    assert clash.client_done.is_set()
+    first = run_span(spans, task_id)  # the first run's: the retried run ends (much) earlier
+    assert (first.attributes or {}).get("celery.state") == "RETRY"
+    assert lock_attributes(first)[observe.OUTCOME] == "retried"
 
 
 def test_lost_lease_marks_the_span_and_logs_with_the_task_context(
