@@ -178,7 +178,7 @@ def not_acquired(
 class Run:
     """Reporting for one run that holds its lease: made in the task's thread by :func:`holding`."""
 
-    __slots__ = ("_unreported", "app", "events", "hostname", "span", "task_id", "task_name")
+    __slots__ = ("_reporting", "_unreported", "app", "events", "hostname", "span", "task_id", "task_name")
 
     def __init__(self, task: Any, lease: Lease, request: Any = None, span: Any = _ASK) -> None:
         request = task.request if request is None else request
@@ -191,6 +191,8 @@ class Run:
         self.span = span
         #: Popped by the first report of a loss (list.pop is atomic): one report per run.
         self._unreported = [True]
+        #: Held while a loss is reported: the run's end waits for a report under way.
+        self._reporting = threading.Lock()
         if self.span is not None:
             self.span.set_attribute(KEY, lease.key)
             self.span.set_attribute(FENCE, lease.fence)
@@ -205,15 +207,19 @@ class Run:
 
     def lost(self, lease: Lease, reason: str) -> None:
         """The ``lease.on_lost`` callback (usually on the heartbeat thread): log, span, event."""
-        if not self._first_report():
-            return
-        _log_lost(self.task_name, self.task_id, lease, reason)
-        self._mark_lost(lease, reason)
+        with self._reporting:
+            if not self._first_report():
+                return
+            _log_lost(self.task_name, self.task_id, lease, reason)
+            self._mark_lost(lease, reason)
 
     def finished(self, lease: Lease, lost: bool) -> None:
-        """The run ended; ``lost`` if the release found the lease gone (already logged there)."""
-        if lost and self._first_report():
-            self._mark_lost(lease, "the lease was no longer held at release")
+        """The run ended; ``lost`` if the release found the lease gone (already logged there).
+        Returns once a loss report under way on another thread has marked the span: the
+        span ends after this, and an ended span drops attributes."""
+        with self._reporting:
+            if lost and self._first_report():
+                self._mark_lost(lease, "the lease was no longer held at release")
 
     def _mark_lost(self, lease: Lease, reason: str) -> None:
         if self.span is not None:

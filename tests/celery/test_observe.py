@@ -8,6 +8,7 @@ with ``-E`` on a PostgreSQL lock store, and a real ``app.events.Receiver`` on th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -125,6 +126,39 @@ class PublishClash:
 clash = PublishClash()
 
 
+class LostReportGate(logging.Handler):
+    """Holds the heartbeat thread's lost-lease report of one task id in its WARNING (after
+    the report has claimed the run's one report, before it marks the span) until that run's
+    span has ended (``task_postrun``, connected behind the instrumentation's), or for
+    ``hold`` seconds: a run whose end waits for the report never ends meanwhile."""
+
+    def __init__(self, hold: float) -> None:
+        super().__init__()
+        self.hold = hold
+        self.task_id: str | None = None
+        self.reporting = threading.Event()
+        self.span_ended = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.task_id is not None and getattr(record, "task_id", None) == self.task_id:
+            self.reporting.set()
+            self.span_ended.wait(self.hold)
+
+    def ended(self, task_id: str | None = None, **_: Any) -> None:
+        if self.task_id is not None and task_id == self.task_id:
+            self.span_ended.set()
+
+
+lost_gate = LostReportGate(hold=2.0)
+
+
+@exclusive_task(app=app, key="obs-lost-gated:{n}", ttl=2, bind=True)
+def losing_gated(self: Any, n: str) -> str:
+    """Runs until the heartbeat's report of its lost lease has begun."""
+    assert lost_gate.reporting.wait(15)
+    return "returned"
+
+
 @pytest.fixture(scope="module")
 def spans() -> Iterator[InMemorySpanExporter]:
     """The instrumentation on a real SDK provider, and an embedded worker on the real broker."""
@@ -137,6 +171,10 @@ def spans() -> Iterator[InMemorySpanExporter]:
     signals.after_task_publish.connect(clash.before, weak=False)
     instrumentor.instrument(tracer_provider=provider)
     signals.after_task_publish.connect(clash.after, weak=False)
+    signals.task_postrun.connect(lost_gate.ended, weak=False)
+    observe.logger.addHandler(lost_gate)
+    level = observe.logger.level
+    observe.logger.setLevel(logging.WARNING)  # the gate sees the lost-lease WARNING
     try:
         with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30):
             yield exporter
@@ -144,6 +182,9 @@ def spans() -> Iterator[InMemorySpanExporter]:
         instrumentor.uninstrument()
         signals.after_task_publish.disconnect(clash.before)
         signals.after_task_publish.disconnect(clash.after)
+        signals.task_postrun.disconnect(lost_gate.ended)
+        observe.logger.removeHandler(lost_gate)
+        observe.logger.setLevel(level)
         delete_redis_prefix(REDIS_URL, PREFIX)
         delete_redis_prefix(BROKER_URL, f"cetest-{SESSION}:obs:")
 
@@ -283,6 +324,26 @@ def test_lost_lease_marks_the_span_and_logs_with_the_task_context(
     attrs = lock_attributes(run_span(spans, result.id))
     assert attrs[observe.OUTCOME] == "lost"
     assert attrs[observe.FENCE] == info.fence
+    assert "no longer lists this token" in attrs[observe.LOST_REASON]
+
+
+def test_lost_outcome_reported_by_the_heartbeat_lands_before_the_span_ends(
+    spans: InMemorySpanExporter, locks: LockService
+) -> None:
+    """The heartbeat thread claims the run's loss report, then is slow to mark the span (its
+    WARNING is held) while the run ends: the run's end waits for the mark."""
+    n, task_id = uid(), str(uuid.uuid4())
+    lost_gate.task_id = task_id
+    try:
+        result = losing_gated.apply_async((n,), task_id=task_id)
+        info = wait_for(lambda: locks.peek(f"obs-lost-gated:{n}"), 10, what="the run's lease")
+        assert locks.force_release(f"obs-lost-gated:{n}", info.token)
+        assert result.get(timeout=20) == "returned"
+        attrs = lock_attributes(run_span(spans, task_id))
+    finally:
+        lost_gate.task_id = None
+    assert lost_gate.reporting.is_set()
+    assert attrs[observe.OUTCOME] == "lost"
     assert "no longer lists this token" in attrs[observe.LOST_REASON]
 
 
