@@ -100,7 +100,10 @@ def spent_acquiring(seconds: float) -> None:
 
 
 def _task_span(task: Any, request: Any = None) -> Any:
-    """The task's own recording span in this thread, or None."""
+    """The task's own recording span in this thread, or None. Only until the run publishes
+    a message: opentelemetry-instrumentation-celery can leave its (ended) publish span current
+    after that, when another thread publishes the same task id at the same time (the
+    client's send of the message whose lock retry this is)."""
     # Never imported here: a span can only be recording if an SDK, which imports this
     # module, is set up; so the package costs nothing where OpenTelemetry is not used.
     trace = sys.modules.get("opentelemetry.trace")
@@ -132,11 +135,23 @@ def _send_event(task: Any, type_: str, **fields: Any) -> None:
         logger.warning("could not send the %s event of this run", type_, exc_info=True)
 
 
+#: ``span=``'s default: look the span up (a caller that has looked passes what it found).
+_ASK: Any = object()
+
+
 def not_acquired(
-    task: Any, key: str, holder: LockInfo | None, outcome: str, *, reason: str | None = None
+    task: Any,
+    key: str,
+    holder: LockInfo | None,
+    outcome: str,
+    *,
+    reason: str | None = None,
+    span: Any = _ASK,
 ) -> None:
-    """The run did not get ``key``: ``outcome`` is skipped, coalesced, retried or raised."""
-    span = _task_span(task)
+    """The run did not get ``key``: ``outcome`` is skipped, coalesced, retried or raised.
+    ``span``: the run's :func:`_task_span`, if the caller looked it up (it must, before
+    publishing anything: see :func:`_task_span`)."""
+    span = _task_span(task) if span is _ASK else span
     if span is not None:
         span.set_attribute(KEY, key)
         span.set_attribute(OUTCOME, outcome)
@@ -160,14 +175,10 @@ def not_acquired(
         )
 
 
-#: ``Run(span=)``'s default: look the span up (a caller that has looked passes what it found).
-_ASK: Any = object()
-
-
 class Run:
     """Reporting for one run that holds its lease: made in the task's thread by :func:`holding`."""
 
-    __slots__ = ("_unreported", "app", "events", "hostname", "span", "task_id", "task_name")
+    __slots__ = ("_reporting", "_unreported", "app", "events", "hostname", "span", "task_id", "task_name")
 
     def __init__(self, task: Any, lease: Lease, request: Any = None, span: Any = _ASK) -> None:
         request = task.request if request is None else request
@@ -180,6 +191,8 @@ class Run:
         self.span = span
         #: Popped by the first report of a loss (list.pop is atomic): one report per run.
         self._unreported = [True]
+        #: Held while a loss is reported: the run's end waits for a report under way.
+        self._reporting = threading.Lock()
         if self.span is not None:
             self.span.set_attribute(KEY, lease.key)
             self.span.set_attribute(FENCE, lease.fence)
@@ -194,15 +207,19 @@ class Run:
 
     def lost(self, lease: Lease, reason: str) -> None:
         """The ``lease.on_lost`` callback (usually on the heartbeat thread): log, span, event."""
-        if not self._first_report():
-            return
-        _log_lost(self.task_name, self.task_id, lease, reason)
-        self._mark_lost(lease, reason)
+        with self._reporting:
+            if not self._first_report():
+                return
+            _log_lost(self.task_name, self.task_id, lease, reason)
+            self._mark_lost(lease, reason)
 
     def finished(self, lease: Lease, lost: bool) -> None:
-        """The run ended; ``lost`` if the release found the lease gone (already logged there)."""
-        if lost and self._first_report():
-            self._mark_lost(lease, "the lease was no longer held at release")
+        """The run ended; ``lost`` if the release found the lease gone (already logged there).
+        Returns once a loss report under way on another thread has marked the span: the
+        span ends after this, and an ended span drops attributes."""
+        with self._reporting:
+            if lost and self._first_report():
+                self._mark_lost(lease, "the lease was no longer held at release")
 
     def _mark_lost(self, lease: Lease, reason: str) -> None:
         if self.span is not None:

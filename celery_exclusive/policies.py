@@ -203,8 +203,9 @@ class Retry(OnLocked):
             retries=request.retries,
             headers=headers,
         )
+        span = observe._task_span(task)  # the run's, looked up before the publish
         signature.apply_async()
-        observe.not_acquired(task, key, holder, observe.RETRIED)
+        observe.not_acquired(task, key, holder, observe.RETRIED, span=span)
         # celery-types wants numbers.Real, which mypy cannot match a float against.
         raise CeleryRetry(exc=LockedError(key, holder), when=cast(Any, countdown), sig=signature)
 

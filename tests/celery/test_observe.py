@@ -8,6 +8,7 @@ with ``-E`` on a PostgreSQL lock store, and a real ``app.events.Receiver`` on th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
+from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -89,6 +91,74 @@ def losing(n: str, duration: float) -> str:
     return "returned"
 
 
+class PublishClash:
+    """Forces one interleaving of two publishes of a task id: the client's, and the worker's
+    lock retry of it. opentelemetry-instrumentation-celery keeps a publish span under its
+    task id on the (shared) task object, so the client's ``after_task_publish`` ends and
+    forgets the retry's publish span, and the worker's then finds none: the ended publish
+    span stays the worker thread's current span. ``before`` is connected ahead of the
+    instrumentation's receiver, ``after`` behind it."""
+
+    def __init__(self) -> None:
+        self.task_id: str | None = None
+        self.client = 0
+        self.retry_sent = threading.Event()
+        self.client_done = threading.Event()
+
+    def arm(self, task_id: str) -> None:
+        self.task_id, self.client = task_id, threading.get_ident()
+
+    def before(self, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if self.task_id is None or (headers or {}).get("id") != self.task_id:
+            return
+        if threading.get_ident() == self.client:  # the client's publish waits for the retry's
+            self.retry_sent.wait(15)
+        else:  # the retry's publish (in the worker) waits for the client's to have ended
+            self.retry_sent.set()
+            self.client_done.wait(15)
+
+    def after(self, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        mine = self.task_id is not None and (headers or {}).get("id") == self.task_id
+        if mine and threading.get_ident() == self.client:
+            self.client_done.set()
+
+
+clash = PublishClash()
+
+
+class LostReportGate(logging.Handler):
+    """Holds the heartbeat thread's lost-lease report of one task id in its WARNING (after
+    the report has claimed the run's one report, before it marks the span) until that run's
+    span has ended (``task_postrun``, connected behind the instrumentation's), or for
+    ``hold`` seconds: a run whose end waits for the report never ends meanwhile."""
+
+    def __init__(self, hold: float) -> None:
+        super().__init__()
+        self.hold = hold
+        self.task_id: str | None = None
+        self.reporting = threading.Event()
+        self.span_ended = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.task_id is not None and getattr(record, "task_id", None) == self.task_id:
+            self.reporting.set()
+            self.span_ended.wait(self.hold)
+
+    def ended(self, task_id: str | None = None, **_: Any) -> None:
+        if self.task_id is not None and task_id == self.task_id:
+            self.span_ended.set()
+
+
+lost_gate = LostReportGate(hold=2.0)
+
+
+@exclusive_task(app=app, key="obs-lost-gated:{n}", ttl=2, bind=True)
+def losing_gated(self: Any, n: str) -> str:
+    """Runs until the heartbeat's report of its lost lease has begun."""
+    assert lost_gate.reporting.wait(15)
+    return "returned"
+
+
 @pytest.fixture(scope="module")
 def spans() -> Iterator[InMemorySpanExporter]:
     """The instrumentation on a real SDK provider, and an embedded worker on the real broker."""
@@ -98,12 +168,23 @@ def spans() -> Iterator[InMemorySpanExporter]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instrumentor = CeleryInstrumentor()
+    signals.after_task_publish.connect(clash.before, weak=False)
     instrumentor.instrument(tracer_provider=provider)
+    signals.after_task_publish.connect(clash.after, weak=False)
+    signals.task_postrun.connect(lost_gate.ended, weak=False)
+    observe.logger.addHandler(lost_gate)
+    level = observe.logger.level
+    observe.logger.setLevel(logging.WARNING)  # the gate sees the lost-lease WARNING
     try:
         with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30):
             yield exporter
     finally:
         instrumentor.uninstrument()
+        signals.after_task_publish.disconnect(clash.before)
+        signals.after_task_publish.disconnect(clash.after)
+        signals.task_postrun.disconnect(lost_gate.ended)
+        observe.logger.removeHandler(lost_gate)
+        observe.logger.setLevel(level)
         delete_redis_prefix(REDIS_URL, PREFIX)
         delete_redis_prefix(BROKER_URL, f"cetest-{SESSION}:obs:")
 
@@ -206,6 +287,32 @@ def test_retried_then_raised_outcomes(spans: InMemorySpanExporter, locks: LockSe
     assert sorted(lock_attributes(s)[observe.OUTCOME] for s in retried_runs()) == ["raised", "retried"]
 
 
+def test_retried_outcome_lands_on_the_run_span_when_the_publish_spans_clash(
+    spans: InMemorySpanExporter, locks: LockService
+) -> None:
+    """The client's publish of a task id overlaps the worker's lock retry of it (as under
+    load, when the worker runs the task before the client's publish has returned): the
+    retry's publish span is left current, ended, in the worker thread; the outcome is still
+    set on the run's own span."""
+    n, task_id = uid(), str(uuid.uuid4())
+    before = otel_context.get_current()
+    clash.arm(task_id)
+    try:
+        with locks.lock(f"obs-retry:{n}", ttl=30):
+            retried = retrying.apply_async((n,), task_id=task_id)
+            with pytest.raises(LockRetriesExceeded):
+                retried.get(timeout=20)
+    finally:
+        clash.task_id = None
+        # The client's ended publish span is left current here too: later tests expect none.
+        otel_context.attach(before)
+    assert clash.retry_sent.is_set()
+    assert clash.client_done.is_set()
+    first = run_span(spans, task_id)  # the first run's: the retried run ends (much) earlier
+    assert (first.attributes or {}).get("celery.state") == "RETRY"
+    assert lock_attributes(first)[observe.OUTCOME] == "retried"
+
+
 def test_lost_lease_marks_the_span_and_logs_with_the_task_context(
     spans: InMemorySpanExporter, locks: LockService
 ) -> None:
@@ -217,6 +324,26 @@ def test_lost_lease_marks_the_span_and_logs_with_the_task_context(
     attrs = lock_attributes(run_span(spans, result.id))
     assert attrs[observe.OUTCOME] == "lost"
     assert attrs[observe.FENCE] == info.fence
+    assert "no longer lists this token" in attrs[observe.LOST_REASON]
+
+
+def test_lost_outcome_reported_by_the_heartbeat_lands_before_the_span_ends(
+    spans: InMemorySpanExporter, locks: LockService
+) -> None:
+    """The heartbeat thread claims the run's loss report, then is slow to mark the span (its
+    WARNING is held) while the run ends: the run's end waits for the mark."""
+    n, task_id = uid(), str(uuid.uuid4())
+    lost_gate.task_id = task_id
+    try:
+        result = losing_gated.apply_async((n,), task_id=task_id)
+        info = wait_for(lambda: locks.peek(f"obs-lost-gated:{n}"), 10, what="the run's lease")
+        assert locks.force_release(f"obs-lost-gated:{n}", info.token)
+        assert result.get(timeout=20) == "returned"
+        attrs = lock_attributes(run_span(spans, task_id))
+    finally:
+        lost_gate.task_id = None
+    assert lost_gate.reporting.is_set()
+    assert attrs[observe.OUTCOME] == "lost"
     assert "no longer lists this token" in attrs[observe.LOST_REASON]
 
 
