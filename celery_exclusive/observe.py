@@ -70,6 +70,10 @@ OUTCOMES = (ACQUIRED, SKIPPED, COALESCED, RETRIED, RAISED, LOST)
 EVENT_SKIPPED = "task-exclusive-skipped"
 EVENT_COALESCED = "task-exclusive-coalesced"
 EVENT_LOST = "task-exclusive-lost"
+#: Longest a run's end waits for a loss report under way on another thread (its log line,
+#: span mark and event, which a broker that does not answer can hold up), in seconds; past
+#: it the run ends and its span may miss the loss.
+REPORT_WAIT = 5.0
 
 
 class _Events:
@@ -215,11 +219,16 @@ class Run:
 
     def finished(self, lease: Lease, lost: bool) -> None:
         """The run ended; ``lost`` if the release found the lease gone (already logged there).
-        Returns once a loss report under way on another thread has marked the span: the
-        span ends after this, and an ended span drops attributes."""
-        with self._reporting:
+        Returns once a loss report under way on another thread has marked the span (at
+        most :data:`REPORT_WAIT` later): the span ends after this, and an ended span drops
+        attributes."""
+        waited = self._reporting.acquire(timeout=REPORT_WAIT)
+        try:
             if lost and self._first_report():
                 self._mark_lost(lease, "the lease was no longer held at release")
+        finally:
+            if waited:
+                self._reporting.release()
 
     def _mark_lost(self, lease: Lease, reason: str) -> None:
         if self.span is not None:
