@@ -2,10 +2,12 @@
 
 ``python -m tests.faults._partition_holder CONFIG`` (JSON: url, prefix, ttl,
 refresh_interval). Commands on stdin, one per line: ``lock KEY``, ``release KEY``,
-``exit``. Reports on stdout, one JSON line each, every one stamped with this process's
+``deadline KEY``, ``exit``. Reports on stdout, one JSON line each, every one stamped with this process's
 ``time.monotonic()`` (``t``), which is the test's clock too (one kernel, no time
 namespace): ``acquired`` / ``acquire_failed`` per ``lock``, ``lost`` from ``on_lost``,
-``refreshed`` (the keys each confirmed refresh covered), ``released``.
+``refreshed`` (the keys each confirmed refresh covered), ``released``, ``deadline`` (the
+lease's local deadline on that clock, final once LOST). ``refreshed``, ``lost`` and
+``deadline`` also carry the heartbeat thread's ``cpu_wait`` so far (None once it went idle).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def emit(event: str, **fields: Any) -> None:
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
     from celery_exclusive import BackendError, Lease, LockService, signals
+    from tests.faults.conftest import cpu_wait
 
     options = {"call_timeout": config["call_timeout"]} if "call_timeout" in config else {}
     service = LockService(
@@ -39,7 +42,7 @@ def main(argv: list[str]) -> int:
     )
 
     def refreshed(sender: object = None, leases: list[Lease] = (), **_: Any) -> None:  # type: ignore[assignment]
-        emit("refreshed", keys=[lease.key for lease in leases])
+        emit("refreshed", keys=[lease.key for lease in leases], cpu_wait=cpu_wait(service.heartbeat._thread))
 
     signals.lock_refreshed.connect(refreshed, sender=service, weak=False)
     leases: dict[str, Lease] = {}
@@ -54,12 +57,19 @@ def main(argv: list[str]) -> int:
                 emit("acquire_failed", key=key, sent=sent, error=str(exc))
                 continue
             leases[key] = lease
-            lease.on_lost(lambda lost, reason: emit("lost", key=lost.key, reason=reason))
+            lease.on_lost(
+                lambda lost, reason: emit(
+                    "lost", key=lost.key, reason=reason, cpu_wait=cpu_wait(service.heartbeat._thread)
+                )
+            )
             emit("acquired", key=key, sent=sent, fence=lease.fence)
         elif command == "release":
             sent = time.monotonic()
             outcome = leases.pop(key).release()
             emit("released", key=key, sent=sent, outcome=outcome.value)
+        elif command == "deadline":
+            deadline = time.monotonic() + leases[key].expires_in
+            emit("deadline", key=key, deadline=deadline, cpu_wait=cpu_wait(service.heartbeat._thread))
         elif command == "exit":
             break
     service.close(release=False)

@@ -571,6 +571,28 @@ def cpu_wait(thread: threading.Thread | None) -> float | None:
         return None
 
 
+def loss_timing(
+    deadline: float,
+    lost: float | None,
+    grant: Attempt,
+    margin: float,
+    waits: tuple[float | None, float | None],
+) -> str:
+    """Where the loss and the grant fell from a lease's local ``deadline``, for a failure's
+    message: when the holder declared LOST (``lost``, None if it had not), when the winning
+    ``grant`` was sent and answered, and how long the holder's heartbeat thread waited for a
+    CPU between two :func:`cpu_wait` readings ``waits`` (a loaded machine's share in a
+    lateness, not the library's)."""
+    before, after = waits
+    starved = "unknown" if before is None or after is None else f"{after - before:.3f} s"
+    declared = "not declared" if lost is None else f"{lost - deadline:+.3f} s"
+    return (
+        f"from the holder's local deadline: LOST declared {declared}, the competitor's winning "
+        f"attempt sent {grant.sent - deadline:+.3f} s and answered {grant.answered - deadline:+.3f} s "
+        f"(margin {margin:.3f} s); its heartbeat thread waited for a CPU for {starved} in the fault"
+    )
+
+
 def warm_pool(service: LockService, connections: int = 4) -> None:
     """Fill an SQL provider's pool with ``connections`` open connections (no-op for Redis),
     so that a fault leaves several stale ones behind."""

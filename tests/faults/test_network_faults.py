@@ -21,11 +21,11 @@ from tests.conftest import TIME_SLACK
 from tests.faults.conftest import (
     LONG,
     SLACK,
-    Attempt,
     Backend,
     Faults,
     cpu_wait,
     failures_before_success,
+    loss_timing,
     wait_until,
     warm_pool,
 )
@@ -106,7 +106,10 @@ def test_long_stall_loses_before_competitor_acquires(backend: Backend, faults: F
         assert grant is not None, "the stalled holder's lease never expired"
         known = bool(lost_at)  # the holder's on_lost had run when the competitor's grant returned
         deadline = time.monotonic() + lease.expires_in  # no answer comes while stalled: final
-        timing = _loss_timing(deadline, lost_at, grant, heartbeat, waited)
+        wait_until(lambda lost_at=lost_at: lost_at, 2.0)  # for the message: how late, had it not yet run
+        timing = loss_timing(
+            deadline, lost_at[0] if lost_at else None, grant, MARGIN, (waited, cpu_wait(heartbeat))
+        )
         # What the library guarantees whatever the load: from its local deadline on the
         # holder reads LOST (lease.state), and that deadline precedes the store's expiry.
         assert deadline < grant.answered, f"the key went before the holder's deadline: {timing}"
@@ -134,28 +137,6 @@ def test_long_stall_loses_before_competitor_acquires(backend: Backend, faults: F
             }
         )
     faults.record(store=backend.name, ttl=TTL, margin=MARGIN, stalls=rounds, rounds=figures, violations=0)
-
-
-def _loss_timing(
-    deadline: float,
-    lost_at: list[float],
-    grant: Attempt,
-    heartbeat: threading.Thread | None,
-    waited: float | None,
-) -> str:
-    """Where the loss and the grant fell from the lease's local ``deadline``, for a failure's
-    message: how late the holder declared LOST (waiting a little for it if it had not yet),
-    and how long its ``heartbeat`` thread waited for a CPU since it had ``waited`` (a loaded
-    machine's share in a lateness, not the library's)."""
-    wait_until(lambda: lost_at, 2.0)
-    since = cpu_wait(heartbeat)
-    starved = "unknown" if since is None or waited is None else f"{since - waited:.3f} s"
-    declared = f"{lost_at[0] - deadline:+.3f} s" if lost_at else "not within 2 s"
-    return (
-        f"from the holder's local deadline: LOST declared {declared}, the competitor's winning "
-        f"attempt sent {grant.sent - deadline:+.3f} s and answered {grant.answered - deadline:+.3f} s "
-        f"(margin {MARGIN} s); its heartbeat thread waited for a CPU for {starved} in the stall"
-    )
 
 
 def test_cut_connections_reconnect(backend: Backend, faults: Faults) -> None:

@@ -36,7 +36,17 @@ import pytest
 
 from celery_exclusive.lease import safety_margin
 from celery_exclusive.service import DEFAULT_CALL_TIMEOUT, RELEASE_TIMEOUT
-from tests.faults.conftest import IN_CI, LONG, ROOT, SLACK, Backend, Faults, wait_until
+from tests.faults.conftest import (
+    IN_CI,
+    LONG,
+    ROOT,
+    SLACK,
+    Attempt,
+    Backend,
+    Faults,
+    loss_timing,
+    wait_until,
+)
 from tests.faults.netns import NetnsUnavailable, Partition
 from tests.faults.servers import PrivatePostgres
 
@@ -161,6 +171,21 @@ class NamespacedHolder:
     def lost(self, key: str) -> dict[str, Any] | None:
         return self.find(lambda e: e["event"] == "lost" and e["key"] == key)
 
+    def deadline(
+        self, key: str, began: float, lost: dict[str, Any] | None, grant: Attempt
+    ) -> tuple[float, str]:
+        """``key``'s local deadline (final: no answer came or comes after the rival's
+        ``grant``) and, for a failure's message, where ``lost`` and ``grant`` fell from it and
+        the heartbeat's CPU wait from its last refresh before the partition ``began`` to the
+        loss (or to now)."""
+        self.send(f"deadline {key}")
+        reported = self.wait(lambda e: e["event"] == "deadline" and e["key"] == key, 30)
+        with self._mutex:
+            before = [e for e in self.events if e["event"] == "refreshed" and e["t"] < began]
+        waits = (before[-1]["cpu_wait"] if before else None, (lost or reported)["cpu_wait"])
+        lost_t = None if lost is None else lost["t"]
+        return reported["deadline"], loss_timing(reported["deadline"], lost_t, grant, MARGIN, waits)
+
     def refreshed_after(self, key: str, after: float) -> dict[str, Any] | None:
         return self.find(lambda e: e["event"] == "refreshed" and key in e["keys"] and e["t"] > after)
 
@@ -218,12 +243,19 @@ def test_partition_loses_before_rival_and_heals(
             competitor.stop()
             lost = holder.lost(held)
             if grant is not None:
+                deadline, timing = holder.deadline(held, began, lost, grant)
+                # What the library guarantees whatever the load: from its local deadline on the
+                # holder reads LOST (lease.state), and that deadline precedes the store's expiry.
+                assert deadline < grant.answered, (
+                    f"{direction} {length} s: the key went before the holder's deadline: {timing}"
+                )
+                # What the heartbeat does in time unless the holder gets no CPU for the margin.
                 assert lost is not None, (
-                    f"{direction} {length} s: the rival got the key, the holder never knew"
+                    f"{direction} {length} s: the rival got the key, the holder never knew: {timing}"
                 )
                 assert lost["t"] < grant.answered, (
                     f"{direction} {length} s: the holder learned LOST {lost['t'] - grant.answered:.3f} s "
-                    "after the rival got the key"
+                    f"after the rival got the key: {timing}"
                 )
             if length <= SURVIVES:
                 assert lost is None, f"{direction} {length} s lost the lease: {lost}"
