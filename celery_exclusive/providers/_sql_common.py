@@ -35,7 +35,7 @@ from sqlalchemy.pool import QueuePool, StaticPool
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
-from celery_exclusive.providers._sql_params import bad_option, check_params
+from celery_exclusive.providers._sql_params import check_params, unconvertible
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
 from celery_exclusive.urls import known_secrets, mask_error, mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -456,24 +456,12 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
     except (ImportError, sa_exc.NoSuchModuleError) as exc:
         raise _missing_driver(backend, driver) from exc
     except (ValueError, TypeError):  # a driver parameter SQLAlchemy could not convert
-        raise _bad_option(url, raw) from None
+        raise unconvertible(url, raw) from None
     check_params(engine.dialect, url, connect_args, raw)
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_connect)
         event.listen(engine, "begin", _sqlite_begin)
     return engine
-
-
-def _bad_option(url: sa.URL, raw: str) -> ConfigurationError:
-    """The error naming the query parameter of ``url`` its dialect cannot convert (found by
-    converting each alone); the value is shown unless the parameter's name marks a secret."""
-    dialect = url.get_dialect()()
-    for name, value in url.query.items():
-        try:
-            dialect.create_connect_args(url.set(query={name: value}))
-        except (ValueError, TypeError) as exc:
-            return bad_option(name, raw, str(exc))
-    return ConfigurationError(f"bad URL options in lock store URL {mask_url(raw)!r}")
 
 
 def _missing_driver(backend: str, driver: str) -> MissingDriverError:

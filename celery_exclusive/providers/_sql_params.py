@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -95,13 +95,39 @@ def _check_pymysql(dialect: Dialect, url: sa.URL, connect_args: dict[str, Any], 
         if name == "charset" and charsets.charset_by_name(value) is None:
             raise bad_option(name, raw, f"PyMySQL knows no charset {value!r}")
     defaults = {p.name: p.default for p in inspect.signature(connection).parameters.values()}
+    cargs, cparams = dialect.create_connect_args(url)
     for name in url.query:
-        cargs, cparams = dialect.create_connect_args(url.set(query={name: url.query[name]}))
         given, default = cparams.get(name), defaults.get(name)
         # An int argument SQLAlchemy passes on as text (max_allowed_packet): PyMySQL stores it.
         if isinstance(given, str) and type(default) is int and not _DECIMAL.fullmatch(given):
             raise bad_option(name, raw, f"PyMySQL needs an integer, got {given!r}")
+    if _refused(connection, cargs, cparams, connect_args) is None:
+        return  # the usual case: one Connection object judges them all
+    for name in url.query:  # which one: each alone
+        cargs, cparams = dialect.create_connect_args(url.set(query={name: url.query[name]}))
+        refused = _refused(connection, cargs, cparams, connect_args)
+        if refused is not None:
+            raise bad_option(name, raw, f"PyMySQL: {refused}")
+
+
+def _refused(
+    connection: Any, cargs: Any, cparams: Mapping[str, Any], connect_args: Mapping[str, Any]
+) -> Exception | None:
+    """What PyMySQL's ``Connection(..., defer_connect=True)`` raised for these arguments, or None."""
+    try:
+        connection(*cargs, **{**cparams, **connect_args, "defer_connect": True})
+    except (ValueError, TypeError, LookupError, OSError) as exc:  # OSError: an ssl_* file
+        return exc
+    return None
+
+
+def unconvertible(url: sa.URL, raw: str) -> ConfigurationError:
+    """The error naming the query parameter of ``url`` its dialect cannot convert (found by
+    converting each alone); the value is shown unless the parameter's name marks a secret."""
+    dialect = url.get_dialect()()
+    for name, value in url.query.items():
         try:
-            connection(*cargs, **{**cparams, **connect_args, "defer_connect": True})
-        except (ValueError, TypeError, LookupError, OSError) as exc:  # OSError: an ssl_* file
-            raise bad_option(name, raw, f"PyMySQL: {exc}") from None
+            dialect.create_connect_args(url.set(query={name: value}))
+        except (ValueError, TypeError) as exc:
+            return bad_option(name, raw, str(exc))
+    return ConfigurationError(f"bad URL options in lock store URL {mask_url(raw)!r}")
