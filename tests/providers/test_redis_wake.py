@@ -45,6 +45,12 @@ def subscribers(direct: redis.Redis, key: str) -> int:
     return int(reply[1])
 
 
+def wake_threads() -> set[threading.Thread]:
+    """The release-signal reader threads alive in this process (other tests' included: a
+    test compares with those alive when it began)."""
+    return {t for t in threading.enumerate() if t.name.startswith("celery-exclusive-wake")}
+
+
 def take(provider: RedisLockProvider, key: str, token: str) -> None:
     assert isinstance(provider.acquire(key, token, 30.0, 600.0, "{}"), Grant)
 
@@ -91,6 +97,7 @@ def test_a_release_signals_its_own_key_only_and_only_when_it_freed_a_lease(
 def test_one_connection_serves_every_waiter_and_the_last_to_leave_unsubscribes(
     prefix: str, direct: redis.Redis
 ) -> None:
+    before = wake_threads()
     provider = RedisLockProvider(REDIS_URL)
     try:
         key, other = prefix + "a", prefix + "b"
@@ -118,7 +125,7 @@ def test_one_connection_serves_every_waiter_and_the_last_to_leave_unsubscribes(
         third.close()
     finally:
         provider.close()
-    assert all(not t.name.startswith("celery-exclusive-wake") for t in threading.enumerate())
+    assert not wake_threads() - before
 
 
 def test_a_killed_subscriber_connection_only_costs_latency(prefix: str, direct: redis.Redis) -> None:
@@ -201,10 +208,11 @@ def test_a_forked_child_subscribes_on_its_own_connection(prefix: str) -> None:
 
 
 def test_closing_the_provider_ends_its_listener_and_breaks_open_subscriptions(prefix: str) -> None:
+    before = wake_threads()
     provider = RedisLockProvider(REDIS_URL)
     subscription = provider.subscribe(prefix + "c")
     provider.close()
-    assert all(not t.name.startswith("celery-exclusive-wake") for t in threading.enumerate())
+    assert not wake_threads() - before
     with pytest.raises(ConnectionError):
         subscription.wait(0.1)
     subscription.close()
@@ -261,6 +269,7 @@ def test_close_while_the_first_subscription_starts_its_listener_waits_for_it(
     """close() running between a new link's registration and its reader thread's start
     (forced here: the start waits for close() to have been called) ends that link like any
     other instead of raising "cannot join thread before it is started" (a CI failure)."""
+    before = wake_threads()
     provider = RedisLockProvider(REDIS_URL)
     real_start = threading.Thread.start
     closer_errors: list[BaseException] = []
@@ -293,7 +302,5 @@ def test_close_while_the_first_subscription_starts_its_listener_waits_for_it(
         closer.join(10)
     assert not closer.is_alive()
     assert closer_errors == []
-    assert wait_until(
-        lambda: all(not t.name.startswith("celery-exclusive-wake") for t in threading.enumerate()), 5
-    )
+    assert wait_until(lambda: not wake_threads() - before, 5)
     provider.close()
