@@ -87,7 +87,7 @@ from celery_exclusive.providers.base import (
     LockInfo,
 )
 from celery_exclusive.semaphore import slot_keys
-from celery_exclusive.validation import check_key, derived_key
+from celery_exclusive.validation import GUARD_INFIX, check_key, derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView
@@ -101,8 +101,6 @@ REDELIVERED = "redelivered"
 ALREADY_DONE = "already_done"
 #: Records are kept this long when neither the task nor Celery's ``result_expires`` says.
 DEFAULT_RETENTION = 24 * 60 * 60.0
-#: Between a semaphore's key and a task id in the key of that run's own lease (guard_key).
-GUARD_INFIX = "#id:"
 #: Message header counting how often a copy during the run deferred itself.
 DEFERRED_HEADER = "celery_exclusive_deferred"
 #: Message header of a retry (or replacement) whose previous attempt may have left leases in

@@ -96,7 +96,6 @@ from celery_exclusive.policies import (
     HANDS_ON_RERUNS,
     LOCK_RETRIES_HEADER,
     MARKER_FIELD,
-    RERUN_SUFFIX,
     SKIPPED,
     is_skipped,
     lock_retry_countdown,
@@ -111,7 +110,7 @@ from celery_exclusive.settings import (
     check_task_options,
     keyword_attributes,
 )
-from celery_exclusive.validation import lease_durations
+from celery_exclusive.validation import RERUN_SUFFIX, lease_durations
 from celery_exclusive.worker import app_settings, lock_service_of
 
 if TYPE_CHECKING:

@@ -55,6 +55,7 @@ from celery_exclusive.semaphore import slot_keys
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.urls import ENV_VAR, SETTING, resolve_url
+from celery_exclusive.validation import GUARD_INFIX
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -613,7 +614,7 @@ def _release_lease_when_gone(
         )
         return
     cooldown = info.holder.get("cooldown")
-    guard = key.endswith(f"{redelivery.GUARD_INFIX}{info.holder.get('task_id')}")
+    guard = key.endswith(f"{GUARD_INFIX}{info.holder.get('task_id')}")
     if isinstance(cooldown, (int, float)) and not guard:
         # A run with a cooldown (its holder says so) keeps the key to the cooldown's end, as
         # its own release would (not a semaphore run's task-id lease, which never cools):

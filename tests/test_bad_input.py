@@ -41,6 +41,8 @@ from celery_exclusive import (
     ReleaseOutcome,
 )
 from celery_exclusive.cli import cli, exclusive
+from celery_exclusive.providers._sql_common import engine_from_url
+from celery_exclusive.providers._sql_params import LIBPQ_CHOICES
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task
@@ -498,6 +500,52 @@ BAD_URLS: list[tuple[str, str, str]] = [
         "bad value for URL option 'keepalives_interval'",
     ),
     ("pg-unknown-option", f"{UNREACHABLE_PG}?keepalive=1", "unknown URL option 'keepalive'"),
+    # libpq's enumerated values: it judges them itself, asked without connecting.
+    ("pg-sslmode", f"{UNREACHABLE_PG}?sslmode=bogus", "bad value for URL option 'sslmode'"),
+    ("pg-sslmode-case", f"{UNREACHABLE_PG}?sslmode=REQUIRE", "bad value for URL option 'sslmode'"),
+    (
+        "pg-target-session-attrs",
+        f"{UNREACHABLE_PG}?target_session_attrs=nope",
+        "bad value for URL option 'target_session_attrs'",
+    ),
+    ("pg-gssencmode", f"{UNREACHABLE_PG}?gssencmode=x", "bad value for URL option 'gssencmode'"),
+    ("pg-channel-binding", f"{UNREACHABLE_PG}?channel_binding=x", "URL option 'channel_binding'"),
+    ("pg-load-balance", f"{UNREACHABLE_PG}?load_balance_hosts=x", "URL option 'load_balance_hosts'"),
+    ("pg-sslnegotiation", f"{UNREACHABLE_PG}?sslnegotiation=x", "URL option 'sslnegotiation'"),
+    ("pg-sslcertmode", f"{UNREACHABLE_PG}?sslcertmode=x", "bad value for URL option 'sslcertmode'"),
+    ("pg-require-auth", f"{UNREACHABLE_PG}?require_auth=x", "bad value for URL option 'require_auth'"),
+    (
+        "pg-tls-version",
+        f"{UNREACHABLE_PG}?ssl_min_protocol_version=TLSv9",
+        "bad value for URL option 'ssl_min_protocol_version'",
+    ),
+    (
+        "pg-weak-sslmode-for-direct",
+        f"{UNREACHABLE_PG}?sslnegotiation=direct&application_name=a",
+        "bad value for URL option 'sslnegotiation'",
+    ),
+    (
+        "pg-secret-with-bad-enum",
+        f"{UNREACHABLE_PG}?sslpassword={MARKER}&sslmode=bogus",
+        "bad value for URL option 'sslmode'",
+    ),
+    (
+        "pg-tls-range",
+        f"{UNREACHABLE_PG}?ssl_min_protocol_version=TLSv1.3&ssl_max_protocol_version=TLSv1.2",
+        "'ssl_min_protocol_version', 'ssl_max_protocol_version' of lock store URL",
+    ),
+    ("pg-no-such-service", f"{UNREACHABLE_PG}?service=ce-no-such-service", "URL option 'service'"),
+    ("pg-replication", f"{UNREACHABLE_PG}?replication=database", "bad value for URL option 'replication'"),
+    ("pg-replication-bogus", f"{UNREACHABLE_PG}?replication=x", "bad value for URL option 'replication'"),
+    # PyMySQL arguments SQLAlchemy passes on as text, which PyMySQL reads as a truth value.
+    ("mysql-ssl-disabled", f"{UNREACHABLE['mariadb']}?ssl_disabled=maybe", "URL option 'ssl_disabled'"),
+    (
+        "mysql-verify-identity",
+        f"{UNREACHABLE['mariadb']}?ssl_verify_identity=2",
+        "bad value for URL option 'ssl_verify_identity'",
+    ),
+    ("mysql-binary-prefix", f"{UNREACHABLE['mariadb']}?binary_prefix=x", "URL option 'binary_prefix'"),
+    ("mysql-verify-cert", f"{UNREACHABLE['mariadb']}?ssl_verify_cert=bogus", "URL option 'ssl_verify_cert'"),
 ]
 
 
@@ -523,11 +571,19 @@ def test_bad_urls_raise_configuration_error(url: str, fragment: str) -> None:
         ),
         (POSTGRES_URL, "application_name=ce-bad-input&target_session_attrs=any"),
         (
+            POSTGRES_URL,
+            "sslmode=prefer&gssencmode=disable&channel_binding=prefer&target_session_attrs=read-write"
+            "&load_balance_hosts=random&sslnegotiation=postgres&sslcertmode=allow"
+            "&require_auth=!password&ssl_min_protocol_version=TLSv1.2&replication=off",
+        ),
+        (
             MYSQL_URL,
             "charset=utf8mb4&read_timeout=30&write_timeout=30&local_infile=0&max_allowed_packet=65536",
         ),
+        # PyMySQL read each "false" as true: TLS required of a server without it.
+        (MYSQL_URL, "ssl_verify_identity=false&ssl_verify_cert=false&binary_prefix=0"),
     ],
-    ids=["postgres-numbers", "postgres-strings", "mariadb"],
+    ids=["postgres-numbers", "postgres-strings", "postgres-enums", "mariadb", "mariadb-truths"],
 )
 def test_valid_driver_options_still_work(server: str, options: str) -> None:
     """The driver parameter checks let every valid value through: the store serves a lock."""
@@ -540,6 +596,77 @@ def test_valid_driver_options_still_work(server: str, options: str) -> None:
     finally:
         service.close()
         drop_lock_table(server, table)
+
+
+def test_pymysql_gets_typed_values_from_the_url() -> None:
+    """PyMySQL kept ``max_allowed_packet`` as text (a TypeError in LOAD DATA LOCAL) and read
+    ``ssl_disabled=false`` as true (no TLS even where the server offers it): both arrive typed."""
+    require_server(MYSQL_URL)
+    engine = engine_from_url(f"{MYSQL_URL}?max_allowed_packet=65536&ssl_disabled=false")
+    try:
+        connection = engine.raw_connection()
+        try:
+            driver = connection.driver_connection
+            assert driver is not None
+            assert driver.max_allowed_packet == 65536
+            assert type(driver.max_allowed_packet) is int
+            assert driver.ssl is True  # TLS preferred, as without the option
+        finally:
+            connection.close()
+    finally:
+        engine.dispose()
+
+
+def test_libpq_choices_shown_are_ones_libpq_takes() -> None:
+    """The allowed values an error lists (a kept list: libpq exposes none) are each taken by
+    the libpq in use, and a bad value's error lists them."""
+    # The two that libpq refuses alone with its defaults (sslmode=prefer, TLSv1.2 at least).
+    context = {
+        "sslnegotiation": "&sslmode=require",
+        "ssl_max_protocol_version": "&ssl_min_protocol_version=TLSv1",
+    }
+    for name, choices in LIBPQ_CHOICES.items():
+        for choice in choices:
+            LockService(f"{UNREACHABLE_PG}?{name}={choice}{context.get(name, '')}").close()
+        with pytest.raises(ConfigurationError) as raised:
+            LockService(f"{UNREACHABLE_PG}?{name}=ce-bogus")
+        assert f"URL option {name!r}" in str(raised.value)
+        assert f"allowed: {', '.join(choices)}" in str(raised.value)
+
+
+PSYCOPG2_BAD_URLS = [
+    ("?keepalive=1", "unknown URL option 'keepalive'"),
+    ("?sslmode=bogus", "bad value for URL option 'sslmode'"),
+    ("?target_session_attrs=nope&connect_timeout=3", "bad value for URL option 'target_session_attrs'"),
+    ("?keepalives_idle=abc", "bad value for URL option 'keepalives_idle'"),
+]
+
+
+@pytest.mark.parametrize(("query", "fragment"), PSYCOPG2_BAD_URLS)
+def test_psycopg2_url_parameters_are_checked_too(query: str, fragment: str) -> None:
+    """A postgresql+psycopg2:// URL's parameters are judged by psycopg2's libpq as psycopg's are."""
+    pytest.importorskip("psycopg2")
+    url = f"postgresql+psycopg2://u:{MARKER}@127.0.0.1:1/x{query}"
+    with pytest.raises(ConfigurationError) as raised:
+        LockService(url)
+    assert fragment in str(raised.value)
+    assert MARKER not in str(raised.value)
+    assert MARKER not in repr(raised.value)
+
+
+def test_psycopg2_valid_options_still_lock() -> None:
+    """psycopg2 with valid libpq options serves a lock on the real PostgreSQL."""
+    pytest.importorskip("psycopg2")
+    require_server(POSTGRES_URL)
+    server = POSTGRES_URL.replace("+psycopg://", "+psycopg2://", 1)
+    table = f"ce_opt_{uuid.uuid4().hex[:10]}"
+    options = "sslmode=prefer&target_session_attrs=read-write&keepalives=1&application_name=ce"
+    service = LockService(f"{server}?{options}&ce_table={table}", prefix="opt:")
+    try:
+        assert service.lock("k", ttl=30).release() is ReleaseOutcome.RELEASED
+    finally:
+        service.close()
+        drop_lock_table(POSTGRES_URL, table)
 
 
 def test_missing_driver_is_a_configuration_error_naming_the_extra() -> None:

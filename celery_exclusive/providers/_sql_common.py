@@ -35,7 +35,7 @@ from sqlalchemy.pool import QueuePool, StaticPool
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
-from celery_exclusive.providers._sql_params import check_params, unconvertible
+from celery_exclusive.providers._sql_params import check_params, pymysql_args, unconvertible
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
 from celery_exclusive.urls import known_secrets, mask_error, mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -450,6 +450,8 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         kwargs, connect_args = _sqlite_options(url)
     else:
         kwargs, connect_args = _mysql_options(url, driver)
+        if driver == "pymysql":
+            connect_args.update(pymysql_args(url, raw))
     kwargs.setdefault("poolclass", DeadlinePool)
     try:
         engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
