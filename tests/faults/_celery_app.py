@@ -237,9 +237,10 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
     """Records its run (stage, attempt, fence, start, task id) in ``<tag>:runs``. Stage 0 of
     attempt 0 says so in ``<tag>:ready`` and waits for ``<tag>:go`` (the test makes the store
     refuse releases meanwhile; ``how`` ``"retried"``: it retries first, at once, and its
-    attempt 1 replaces itself without waiting); then ``self.replace()`` by stage 1 of
-    ``replacement`` (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the
-    task id; ``"chain-first"``: before it, under an id of its own); stage 1 returns 1."""
+    attempt 1 replaces itself without waiting; ``"retried-held"``: it retries first, at once,
+    and its attempt 1 waits instead); then ``self.replace()`` by stage 1 of ``replacement``
+    (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the task id;
+    ``"chain-first"``: before it, under an id of its own); stage 1 returns 1."""
     from celery import chain
 
     events = _events()
@@ -254,9 +255,9 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
     events.rpush(f"{tag}:runs", json.dumps(run))
     if stage:
         return 1
-    if attempt == 0:
-        if how == "retried":
-            raise task.retry(countdown=0)
+    if attempt == 0 and how.startswith("retried"):
+        raise task.retry(countdown=0)
+    if how != "retried":
         events.rpush(f"{tag}:ready", 1)
         events.blpop([f"{tag}:go"], timeout=60)
     follow = replacement.si(tag, 1, how)
