@@ -240,8 +240,12 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
     attempt 1 replaces itself without waiting; ``"retried-held"``: it retries first, at once,
     and its attempt 1 waits instead); then ``self.replace()`` by stage 1 of ``replacement``
     (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the task id;
-    ``"chain-first"``: before it, under an id of its own); stage 1 returns 1."""
-    from celery import chain
+    ``"chain-first"``: before it, under an id of its own; ``"chain-middle"``: between two,
+    under an id of its own, its parent the first; ``"group"``: beside a run of
+    :func:`noted`, in a group, under an id of its own, Celery's ``accumulate`` taking the
+    task id; ``"chord"``: as the body, which takes the task id, of a chord whose header is a
+    run of :func:`noted`); stage 1 returns 1."""
+    from celery import chain, chord, group
 
     events = _events()
     attempt = int(task.request.retries or 0)
@@ -265,6 +269,12 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
         raise task.replace(chain(noted.si(tag), follow))
     if how == "chain-first":
         raise task.replace(chain(follow, noted.si(tag)))
+    if how == "chain-middle":
+        raise task.replace(chain(noted.si(tag), follow, noted.si(tag)))
+    if how == "group":
+        raise task.replace(group(follow, noted.si(tag)))
+    if how == "chord":
+        raise task.replace(chord([noted.si(tag)], follow))
     raise task.replace(follow)
 
 
