@@ -75,7 +75,7 @@ from typing import (
     overload,
 )
 
-from celery import Task, shared_task
+from celery import Signature, Task, shared_task
 from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
@@ -370,17 +370,22 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
         lease is released first, without a completion record (the id's work goes on in
         ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
-        for a copy of this run. Its tasks (``sig``, or a chain's) name, as a retry does, the
-        fences of the leases that may still be in the store (cooling, or their release not
-        confirmed): the one that takes the id, or the first of a chain, runs once they are
-        gone (:func:`redelivery.is_predecessor`). The one that takes the id also names, for
-        a run of a later attempt than 0, that attempt, which its own count on from (a
-        ``retried`` record of an earlier attempt does not end it as a copy)."""
+        for a copy of this run. Its tasks (``sig``, or a chain's, a group's or a chord's, at
+        any depth) name, as a retry does, the fences of the leases that may still be in the
+        store (cooling, or their release not confirmed), and this run's task id, which
+        holds them: each of them, the one that takes the id and those under ids of their
+        own, runs once those leases are gone (:func:`redelivery.is_predecessor`). The one
+        that takes the id also names, for a run of a later attempt than 0, that attempt,
+        which its own count on from (a ``retried`` record of an earlier attempt does not
+        end it as a copy)."""
         request = self.request
         cooling = _hand_on(self, None)
         attempt = redelivery.attempt_of(request)
+        named = (
+            {redelivery.COOLING_HEADER: cooling, redelivery.REPLACED_HEADER: request.id} if cooling else {}
+        )
         for each in _tasks_of(sig):
-            own: dict[str, Any] = {redelivery.COOLING_HEADER: cooling} if cooling else {}
+            own: dict[str, Any] = dict(named)
             if attempt and each.options.get("task_id") == request.id:
                 own[redelivery.ATTEMPTS_HEADER] = attempt
             if own:
@@ -928,16 +933,30 @@ def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int
 
 
 def _tasks_of(sig: Any) -> list[Any]:
-    """The single tasks' signatures of the replacement ``sig``: ``sig`` itself, or a chain's
-    tasks (not a group's or chord's: their runs take ids of their own, and the task id of
-    the replaced run goes to a chord's body, Celery's own ``accumulate``)."""
-    if sig.subtask_type == "chain":
-        return [each for task in sig.tasks for each in _tasks_of(task)]
-    return [sig] if sig.subtask_type is None else []
+    """The single tasks' signatures of the replacement ``sig``: ``sig`` itself, or those of
+    a chain's, a group's or a chord's tasks (a chord's header and its body, which takes the
+    task id of the replaced run: for a group, Celery's own ``accumulate``). A group's and a
+    chord header's tasks run under ids of their own, their parent the replaced run."""
+    kind = sig.subtask_type
+    if kind is None:
+        return [sig]
+    if kind == "chord":
+        header = sig.tasks
+        parts = [*(header if isinstance(header, (list, tuple)) else [header]), sig.body]
+    elif kind in ("chain", "group"):
+        parts = list(sig.tasks)
+    else:
+        return []
+    return [each for part in parts if isinstance(part, Signature) for each in _tasks_of(part)]
 
 
 #: Headers of an attempt's message that are its own, not its retry's (:func:`_before_retry`).
-_OWN_HEADERS = (LOCK_RETRIES_HEADER, redelivery.DEFERRED_HEADER, redelivery.COOLING_HEADER)
+_OWN_HEADERS = (
+    LOCK_RETRIES_HEADER,
+    redelivery.DEFERRED_HEADER,
+    redelivery.COOLING_HEADER,
+    redelivery.REPLACED_HEADER,
+)
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:
