@@ -445,6 +445,23 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("sql-broken-ipv6", f"postgresql+psycopg://u:{MARKER}@[::1/x", "malformed lock store URL"),
     ("redis-broken-ipv6", f"redis://:{MARKER}@[::1/0", "malformed lock store URL"),
     ("redis-bad-db", "redis://h/0?db=notanint", "bad redis URL"),
+    # redis-py reads a path that is no number as database 0, and "/1/2" as 12: a typo there
+    # used to put the locks in another database than the URL seems to say.
+    ("redis-db-not-a-number", f"redis://:{MARKER}@h:6379/x", "bad redis URL"),
+    ("redis-db-two-parts", "rediss://h/1/2", "bad redis URL"),
+    # redis-py passes an unknown query parameter on to its connection class, which refused
+    # it only on the first call, with a TypeError.
+    ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    ("unix-unknown-option", "unix:///tmp/ce.sock?db=1&sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    (
+        "sentinel-unknown-option",
+        f"redis+sentinel://:{MARKER}@h1,h2/svc/0?sockettimeout=2",
+        "unknown URL option 'sockettimeout'",
+    ),
+    ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
+    ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
+    # SQLAlchemy's own ArgumentError, outside the package's errors (the CLI's "unexpected" exit 3).
+    ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL 'sqlite://locks.db'"),
     ("missing-driver", "postgresql+nosuchdriver://h/x", "pip install"),
     # Driver parameters SQLAlchemy converts when it builds the engine: named, never a ValueError.
     ("sqlite-timeout", "sqlite:///x.db?timeout=abc", "bad value for URL option 'timeout'"),
