@@ -5,8 +5,9 @@ first use and never shared across ``fork``. The signal receivers below are conne
 this module is imported (``celery_exclusive.task`` imports it):
 
 * ``celeryd_after_setup`` (worker start, before the pool starts): if any registered task is
-  exclusive and the lock store is not configured (or its settings are invalid), an ERROR
-  line names the setting; ``exclusive_startup_check = "fatal"`` (or
+  exclusive and the lock store is not configured (or its settings are invalid, or no store
+  can be built from its URL: the store is built, connecting nothing), an ERROR line names
+  the setting; ``exclusive_startup_check = "fatal"`` (or
   ``CELERY_EXCLUSIVE_STARTUP_CHECK=fatal``) stops the worker instead, ``"off"`` says
   nothing (another value: an ERROR line naming it, then the ``"log"`` check). Also notes
   whether the worker sends task events (``-E``), for :mod:`celery_exclusive.observe`.
@@ -246,6 +247,7 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
         return
     try:
         url = resolve_url(app_settings(app).url, app.conf)
+        preload_driver(url)  # a URL no store can be built from is as unusable as none
     except ConfigurationError as exc:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         message = (
@@ -267,9 +269,7 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
             logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
             raise WorkerShutdown(EX_CONFIG) from None
         logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
-    if _pool_forks(instance):
-        preload_driver(url)
-    else:
+    if not _pool_forks(instance):
         warm_up(app)
 
 
@@ -294,11 +294,15 @@ def preload_driver(url: str) -> None:
 
     Every pool process inherits the imported modules (SQLAlchemy and psycopg cost most of a
     cold first task), so what is left for it at ``worker_process_init`` is the connection.
+    The store is built to do so: a URL it refuses (unknown scheme, malformed, a driver
+    parameter the driver refuses, a driver not installed) raises its ConfigurationError.
     """
     from celery_exclusive.urls import provider_from_url
 
     try:
         provider_from_url(url).close()
+    except ConfigurationError:
+        raise
     except Exception as exc:
         logger.warning("celery-exclusive could not load the lock store's driver at worker start: %s", exc)
 

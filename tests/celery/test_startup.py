@@ -70,6 +70,49 @@ def test_fatal_startup_check_stops_the_worker(celery_logdir: Path) -> None:
     assert " ready." not in log
 
 
+STARTUP_SECRET = "Zq8STARTUPpw"
+
+
+def test_an_unusable_store_url_stops_a_fatal_start(celery_logdir: Path) -> None:
+    """A URL no store can be built from (here an unknown scheme) is a configuration error
+    like a missing one: CRITICAL and exit 78 under "fatal", its password masked. It used to
+    be a WARNING from the driver preload, and the worker became ready to fail every task."""
+    require_server(BROKER_URL)
+    url = f"postgresqll://app:{STARTUP_SECRET}@127.0.0.1/test"
+    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": url, STARTUP_CHECK_ENV: "fatal"})
+    try:
+        assert worker.popen.wait(60) == EX_CONFIG, worker.text()[-3000:]
+    finally:
+        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    log = worker.text()
+    critical = [line for line in log.splitlines() if "CRITICAL/MainProcess" in line]
+    assert len(critical) == 1, log[-3000:]
+    assert "unknown lock store scheme 'postgresqll'" in critical[0]
+    assert "CELERY_EXCLUSIVE_URL" in critical[0]
+    assert STARTUP_SECRET not in log
+    assert " ready." not in log
+
+
+def test_an_unusable_store_url_is_an_error_line_at_start(celery_logdir: Path) -> None:
+    """The same under "log": one ERROR line naming the problem (here a query parameter
+    redis-py's connection refuses), not a WARNING per process, and no password."""
+    require_server(BROKER_URL)
+    url = f"redis://:{STARTUP_SECRET}@127.0.0.1:6379/0?sockettimeout=2"
+    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": url})
+    try:
+        wait_ready([worker])
+        log = worker.text()
+    finally:
+        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
+    assert len(errors) == 1, log[-3000:]
+    assert "unknown URL option 'sockettimeout'" in errors[0]
+    assert f"{STARTUP_CHECK_SETTING}='fatal'" in errors[0]
+    assert "could not load the lock store's driver" not in log
+    assert "could not open the lock store" not in log  # said once, at start
+    assert STARTUP_SECRET not in log
+
+
 def test_pool_processes_open_the_store_before_the_first_task(celery_logdir: Path) -> None:
     """The lock table of a fresh table name appears with no task sent: a pool process connected."""
     require_server(BROKER_URL)
@@ -128,7 +171,8 @@ def test_warm_up_on_a_silent_store_gives_up_at_its_deadline(
     WARM_UP_TIMEOUT (not the driver's 10-40 s): a WARNING, and the process goes on."""
     with silent_server() as port:
         app = Celery(f"silent-{uuid.uuid4().hex[:6]}", set_as_current=False)
-        app.conf.exclusive_url = f"{scheme}://u:pw@127.0.0.1:{port}/test"
+        database = "0" if scheme == "redis" else "test"  # a Redis path is a database number
+        app.conf.exclusive_url = f"{scheme}://u:pw@127.0.0.1:{port}/{database}"
         exclusive_task(app=app, name=f"silent.t{uuid.uuid4().hex[:6]}")(_body)
         try:
             started = time.monotonic()
