@@ -460,6 +460,10 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ),
     ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
     ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
+    # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took
+    # the rest for the host, which the driver then tried to resolve (a BackendError).
+    ("pg-raw-at-in-password", f"postgresql://u:ab@{MARKER}@127.0.0.1/x", "percent-encode an '@'"),
+    ("mysql-raw-at-in-password", f"mysql+pymysql://u:ab@{MARKER}@127.0.0.1/x", "percent-encode an '@'"),
     # SQLAlchemy's own ArgumentError, outside the package's errors (the CLI's "unexpected" exit 3).
     ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL 'sqlite://locks.db'"),
     ("missing-driver", "postgresql+nosuchdriver://h/x", "pip install"),

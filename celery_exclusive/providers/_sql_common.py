@@ -360,6 +360,11 @@ def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
     except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise _malformed(raw, exc) from None
+    if "@" in (url.host or ""):  # SQLAlchemy ends a password at its first "@": the rest is no host
+        raise ConfigurationError(
+            f"malformed SQL lock store URL {mask_url(raw)!r}: its host would contain '@'; "
+            "percent-encode an '@' in the password (%40)"
+        )
     return backend, driver, url
 
 
