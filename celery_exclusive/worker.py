@@ -245,32 +245,37 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
     names = exclusive_task_names(app)
     if not names:
         return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    failing = f"celery-exclusive: this worker has {len(names)} exclusive task(s) ({shown}) that will all fail"
     try:
-        url = resolve_url(app_settings(app).url, app.conf)
+        settings = app_settings(app)
+    except ConfigurationError as exc:  # the error names the setting (app.conf.* or CELERY_*)
+        _startup_failure(mode, f"{failing} until this setting is right: {exc}")
+        return
+    try:
+        url = resolve_url(settings.url, app.conf)
         preload_driver(url)  # a URL no store can be built from is as unusable as none
     except ConfigurationError as exc:
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        message = (
-            f"celery-exclusive: this worker has {len(names)} exclusive task(s) ({shown}) that will "
-            f"all fail until app.conf.{SETTING} (or {ENV_VAR}) is right: {exc}"
-        )
-        if mode == "fatal":
-            logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
-            raise WorkerShutdown(EX_CONFIG) from None
-        logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
+        _startup_failure(mode, f"{failing} until app.conf.{SETTING} (or {ENV_VAR}) is right: {exc}")
         return
     conflicts = task_setting_errors(app, names)
     if conflicts:
-        message = (
+        _startup_failure(
+            mode,
             f"celery-exclusive: {len(conflicts)} exclusive task(s) will fail at every run until "
-            f"their lock options agree with the app's settings: {'; '.join(conflicts)}"
+            f"their lock options agree with the app's settings: {'; '.join(conflicts)}",
         )
-        if mode == "fatal":
-            logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
-            raise WorkerShutdown(EX_CONFIG) from None
-        logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
     if not _pool_forks(instance):
         warm_up(app)
+
+
+def _startup_failure(mode: str, message: str) -> None:
+    """Log the start-up check's finding: ERROR, or CRITICAL and stop the worker (exit 78)
+    when ``mode`` is ``"fatal"``."""
+    if mode == "fatal":
+        logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
+        raise WorkerShutdown(EX_CONFIG) from None
+    logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
 
 
 def task_setting_errors(app: Any, names: Sequence[str]) -> list[str]:

@@ -11,6 +11,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -289,3 +290,35 @@ def test_a_task_option_at_odds_with_the_app_settings_is_an_error_line_at_start(
     assert f"{app.main}.several: {app.main}.several has several lock keys" in errors[0]
     assert "on_locked='rerun'" in errors[0]
     assert f"{app.main}.fine" not in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("conf", "named"),
+    [
+        ({"exclusive_default_ttl": "300"}, "app.conf.exclusive_default_ttl: ttl must be seconds"),
+        ({"exclusive_on_lost": "die"}, "app.conf.exclusive_on_lost: on_lost must be one of"),
+    ],
+)
+def test_a_bad_setting_other_than_the_url_is_not_blamed_on_the_url(
+    conf: dict[str, Any], named: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up line for a bad setting names that setting, not ``exclusive_url``: it
+    used to say "until app.conf.exclusive_url (or CELERY_EXCLUSIVE_URL) is right: " before
+    the error of, say, ``exclusive_default_ttl = "300"``, with the URL fine."""
+    from celery_exclusive.worker import check_at_worker_start
+
+    app = Celery(f"ce_start_{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.update(exclusive_url="memory://", **conf)
+
+    @exclusive_task(app=app, key="k:{n}", name=f"{app.main}.t", shared=False)
+    def t(n: int) -> None: ...
+
+    worker = type("Worker", (), {"app": app, "pool_cls": "solo", "task_events": False})()
+    with caplog.at_level(logging.ERROR, logger="celery_exclusive"):
+        check_at_worker_start(instance=worker)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert named in errors[0]
+    assert "exclusive_url" not in errors[0]
+    assert "CELERY_EXCLUSIVE_URL" not in errors[0]
+    assert f"{app.main}.t" in errors[0]
