@@ -722,6 +722,18 @@ def test_misspelt_lock_option_is_rejected() -> None:
         proxy(_body).name  # noqa: B018 - evaluating the lazy proxy makes Celery build the task class
 
 
+@pytest.mark.parametrize("name", ["lock_settings", "lock_service", "lock_key_for", "lock_keys_for"])
+def test_a_helper_of_the_task_is_no_lock_option(name: str) -> None:
+    """``lock_settings=...`` (a property of the task) is refused like a misspelt option, and
+    the refusal's list of known options names options only. It used to be accepted, set
+    over the property, and fail every run with an AttributeError."""
+    with pytest.raises(InvalidArgumentError, match=f"unknown lock option\\(s\\) {name};") as raised:
+        _declare(_app(), **{name: "oops"})
+    known = str(raised.value).partition("known: ")[2].split(", ")
+    assert "lock_ttl" in known
+    assert not {"lock_settings", "lock_service", "lock_key_for", "lock_keys_for"} & set(known)
+
+
 @pytest.mark.parametrize(
     "options",
     [
