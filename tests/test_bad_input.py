@@ -759,7 +759,7 @@ def _key_callable_returning(value: object) -> Callable[..., object]:
         ("{x}", ("\x00",), "NUL"),
         ("{x}", ("\ud800",), "lone surrogates"),
         ("{x}", ("x" * 10240,), "this store accepts at most"),
-        ("{x}", (object(),), "no stable text form"),
+        ("{x}", (object(),), "an object has no stable text form"),
         ("{x}", (1, 2), "do not match its signature"),
         ("{x.missing}", (1,), "AttributeError"),
         ("{x[3]}", ([1],), "IndexError"),
