@@ -848,6 +848,10 @@ CLI_URL_CASES: list[tuple[str, str, str]] = [
     ("unknown-option", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
     ("bad-table", f"{UNREACHABLE_PG}?ce_table=x;y", "invalid lock table name"),
     ("bad-port", f"postgresql+psycopg://u:{MARKER}@h:notaport/x", "malformed SQL lock store URL"),
+    # These three used to exit 3 ("unexpected ArgumentError/TypeError") or read database 0.
+    ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL"),
+    ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    ("redis-db-not-a-number", f"redis://:{MARKER}@h/x", "the path must be a database number"),
 ]
 
 
