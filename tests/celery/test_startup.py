@@ -40,15 +40,22 @@ def start(logdir: Path, env: dict[str, str]) -> Process:
     return spawn(name, [*WORKER, "-n", f"{name}@%h", "-Q", queue], {"CE_CELERY_QUEUE": queue, **env}, logdir)
 
 
-def test_missing_store_is_an_error_line_naming_the_setting(celery_logdir: Path) -> None:
-    require_server(BROKER_URL)
-    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": ""})
+def error_lines_at_start(logdir: Path, env: dict[str, str]) -> tuple[str, list[str]]:
+    """Start a worker with ``env``, wait until it is ready and stop it: its log, and the
+    ERROR lines celery-exclusive wrote in its main process."""
+    worker = start(logdir, env)
     try:
         wait_ready([worker])
         log = worker.text()
     finally:
         worker.stop(timeout=1)  # nothing to finish: no task was sent
     errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
+    return log, errors
+
+
+def test_missing_store_is_an_error_line_naming_the_setting(celery_logdir: Path) -> None:
+    require_server(BROKER_URL)
+    log, errors = error_lines_at_start(celery_logdir, {"CELERY_EXCLUSIVE_URL": ""})
     assert len(errors) == 1, log[-3000:]
     assert "exclusive task(s) (tests.celery.app." in errors[0]
     assert "app.conf.exclusive_url" in errors[0]
@@ -99,13 +106,7 @@ def test_an_unusable_store_url_is_an_error_line_at_start(celery_logdir: Path) ->
     redis-py's connection refuses), not a WARNING per process, and no password."""
     require_server(BROKER_URL)
     url = f"redis://:{STARTUP_SECRET}@127.0.0.1:6379/0?sockettimeout=2"
-    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": url})
-    try:
-        wait_ready([worker])
-        log = worker.text()
-    finally:
-        worker.stop(timeout=1)  # nothing to finish: no task was sent
-    errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
+    log, errors = error_lines_at_start(celery_logdir, {"CELERY_EXCLUSIVE_URL": url})
     assert len(errors) == 1, log[-3000:]
     assert "unknown URL option 'sockettimeout'" in errors[0]
     assert f"{STARTUP_CHECK_SETTING}='fatal'" in errors[0]
@@ -146,14 +147,8 @@ def test_an_unknown_startup_check_value_is_one_error_line_at_worker_start(celery
     worker goes on with the default check (``"log"``: here, the missing store's line); it
     used to raise out of the signal receiver (Celery logged a traceback, checked nothing)."""
     require_server(BROKER_URL)
-    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": "", STARTUP_CHECK_ENV: "loud"})
-    try:
-        wait_ready([worker])
-        log = worker.text()
-    finally:
-        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    log, errors = error_lines_at_start(celery_logdir, {"CELERY_EXCLUSIVE_URL": "", STARTUP_CHECK_ENV: "loud"})
     assert "check_at_worker_start" not in log, log[-3000:]  # Celery's "Signal handler ... raised"
-    errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
     assert len(errors) == 2, log[-3000:]
     assert STARTUP_CHECK_SETTING in errors[0]
     assert "'loud'" in errors[0]
