@@ -996,8 +996,12 @@ def _celerys_call_is_next(cls: type) -> bool:
 
 
 _CLASS_MEMBERS = (types.FunctionType, property, classmethod, staticmethod)
-#: Every ``lock_*`` name a task may carry: the options and ExclusiveTask's own helpers.
-_LOCK_ATTRIBUTES = frozenset(n for n in vars(ExclusiveTask) if n.startswith("lock_"))
+#: Every ``lock_*`` option a task may carry: ExclusiveTask's ``lock_*`` data attributes, not
+#: its helpers (``lock_key_for``, the ``lock_settings`` property...), which an option of
+#: that name would replace.
+_LOCK_ATTRIBUTES = frozenset(
+    n for n, v in vars(ExclusiveTask).items() if n.startswith("lock_") and not isinstance(v, _CLASS_MEMBERS)
+)
 
 
 def exclusive_base(base: type | str | None = None) -> type:

@@ -447,6 +447,27 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("sql-broken-ipv6", f"postgresql+psycopg://u:{MARKER}@[::1/x", "malformed lock store URL"),
     ("redis-broken-ipv6", f"redis://:{MARKER}@[::1/0", "malformed lock store URL"),
     ("redis-bad-db", "redis://h/0?db=notanint", "bad redis URL"),
+    # redis-py reads a path that is no number as database 0, and "/1/2" as 12: a typo there
+    # used to put the locks in another database than the URL seems to say.
+    ("redis-db-not-a-number", f"redis://:{MARKER}@h:6379/x", "bad redis URL"),
+    ("redis-db-two-parts", "rediss://h/1/2", "bad redis URL"),
+    # redis-py passes an unknown query parameter on to its connection class, which refused
+    # it only on the first call, with a TypeError.
+    ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    ("unix-unknown-option", "unix:///tmp/ce.sock?db=1&sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    (
+        "sentinel-unknown-option",
+        f"redis+sentinel://:{MARKER}@h1,h2/svc/0?sockettimeout=2",
+        "unknown URL option 'sockettimeout'",
+    ),
+    ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
+    ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
+    # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took
+    # the rest for the host, which the driver then tried to resolve (a BackendError).
+    ("pg-raw-at-in-password", f"postgresql://u:ab@{MARKER}@127.0.0.1/x", "percent-encode an '@'"),
+    ("mysql-raw-at-in-password", f"mysql+pymysql://u:ab@{MARKER}@127.0.0.1/x", "percent-encode an '@'"),
+    # SQLAlchemy's own ArgumentError, outside the package's errors (the CLI's "unexpected" exit 3).
+    ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL 'sqlite://locks.db'"),
     ("missing-driver", "postgresql+nosuchdriver://h/x", "pip install"),
     # Driver parameters SQLAlchemy converts when it builds the engine: named, never a ValueError.
     ("sqlite-timeout", "sqlite:///x.db?timeout=abc", "bad value for URL option 'timeout'"),
@@ -828,6 +849,18 @@ def test_misspelt_lock_option_is_rejected() -> None:
         proxy(_body).name  # noqa: B018 - evaluating the lazy proxy makes Celery build the task class
 
 
+@pytest.mark.parametrize("name", ["lock_settings", "lock_service", "lock_key_for", "lock_keys_for"])
+def test_a_helper_of_the_task_is_no_lock_option(name: str) -> None:
+    """``lock_settings=...`` (a property of the task) is refused like a misspelt option, and
+    the refusal's list of known options names options only. It used to be accepted, set
+    over the property, and fail every run with an AttributeError."""
+    with pytest.raises(InvalidArgumentError, match=f"unknown lock option\\(s\\) {name};") as raised:
+        _declare(_app(), **{name: "oops"})
+    known = str(raised.value).partition("known: ")[2].split(", ")
+    assert "lock_ttl" in known
+    assert not {"lock_settings", "lock_service", "lock_key_for", "lock_keys_for"} & set(known)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -853,7 +886,7 @@ def _key_callable_returning(value: object) -> Callable[..., object]:
         ("{x}", ("\x00",), "NUL"),
         ("{x}", ("\ud800",), "lone surrogates"),
         ("{x}", ("x" * 10240,), "this store accepts at most"),
-        ("{x}", (object(),), "no stable text form"),
+        ("{x}", (object(),), "an object has no stable text form"),
         ("{x}", (1, 2), "do not match its signature"),
         ("{x.missing}", (1,), "AttributeError"),
         ("{x[3]}", ([1],), "IndexError"),
@@ -942,6 +975,10 @@ CLI_URL_CASES: list[tuple[str, str, str]] = [
     ("unknown-option", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
     ("bad-table", f"{UNREACHABLE_PG}?ce_table=x;y", "invalid lock table name"),
     ("bad-port", f"postgresql+psycopg://u:{MARKER}@h:notaport/x", "malformed SQL lock store URL"),
+    # These three used to exit 3 ("unexpected ArgumentError/TypeError") or read database 0.
+    ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL"),
+    ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    ("redis-db-not-a-number", f"redis://:{MARKER}@h/x", "the path must be a database number"),
 ]
 
 

@@ -571,7 +571,7 @@ def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> Non
     """A store that accepts connections and never answers is a failed connect check once the
     call deadline passes (the service's call_timeout), not a doctor that waits out the driver."""
     with silent_server() as port:
-        url = f"{scheme}://u:{SECRET}@127.0.0.1:{port}/test"
+        url = f"{scheme}://u:{SECRET}@127.0.0.1:{port}/{'0' if scheme == 'redis' else 'test'}"
         service = LockService(url, prefix="silent:", call_timeout=1.0)
         try:
             started = time.monotonic()

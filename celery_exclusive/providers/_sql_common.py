@@ -359,11 +359,21 @@ def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
     try:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
     except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
-        secrets = url_secrets(raw)  # a raw "@" in a password: the rest is read as host and port
-        mask_error(exc, secrets)  # still the error's __context__
-        reason = mask_url(str(exc), secrets)
-        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {reason}") from None
+        raise _malformed(raw, exc) from None
+    if "@" in (url.host or ""):  # SQLAlchemy ends a password at its first "@": the rest is no host
+        raise ConfigurationError(
+            f"malformed SQL lock store URL {mask_url(raw)!r}: its host would contain '@'; "
+            "percent-encode an '@' in the password (%40)"
+        )
     return backend, driver, url
+
+
+def _malformed(raw: str, exc: Exception) -> ConfigurationError:
+    """The error for SQL store URL ``raw`` that SQLAlchemy refused with ``exc`` (masked in place)."""
+    secrets = url_secrets(raw)  # a raw "@" in a password: the rest is read as host and port
+    mask_error(exc, secrets)  # still the error's __context__
+    reason = " ".join(mask_url(str(exc), secrets).split())  # SQLite's lists its URL forms on lines
+    return ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {reason}")
 
 
 class DeadlinePool(QueuePool):
@@ -459,6 +469,8 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         raise _missing_driver(backend, driver) from exc
     except (ValueError, TypeError):  # a driver parameter SQLAlchemy could not convert
         raise unconvertible(url, raw) from None
+    except sa_exc.ArgumentError as exc:  # sqlite://file.db: the dialect knows its URL forms
+        raise _malformed(raw, exc) from None
     check_params(engine.dialect, url, connect_args, raw)
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_connect)
