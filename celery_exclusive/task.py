@@ -576,7 +576,8 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
     if plan.tracks_started:  # the run holds its lease: no copy (redelivery.hold_back_started)
         redelivery.started(task, request)
     report: observe.Run | None
-    if isinstance(lease, LeaseSet):
+    # A Lease on its exact type first: an isinstance() that fails looks up __class__ too.
+    if type(lease) is not Lease and isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
         report = observe.holding(task, leases, request, span)
     elif watched:  # quiet_run's report given to lock() by _run: most runs
