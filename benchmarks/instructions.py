@@ -25,7 +25,9 @@ heartbeat pass falling into the counted window adds up to ~0.6k per cycle), whic
 rates on a shared machine cannot say. ``PYTHONHASHSEED=0``; with ``--package DIR`` the
 package is imported from ``DIR`` (a frozen copy of another commit, e.g. ``git archive``),
 for before/after rows. ``--callgrind-out FILE`` keeps the last variant's profile for
-``callgrind_annotate`` (per C function; Python frames show as ``_PyEval_EvalFrameDefault``).
+``callgrind_annotate`` (per C function; Python frames show as ``_PyEval_EvalFrameDefault``);
+``--itemise`` names the package's Python functions too (:mod:`benchmarks.itemise`: inclusive
+and own instructions and calls per run of each, ``--itemise-only REGEX`` to wrap fewer).
 """
 
 from __future__ import annotations
