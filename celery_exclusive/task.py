@@ -84,7 +84,8 @@ from celery.utils.threads import _LocalStack
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive import worker as _worker
-from celery_exclusive._process import HolderTemplate
+from celery_exclusive._process import HolderTemplate, _encode_str
+from celery_exclusive._process import this as _this
 from celery_exclusive._records import _SETTERS, checked_completion
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
@@ -481,7 +482,6 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
             elif plan.lock_one and isinstance(key, str):
                 # _lock inline for the usual run (one key, limit 1), and plan.holder's lookup.
                 template = plan._templates.get(request.hostname)
-                holder = plan.holder(task, request) if template is None else template.holder(task_id)
                 if observe.events.enabled:
                     lost = None
                 else:  # _hold's quiet report, given at the grant: no lease.on_lost call after it
@@ -494,14 +494,34 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                     # unchanged (a str of 1-200 ASCII characters without NUL, or None), the
                     # durations are the plan's, and a store without records gets no id.
                     ttl, interval, lifetime = plan.ttls
-                    # By position (name_holder, task_id, limit, on_lost): no keyword matching.
+                    # The holder as its stored JSON only (HolderTemplate.text, inline once the
+                    # template's text is this process's): the mapping holder() would attach it
+                    # to is never read on this path.
+                    if template is not None and template._made_for is _this.holder and type(task_id) is str:
+                        around = template._around
+                        text = None if around is None else around[0] + _encode_str(task_id) + around[1]
+                    else:
+                        text = plan.template(task, request).text(task_id)
+                    # A holder mapping only where the template has no text for it.
+                    mapping = None if text is not None else plan.holder(task, request)
+                    # By position (name_holder, task_id, limit, on_lost, holder_text): no keyword matching.
                     taken = plan.take(
-                        key, ttl, interval, lifetime, holder, True, once if plan.records else None, 1, lost
+                        key,
+                        ttl,
+                        interval,
+                        lifetime,
+                        mapping,
+                        True,
+                        once if plan.records else None,
+                        1,
+                        lost,
+                        text,
                     )
                     if type(taken) is not Lease:
                         raise LockedError(key, cast("Held", taken).holder)
                     lease = taken
                 else:
+                    holder = plan.holder(task, request) if template is None else template.holder(task_id)
                     lease = plan.service.lock(key, task_id=once, holder=holder, on_lost=lost, **plan.options)
             else:
                 lease = _lock(task, plan, key, once, request)
@@ -560,7 +580,8 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
     if plan.tracks_started:  # the run holds its lease: no copy (redelivery.hold_back_started)
         redelivery.started(task, request)
     report: observe.Run | None
-    if isinstance(lease, LeaseSet):
+    # A Lease on its exact type first: an isinstance() that fails looks up __class__ too.
+    if type(lease) is not Lease and isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
         report = observe.holding(task, leases, request, span)
     elif watched:  # quiet_run's report given to lock() by _run: most runs
@@ -834,12 +855,16 @@ class _Plan:
 
     def holder(self, task: ExclusiveTask[..., Any], request: Any) -> Mapping[str, Any]:
         """:func:`policies.holder_of` ``request``, its JSON encoded around the task id."""
+        return self.template(task, request).holder(request.id)
+
+    def template(self, task: ExclusiveTask[..., Any], request: Any) -> HolderTemplate:
+        """The holder template of ``request``'s worker (made on its first run there)."""
         hostname = request.hostname
         template = self._templates.get(hostname)
         if template is None:
             template = HolderTemplate(policies.holder_fields(task, hostname), "task_id")
             self._templates = {**self._templates, hostname: template}
-        return template.holder(request.id)
+        return template
 
 
 def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
