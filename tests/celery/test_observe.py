@@ -333,17 +333,25 @@ def test_lost_lease_marks_the_span_and_logs_with_the_task_context(
     assert "no longer lists this token" in attrs[observe.LOST_REASON]
 
 
+def gated_run_losing_its_lease(locks: LockService, task_id: str) -> Any:
+    """A run of ``losing_gated`` as ``task_id`` whose report :data:`lost_gate` holds, its
+    lease taken away once it holds it; its result."""
+    n = uid()
+    lost_gate.watch(task_id)
+    result = losing_gated.apply_async((n,), task_id=task_id)
+    info = wait_for(lambda: locks.peek(f"obs-lost-gated:{n}"), 10, what="the run's lease")
+    assert locks.force_release(f"obs-lost-gated:{n}", info.token)
+    return result
+
+
 def test_lost_outcome_reported_by_the_heartbeat_lands_before_the_span_ends(
     spans: InMemorySpanExporter, locks: LockService
 ) -> None:
     """The heartbeat thread claims the run's loss report, then is slow to mark the span (its
     WARNING is held) while the run ends: the run's end waits for the mark."""
-    n, task_id = uid(), str(uuid.uuid4())
-    lost_gate.watch(task_id)
+    task_id = str(uuid.uuid4())
     try:
-        result = losing_gated.apply_async((n,), task_id=task_id)
-        info = wait_for(lambda: locks.peek(f"obs-lost-gated:{n}"), 10, what="the run's lease")
-        assert locks.force_release(f"obs-lost-gated:{n}", info.token)
+        result = gated_run_losing_its_lease(locks, task_id)
         assert result.get(timeout=20) == "returned"
         attrs = lock_attributes(run_span(spans, task_id))
     finally:
@@ -361,12 +369,9 @@ def test_a_loss_report_held_past_report_wait_does_not_hold_the_runs_end(
     long, then ends anyway (its span then misses the loss, as documented)."""
     monkeypatch.setattr(observe, "REPORT_WAIT", 0.5)
     monkeypatch.setattr(lost_gate, "hold", 60.0)
-    n, task_id = uid(), str(uuid.uuid4())
-    lost_gate.watch(task_id)
+    task_id = str(uuid.uuid4())
     try:
-        result = losing_gated.apply_async((n,), task_id=task_id)
-        info = wait_for(lambda: locks.peek(f"obs-lost-gated:{n}"), 10, what="the run's lease")
-        assert locks.force_release(f"obs-lost-gated:{n}", info.token)
+        result = gated_run_losing_its_lease(locks, task_id)
         assert lost_gate.reporting.wait(15), "the heartbeat never began its loss report"
         # Unbounded, the run's end would wait for the report, which waits for the run's end.
         assert result.get(timeout=20) == "returned"
