@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -98,6 +99,63 @@ class AppWorker:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def pending(self, task_id: str) -> int:
+        """Deliveries of ``task_id`` not over: messages of it the broker holds (queued, or
+        taken by the worker and not acknowledged: waiting for their eta or a pool process),
+        and deliveries the worker logged as received and not yet as ended (succeeded,
+        retried, ignored, failed)."""
+        import redis
+
+        client = redis.Redis.from_url(self.app.app.conf.broker_url)
+        try:
+            queues = client.scan_iter(match=f"{self.queue}*")  # the queue, and its priority lists
+            raw = [each for key in queues for each in client.lrange(key, 0, -1)]
+            held = [json.loads(each)[0] for each in client.hvals("unacked")]
+        finally:
+            client.close()
+        messages = [json.loads(each) for each in raw] + held
+        queued = sum(1 for message in messages if (message.get("headers") or {}).get("id") == task_id)
+        text = self.text()
+        received = text.count(f"[{task_id}] received")
+        ended = sum(text.count(f"[{task_id}] {how}") for how in _ENDED)
+        return queued + max(0, received - ended)
+
+    def reruns_sent(self, key: str) -> list[str]:
+        """The task ids of the reruns the worker logged as sent for ``key`` (hand-ons)."""
+        return re.findall(rf"held lock '{re.escape(key)}'; rerun sent as [\w.]+\[([^\]]+)\]", self.text())
+
+    def settled(self, *task_ids: str, reruns_of: str | None = None) -> None:
+        """Wait until no further run of ``task_ids`` (and of every rerun sent for the key
+        ``reruns_of``) can start from a message already sent: :meth:`pending` is 0 for
+        each, and still is :data:`QUIET` s later, no other rerun sent meanwhile (a hang
+        guard of :data:`SETTLE_GUARD` s). A run that starts after this was sent after it."""
+
+        def ids() -> list[str]:
+            return [*task_ids, *(self.reruns_sent(reruns_of) if reruns_of else ())]
+
+        def idle() -> bool:
+            return not any(self.pending(each) for each in ids())
+
+        deadline = time.monotonic() + SETTLE_GUARD
+        while True:
+            remaining = deadline - time.monotonic()
+            assert wait_until(idle, remaining, 0.05), f"{ids()} still pending:\n{self.text()[-6000:]}"
+            before = ids()
+            time.sleep(QUIET)
+            if idle() and ids() == before:
+                return
+
+
+#: How Celery's worker logs the end of a delivery after the task's id (celery.app.trace).
+_ENDED = ("succeeded in", "retry:", "ignored", "raised")
+#: The hang guard of :meth:`AppWorker.settled`, in seconds.
+SETTLE_GUARD = 30.0
+#: How long :meth:`AppWorker.settled` watches on once nothing is pending, in seconds: a
+#: message the worker took off the queue just as the broker was read (in neither the queue
+#: nor the unacknowledged set for an instant) has been logged as received by then, and a
+#: hand-on under way has logged its rerun.
+QUIET = 0.5
 
 
 @contextlib.contextmanager

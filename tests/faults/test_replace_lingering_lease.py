@@ -20,7 +20,7 @@ import pytest
 
 from celery_exclusive.redelivery import ATTEMPTS_HEADER
 from tests.faults.conftest import SLACK, wait_until
-from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker, module_worker
+from tests.faults.test_retry_lingering_lease import SETTLED, Worker, module_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -29,17 +29,19 @@ worker = module_worker("replace")
 
 
 def replaced_behind_a_refused_release(worker: Worker, task: str, how: str) -> tuple[Any, str, float]:
-    """Stage 0 of ``task`` replaces itself (``how``) while the store refuses its release,
-    which answers again :data:`OUTAGE` seconds later, the lease still in the store. The
-    result, the tag, and when the store answered again."""
+    """Stage 0 of ``task`` replaces itself (``how``) while the store refuses its release;
+    the store answers again once the replacement (the one that takes the run's task id,
+    or under ``"chain-first"`` the chain's first task, an id of its own) has looked at the
+    key and found the lease still there (``held_at_first_look``). The result, the tag,
+    and when the store answered again."""
     tag = uuid.uuid4().hex[:8]
     result = getattr(worker.app, task).apply_async((tag, 0, how), queue=worker.queue)
     try:
         assert worker.admin.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-4000:]
         worker.refuse_releases()
         worker.admin.rpush(f"{tag}:go", 1)
-        time.sleep(OUTAGE)
-        assert worker.store.peek(f"replace:{tag}") is not None, "the lease is still there"
+        looker = None if how == "chain-first" else result.id
+        worker.held_at_first_look(task, looker, f"replace:{tag}")
     finally:
         worker.answer()
     return result, tag, time.time()
@@ -54,8 +56,8 @@ def test_a_replacement_behind_its_runs_unreleased_lease_runs_once_that_lease_is_
     chain, which takes the id) runs once, soon after the store answered again: not taken
     for a copy (deferred to the lease's ttl with records, dropped without)."""
     result, tag, answered = replaced_behind_a_refused_release(worker, task, how)
-    assert worker.result(result, OUTAGE + SETTLED) == 1
-    time.sleep(1.0)  # a second run of the replacement would have started by now
+    assert worker.result(result, SETTLED) == 1
+    worker.settled(result.id)  # a second run of the replacement has started by now, if any was sent
     runs = worker.runs(tag)
     assert [run["stage"] for run in runs] == [0, 1], runs
     assert runs[1]["id"] == result.id
@@ -71,7 +73,7 @@ def test_a_replacement_chains_first_task_behind_its_runs_unreleased_lease_runs(w
     lease, as a retry does, and runs once (it met that lease as any other holder: under
     ``on_locked="skip"`` it was skipped)."""
     result, tag, answered = replaced_behind_a_refused_release(worker, "replacing", "chain-first")
-    assert worker.result(result, OUTAGE + SETTLED) is None  # the chain's last task: noted
+    assert worker.result(result, SETTLED) is None  # the chain's last task: noted
     runs = worker.runs(tag)
     assert [run["stage"] for run in runs] == [0, 1], runs
     assert runs[1]["id"] != result.id

@@ -12,7 +12,6 @@ uses it; acquire, refresh, peek and the markers' own release keep working), and 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,7 +76,7 @@ def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory)
 def _ran_once_after(worker: Worker, tag: str, first: dict[str, Any], within: float) -> None:
     """Run 2 (the rerun) runs within ``within`` seconds, after run 1, once."""
     assert wait_until(lambda: len(worker.runs(tag)) > 1, within), worker.text()[-6000:]
-    time.sleep(2.0)  # a second rerun would have run by now
+    worker.settled(reruns_of=f"rerun:{tag}")  # a second rerun has run by now, if any was sent
     runs = worker.runs(tag)
     assert [run["n"] for run in runs] == [1, 2], runs
     assert runs[1]["fence"] > first["fence"]
