@@ -11,6 +11,7 @@ events over a pipe and are timed when their line arrives (which is never early).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -100,61 +101,60 @@ class AppWorker:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def pending(self, task_id: str) -> int:
-        """Deliveries of ``task_id`` not over: messages of it the broker holds (queued, or
-        taken by the worker and not acknowledged: waiting for their eta or a pool process),
-        and deliveries the worker logged as received and not yet as ended (succeeded,
-        retried, ignored, failed)."""
+    def pending(self, tag: str) -> set[str]:
+        """The task ids of the deliveries of ``tag`` (a test's tag among the task's
+        arguments) not over: messages the broker holds for the worker's queue (queued, or
+        taken by the worker and not acknowledged: waiting for their eta or a pool
+        process), and deliveries the worker logged as received and not yet as ended
+        (succeeded, retried, ignored, failed; another test's message waiting for its eta
+        aside)."""
         import redis
 
         client = redis.Redis.from_url(self.app.app.conf.broker_url)
         try:
             queues = client.scan_iter(match=f"{self.queue}*")  # the queue, and its priority lists
-            raw = [each for key in queues for each in client.lrange(key, 0, -1)]
-            held = [json.loads(each)[0] for each in client.hvals("unacked")]
+            queued = [json.loads(each) for key in queues for each in client.lrange(key, 0, -1)]
+            held = [json.loads(each) for each in client.hvals("unacked")]
         finally:
             client.close()
-        messages = [json.loads(each) for each in raw] + held
-        queued = sum(1 for message in messages if (message.get("headers") or {}).get("id") == task_id)
+        messages = queued + [message for message, _, queue in held if queue == self.queue]
+        ours, others = set(), set()
+        for message in messages:
+            headers = message.get("headers") or {}
+            (ours if tag in str(headers.get("argsrepr")) else others).add(headers.get("id"))
         text = self.text()
-        received = text.count(f"[{task_id}] received")
-        ended = sum(text.count(f"[{task_id}] {how}") for how in _ENDED)
-        return queued + max(0, received - ended)
+        received = collections.Counter(_RECEIVED.findall(text))
+        ended = collections.Counter(_ENDED.findall(text) + _KILLED.findall(text))
+        running = {each for each, count in received.items() if count > ended[each]}
+        return ours | (running - others)
 
-    def reruns_sent(self, key: str) -> list[str]:
-        """The task ids of the reruns the worker logged as sent for ``key`` (hand-ons)."""
-        return re.findall(rf"held lock '{re.escape(key)}'; rerun sent as [\w.]+\[([^\]]+)\]", self.text())
-
-    def settled(self, *task_ids: str, reruns_of: str | None = None) -> None:
-        """Wait until no further run of ``task_ids`` (and of every rerun sent for the key
-        ``reruns_of``) can start from a message already sent: :meth:`pending` is 0 for
-        each, and still is :data:`QUIET` s later, no other rerun sent meanwhile (a hang
-        guard of :data:`SETTLE_GUARD` s). A run that starts after this was sent after it."""
-
-        def ids() -> list[str]:
-            return [*task_ids, *(self.reruns_sent(reruns_of) if reruns_of else ())]
-
-        def idle() -> bool:
-            return not any(self.pending(each) for each in ids())
-
+    def settled(self, tag: str) -> None:
+        """Wait until no further run of ``tag`` can start from a message already sent (its
+        retries, copies and reruns: every message naming it among its arguments):
+        :meth:`pending` is empty, and still is :data:`QUIET` s later (a hang guard of
+        :data:`SETTLE_GUARD` s). A run that starts after this was sent after it."""
         deadline = time.monotonic() + SETTLE_GUARD
         while True:
             remaining = deadline - time.monotonic()
-            assert wait_until(idle, remaining, 0.05), f"{ids()} still pending:\n{self.text()[-6000:]}"
-            before = ids()
+            assert wait_until(lambda: not self.pending(tag), remaining, 0.05), (
+                f"still pending: {self.pending(tag)}\n{self.text()[-6000:]}"
+            )
             time.sleep(QUIET)
-            if idle() and ids() == before:
+            if not self.pending(tag):
                 return
 
 
-#: How Celery's worker logs the end of a delivery after the task's id (celery.app.trace).
-_ENDED = ("succeeded in", "retry:", "ignored", "raised")
+#: How Celery's worker logs a delivery's arrival, and its end, around the task's id
+#: (celery.app.trace: succeeded, retried, ignored, failed; celery.worker.request: killed
+#: at its hard time limit).
+_RECEIVED = re.compile(r"\[([^\]]+)\] received$", re.MULTILINE)
+_ENDED = re.compile(r"\[([^\]]+)\] (?:succeeded in|retry:|ignored$|raised)", re.MULTILINE)
+_KILLED = re.compile(r"Hard time limit \([^)]*\) exceeded for [\w.]+\[([^\]]+)\]")
 #: The hang guard of :meth:`AppWorker.settled`, in seconds.
 SETTLE_GUARD = 30.0
 #: How long :meth:`AppWorker.settled` watches on once nothing is pending, in seconds: a
 #: message the worker took off the queue just as the broker was read (in neither the queue
-#: nor the unacknowledged set for an instant) has been logged as received by then, and a
-#: hand-on under way has logged its rerun.
+#: nor the unacknowledged set for an instant) has been logged as received by then.
 QUIET = 0.5
 
 

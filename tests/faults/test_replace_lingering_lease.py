@@ -57,7 +57,7 @@ def test_a_replacement_behind_its_runs_unreleased_lease_runs_once_that_lease_is_
     for a copy (deferred to the lease's ttl with records, dropped without)."""
     result, tag, answered = replaced_behind_a_refused_release(worker, task, how)
     assert worker.result(result, SETTLED) == 1
-    worker.settled(result.id)  # a second run of the replacement has started by now, if any was sent
+    worker.settled(tag)  # a second run of the replacement has started by now, if any was sent
     runs = worker.runs(tag)
     assert [run["stage"] for run in runs] == [0, 1], runs
     assert runs[1]["id"] == result.id

@@ -65,7 +65,7 @@ class Worker(AppWorker):
         """The runs of ``tag`` once the rerun (run 2) ran, and no second rerun sent for its
         key can start any more (:meth:`~tests.faults.conftest.AppWorker.settled`)."""
         assert wait_until(lambda: any(run["n"] == 2 for run in self.runs(tag)), 30), self.text()[-6000:]
-        self.settled(reruns_of=f"rerun:{tag}")
+        self.settled(tag)
         return self.runs(tag)
 
 

@@ -41,7 +41,7 @@ def wait_for_rerun(worker: Worker, first: Any, tag: str, within: float) -> list[
     or of a rerun sent for its key can start (:meth:`~tests.faults.conftest.AppWorker.settled`)."""
     ran = wait_until(lambda: any(run["n"] == 2 for run in worker.runs(tag)), within)
     assert ran, f"the rerun never ran: {worker.runs(tag)}\n{worker.text()[-6000:]}"
-    worker.settled(first.id, reruns_of=f"rerun:{tag}")
+    worker.settled(tag)
     return worker.runs(tag)
 
 

@@ -76,7 +76,7 @@ def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory)
 def _ran_once_after(worker: Worker, tag: str, first: dict[str, Any], within: float) -> None:
     """Run 2 (the rerun) runs within ``within`` seconds, after run 1, once."""
     assert wait_until(lambda: len(worker.runs(tag)) > 1, within), worker.text()[-6000:]
-    worker.settled(reruns_of=f"rerun:{tag}")  # a second rerun has run by now, if any was sent
+    worker.settled(tag)  # a second rerun has run by now, if any was sent
     runs = worker.runs(tag)
     assert [run["n"] for run in runs] == [1, 2], runs
     assert runs[1]["fence"] > first["fence"]

@@ -140,7 +140,7 @@ def test_a_retry_behind_its_attempts_unreleased_lease_runs_once_that_lease_is_go
         pytest.skip("the short mode retries two of the four tasks with a countdown (CE_LONG=1: all)")
     result, tag, answered = worker.retried_behind_a_refused_release(task, countdown)
     assert worker.result(result, countdown + SETTLED) == 1
-    worker.settled(result.id)  # a second run of the retry has started by now, if any was sent
+    worker.settled(tag)  # a second run of the retry has started by now, if any was sent
     runs = worker.runs(tag)
     assert [run["attempt"] for run in runs] == [0, 1], runs
     assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
@@ -177,7 +177,7 @@ def test_a_copy_of_the_retrys_message_is_still_a_copy(worker: Worker) -> None:
     finally:
         worker.admin.rpush(f"{tag}:go", 1)
     assert worker.result(result, 30) == 1
-    worker.settled(result.id)  # the copy, had it waited behind the retry's lease, has run by now
+    worker.settled(tag)  # the copy, had it waited behind the retry's lease, has run by now
     assert [run["attempt"] for run in worker.runs(tag)] == [0, 1]
 
 
