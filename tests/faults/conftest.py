@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -234,6 +235,30 @@ def acl_app_worker(
                 yield kind(base.queue, base.log, base.app, base.store, admin, user, *extra)
     finally:
         admin.close()
+
+
+@pytest.fixture(scope="session")
+def acl_worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclWorker]:
+    """One prefork worker (two processes) whose store is the private Redis as an ACL user of
+    its own (:func:`acl_app_worker`), shared by the modules whose tests take commands away
+    from that user and give them back (in ``finally``) and tell their runs by a tag of
+    their own: ``test_retry_lingering_lease.py``, ``test_replace_lingering_lease.py``,
+    ``test_rerun_retry.py``, ``test_rerun_stale_lease.py`` (each views it as its own kind,
+    :func:`shared_worker`). Started once (about 3 s each) instead of once per module."""
+    log_dir = tmp_path_factory.mktemp("celery-acl")
+    with acl_app_worker(redis_server, "acl", log_dir, AclWorker, concurrency=2) as worker:
+        yield worker
+
+
+def shared_worker(kind: type[AclWorker]) -> Any:
+    """A module's ``worker`` fixture: :func:`acl_worker` as a ``kind`` (an
+    :class:`AclWorker` subclass adding methods, no fields)."""
+
+    @pytest.fixture
+    def worker(acl_worker: AclWorker) -> AclWorker:
+        return kind(**{each.name: getattr(acl_worker, each.name) for each in dataclasses.fields(AclWorker)})
+
+    return worker
 
 
 @pytest.fixture(scope="session")

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from celery_exclusive.redelivery import ATTEMPTS_HEADER
-from tests.faults.conftest import SLACK, wait_until
-from tests.faults.test_retry_lingering_lease import SETTLED, Worker, module_worker
+from tests.faults.conftest import SLACK, shared_worker, wait_until
+from tests.faults.test_retry_lingering_lease import SETTLED, Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-worker = module_worker("replace")
+worker = shared_worker(Worker)
 
 
 def replaced_behind_a_refused_release(worker: Worker, task: str, how: str) -> tuple[Any, str, float]:

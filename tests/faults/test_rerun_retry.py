@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from celery_exclusive import is_skipped
-from tests.faults.conftest import SLACK, wait_until
-from tests.faults.test_retry_lingering_lease import SETTLED, Worker, module_worker
+from tests.faults.conftest import SLACK, shared_worker, wait_until
+from tests.faults.test_retry_lingering_lease import SETTLED, Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-worker = module_worker("rerunretry")
+worker = shared_worker(Worker)
 
 
 def coalesced(worker: Worker, task: str, tag: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +20,7 @@ import pytest
 
 from celery_exclusive import is_skipped
 from celery_exclusive.policies import COALESCED, MARKER_FIELD
-from tests.faults.conftest import SLACK, AclWorker, acl_app_worker, wait_until
-from tests.faults.servers import PrivateRedis
+from tests.faults.conftest import SLACK, AclWorker, shared_worker, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -64,13 +62,7 @@ class Worker(AclWorker):
         return run
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    with acl_app_worker(
-        redis_server, "stale", tmp_path_factory.mktemp("celery-stale"), Worker, concurrency=2
-    ) as worker:
-        yield worker
+worker = shared_worker(Worker)
 
 
 def _ran_once_after(worker: Worker, tag: str, first: dict[str, Any], within: float) -> None:

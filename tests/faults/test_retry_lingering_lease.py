@@ -25,7 +25,7 @@ import pytest
 from celery.exceptions import TimeoutError
 
 from celery_exclusive.redelivery import COOLING_HEADER
-from tests.faults.conftest import LONG, SLACK, AclWorker, acl_app_worker, wait_until
+from tests.faults.conftest import LONG, SLACK, AclWorker, acl_app_worker, shared_worker, wait_until
 from tests.faults.servers import PrivateRedis, TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -109,20 +109,7 @@ class Worker(AclWorker):
         return result, tag, time.time()
 
 
-def module_worker(name: str) -> Any:
-    """A module's ``worker`` fixture: a :class:`Worker` called ``name`` (two processes),
-    its ACL user and the test's app; stopped and deleted afterwards."""
-
-    @pytest.fixture(scope="module")
-    def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-        log_dir = tmp_path_factory.mktemp(f"celery-{name}")
-        with acl_app_worker(redis_server, name, log_dir, Worker, concurrency=2) as worker:
-            yield worker
-
-    return worker
-
-
-worker = module_worker("retry")
+worker = shared_worker(Worker)
 
 
 @pytest.mark.parametrize(
