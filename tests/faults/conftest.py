@@ -99,6 +99,11 @@ class AppWorker:
     #: A service on the worker's store prefix, straight to the private Redis.
     store: LockService
 
+    #: Where in the log :meth:`pending` starts reading: a worker shared by several tests
+    #: (:func:`shared_worker`) starts each test's view at the log's end then, so that a
+    #: delivery of an earlier test that ended unlogged (terminated, say) is not waited for.
+    since = 0  # not annotated: no dataclass field
+
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -106,9 +111,9 @@ class AppWorker:
         """The task ids of the deliveries of ``tag`` (a test's tag among the task's
         arguments) not over: messages the broker holds for the worker's queue (queued, or
         taken by the worker and not acknowledged: waiting for their eta or a pool
-        process), and deliveries the worker logged as received and not yet as ended
-        (succeeded, retried, ignored, failed; another test's message waiting for its eta
-        aside)."""
+        process), and deliveries the worker logged as received (since :attr:`since`) and
+        not yet as ended (succeeded, retried, ignored, failed; another test's message
+        waiting for its eta aside)."""
         import redis
 
         client = redis.Redis.from_url(self.app.app.conf.broker_url)
@@ -123,7 +128,7 @@ class AppWorker:
         for message in messages:
             headers = message.get("headers") or {}
             (ours if tag in str(headers.get("argsrepr")) else others).add(headers.get("id"))
-        text = self.text()
+        text = self.text()[self.since :]
         received = collections.Counter(_RECEIVED.findall(text))
         ended = collections.Counter(_ENDED.findall(text) + _KILLED.findall(text))
         running = {each for each, count in received.items() if count > ended[each]}
@@ -242,9 +247,10 @@ def acl_worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFact
     """One prefork worker (two processes) whose store is the private Redis as an ACL user of
     its own (:func:`acl_app_worker`), shared by the modules whose tests take commands away
     from that user and give them back (in ``finally``) and tell their runs by a tag of
-    their own: ``test_retry_lingering_lease.py``, ``test_replace_lingering_lease.py``,
-    ``test_rerun_retry.py``, ``test_rerun_stale_lease.py`` (each views it as its own kind,
-    :func:`shared_worker`). Started once (about 3 s each) instead of once per module."""
+    their own: ``test_kill_release_retry.py``, ``test_retry_lingering_lease.py``,
+    ``test_replace_lingering_lease.py``, ``test_rerun_retry.py``, ``test_rerun_stale_lease.py``
+    (each views it as its own kind, :func:`shared_worker`). Started once (about 3 s each)
+    instead of once per module."""
     log_dir = tmp_path_factory.mktemp("celery-acl")
     with acl_app_worker(redis_server, "acl", log_dir, AclWorker, concurrency=2) as worker:
         yield worker
@@ -256,7 +262,9 @@ def shared_worker(kind: type[AclWorker]) -> Any:
 
     @pytest.fixture
     def worker(acl_worker: AclWorker) -> AclWorker:
-        return kind(**{each.name: getattr(acl_worker, each.name) for each in dataclasses.fields(AclWorker)})
+        view = kind(**{each.name: getattr(acl_worker, each.name) for each in dataclasses.fields(AclWorker)})
+        view.since = len(acl_worker.text())  # this test's deliveries are logged after
+        return view
 
     return worker
 
