@@ -242,18 +242,36 @@ def acl_app_worker(
         admin.close()
 
 
-@pytest.fixture(scope="session")
-def acl_worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclWorker]:
+#: The worker :func:`acl_worker` shares, while a module that uses it is running or to come.
+_shared_acl_worker: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def acl_worker(
+    request: pytest.FixtureRequest, redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AclWorker]:
     """One prefork worker (two processes) whose store is the private Redis as an ACL user of
     its own (:func:`acl_app_worker`), shared by the modules whose tests take commands away
     from that user and give them back (in ``finally``) and tell their runs by a tag of
-    their own: ``test_kill_release_retry.py``, ``test_retry_lingering_lease.py``,
-    ``test_replace_lingering_lease.py``, ``test_rerun_retry.py``, ``test_rerun_stale_lease.py``
-    (each views it as its own kind, :func:`shared_worker`). Started once (about 3 s each)
-    instead of once per module."""
-    log_dir = tmp_path_factory.mktemp("celery-acl")
-    with acl_app_worker(redis_server, "acl", log_dir, AclWorker, concurrency=2) as worker:
-        yield worker
+    their own: ``test_retry_lingering_lease.py``, ``test_replace_lingering_lease.py``,
+    ``test_rerun_retry.py``, ``test_rerun_stale_lease.py`` (each views it as its own kind,
+    :func:`shared_worker`). Started by the first of them (about 3 s), stopped after the
+    last one the session runs, so that no other module meets it on the private Redis
+    (``test_redis_wake_faults.py`` counts that server's subscribers)."""
+    if not _shared_acl_worker:
+        stack = contextlib.ExitStack()
+        log_dir = tmp_path_factory.mktemp("celery-acl")
+        _shared_acl_worker["worker"] = stack.enter_context(
+            acl_app_worker(redis_server, "acl", log_dir, AclWorker, concurrency=2)
+        )
+        _shared_acl_worker["stop"] = stack.close
+        request.config.add_cleanup(stack.close)  # a session that ends early
+    yield _shared_acl_worker["worker"]
+    items = request.session.items
+    last = max(index for index, item in enumerate(items) if getattr(item, "module", None) is request.module)
+    if not any("acl_worker" in getattr(item, "fixturenames", ()) for item in items[last + 1 :]):
+        _shared_acl_worker.pop("stop")()
+        _shared_acl_worker.clear()
 
 
 def shared_worker(kind: type[AclWorker]) -> Any:

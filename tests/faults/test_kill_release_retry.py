@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from tests.faults.conftest import SLACK, AclWorker, shared_worker, wait_until
+from tests.faults.conftest import SLACK, AclWorker, acl_app_worker, wait_until
+from tests.faults.servers import PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -59,7 +61,11 @@ class Worker(AclWorker):
         return dict(json.loads(raw[1]))
 
 
-worker = shared_worker(Worker)
+@pytest.fixture(scope="module")
+def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
+    with acl_app_worker(redis_server, "kill", tmp_path_factory.mktemp("celery-kill"), Worker) as worker:
+        yield worker
 
 
 def test_a_hard_time_limit_kill_the_store_refuses_is_released_with_its_record_later(worker: Worker) -> None:
