@@ -25,7 +25,9 @@ heartbeat pass falling into the counted window adds up to ~0.6k per cycle), whic
 rates on a shared machine cannot say. ``PYTHONHASHSEED=0``; with ``--package DIR`` the
 package is imported from ``DIR`` (a frozen copy of another commit, e.g. ``git archive``),
 for before/after rows. ``--callgrind-out FILE`` keeps the last variant's profile for
-``callgrind_annotate`` (per C function; Python frames show as ``_PyEval_EvalFrameDefault``).
+``callgrind_annotate`` (per C function; Python frames show as ``_PyEval_EvalFrameDefault``);
+``--itemise`` names the package's Python functions too (:mod:`benchmarks.itemise`: inclusive
+and own instructions and calls per run of each, ``--itemise-only REGEX`` to wrap fewer).
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ def _child(variant: str, store: str, warm: int, count: int) -> None:
     import gc
 
     control = ctypes.CDLL(os.environ["CE_CALLGRIND_LIB"]) if os.environ.get("CE_CALLGRIND_LIB") else None
+    if os.environ.get("CE_ITEMISE_NAMES"):  # --itemise: every package function its own C symbol
+        from benchmarks import itemise
+
+        itemise.write_names(itemise.install())
     if variant in BARE:
         _bare(variant, store, warm, count, control)
         import celery_exclusive
@@ -143,6 +149,11 @@ def _child(variant: str, store: str, warm: int, count: int) -> None:
                 control.cg_start()
             task_id = f"{tag}-{i}"
             request = {"id": task_id, "args": (i, tag), "kwargs": {}, "hostname": "instr@bench", "retries": 0}
+            if i == warm - 1 and os.environ.get("CE_ITEMISE_NAMES"):  # the call tree of one run
+                from benchmarks import itemise
+
+                itemise.trace(lambda: tracer(task_id, (i, tag), {}, request))  # noqa: B023 - called here
+                continue
             tracer(task_id, (i, tag), {}, request)
         if control is not None:
             control.cg_stop()
@@ -214,6 +225,13 @@ def main(argv: list[str] | None = None) -> None:
         "--ballast", type=int, default=0, help="long-lived objects in the heap (a worker's: 1000000)"
     )
     parser.add_argument("--callgrind-out", help="copy the last variant's counted profile here")
+    parser.add_argument(
+        "--itemise",
+        action="store_true",
+        help="give every package function a C symbol of its own (benchmarks.itemise) and print "
+        "each one's inclusive instructions and calls per run (adds ~1k per wrapped call to its caller)",
+    )
+    parser.add_argument("--itemise-only", help="with --itemise: only the functions matching this regex")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -226,11 +244,15 @@ def main(argv: list[str] | None = None) -> None:
 
         table = os.environ["CE_INSTR_TABLE"] = f"ce_instr_{os.getpid()}"
     per_task: dict[str, float] = {}
+    scratch = tempfile.mkdtemp(prefix="ce-instr-") if args.itemise else None
+    if scratch and args.itemise_only:
+        os.environ["CE_ITEMISE_ONLY"] = args.itemise_only
     try:
         for variant in args.variant or VARIANTS:
-            counted = _count(
-                variant, args.store, args.warm, args.count, args.package, keep=args.callgrind_out
-            )
+            keep = os.path.join(scratch, f"{variant}.out") if scratch else args.callgrind_out
+            if scratch:
+                os.environ["CE_ITEMISE_NAMES"] = os.path.join(scratch, f"{variant}.names")
+            counted = _count(variant, args.store, args.warm, args.count, args.package, keep=keep)
             per_task[variant] = counted / args.count
             plain = per_task.get("plain")
             over = (
@@ -240,6 +262,22 @@ def main(argv: list[str] | None = None) -> None:
             )
             unit = "cycle" if variant in BARE else "task"
             print(f"{variant:14} {per_task[variant]:10,.0f} instructions per {unit}{over}", flush=True)
+            if scratch:
+                from benchmarks import itemise
+
+                # What the stubs add per wrapped call: the same variant counted unwrapped.
+                names = os.environ.pop("CE_ITEMISE_NAMES")
+                bare = _count(variant, args.store, args.warm, args.count, args.package) / args.count
+                os.environ["CE_ITEMISE_NAMES"] = names
+                overhead = (per_task[variant] - bare) / itemise.wrapped_calls(keep, args.count)
+                print(
+                    f"    unwrapped {bare:,.0f} per {unit}; {overhead:,.0f} per wrapped call taken off below"
+                )
+                print(f"    {'inclusive':>10} {'own':>8} {'calls':>6}  function (per {unit})")
+                for name, cost, calls, own in itemise.table(keep, names, args.count, overhead):
+                    print(f"    {cost:10,.0f} {own:8,.0f} {calls:6.2f}  {name}", flush=True)
+                if args.callgrind_out:
+                    shutil.copyfile(keep, args.callgrind_out)
     finally:
         if args.store == "postgres":
             drop_pg_tables(table)

@@ -82,12 +82,16 @@ class Acquiring:
         task_id: str | None = None,
         limit: int = 1,
         on_lost: LostCallback | None = None,
+        holder_text: str | None = None,
     ) -> Lease | Held:
         """The lease on ``key``, or Held naming its holder (key unprefixed): what ``lock``
         raises as LockedError, without the cost of an exception on the contended path.
         Without ``name_holder`` (and no lock_contended receiver) the store's Held is returned
         as it is, its holder's key still prefixed: ``try_lock`` only needs to know it failed.
-        ``on_lost`` (checked callable by the caller) is the lease's first loss callback."""
+        ``on_lost`` (checked callable by the caller) is the lease's first loss callback.
+        ``holder_text`` (with ``holder`` None): the holder's stored JSON, made for this
+        process by a :class:`~celery_exclusive._process.HolderTemplate` (:meth:`HolderTemplate.text`),
+        without the mapping it would attach it to."""
         service = self._service
         # check_key's whole test of the usual key (ASCII, no NUL, within the store's length),
         # inline; anything else gets the full check and its message. A semaphore's slot keys
@@ -107,7 +111,7 @@ class Acquiring:
         )
         # holder_json's answer; a HolderTemplate's holder (a task run's) without its call.
         encoded = (
-            this.holder
+            (this.holder if holder_text is None else holder_text)
             if holder is None
             else holder.json
             if type(holder) is EncodedHolder and holder.made_for is this.holder

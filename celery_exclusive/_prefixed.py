@@ -20,6 +20,7 @@ from celery_exclusive._records import Records
 from celery_exclusive._store import StoreCalls
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.providers.base import (
+    MAX_TASK_ID_LENGTH,
     SWEEP_LIMIT,
     AcquiresUnless,
     Completion,
@@ -32,7 +33,15 @@ from celery_exclusive.providers.base import (
     RefreshRequest,
     Sweeps,
 )
-from celery_exclusive.validation import check_key, check_token, seconds, shown
+from celery_exclusive.validation import (
+    GUARD_INFIX,
+    check_key,
+    check_token,
+    marker_scan,
+    markers_listed,
+    seconds,
+    shown,
+)
 
 T = TypeVar("T")
 
@@ -69,27 +78,46 @@ class PrefixedStore:
         return None if info is None else unprefixed(info, self.prefix)
 
     def locks(self, prefix: str = "") -> list[LockInfo]:
-        """Every live lease whose key (without the service prefix) starts with ``prefix``, and
-        the higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys."""
+        """Every live lease whose key (without the service prefix) starts with ``prefix``, the
+        higher slots (``{key}#i``, see :mod:`celery_exclusive.semaphore`) of such keys, and
+        their markers shortened to fit the store (``<start>~<hash>#queued``, ``#rerun``,
+        ``#id:<task id>``: :func:`~celery_exclusive.validation.markers_listed` says which)."""
         found = [
             unprefixed(info, self.prefix)
             for info in self._call("scan", self.provider.scan, self.prefix + check_filter(prefix))
         ]
-        if not prefix or prefix.startswith("{"):  # "" already covers every slot key
+        if not prefix:  # "" covers every key
             return found
         limit = self.provider.max_key_length
-        start = semaphore.slot_scan(prefix, prefix=self.prefix, max_length=limit)
-        braced = self._call("scan", self.provider.scan, self.prefix + start)
-        listed = semaphore.slots_listed(
-            prefix, [info.key for info in found], prefix=self.prefix, max_length=limit
-        )
         order = {id(info): semaphore.slot_of(info.key) for info in found}
-        for info in (unprefixed(each, self.prefix) for each in braced):
-            slot = listed(info.key)
-            if slot is not None:
-                found.append(info)
-                order[id(info)] = slot
-        return sorted(found, key=lambda info: order[id(info)])
+        added = False
+        if not prefix.startswith("{"):  # else the scan by prefix covered the slot keys
+            start = semaphore.slot_scan(prefix, prefix=self.prefix, max_length=limit)
+            braced = self._call("scan", self.provider.scan, self.prefix + start)
+            listed = semaphore.slots_listed(
+                prefix, [info.key for info in found], prefix=self.prefix, max_length=limit
+            )
+            for info in (unprefixed(each, self.prefix) for each in braced):
+                slot = listed(info.key)
+                if slot is not None:
+                    found.append(info)
+                    order[id(info)] = slot
+            added = True
+        longest = len(GUARD_INFIX) + MAX_TASK_ID_LENGTH
+        wider = marker_scan(prefix, prefix=self.prefix, max_length=limit, longest_suffix=longest)
+        if wider is not None:
+            keys = [key for key, _ in order.values()]  # a slot's: its semaphore's key
+            marker = markers_listed(prefix, keys, prefix=self.prefix, max_length=limit)
+            for info in (
+                unprefixed(each, self.prefix)
+                for each in self._call("scan", self.provider.scan, self.prefix + wider)
+            ):
+                stands_for = marker(info.key)
+                if stands_for is not None:
+                    found.append(info)
+                    order[id(info)] = (stands_for, 1)
+                    added = True
+        return sorted(found, key=lambda info: order[id(info)]) if added else found
 
     def force_release(
         self, key: str, token: str, *, completion: Completion | None = None, keep_for: float | None = None

@@ -150,19 +150,34 @@ class HolderTemplate:
     def holder(self, value: object) -> Mapping[str, Any]:
         """``fields`` with ``variable`` set to ``value``, its JSON attached (a plain dict when
         ``value`` is not a str, or the fields' text got in the way: holder_json encodes it)."""
-        made_for = this.holder
-        if made_for is not self._made_for:  # the first use, or a forked child's
-            parts = _encode({**this.meta, **self._fields, self._variable: _SLOT}).split(_encode(_SLOT))
-            self._around = (parts[0], parts[1]) if len(parts) == 2 else None
-            self._made_for = made_for
-        around = self._around
+        around = self._made()
         if around is None or type(value) is not str:
             return {**self._fields, self._variable: value}
         holder = EncodedHolder(self._fields)
         holder[self._variable] = value
         holder.json = around[0] + _encode_str(value) + around[1]
-        holder.made_for = made_for
+        holder.made_for = self._made_for
         return holder
+
+    def text(self, value: object) -> str | None:
+        """The stored JSON of :meth:`holder`'s answer for ``value`` in this process (what
+        ``holder_json`` makes of it), without the mapping; None where :meth:`holder` answers
+        a plain dict. The task layer makes it inline once ``_made_for`` is ``this.holder``
+        (``_around`` then is this process's)."""
+        around = self._made()
+        return (
+            None if around is None or type(value) is not str else around[0] + _encode_str(value) + around[1]
+        )
+
+    def _made(self) -> tuple[str, str] | None:
+        """The text around the variable's value for this process (made on its first use, and
+        again in a forked child); None when the fields' text got in the way."""
+        made_for = this.holder
+        if made_for is not self._made_for:  # the first use, or a forked child's
+            parts = _encode({**this.meta, **self._fields, self._variable: _SLOT}).split(_encode(_SLOT))
+            self._around = (parts[0], parts[1]) if len(parts) == 2 else None
+            self._made_for = made_for
+        return self._around
 
 
 def check_holder(holder: Mapping[str, Any] | None) -> Mapping[str, Any]:

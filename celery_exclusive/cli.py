@@ -37,7 +37,7 @@ from celery_exclusive.providers.base import MAX_TASK_ID_LENGTH, SWEEP_LIMIT, Com
 from celery_exclusive.semaphore import slot_of
 from celery_exclusive.service import DEFAULT_PREFIX, LockService
 from celery_exclusive.urls import ENV_VAR, mask_url, resolve_url, url_secrets
-from celery_exclusive.validation import check_task_id
+from celery_exclusive.validation import QUEUED_SUFFIX, RERUN_SUFFIX, check_task_id
 
 EXIT_OK = 0
 EXIT_NOT_RELEASED = 1
@@ -232,10 +232,8 @@ def describe_holder(info: LockInfo) -> str:
     return printable(" ".join(parts) or f"token {info.token}")
 
 
-#: Key suffixes of the Celery layer's marker leases, and the state ``list`` shows for each
-#: (the same strings as ``dedupe.QUEUED_SUFFIX`` and ``policies.RERUN_SUFFIX``, which this
-#: command does not import: it loads without the Celery integration).
-MARKER_STATES = {"#queued": "queued", "#rerun": "rerun"}
+#: Key suffixes of the Celery layer's marker leases, and the state ``list`` shows for each.
+MARKER_STATES = {QUEUED_SUFFIX: "queued", RERUN_SUFFIX: "rerun"}
 
 
 def lease_state(key: str) -> str:

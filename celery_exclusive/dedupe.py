@@ -113,7 +113,7 @@ from celery_exclusive._releasing import release_later
 from celery_exclusive.errors import AlreadyQueued, BackendError, ExclusiveError
 from celery_exclusive.providers.base import Held
 from celery_exclusive.urls import store_configured
-from celery_exclusive.validation import MAX_LIFETIME_CAP, derived_key
+from celery_exclusive.validation import MAX_LIFETIME_CAP, QUEUED_SUFFIX, derived_key
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -125,8 +125,6 @@ Task = Any
 
 logger = logging.getLogger("celery_exclusive.dedupe")
 
-#: Appended to a lock key to name its queued marker.
-QUEUED_SUFFIX = "#queued"
 #: Message header carrying the marker (``{"key": ..., "token": ..., "mode": ...}``).
 HEADER = "celery_exclusive_dedupe"
 #: How long a marker outlives its message's due time when ``dedupe_ttl`` is not set, in seconds.

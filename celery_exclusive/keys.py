@@ -56,8 +56,9 @@ def _check_stable(value: Any) -> None:
         and kind.__str__ is object.__str__
         and kind.__repr__ is object.__repr__
     ):
+        article = "an" if kind.__name__[:1].lower() in "aeiou" else "a"
         raise InvalidArgumentError(
-            f"a {kind.__name__} has no stable text form (it would format as its memory "
+            f"{article} {kind.__name__} has no stable text form (it would format as its memory "
             "address, so every call would get a different key); use one of its attributes, "
             "e.g. {param.id}, or a key callable"
         )

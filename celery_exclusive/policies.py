@@ -31,7 +31,7 @@ from celery_exclusive.errors import InvalidArgumentError, LockedError, LockRetri
 from celery_exclusive.lease import Lease
 from celery_exclusive.many import LeaseSet
 from celery_exclusive.providers.base import LockInfo
-from celery_exclusive.validation import MAX_LIFETIME_CAP, derived_key
+from celery_exclusive.validation import MAX_LIFETIME_CAP, RERUN_SUFFIX, derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView as Task
@@ -46,8 +46,6 @@ SKIPPED = "skipped"
 COALESCED = "coalesced"
 #: Message header counting the lock retries of one task id (not the task's own retries).
 LOCK_RETRIES_HEADER = "celery_exclusive_lock_retries"
-#: Appended to a key to name the lock that records a pending rerun.
-RERUN_SUFFIX = "#rerun"
 #: Holder metadata flag of runs that send a pending rerun when they finish.
 HANDS_ON_RERUNS = "hands_on_reruns"
 #: Holder metadata flag of rerun-policy runs that also find a rerun recorded on a marker key

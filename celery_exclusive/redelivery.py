@@ -57,9 +57,11 @@ records, that lost the retry): at the cooldown's end, or for a release not confi
 message finds the retry's own lease, whose fence no message names: a copy. An eager retry
 waits inline.
 
-``self.replace(sig)`` hands the task id on too: the signature that takes it (``sig``, or a
-chain's task) names those fences as a retry's message does, and so do a chain's other
-tasks (its first, a new id whose parent is the replaced run, waits for them too). The
+``self.replace(sig)`` hands the task id on too: the signature that takes it (``sig``, a
+chain's task, or a chord's body: for a group, Celery's ``accumulate``) names those fences
+as a retry's message does, and so does every other task of ``sig`` (of a chain, a group or
+a chord, at any depth: new ids), whose message also names the replaced run's task id
+(header ``celery_exclusive_replaced``), so it waits for them too. The
 replacement's ``retries`` start from 0 again, so a replacement of a run of attempt N
 carries N (header ``celery_exclusive_attempts``): its attempts, and the records they
 write, count on from N (:func:`attempt`), and the ``retried`` record of attempt N - 1 does
@@ -87,7 +89,7 @@ from celery_exclusive.providers.base import (
     LockInfo,
 )
 from celery_exclusive.semaphore import slot_keys
-from celery_exclusive.validation import check_key, derived_key
+from celery_exclusive.validation import GUARD_INFIX, check_key, derived_key
 
 if TYPE_CHECKING:
     from celery_exclusive._taskview import TaskView
@@ -101,13 +103,16 @@ REDELIVERED = "redelivered"
 ALREADY_DONE = "already_done"
 #: Records are kept this long when neither the task nor Celery's ``result_expires`` says.
 DEFAULT_RETENTION = 24 * 60 * 60.0
-#: Between a semaphore's key and a task id in the key of that run's own lease (guard_key).
-GUARD_INFIX = "#id:"
 #: Message header counting how often a copy during the run deferred itself.
 DEFERRED_HEADER = "celery_exclusive_deferred"
 #: Message header of a retry (or replacement) whose previous attempt may have left leases in
 #: the store (cooling, or their release not confirmed): their fences.
 COOLING_HEADER = "celery_exclusive_cooling"
+#: Message header of the tasks of a replacement (``self.replace()``) whose message names
+#: fences (:data:`COOLING_HEADER`): the task id of the run that replaced itself, which holds
+#: those leases (a task of the replacement other than the one taking that id runs under an
+#: id of its own).
+REPLACED_HEADER = "celery_exclusive_replaced"
 #: Message header of the replacement of a run (``self.replace()``) of a later attempt than
 #: 0: that run's attempt, which the replacement's own attempts count on from (:func:`attempt`).
 ATTEMPTS_HEADER = "celery_exclusive_attempts"
@@ -330,14 +335,15 @@ def is_predecessor(task: TaskView, holder: LockInfo | None) -> bool:
     """Whether ``holder`` is a lease an earlier attempt of this task id left in the store
     (cooling, or its release not confirmed): its fence is one the retry's message names
     (see the module docs), not a run in progress. Or one the run that replaced itself by
-    this message's chain left (its task id is this message's parent's, for the chain's
-    first task)."""
+    this message's task (a replacement's task under an id of its own) left: its task id is
+    the one the message names (:data:`REPLACED_HEADER`)."""
     request = task.request
-    fences = (request.headers or {}).get(COOLING_HEADER)
+    headers = request.headers or {}
+    fences = headers.get(COOLING_HEADER)
     if holder is None or not isinstance(fences, list) or holder.fence not in fences:
         return False
     owner = holder.holder.get("task_id")
-    return owner is not None and owner in (request.id, getattr(request, "parent_id", None))
+    return owner is not None and owner in (request.id, headers.get(REPLACED_HEADER))
 
 
 def predecessor(task: TaskView, key: str, holder: LockInfo | None) -> LockInfo | None:

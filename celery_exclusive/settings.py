@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
 from typing import Any
 
 from celery_exclusive._leasing import DEFAULT_SWEEP_INTERVAL
@@ -420,13 +419,14 @@ def _parse_env(name: str, env_name: str, raw: str) -> Any:
         raise ConfigurationError(
             f"{env_name}={raw!r}: must be {modes}, or 'false', 'off' or 'no' to turn deduplication off"
         )
-    try:
-        if name in ("done_retention", "sweep_interval"):
-            return float(raw)
-        if name in _DURATIONS:
-            return timedelta(seconds=float(raw))
-        if name in ("lock_max_retries", "limit"):
+    if name in ("lock_max_retries", "limit"):
+        try:
             return int(raw)
-    except (ValueError, OverflowError):
-        raise ConfigurationError(f"{env_name}={raw!r} is not a number") from None
+        except ValueError:
+            raise ConfigurationError(f"{env_name}={raw!r} is not a whole number") from None
+    if name in ("done_retention", "sweep_interval", *_DURATIONS):
+        try:
+            return float(raw)  # seconds; the setting's check refuses -1, inf, nan showing them
+        except ValueError:
+            raise ConfigurationError(f"{env_name}={raw!r} is not a number") from None
     return raw

@@ -75,7 +75,7 @@ from typing import (
     overload,
 )
 
-from celery import Task, shared_task
+from celery import Signature, Task, shared_task
 from celery.exceptions import Retry
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
@@ -84,7 +84,8 @@ from celery.utils.threads import _LocalStack
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive import worker as _worker
-from celery_exclusive._process import HolderTemplate
+from celery_exclusive._process import HolderTemplate, _encode_str
+from celery_exclusive._process import this as _this
 from celery_exclusive._records import _SETTERS, checked_completion
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
@@ -96,7 +97,6 @@ from celery_exclusive.policies import (
     HANDS_ON_RERUNS,
     LOCK_RETRIES_HEADER,
     MARKER_FIELD,
-    RERUN_SUFFIX,
     SKIPPED,
     is_skipped,
     lock_retry_countdown,
@@ -111,7 +111,7 @@ from celery_exclusive.settings import (
     check_task_options,
     keyword_attributes,
 )
-from celery_exclusive.validation import lease_durations
+from celery_exclusive.validation import RERUN_SUFFIX, lease_durations
 from celery_exclusive.worker import app_settings, lock_service_of
 
 if TYPE_CHECKING:
@@ -371,17 +371,22 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's hook as ``self.replace(sig)`` hands this task id to ``sig``: the run's
         lease is released first, without a completion record (the id's work goes on in
         ``sig``), so ``sig``, which may lock the same key under the same id, is not taken
-        for a copy of this run. Its tasks (``sig``, or a chain's) name, as a retry does, the
-        fences of the leases that may still be in the store (cooling, or their release not
-        confirmed): the one that takes the id, or the first of a chain, runs once they are
-        gone (:func:`redelivery.is_predecessor`). The one that takes the id also names, for
-        a run of a later attempt than 0, that attempt, which its own count on from (a
-        ``retried`` record of an earlier attempt does not end it as a copy)."""
+        for a copy of this run. Its tasks (``sig``, or a chain's, a group's or a chord's, at
+        any depth) name, as a retry does, the fences of the leases that may still be in the
+        store (cooling, or their release not confirmed), and this run's task id, which
+        holds them: each of them, the one that takes the id and those under ids of their
+        own, runs once those leases are gone (:func:`redelivery.is_predecessor`). The one
+        that takes the id also names, for a run of a later attempt than 0, that attempt,
+        which its own count on from (a ``retried`` record of an earlier attempt does not
+        end it as a copy)."""
         request = self.request
         cooling = _hand_on(self, None)
         attempt = redelivery.attempt_of(request)
+        named = (
+            {redelivery.COOLING_HEADER: cooling, redelivery.REPLACED_HEADER: request.id} if cooling else {}
+        )
         for each in _tasks_of(sig):
-            own: dict[str, Any] = {redelivery.COOLING_HEADER: cooling} if cooling else {}
+            own: dict[str, Any] = dict(named)
             if attempt and each.options.get("task_id") == request.id:
                 own[redelivery.ATTEMPTS_HEADER] = attempt
             if own:
@@ -477,7 +482,6 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
             elif plan.lock_one and isinstance(key, str):
                 # _lock inline for the usual run (one key, limit 1), and plan.holder's lookup.
                 template = plan._templates.get(request.hostname)
-                holder = plan.holder(task, request) if template is None else template.holder(task_id)
                 if observe.events.enabled:
                     lost = None
                 else:  # _hold's quiet report, given at the grant: no lease.on_lost call after it
@@ -490,14 +494,34 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                     # unchanged (a str of 1-200 ASCII characters without NUL, or None), the
                     # durations are the plan's, and a store without records gets no id.
                     ttl, interval, lifetime = plan.ttls
-                    # By position (name_holder, task_id, limit, on_lost): no keyword matching.
+                    # The holder as its stored JSON only (HolderTemplate.text, inline once the
+                    # template's text is this process's): the mapping holder() would attach it
+                    # to is never read on this path.
+                    if template is not None and template._made_for is _this.holder and type(task_id) is str:
+                        around = template._around
+                        text = None if around is None else around[0] + _encode_str(task_id) + around[1]
+                    else:
+                        text = plan.template(task, request).text(task_id)
+                    # A holder mapping only where the template has no text for it.
+                    mapping = None if text is not None else plan.holder(task, request)
+                    # By position (name_holder, task_id, limit, on_lost, holder_text): no keyword matching.
                     taken = plan.take(
-                        key, ttl, interval, lifetime, holder, True, once if plan.records else None, 1, lost
+                        key,
+                        ttl,
+                        interval,
+                        lifetime,
+                        mapping,
+                        True,
+                        once if plan.records else None,
+                        1,
+                        lost,
+                        text,
                     )
                     if type(taken) is not Lease:
                         raise LockedError(key, cast("Held", taken).holder)
                     lease = taken
                 else:
+                    holder = plan.holder(task, request) if template is None else template.holder(task_id)
                     lease = plan.service.lock(key, task_id=once, holder=holder, on_lost=lost, **plan.options)
             else:
                 lease = _lock(task, plan, key, once, request)
@@ -556,7 +580,8 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
     if plan.tracks_started:  # the run holds its lease: no copy (redelivery.hold_back_started)
         redelivery.started(task, request)
     report: observe.Run | None
-    if isinstance(lease, LeaseSet):
+    # A Lease on its exact type first: an isinstance() that fails looks up __class__ too.
+    if type(lease) is not Lease and isinstance(lease, LeaseSet):
         leases: Sequence[Lease] = lease.leases
         report = observe.holding(task, leases, request, span)
     elif watched:  # quiet_run's report given to lock() by _run: most runs
@@ -830,12 +855,16 @@ class _Plan:
 
     def holder(self, task: ExclusiveTask[..., Any], request: Any) -> Mapping[str, Any]:
         """:func:`policies.holder_of` ``request``, its JSON encoded around the task id."""
+        return self.template(task, request).holder(request.id)
+
+    def template(self, task: ExclusiveTask[..., Any], request: Any) -> HolderTemplate:
+        """The holder template of ``request``'s worker (made on its first run there)."""
         hostname = request.hostname
         template = self._templates.get(hostname)
         if template is None:
             template = HolderTemplate(policies.holder_fields(task, hostname), "task_id")
             self._templates = {**self._templates, hostname: template}
-        return template.holder(request.id)
+        return template
 
 
 def _plan_of(task: ExclusiveTask[..., Any]) -> _Plan:
@@ -929,16 +958,30 @@ def _hand_on(task: ExclusiveTask[..., Any], done: Completion | None) -> list[int
 
 
 def _tasks_of(sig: Any) -> list[Any]:
-    """The single tasks' signatures of the replacement ``sig``: ``sig`` itself, or a chain's
-    tasks (not a group's or chord's: their runs take ids of their own, and the task id of
-    the replaced run goes to a chord's body, Celery's own ``accumulate``)."""
-    if sig.subtask_type == "chain":
-        return [each for task in sig.tasks for each in _tasks_of(task)]
-    return [sig] if sig.subtask_type is None else []
+    """The single tasks' signatures of the replacement ``sig``: ``sig`` itself, or those of
+    a chain's, a group's or a chord's tasks (a chord's header and its body, which takes the
+    task id of the replaced run: for a group, Celery's own ``accumulate``). A group's and a
+    chord header's tasks run under ids of their own, their parent the replaced run."""
+    kind = sig.subtask_type
+    if kind is None:
+        return [sig]
+    if kind == "chord":
+        header = sig.tasks
+        parts = [*(header if isinstance(header, (list, tuple)) else [header]), sig.body]
+    elif kind in ("chain", "group"):
+        parts = list(sig.tasks)
+    else:
+        return []
+    return [each for part in parts if isinstance(part, Signature) for each in _tasks_of(part)]
 
 
 #: Headers of an attempt's message that are its own, not its retry's (:func:`_before_retry`).
-_OWN_HEADERS = (LOCK_RETRIES_HEADER, redelivery.DEFERRED_HEADER, redelivery.COOLING_HEADER)
+_OWN_HEADERS = (
+    LOCK_RETRIES_HEADER,
+    redelivery.DEFERRED_HEADER,
+    redelivery.COOLING_HEADER,
+    redelivery.REPLACED_HEADER,
+)
 
 
 def _declared(cls: type[ExclusiveTask[..., Any]]) -> None:
@@ -978,8 +1021,12 @@ def _celerys_call_is_next(cls: type) -> bool:
 
 
 _CLASS_MEMBERS = (types.FunctionType, property, classmethod, staticmethod)
-#: Every ``lock_*`` name a task may carry: the options and ExclusiveTask's own helpers.
-_LOCK_ATTRIBUTES = frozenset(n for n in vars(ExclusiveTask) if n.startswith("lock_"))
+#: Every ``lock_*`` option a task may carry: ExclusiveTask's ``lock_*`` data attributes, not
+#: its helpers (``lock_key_for``, the ``lock_settings`` property...), which an option of
+#: that name would replace.
+_LOCK_ATTRIBUTES = frozenset(
+    n for n, v in vars(ExclusiveTask).items() if n.startswith("lock_") and not isinstance(v, _CLASS_MEMBERS)
+)
 
 
 def exclusive_base(base: type | str | None = None) -> type:

@@ -6,7 +6,7 @@ import hashlib
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 
 from celery_exclusive.errors import InvalidArgumentError
@@ -66,6 +66,12 @@ def check_key(key: object, *, prefix: str = "", max_length: int | None = None) -
     return key
 
 
+#: The suffixes of the Celery layer's marker keys (:func:`derived_key` of a lock key): a
+#: queued (dedupe) marker, a pending rerun, and (followed by the task id) a semaphore run's
+#: lease on its own task id. Defined here, below every layer that names or lists them.
+QUEUED_SUFFIX = "#queued"
+RERUN_SUFFIX = "#rerun"
+GUARD_INFIX = "#id:"
 #: Hex digits of a long key's SHA-256 in the keys derived from it (:func:`derived_key`): 128 bits.
 #: Hex digits of SHA-256 a :func:`shortened` key ends with.
 DIGEST_LENGTH = _DIGEST = 32
@@ -96,6 +102,57 @@ def shortened(key: str, length: int) -> str:
         return key
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:_DIGEST]
     return f"{key[:head]}~{digest}"
+
+
+def marker_scan(start: str, *, prefix: str, max_length: int | None, longest_suffix: int) -> str | None:
+    """The text every marker key (:func:`derived_key` with a suffix of at most
+    ``longest_suffix`` characters) of every key starting with ``start`` starts with, where
+    some of them may not start with ``start`` itself (a shortened key keeps less of its
+    key than ``start`` is long); None where they all do (a scan by ``start`` finds them)."""
+    if max_length is None:
+        return None
+    kept = max(max_length - len(prefix) - longest_suffix - 1 - _DIGEST, 0)
+    return None if len(start) <= kept else start[:kept]
+
+
+def markers_listed(
+    start: str, keys: Iterable[str], *, prefix: str, max_length: int | None
+) -> Callable[[str], str | None]:
+    """For a key found by :func:`marker_scan`'s text but not starting with ``start``: the
+    marker key it stands for (``<key>#queued``, ``<key>#rerun``, ``<key>#id:<task id>``) if
+    it is the shortened marker key (:func:`derived_key`) of ``start`` itself or of one of
+    ``keys`` (listed keys starting with ``start``), else None. A shortened key keeps too
+    little of its key to tell it from another's: only the hash of a key known to start with
+    ``start`` says whose it is, so the marker of a key that is neither is not listed."""
+    room = None if max_length is None else max_length - len(prefix)
+    known = {
+        hashlib.sha256(each.encode("utf-8")).hexdigest()[:_DIGEST]: each
+        for each in {start, *keys}
+        if room is not None and len(each) <= room and each.startswith(start)
+    }
+
+    def listed(key: str) -> str | None:
+        if room is None or len(key) != room or key.startswith(start):
+            return None
+        for found in _TILDE.finditer(key, 0, len(key) - _DIGEST):
+            digest_end = found.end() + _DIGEST
+            suffix, original = key[digest_end:], known.get(key[found.end() : digest_end])
+            if original is None or not _marker_suffix(suffix):
+                continue
+            if derived_key(original, suffix, prefix=prefix, max_length=max_length) == key:
+                return original + suffix
+        return None
+
+    return listed
+
+
+_TILDE = re.compile("~")
+
+
+def _marker_suffix(suffix: str) -> bool:
+    return suffix in (QUEUED_SUFFIX, RERUN_SUFFIX) or (
+        suffix.startswith(GUARD_INFIX) and len(suffix) > len(GUARD_INFIX)
+    )
 
 
 def check_token(token: object) -> str:

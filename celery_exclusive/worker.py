@@ -5,8 +5,9 @@ first use and never shared across ``fork``. The signal receivers below are conne
 this module is imported (``celery_exclusive.task`` imports it):
 
 * ``celeryd_after_setup`` (worker start, before the pool starts): if any registered task is
-  exclusive and the lock store is not configured (or its settings are invalid), an ERROR
-  line names the setting; ``exclusive_startup_check = "fatal"`` (or
+  exclusive and the lock store is not configured (or its settings are invalid, or no store
+  can be built from its URL: the store is built, connecting nothing), an ERROR line names
+  the setting; ``exclusive_startup_check = "fatal"`` (or
   ``CELERY_EXCLUSIVE_STARTUP_CHECK=fatal``) stops the worker instead, ``"off"`` says
   nothing (another value: an ERROR line naming it, then the ``"log"`` check). Also notes
   whether the worker sends task events (``-E``), for :mod:`celery_exclusive.observe`.
@@ -55,6 +56,7 @@ from celery_exclusive.semaphore import slot_keys
 from celery_exclusive.service import LockService
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.urls import ENV_VAR, SETTING, resolve_url
+from celery_exclusive.validation import GUARD_INFIX
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -244,33 +246,37 @@ def check_at_worker_start(sender: Any = None, instance: Any = None, **_: Any) ->
     names = exclusive_task_names(app)
     if not names:
         return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    failing = f"celery-exclusive: this worker has {len(names)} exclusive task(s) ({shown}) that will all fail"
     try:
-        url = resolve_url(app_settings(app).url, app.conf)
+        settings = app_settings(app)
+    except ConfigurationError as exc:  # the error names the setting (app.conf.* or CELERY_*)
+        _startup_failure(mode, f"{failing} until this setting is right: {exc}")
+        return
+    try:
+        url = resolve_url(settings.url, app.conf)
+        preload_driver(url)  # a URL no store can be built from is as unusable as none
     except ConfigurationError as exc:
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        message = (
-            f"celery-exclusive: this worker has {len(names)} exclusive task(s) ({shown}) that will "
-            f"all fail until app.conf.{SETTING} (or {ENV_VAR}) is right: {exc}"
-        )
-        if mode == "fatal":
-            logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
-            raise WorkerShutdown(EX_CONFIG) from None
-        logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
+        _startup_failure(mode, f"{failing} until app.conf.{SETTING} (or {ENV_VAR}) is right: {exc}")
         return
     conflicts = task_setting_errors(app, names)
     if conflicts:
-        message = (
+        _startup_failure(
+            mode,
             f"celery-exclusive: {len(conflicts)} exclusive task(s) will fail at every run until "
-            f"their lock options agree with the app's settings: {'; '.join(conflicts)}"
+            f"their lock options agree with the app's settings: {'; '.join(conflicts)}",
         )
-        if mode == "fatal":
-            logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
-            raise WorkerShutdown(EX_CONFIG) from None
-        logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
-    if _pool_forks(instance):
-        preload_driver(url)
-    else:
+    if not _pool_forks(instance):
         warm_up(app)
+
+
+def _startup_failure(mode: str, message: str) -> None:
+    """Log the start-up check's finding: ERROR, or CRITICAL and stop the worker (exit 78)
+    when ``mode`` is ``"fatal"``."""
+    if mode == "fatal":
+        logger.critical("%s Stopping: %s='fatal'.", message, STARTUP_CHECK_SETTING)
+        raise WorkerShutdown(EX_CONFIG) from None
+    logger.error("%s (%s='fatal' stops the worker here.)", message, STARTUP_CHECK_SETTING)
 
 
 def task_setting_errors(app: Any, names: Sequence[str]) -> list[str]:
@@ -294,11 +300,15 @@ def preload_driver(url: str) -> None:
 
     Every pool process inherits the imported modules (SQLAlchemy and psycopg cost most of a
     cold first task), so what is left for it at ``worker_process_init`` is the connection.
+    The store is built to do so: a URL it refuses (unknown scheme, malformed, a driver
+    parameter the driver refuses, a driver not installed) raises its ConfigurationError.
     """
     from celery_exclusive.urls import provider_from_url
 
     try:
         provider_from_url(url).close()
+    except ConfigurationError:
+        raise
     except Exception as exc:
         logger.warning("celery-exclusive could not load the lock store's driver at worker start: %s", exc)
 
@@ -613,7 +623,7 @@ def _release_lease_when_gone(
         )
         return
     cooldown = info.holder.get("cooldown")
-    guard = key.endswith(f"{redelivery.GUARD_INFIX}{info.holder.get('task_id')}")
+    guard = key.endswith(f"{GUARD_INFIX}{info.holder.get('task_id')}")
     if isinstance(cooldown, (int, float)) and not guard:
         # A run with a cooldown (its holder says so) keeps the key to the cooldown's end, as
         # its own release would (not a semaphore run's task-id lease, which never cools):

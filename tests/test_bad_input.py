@@ -41,6 +41,8 @@ from celery_exclusive import (
     ReleaseOutcome,
 )
 from celery_exclusive.cli import cli, exclusive
+from celery_exclusive.providers._sql_common import engine_from_url
+from celery_exclusive.providers._sql_params import LIBPQ_CHOICES
 from celery_exclusive.providers.sql import SqlLockProvider, lock_table
 from celery_exclusive.settings import ExclusiveSettings
 from celery_exclusive.task import ExclusiveTask, exclusive_task
@@ -445,6 +447,27 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("sql-broken-ipv6", f"postgresql+psycopg://u:{MARKER}@[::1/x", "malformed lock store URL"),
     ("redis-broken-ipv6", f"redis://:{MARKER}@[::1/0", "malformed lock store URL"),
     ("redis-bad-db", "redis://h/0?db=notanint", "bad redis URL"),
+    # redis-py reads a path that is no number as database 0, and "/1/2" as 12: a typo there
+    # used to put the locks in another database than the URL seems to say.
+    ("redis-db-not-a-number", f"redis://:{MARKER}@h:6379/x", "bad redis URL"),
+    ("redis-db-two-parts", "rediss://h/1/2", "bad redis URL"),
+    # redis-py passes an unknown query parameter on to its connection class, which refused
+    # it only on the first call, with a TypeError.
+    ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    ("unix-unknown-option", "unix:///tmp/ce.sock?db=1&sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    (
+        "sentinel-unknown-option",
+        f"redis+sentinel://:{MARKER}@h1,h2/svc/0?sockettimeout=2",
+        "unknown URL option 'sockettimeout'",
+    ),
+    ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
+    ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
+    # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took
+    # the rest for the host, which the driver then tried to resolve (a BackendError).
+    ("pg-raw-at-in-password", f"postgresql://u:ab@{MARKER}@127.0.0.1/x", "percent-encode an '@'"),
+    ("mysql-raw-at-in-password", f"mysql+pymysql://u:ab@{MARKER}@127.0.0.1/x", "percent-encode an '@'"),
+    # SQLAlchemy's own ArgumentError, outside the package's errors (the CLI's "unexpected" exit 3).
+    ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL 'sqlite://locks.db'"),
     ("missing-driver", "postgresql+nosuchdriver://h/x", "pip install"),
     # Driver parameters SQLAlchemy converts when it builds the engine: named, never a ValueError.
     ("sqlite-timeout", "sqlite:///x.db?timeout=abc", "bad value for URL option 'timeout'"),
@@ -498,6 +521,52 @@ BAD_URLS: list[tuple[str, str, str]] = [
         "bad value for URL option 'keepalives_interval'",
     ),
     ("pg-unknown-option", f"{UNREACHABLE_PG}?keepalive=1", "unknown URL option 'keepalive'"),
+    # libpq's enumerated values: it judges them itself, asked without connecting.
+    ("pg-sslmode", f"{UNREACHABLE_PG}?sslmode=bogus", "bad value for URL option 'sslmode'"),
+    ("pg-sslmode-case", f"{UNREACHABLE_PG}?sslmode=REQUIRE", "bad value for URL option 'sslmode'"),
+    (
+        "pg-target-session-attrs",
+        f"{UNREACHABLE_PG}?target_session_attrs=nope",
+        "bad value for URL option 'target_session_attrs'",
+    ),
+    ("pg-gssencmode", f"{UNREACHABLE_PG}?gssencmode=x", "bad value for URL option 'gssencmode'"),
+    ("pg-channel-binding", f"{UNREACHABLE_PG}?channel_binding=x", "URL option 'channel_binding'"),
+    ("pg-load-balance", f"{UNREACHABLE_PG}?load_balance_hosts=x", "URL option 'load_balance_hosts'"),
+    ("pg-sslnegotiation", f"{UNREACHABLE_PG}?sslnegotiation=x", "URL option 'sslnegotiation'"),
+    ("pg-sslcertmode", f"{UNREACHABLE_PG}?sslcertmode=x", "bad value for URL option 'sslcertmode'"),
+    ("pg-require-auth", f"{UNREACHABLE_PG}?require_auth=x", "bad value for URL option 'require_auth'"),
+    (
+        "pg-tls-version",
+        f"{UNREACHABLE_PG}?ssl_min_protocol_version=TLSv9",
+        "bad value for URL option 'ssl_min_protocol_version'",
+    ),
+    (
+        "pg-weak-sslmode-for-direct",
+        f"{UNREACHABLE_PG}?sslnegotiation=direct&application_name=a",
+        "bad value for URL option 'sslnegotiation'",
+    ),
+    (
+        "pg-secret-with-bad-enum",
+        f"{UNREACHABLE_PG}?sslpassword={MARKER}&sslmode=bogus",
+        "bad value for URL option 'sslmode'",
+    ),
+    (
+        "pg-tls-range",
+        f"{UNREACHABLE_PG}?ssl_min_protocol_version=TLSv1.3&ssl_max_protocol_version=TLSv1.2",
+        "'ssl_min_protocol_version', 'ssl_max_protocol_version' of lock store URL",
+    ),
+    ("pg-no-such-service", f"{UNREACHABLE_PG}?service=ce-no-such-service", "URL option 'service'"),
+    ("pg-replication", f"{UNREACHABLE_PG}?replication=database", "bad value for URL option 'replication'"),
+    ("pg-replication-bogus", f"{UNREACHABLE_PG}?replication=x", "bad value for URL option 'replication'"),
+    # PyMySQL arguments SQLAlchemy passes on as text, which PyMySQL reads as a truth value.
+    ("mysql-ssl-disabled", f"{UNREACHABLE['mariadb']}?ssl_disabled=maybe", "URL option 'ssl_disabled'"),
+    (
+        "mysql-verify-identity",
+        f"{UNREACHABLE['mariadb']}?ssl_verify_identity=2",
+        "bad value for URL option 'ssl_verify_identity'",
+    ),
+    ("mysql-binary-prefix", f"{UNREACHABLE['mariadb']}?binary_prefix=x", "URL option 'binary_prefix'"),
+    ("mysql-verify-cert", f"{UNREACHABLE['mariadb']}?ssl_verify_cert=bogus", "URL option 'ssl_verify_cert'"),
 ]
 
 
@@ -523,11 +592,19 @@ def test_bad_urls_raise_configuration_error(url: str, fragment: str) -> None:
         ),
         (POSTGRES_URL, "application_name=ce-bad-input&target_session_attrs=any"),
         (
+            POSTGRES_URL,
+            "sslmode=prefer&gssencmode=disable&channel_binding=prefer&target_session_attrs=read-write"
+            "&load_balance_hosts=random&sslnegotiation=postgres&sslcertmode=allow"
+            "&require_auth=!password&ssl_min_protocol_version=TLSv1.2&replication=off",
+        ),
+        (
             MYSQL_URL,
             "charset=utf8mb4&read_timeout=30&write_timeout=30&local_infile=0&max_allowed_packet=65536",
         ),
+        # PyMySQL read each "false" as true: TLS required of a server without it.
+        (MYSQL_URL, "ssl_verify_identity=false&ssl_verify_cert=false&binary_prefix=0"),
     ],
-    ids=["postgres-numbers", "postgres-strings", "mariadb"],
+    ids=["postgres-numbers", "postgres-strings", "postgres-enums", "mariadb", "mariadb-truths"],
 )
 def test_valid_driver_options_still_work(server: str, options: str) -> None:
     """The driver parameter checks let every valid value through: the store serves a lock."""
@@ -540,6 +617,77 @@ def test_valid_driver_options_still_work(server: str, options: str) -> None:
     finally:
         service.close()
         drop_lock_table(server, table)
+
+
+def test_pymysql_gets_typed_values_from_the_url() -> None:
+    """PyMySQL kept ``max_allowed_packet`` as text (a TypeError in LOAD DATA LOCAL) and read
+    ``ssl_disabled=false`` as true (no TLS even where the server offers it): both arrive typed."""
+    require_server(MYSQL_URL)
+    engine = engine_from_url(f"{MYSQL_URL}?max_allowed_packet=65536&ssl_disabled=false")
+    try:
+        connection = engine.raw_connection()
+        try:
+            driver = connection.driver_connection
+            assert driver is not None
+            assert driver.max_allowed_packet == 65536
+            assert type(driver.max_allowed_packet) is int
+            assert driver.ssl is True  # TLS preferred, as without the option
+        finally:
+            connection.close()
+    finally:
+        engine.dispose()
+
+
+def test_libpq_choices_shown_are_ones_libpq_takes() -> None:
+    """The allowed values an error lists (a kept list: libpq exposes none) are each taken by
+    the libpq in use, and a bad value's error lists them."""
+    # The two that libpq refuses alone with its defaults (sslmode=prefer, TLSv1.2 at least).
+    context = {
+        "sslnegotiation": "&sslmode=require",
+        "ssl_max_protocol_version": "&ssl_min_protocol_version=TLSv1",
+    }
+    for name, choices in LIBPQ_CHOICES.items():
+        for choice in choices:
+            LockService(f"{UNREACHABLE_PG}?{name}={choice}{context.get(name, '')}").close()
+        with pytest.raises(ConfigurationError) as raised:
+            LockService(f"{UNREACHABLE_PG}?{name}=ce-bogus")
+        assert f"URL option {name!r}" in str(raised.value)
+        assert f"allowed: {', '.join(choices)}" in str(raised.value)
+
+
+PSYCOPG2_BAD_URLS = [
+    ("?keepalive=1", "unknown URL option 'keepalive'"),
+    ("?sslmode=bogus", "bad value for URL option 'sslmode'"),
+    ("?target_session_attrs=nope&connect_timeout=3", "bad value for URL option 'target_session_attrs'"),
+    ("?keepalives_idle=abc", "bad value for URL option 'keepalives_idle'"),
+]
+
+
+@pytest.mark.parametrize(("query", "fragment"), PSYCOPG2_BAD_URLS)
+def test_psycopg2_url_parameters_are_checked_too(query: str, fragment: str) -> None:
+    """A postgresql+psycopg2:// URL's parameters are judged by psycopg2's libpq as psycopg's are."""
+    pytest.importorskip("psycopg2")
+    url = f"postgresql+psycopg2://u:{MARKER}@127.0.0.1:1/x{query}"
+    with pytest.raises(ConfigurationError) as raised:
+        LockService(url)
+    assert fragment in str(raised.value)
+    assert MARKER not in str(raised.value)
+    assert MARKER not in repr(raised.value)
+
+
+def test_psycopg2_valid_options_still_lock() -> None:
+    """psycopg2 with valid libpq options serves a lock on the real PostgreSQL."""
+    pytest.importorskip("psycopg2")
+    require_server(POSTGRES_URL)
+    server = POSTGRES_URL.replace("+psycopg://", "+psycopg2://", 1)
+    table = f"ce_opt_{uuid.uuid4().hex[:10]}"
+    options = "sslmode=prefer&target_session_attrs=read-write&keepalives=1&application_name=ce"
+    service = LockService(f"{server}?{options}&ce_table={table}", prefix="opt:")
+    try:
+        assert service.lock("k", ttl=30).release() is ReleaseOutcome.RELEASED
+    finally:
+        service.close()
+        drop_lock_table(POSTGRES_URL, table)
 
 
 def test_missing_driver_is_a_configuration_error_naming_the_extra() -> None:
@@ -701,6 +849,18 @@ def test_misspelt_lock_option_is_rejected() -> None:
         proxy(_body).name  # noqa: B018 - evaluating the lazy proxy makes Celery build the task class
 
 
+@pytest.mark.parametrize("name", ["lock_settings", "lock_service", "lock_key_for", "lock_keys_for"])
+def test_a_helper_of_the_task_is_no_lock_option(name: str) -> None:
+    """``lock_settings=...`` (a property of the task) is refused like a misspelt option, and
+    the refusal's list of known options names options only. It used to be accepted, set
+    over the property, and fail every run with an AttributeError."""
+    with pytest.raises(InvalidArgumentError, match=f"unknown lock option\\(s\\) {name};") as raised:
+        _declare(_app(), **{name: "oops"})
+    known = str(raised.value).partition("known: ")[2].split(", ")
+    assert "lock_ttl" in known
+    assert not {"lock_settings", "lock_service", "lock_key_for", "lock_keys_for"} & set(known)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -726,7 +886,7 @@ def _key_callable_returning(value: object) -> Callable[..., object]:
         ("{x}", ("\x00",), "NUL"),
         ("{x}", ("\ud800",), "lone surrogates"),
         ("{x}", ("x" * 10240,), "this store accepts at most"),
-        ("{x}", (object(),), "no stable text form"),
+        ("{x}", (object(),), "an object has no stable text form"),
         ("{x}", (1, 2), "do not match its signature"),
         ("{x.missing}", (1,), "AttributeError"),
         ("{x[3]}", ([1],), "IndexError"),
@@ -815,6 +975,10 @@ CLI_URL_CASES: list[tuple[str, str, str]] = [
     ("unknown-option", f"{UNREACHABLE_PG}?ce_bogus=1", "unknown option 'ce_bogus'"),
     ("bad-table", f"{UNREACHABLE_PG}?ce_table=x;y", "invalid lock table name"),
     ("bad-port", f"postgresql+psycopg://u:{MARKER}@h:notaport/x", "malformed SQL lock store URL"),
+    # These three used to exit 3 ("unexpected ArgumentError/TypeError") or read database 0.
+    ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL"),
+    ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
+    ("redis-db-not-a-number", f"redis://:{MARKER}@h/x", "the path must be a database number"),
 ]
 
 

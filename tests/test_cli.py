@@ -251,6 +251,32 @@ def test_list_shows_queued_and_rerun_markers_and_release_frees_them(store: Store
         assert service.force_release("job#rerun", rerun)  # the module's store is shared by its tests
 
 
+def test_list_by_a_long_key_shows_its_hashed_markers(store: Store) -> None:
+    """A key too long for ``<key>#queued`` and ``<key>#rerun`` has markers shortened to fit the
+    store (``<start>~<hash>#queued``): ``list <key>`` shows them, with their states."""
+    from celery_exclusive.validation import QUEUED_SUFFIX, RERUN_SUFFIX, derived_key
+
+    with store.service() as service:
+        limit = service.provider.max_key_length
+        key = f"long-{uuid.uuid4().hex[:8]}-".ljust(limit - len(store.prefix) - 2, "k")
+        markers = [
+            derived_key(key, end, prefix=store.prefix, max_length=limit)
+            for end in (QUEUED_SUFFIX, RERUN_SUFFIX)
+        ]
+        assert not any(marker.startswith(key) for marker in markers)
+        tokens = [service.mark(marker, ttl=30) for marker in markers]
+        try:
+            listed = json.loads(invoke(store, "list", key, "--json").stdout)["locks"]
+            assert [(lock["key"], lock["state"]) for lock in listed] == [
+                (markers[0], "queued"),
+                (markers[1], "rerun"),
+            ]
+        finally:
+            for marker, token in zip(markers, tokens, strict=True):
+                assert token is not None
+                service.force_release(marker, token)
+
+
 def test_list_shows_a_cooling_key_and_release_frees_it(store: Store) -> None:
     """A run's lease kept past the run by a cooldown (its holder says ``cooldown``, the release
     wrote the run's completion record) lists as ``cooling``, not ``held``; ``release`` frees
@@ -545,7 +571,7 @@ def test_doctor_on_a_silent_store_fails_at_its_call_deadline(scheme: str) -> Non
     """A store that accepts connections and never answers is a failed connect check once the
     call deadline passes (the service's call_timeout), not a doctor that waits out the driver."""
     with silent_server() as port:
-        url = f"{scheme}://u:{SECRET}@127.0.0.1:{port}/test"
+        url = f"{scheme}://u:{SECRET}@127.0.0.1:{port}/{'0' if scheme == 'redis' else 'test'}"
         service = LockService(url, prefix="silent:", call_timeout=1.0)
         try:
             started = time.monotonic()

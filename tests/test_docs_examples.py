@@ -206,3 +206,32 @@ def test_the_index_shows_the_readme_quickstart() -> None:
     comment = "   # or redis://…, sqlite:///locks.db"
     readme = block_after(ROOT / "README.md", "## Quickstart").replace(comment, "")
     assert block_after(ROOT / "docs" / "index.md", "```python") in readme
+
+
+def test_the_beat_guides_start_up_job_runs_once_for_workers_starting_one_after_another(
+    tmp_path: Path,
+) -> None:
+    """docs/how-to/beat.md's "once per cluster" job, its receiver called as two workers'
+    ``worker_ready`` would call it, the second after the first's job has ended: the job
+    runs once. (The page used to show a bare ``run_exclusive``, which ran it again.)"""
+    from types import SimpleNamespace
+
+    from celery import Celery
+    from celery.signals import worker_ready
+
+    from celery_exclusive import get_lock_service
+
+    code = block_after(ROOT / "docs/how-to/beat.md", "## Once per cluster at start-up")
+    runs: list[int] = []
+    namespace: dict[str, Any] = {"warm": lambda: runs.append(1)}
+    run_block(code, namespace)
+    apps = [Celery(f"beat_guide_{n}", broker="memory://", set_as_current=False) for n in (1, 2)]
+    try:
+        for app in apps:
+            app.conf.exclusive_url = f"sqlite:///{tmp_path / 'locks.db'}"
+            namespace["warm_caches"](sender=SimpleNamespace(app=app))
+    finally:
+        worker_ready.disconnect(namespace["warm_caches"])
+        for app in apps:
+            get_lock_service(app).close()
+    assert runs == [1]

@@ -75,3 +75,37 @@ def test_a_new_process_identity_reencodes(monkeypatch: pytest.MonkeyPatch) -> No
 def test_bad_fields_are_refused_when_the_template_is_made() -> None:
     with pytest.raises(InvalidArgumentError):
         HolderTemplate({1: "x"}, "task_id")  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    "task_id", ["0f3c2a8e-1111-2222-3333-444455556666", 'q"uo\\te', "é \U0001f600", "\x00x"]
+)
+def test_text_is_the_json_holder_attaches(task_id: str) -> None:
+    """text(): the stored JSON alone (the task layer's short path), the holder's own."""
+    template = HolderTemplate({"task_name": "app.tasks.sync", "worker": "celery@höst"}, "task_id")
+    assert template.text(task_id) == holder_json(template.holder(task_id))
+    assert template.text(task_id) == generic(
+        {"task_name": "app.tasks.sync", "worker": "celery@höst", "task_id": task_id}
+    )
+
+
+def test_text_is_none_where_the_holder_is_a_plain_dict() -> None:
+    class Id(str):
+        pass
+
+    assert HolderTemplate({"task_name": "t"}, "task_id").text(Id("abc")) is None
+    assert HolderTemplate({"task_name": "t"}, "task_id").text(None) is None
+    assert HolderTemplate({"task_name": _process._SLOT}, "task_id").text("abc") is None
+
+
+def test_text_reencodes_for_a_new_process_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    template = HolderTemplate({"task_name": "t"}, "task_id")
+    assert '"pid":424242' not in (template.text("a") or "")
+    monkeypatch.setattr(os, "getpid", lambda: 424242)
+    _process.this.reset()  # what a forked child runs
+    try:
+        assert template.text("a") == generic({"task_name": "t", "task_id": "a"})
+        assert '"pid":424242' in (template.text("a") or "")
+    finally:
+        monkeypatch.undo()
+        _process.this.reset()

@@ -7,6 +7,7 @@ contacted: a cluster client is built on first use, a Sentinel one asks on first 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ _CLUSTER = ("redis+cluster", "rediss+cluster")
 _SENTINEL = ("redis+sentinel", "rediss+sentinel")
 _TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 _OPTIONS = ("wait_replicas", "wait_timeout")
+_DB_PATH = re.compile(r"/?(?:[0-9]+/?)?")
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
 def whole_ms(seconds: float) -> int:
@@ -152,14 +155,54 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
         if scheme in _SENTINEL:
             target.sentinels, target.client = _sentinel_client(base, retry)
         else:
+            _check_db_path(base)
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
     except (ValueError, TypeError) as exc:  # redis-py may name a piece of a raw password
         reason = mask_url(str(exc), target.secrets)
         mask_error(exc, target.secrets)  # still the error's __context__
         raise ConfigurationError(f"bad redis URL {target.display!r}: {reason}") from None
     target.pool = target.client.connection_pool
+    _check_connection_options(target)
     target.secrets = store_secrets(target.client, url)
     return target
+
+
+def _check_db_path(url: str) -> None:
+    """ValueError unless the path of a ``redis://`` URL is a database number (or empty).
+
+    redis-py reads a path that is no number as database 0 (``/x``, ``/O``) and joins the
+    digits of a longer one (``/1/2`` is 12): a typo would put the locks elsewhere, silently.
+    """
+    if url.lower().startswith("unix://"):
+        return  # the path is the socket's; the database is ``?db=``
+    path = urlsplit(url).path
+    if not _DB_PATH.fullmatch(path):
+        hint = "; percent-encode a '/' in the password (%2F)" if "@" in path else ""
+        raise ValueError(f"the path must be a database number (/0, /1...), got {path!r}{hint}")
+
+
+def _check_connection_options(target: Target) -> None:
+    """ConfigurationError naming a URL query parameter redis-py's connection refuses.
+
+    redis-py passes unknown parameters on to its connection class, which refuses them (and
+    a bad ``ssl_cert_reqs``) only when the first call makes a connection; building one
+    here (it connects nothing) asks the same question at once.
+    """
+    from redis.exceptions import RedisError
+
+    pool = target.pool
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except (TypeError, ValueError, RedisError) as exc:
+        reason = mask_url(str(exc), target.secrets)
+        mask_error(exc, target.secrets)  # still the error's __context__
+        unexpected = _UNEXPECTED.search(reason) if isinstance(exc, TypeError) else None
+        if unexpected is None:
+            raise ConfigurationError(f"bad redis URL {target.display!r}: {reason}") from None
+        raise ConfigurationError(
+            f"unknown URL option {unexpected.group(1)!r} in lock store URL {target.display!r}: "
+            "redis-py's connection takes no such parameter"
+        ) from None
 
 
 def _multi_host(url: str, default_port: int) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:

@@ -35,7 +35,7 @@ from sqlalchemy.pool import QueuePool, StaticPool
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError, MissingDriverError
 from celery_exclusive.providers import _deadline
-from celery_exclusive.providers._sql_params import check_params, unconvertible
+from celery_exclusive.providers._sql_params import check_params, pymysql_args, unconvertible
 from celery_exclusive.providers.base import Completion, CompletionInfo, Diagnosis, LockInfo, decode_holder
 from celery_exclusive.urls import known_secrets, mask_error, mask_url, split_options, url_secrets
 from celery_exclusive.validation import MAX_LIFETIME_CAP
@@ -359,11 +359,21 @@ def _parse_url(raw: str) -> tuple[str, str, sa.URL]:
     try:
         url = make_url(f"{backend}+{driver}://{rest}" if driver else f"{backend}://{rest}")
     except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
-        secrets = url_secrets(raw)  # a raw "@" in a password: the rest is read as host and port
-        mask_error(exc, secrets)  # still the error's __context__
-        reason = mask_url(str(exc), secrets)
-        raise ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {reason}") from None
+        raise _malformed(raw, exc) from None
+    if "@" in (url.host or ""):  # SQLAlchemy ends a password at its first "@": the rest is no host
+        raise ConfigurationError(
+            f"malformed SQL lock store URL {mask_url(raw)!r}: its host would contain '@'; "
+            "percent-encode an '@' in the password (%40)"
+        )
     return backend, driver, url
+
+
+def _malformed(raw: str, exc: Exception) -> ConfigurationError:
+    """The error for SQL store URL ``raw`` that SQLAlchemy refused with ``exc`` (masked in place)."""
+    secrets = url_secrets(raw)  # a raw "@" in a password: the rest is read as host and port
+    mask_error(exc, secrets)  # still the error's __context__
+    reason = " ".join(mask_url(str(exc), secrets).split())  # SQLite's lists its URL forms on lines
+    return ConfigurationError(f"malformed SQL lock store URL {mask_url(raw)!r}: {reason}")
 
 
 class DeadlinePool(QueuePool):
@@ -450,6 +460,8 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         kwargs, connect_args = _sqlite_options(url)
     else:
         kwargs, connect_args = _mysql_options(url, driver)
+        if driver == "pymysql":
+            connect_args.update(pymysql_args(url, raw))
     kwargs.setdefault("poolclass", DeadlinePool)
     try:
         engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
@@ -457,6 +469,8 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
         raise _missing_driver(backend, driver) from exc
     except (ValueError, TypeError):  # a driver parameter SQLAlchemy could not convert
         raise unconvertible(url, raw) from None
+    except sa_exc.ArgumentError as exc:  # sqlite://file.db: the dialect knows its URL forms
+        raise _malformed(raw, exc) from None
     check_params(engine.dialect, url, connect_args, raw)
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_connect)

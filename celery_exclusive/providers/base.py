@@ -322,6 +322,10 @@ class KnowsWaiters(Protocol):
     ``lock(key, wait=)`` on that key within :data:`~celery_exclusive.waiting.YIELD_WINDOW`
     give way to those waiters (:mod:`celery_exclusive.waiting`, fairness). A hint only:
     a wrong answer costs one pause or one turn, never a lock's safety.
+
+    A store whose answer is "``key`` is in a set, then discarded from it" may expose that
+    set as ``woken_keys`` (a ``set``; Redis and PostgreSQL do): the service's release then
+    tests it inline instead of calling ``had_waiters`` (the same answer, without a call).
     """
 
     def had_waiters(self, key: str) -> bool:

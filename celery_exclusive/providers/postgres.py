@@ -302,6 +302,9 @@ class PostgresLockProvider(SqlStore):
         )
         #: ``KnowsWaiters``: the keys whose latest release here notified a registered waiter.
         self._woken = Woken()
+        #: The set behind ``had_waiters`` (``KnowsWaiters.had_waiters``: ``key in`` it, then
+        #: discarded), which the lock service's release tests inline.
+        self.woken_keys = self._woken._keys
 
     @property
     def _listener(self) -> _pg_listen.Listener | None:
@@ -496,8 +499,9 @@ class PostgresLockProvider(SqlStore):
         was registered on it (``KnowsWaiters``): the release statement notified, which it does
         only while some process's listener holds the key's waiter registration, held while
         that process waits (not while its channel only lingers, see providers/_pg_listen.py).
-        Told once; no round trip. A waiter behind PgBouncer registers nowhere: it is never counted."""
-        keys = self._woken._keys  # Woken.told, inline: the release path asks after each release
+        Told once; no round trip. A waiter behind PgBouncer registers nowhere: it is never counted.
+        The lock service's release tests :attr:`woken_keys` inline instead."""
+        keys = self._woken._keys  # Woken.told, inline
         if key in keys:
             keys.discard(key)
             return True

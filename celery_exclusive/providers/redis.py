@@ -241,6 +241,9 @@ class RedisLockProvider:
         #: ``KnowsWaiters``: whether this process's latest release of a key reached a
         #: waiter's subscription (release.lua counts its SPUBLISH's receivers); told once.
         self.had_waiters = self._woken.told
+        #: The set behind ``had_waiters`` (``KnowsWaiters.had_waiters``: ``key in`` it, then
+        #: discarded), which the lock service's release tests inline.
+        self.woken_keys = self._woken._keys
 
     def __repr__(self) -> str:
         return f"RedisLockProvider({self._server.display!r})"

@@ -285,11 +285,15 @@ def replacing_retried(self: Any, key_id: str, tag: str, page: int) -> dict[str, 
 
 
 @exclusive_task(app=app, key="replacecool:{key_id}", cooldown=1, done_retention=False, bind=True)
-def replacing_cooled(self: Any, key_id: str, tag: str, page: int) -> dict[str, Any]:
-    """``replacing`` with a 1 s cooldown and no completion records."""
+def replacing_cooled(self: Any, key_id: str, tag: str, page: int, grouped: bool = False) -> dict[str, Any]:
+    """``replacing`` with a 1 s cooldown and no completion records (``grouped``: page 1 is
+    replaced by a group of page 2, which runs under an id of its own)."""
+    from celery import group
+
     record("run", tag, start=time.time(), page=page)
     if page < 2:
-        raise self.replace(replacing_cooled.si(key_id, tag, page + 1))
+        follow = replacing_cooled.si(key_id, tag, page + 1)
+        raise self.replace(group(follow) if grouped else follow)
     return {"pages": page}
 
 

@@ -656,6 +656,20 @@ def test_a_replacement_within_the_cooldown_runs_once_it_is_over(group: WorkerGro
 
 
 @ONE_STORE
+def test_a_replacement_groups_task_within_the_cooldown_runs_once_it_is_over(group: WorkerGroup) -> None:
+    """cooldown=1, done_retention=False: ``self.replace(group(...))`` by a run of the same
+    key, under an id of its own, waits for the replaced run's cooling lease as the
+    replacement taking the id does, and runs once the cooldown is over (it used to meet it
+    as another holder's lease: skipped under ``on_locked="skip"``)."""
+    from tests.celery.app import replacing_cooled
+
+    key_id, tag = uid(), uid()
+    assert group.send(replacing_cooled, key_id, tag, 1, True).get(timeout=20) == [{"pages": 2}]
+    first, second = sorted(r["start"] for r in records(tag) if r["kind"] == "run")
+    assert second - first > 0.9  # the cooldown (from the grant, just before the first start)
+
+
+@ONE_STORE
 def test_list_shows_a_cooldown_lease_held_while_its_run_is_in_progress(group: WorkerGroup) -> None:
     """A running task with a cooldown is `held` (no completion record yet), not `cooling`; a
     run longer than its cooldown frees the key when it ends."""

@@ -72,6 +72,12 @@ def test_settings_are_frozen() -> None:
         ({"CELERY_EXCLUSIVE_DEFAULT_TTL": "soon"}, "CELERY_EXCLUSIVE_DEFAULT_TTL='soon' is not a number"),
         ({"CELERY_EXCLUSIVE_ON_LOCKED": "block"}, "CELERY_EXCLUSIVE_ON_LOCKED: on_locked must be one of"),
         ({"CELERY_EXCLUSIVE_PREFIX": "has space"}, "CELERY_EXCLUSIVE_PREFIX: key prefix"),
+        # The value as written, not the timedelta it was read into (days=-1, seconds=86399).
+        ({"CELERY_EXCLUSIVE_COOLDOWN": "-1"}, r"CELERY_EXCLUSIVE_COOLDOWN: .*number of seconds, got -1\.0$"),
+        ({"CELERY_EXCLUSIVE_DEFAULT_TTL": "inf"}, r"CELERY_EXCLUSIVE_DEFAULT_TTL: .*finite.*, got inf$"),
+        # A number, but not a whole one: "is not a number" was wrong.
+        ({"CELERY_EXCLUSIVE_LIMIT": "2.5"}, "CELERY_EXCLUSIVE_LIMIT='2.5' is not a whole number"),
+        ({"CELERY_EXCLUSIVE_LOCK_MAX_RETRIES": "1e3"}, "LOCK_MAX_RETRIES='1e3' is not a whole number"),
     ],
 )
 def test_bad_environment_values_name_the_variable(environ: dict[str, str], message: str) -> None:

@@ -11,6 +11,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -39,15 +40,22 @@ def start(logdir: Path, env: dict[str, str]) -> Process:
     return spawn(name, [*WORKER, "-n", f"{name}@%h", "-Q", queue], {"CE_CELERY_QUEUE": queue, **env}, logdir)
 
 
-def test_missing_store_is_an_error_line_naming_the_setting(celery_logdir: Path) -> None:
-    require_server(BROKER_URL)
-    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": ""})
+def error_lines_at_start(logdir: Path, env: dict[str, str]) -> tuple[str, list[str]]:
+    """Start a worker with ``env``, wait until it is ready and stop it: its log, and the
+    ERROR lines celery-exclusive wrote in its main process."""
+    worker = start(logdir, env)
     try:
         wait_ready([worker])
         log = worker.text()
     finally:
         worker.stop(timeout=1)  # nothing to finish: no task was sent
     errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
+    return log, errors
+
+
+def test_missing_store_is_an_error_line_naming_the_setting(celery_logdir: Path) -> None:
+    require_server(BROKER_URL)
+    log, errors = error_lines_at_start(celery_logdir, {"CELERY_EXCLUSIVE_URL": ""})
     assert len(errors) == 1, log[-3000:]
     assert "exclusive task(s) (tests.celery.app." in errors[0]
     assert "app.conf.exclusive_url" in errors[0]
@@ -68,6 +76,43 @@ def test_fatal_startup_check_stops_the_worker(celery_logdir: Path) -> None:
     assert "CRITICAL/MainProcess" in log
     assert "no lock store configured" in log
     assert " ready." not in log
+
+
+STARTUP_SECRET = "Zq8STARTUPpw"
+
+
+def test_an_unusable_store_url_stops_a_fatal_start(celery_logdir: Path) -> None:
+    """A URL no store can be built from (here an unknown scheme) is a configuration error
+    like a missing one: CRITICAL and exit 78 under "fatal", its password masked. It used to
+    be a WARNING from the driver preload, and the worker became ready to fail every task."""
+    require_server(BROKER_URL)
+    url = f"postgresqll://app:{STARTUP_SECRET}@127.0.0.1/test"
+    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": url, STARTUP_CHECK_ENV: "fatal"})
+    try:
+        assert worker.popen.wait(60) == EX_CONFIG, worker.text()[-3000:]
+    finally:
+        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    log = worker.text()
+    critical = [line for line in log.splitlines() if "CRITICAL/MainProcess" in line]
+    assert len(critical) == 1, log[-3000:]
+    assert "unknown lock store scheme 'postgresqll'" in critical[0]
+    assert "CELERY_EXCLUSIVE_URL" in critical[0]
+    assert STARTUP_SECRET not in log
+    assert " ready." not in log
+
+
+def test_an_unusable_store_url_is_an_error_line_at_start(celery_logdir: Path) -> None:
+    """The same under "log": one ERROR line naming the problem (here a query parameter
+    redis-py's connection refuses), not a WARNING per process, and no password."""
+    require_server(BROKER_URL)
+    url = f"redis://:{STARTUP_SECRET}@127.0.0.1:6379/0?sockettimeout=2"
+    log, errors = error_lines_at_start(celery_logdir, {"CELERY_EXCLUSIVE_URL": url})
+    assert len(errors) == 1, log[-3000:]
+    assert "unknown URL option 'sockettimeout'" in errors[0]
+    assert f"{STARTUP_CHECK_SETTING}='fatal'" in errors[0]
+    assert "could not load the lock store's driver" not in log
+    assert "could not open the lock store" not in log  # said once, at start
+    assert STARTUP_SECRET not in log
 
 
 def test_pool_processes_open_the_store_before_the_first_task(celery_logdir: Path) -> None:
@@ -102,14 +147,8 @@ def test_an_unknown_startup_check_value_is_one_error_line_at_worker_start(celery
     worker goes on with the default check (``"log"``: here, the missing store's line); it
     used to raise out of the signal receiver (Celery logged a traceback, checked nothing)."""
     require_server(BROKER_URL)
-    worker = start(celery_logdir, {"CELERY_EXCLUSIVE_URL": "", STARTUP_CHECK_ENV: "loud"})
-    try:
-        wait_ready([worker])
-        log = worker.text()
-    finally:
-        worker.stop(timeout=1)  # nothing to finish: no task was sent
+    log, errors = error_lines_at_start(celery_logdir, {"CELERY_EXCLUSIVE_URL": "", STARTUP_CHECK_ENV: "loud"})
     assert "check_at_worker_start" not in log, log[-3000:]  # Celery's "Signal handler ... raised"
-    errors = [line for line in log.splitlines() if "ERROR/MainProcess" in line and "celery-exclusive" in line]
     assert len(errors) == 2, log[-3000:]
     assert STARTUP_CHECK_SETTING in errors[0]
     assert "'loud'" in errors[0]
@@ -128,7 +167,8 @@ def test_warm_up_on_a_silent_store_gives_up_at_its_deadline(
     WARM_UP_TIMEOUT (not the driver's 10-40 s): a WARNING, and the process goes on."""
     with silent_server() as port:
         app = Celery(f"silent-{uuid.uuid4().hex[:6]}", set_as_current=False)
-        app.conf.exclusive_url = f"{scheme}://u:pw@127.0.0.1:{port}/test"
+        database = "0" if scheme == "redis" else "test"  # a Redis path is a database number
+        app.conf.exclusive_url = f"{scheme}://u:pw@127.0.0.1:{port}/{database}"
         exclusive_task(app=app, name=f"silent.t{uuid.uuid4().hex[:6]}")(_body)
         try:
             started = time.monotonic()
@@ -245,3 +285,35 @@ def test_a_task_option_at_odds_with_the_app_settings_is_an_error_line_at_start(
     assert f"{app.main}.several: {app.main}.several has several lock keys" in errors[0]
     assert "on_locked='rerun'" in errors[0]
     assert f"{app.main}.fine" not in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("conf", "named"),
+    [
+        ({"exclusive_default_ttl": "300"}, "app.conf.exclusive_default_ttl: ttl must be seconds"),
+        ({"exclusive_on_lost": "die"}, "app.conf.exclusive_on_lost: on_lost must be one of"),
+    ],
+)
+def test_a_bad_setting_other_than_the_url_is_not_blamed_on_the_url(
+    conf: dict[str, Any], named: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up line for a bad setting names that setting, not ``exclusive_url``: it
+    used to say "until app.conf.exclusive_url (or CELERY_EXCLUSIVE_URL) is right: " before
+    the error of, say, ``exclusive_default_ttl = "300"``, with the URL fine."""
+    from celery_exclusive.worker import check_at_worker_start
+
+    app = Celery(f"ce_start_{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.update(exclusive_url="memory://", **conf)
+
+    @exclusive_task(app=app, key="k:{n}", name=f"{app.main}.t", shared=False)
+    def t(n: int) -> None: ...
+
+    worker = type("Worker", (), {"app": app, "pool_cls": "solo", "task_events": False})()
+    with caplog.at_level(logging.ERROR, logger="celery_exclusive"):
+        check_at_worker_start(instance=worker)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert named in errors[0]
+    assert "exclusive_url" not in errors[0]
+    assert "CELERY_EXCLUSIVE_URL" not in errors[0]
+    assert f"{app.main}.t" in errors[0]

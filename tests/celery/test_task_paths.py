@@ -13,6 +13,7 @@ must still get the lock's attributes.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from celery_exclusive import _process
 from celery_exclusive.errors import LockedError
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import close_lock_services, get_lock_service
@@ -118,6 +120,36 @@ def test_a_held_key_is_refused_on_the_short_path(app: Celery) -> None:
     assert error.holder is not None
     assert error.holder.holder["who"] == "the other"
     assert trace(f"held-{n}-2", (n,)) == ("SUCCESS", "ran")
+
+
+def test_the_short_path_stores_the_holder_holder_json_makes(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual run sends its holder as the template's JSON text alone: what the store keeps
+    is holder_json's text of the run's holder, in this process and after a fork (a new
+    process identity: the template's text made again, not the parent's pid)."""
+    seen: list[dict[str, Any]] = []
+
+    @exclusive_task(app=app, key="who:{n}", bind=True, name=f"paths.who.{uuid.uuid4().hex[:6]}")
+    def who(self: Any, n: str) -> None:
+        info = get_lock_service(app).peek(f"who:{n}")
+        assert info is not None
+        seen.append(info.holder)
+
+    trace = traced(app, who)
+    expected = {"task_name": who.name, "worker": "paths@test"}
+    for i in range(2):  # the first run makes the template, the second takes the inline text
+        assert trace(f"who-{i}", (f"{uuid.uuid4().hex[:8]}",))[0] == "SUCCESS"
+        assert seen[-1] == {**_process.this.meta, **expected, "task_id": f"who-{i}"}
+    close_lock_services()  # the parent's connections closed here: the "child" makes its own
+    monkeypatch.setattr(os, "getpid", lambda: 424242)
+    _process.this.reset()  # what a forked child runs
+    try:
+        assert trace("who-child", (f"{uuid.uuid4().hex[:8]}",))[0] == "SUCCESS"
+        assert seen[-1] == {"host": _process.HOST, "pid": 424242, **expected, "task_id": "who-child"}
+    finally:
+        monkeypatch.undo()
+        _process.this.reset()
 
 
 def test_a_span_in_the_context_gets_the_lock_attributes(app: Celery) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from celery_exclusive import BackendError, InvalidArgumentError, LockedError, LockService
 from celery_exclusive.providers.base import AcquiresUnless, Held
 from celery_exclusive.testing.contract import OUTAGE_SECRET
+from celery_exclusive.validation import GUARD_INFIX, QUEUED_SUFFIX, RERUN_SUFFIX, derived_key
 from tests.conftest import TIME_SLACK, Store
 
 
@@ -290,3 +292,45 @@ def test_begin_mark_answer_within_the_call_timeout_when_redis_goes_silent() -> N
         service.close()
         proxy.close()
         delete_redis_keys(prefix)
+
+
+def test_locks_by_a_long_key_include_its_hashed_markers(store: Store) -> None:
+    """A key too long for ``<key>#queued``, ``#rerun`` or ``#id:<task id>`` has markers
+    ``<start>~<hash><suffix>``, which keep only the key's start: locks() by the key itself
+    lists them (by the key's hash), and so does locks() by a longer start than the one kept
+    for a key whose own lease it lists; never the markers of another long key that shares
+    the kept start."""
+    service = store.service()
+    limit = service.provider.max_key_length
+    longest = limit - len(service.prefix)
+    base = f"long-{uuid.uuid4().hex[:8]}-"
+    first, second, third = (base + "k" * (longest - len(base) - 1) + end for end in "abc")
+    task_id = str(uuid.uuid4())
+
+    def marker(key: str, suffix: str) -> str:
+        return derived_key(key, suffix, prefix=service.prefix, max_length=limit)
+
+    first_queued, second_rerun = marker(first, QUEUED_SUFFIX), marker(second, RERUN_SUFFIX)
+    third_guard = marker(third, GUARD_INFIX + task_id)
+    markers = (first_queued, second_rerun, third_guard)
+    assert all("~" in key and not key.startswith(first[:-1]) for key in markers)
+    tokens = {key: service.mark(key, ttl=60) for key in markers}
+    held = [service.lock(key, ttl=30) for key in (second, third)]  # first is only queued
+    try:
+
+        def listed(prefix: str) -> list[str]:
+            return [info.key for info in service.locks(prefix)]
+
+        assert listed(first) == [first_queued]
+        assert listed(second) == [second, second_rerun]
+        assert listed(third) == [third, third_guard]
+        # A start longer than the markers keep: the markers of the keys held under it.
+        assert listed(first[:-1]) == [second, second_rerun, third, third_guard]
+        assert sorted(listed(base)) == sorted([*markers, second, third])
+        assert listed(first + "x") == []
+    finally:
+        for lease in held:
+            lease.release()
+        for key, token in tokens.items():
+            assert token is not None
+            service.force_release(key, token)

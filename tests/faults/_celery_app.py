@@ -237,10 +237,15 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
     """Records its run (stage, attempt, fence, start, task id) in ``<tag>:runs``. Stage 0 of
     attempt 0 says so in ``<tag>:ready`` and waits for ``<tag>:go`` (the test makes the store
     refuse releases meanwhile; ``how`` ``"retried"``: it retries first, at once, and its
-    attempt 1 replaces itself without waiting); then ``self.replace()`` by stage 1 of
-    ``replacement`` (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the
-    task id; ``"chain-first"``: before it, under an id of its own); stage 1 returns 1."""
-    from celery import chain
+    attempt 1 replaces itself without waiting; ``"retried-held"``: it retries first, at once,
+    and its attempt 1 waits instead); then ``self.replace()`` by stage 1 of ``replacement``
+    (``how`` ``"chain"``: behind a run of :func:`noted`, which takes the task id;
+    ``"chain-first"``: before it, under an id of its own; ``"chain-middle"``: between two,
+    under an id of its own, its parent the first; ``"group"``: beside a run of
+    :func:`noted`, in a group, under an id of its own, Celery's ``accumulate`` taking the
+    task id; ``"chord"``: as the body, which takes the task id, of a chord whose header is a
+    run of :func:`noted`); stage 1 returns 1."""
+    from celery import chain, chord, group
 
     events = _events()
     attempt = int(task.request.retries or 0)
@@ -254,9 +259,9 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
     events.rpush(f"{tag}:runs", json.dumps(run))
     if stage:
         return 1
-    if attempt == 0:
-        if how == "retried":
-            raise task.retry(countdown=0)
+    if attempt == 0 and how.startswith("retried"):
+        raise task.retry(countdown=0)
+    if how != "retried":
         events.rpush(f"{tag}:ready", 1)
         events.blpop([f"{tag}:go"], timeout=60)
     follow = replacement.si(tag, 1, how)
@@ -264,6 +269,12 @@ def _replacing_run(task: Any, tag: str, stage: int, how: str, replacement: Any) 
         raise task.replace(chain(noted.si(tag), follow))
     if how == "chain-first":
         raise task.replace(chain(follow, noted.si(tag)))
+    if how == "chain-middle":
+        raise task.replace(chain(noted.si(tag), follow, noted.si(tag)))
+    if how == "group":
+        raise task.replace(group(follow, noted.si(tag)))
+    if how == "chord":
+        raise task.replace(chord([noted.si(tag)], follow))
     raise task.replace(follow)
 
 

@@ -166,12 +166,20 @@ QUIET = 0.5
 
 @contextlib.contextmanager
 def app_worker(
-    redis_server: PrivateRedis, store_url: str, name: str, log: Path, *, concurrency: int = 1
+    redis_server: PrivateRedis,
+    store_url: str,
+    name: str,
+    log: Path,
+    *,
+    concurrency: int = 1,
+    admin_url: str | None = None,
 ) -> Iterator[AppWorker]:
     """A prefork worker of ``tests.faults._celery_app`` whose lock store is ``store_url``
-    (the private Redis, directly, through a proxy or as an ACL user) under a prefix of its
-    own, on a queue of its own; the broker is the private Redis's db 3, shared by every
-    user of that app (it is configured once per session). Killed with its pool at the end."""
+    (the private Redis, directly, through a proxy or as an ACL user; or the private
+    PostgreSQL as a role of its own) under a prefix of its own, on a queue of its own; the
+    broker is the private Redis's db 3, shared by every user of that app (it is configured
+    once per session). ``admin_url``: the same store as its administrator, for the test's
+    ``store`` (default: the private Redis). Killed with its pool at the end."""
     broker = f"redis://127.0.0.1:{redis_server.port}/3"
     queue = f"cefaults-{name}-{uuid.uuid4().hex[:8]}"
     prefix = f"{name[0]}{uuid.uuid4().hex[:10]}:"
@@ -184,7 +192,7 @@ def app_worker(
         "CELERY_EXCLUSIVE_PREFIX": prefix,
     }
     process = start_worker("tests.faults._celery_app", queue, env, log, concurrency=concurrency)
-    store = LockService(redis_server.url, prefix=prefix)
+    store = LockService(admin_url or redis_server.url, prefix=prefix)
     try:
         assert wait_until(lambda: " ready." in log.read_text(errors="replace"), 60), log.read_text()
         os.environ["CE_FAULT_BROKER"], os.environ["CE_FAULT_QUEUE"] = broker, queue
@@ -285,6 +293,71 @@ def shared_worker(kind: type[AclWorker]) -> Any:
         return view
 
     return worker
+
+
+@dataclass
+class PgRoleWorker(AclWorker):
+    """An :func:`app_worker` whose store is the private PostgreSQL as a login role of its
+    own, ``user``, on the lock table ``table`` that ``pg`` (the superuser) made (see
+    :func:`pg_role_app_worker`); ``admin`` as :class:`AclWorker`'s."""
+
+    pg: PrivatePostgres
+    table: str
+
+    def refuse_releases(self) -> None:
+        """The store refuses every release of a lock from now on: the role may no longer
+        ``DELETE`` the table's rows (every release statement deletes one; acquire, refresh
+        and peek keep working), for every statement that starts after this one."""
+        self.pg.admin(f'REVOKE DELETE ON "{self.table}" FROM "{self.user}"')
+
+    def answer(self) -> None:
+        """The store answers the worker's role again: ``DELETE`` given back."""
+        self.pg.admin(f'GRANT DELETE ON "{self.table}" TO "{self.user}"')
+
+
+_PgWorker = TypeVar("_PgWorker", bound=PgRoleWorker)
+
+
+@contextlib.contextmanager
+def pg_role_app_worker(
+    redis_server: PrivateRedis,
+    pg_server: PrivatePostgres,
+    name: str,
+    log_dir: Path,
+    kind: type[_PgWorker],
+    *,
+    concurrency: int = 1,
+) -> Iterator[_PgWorker]:
+    """:func:`app_worker` whose store is the private PostgreSQL as a new login role
+    ``ce_<name>_…`` on a lock table of its own, ``ce_<name>_…``, which the superuser makes
+    (with its records' table, fence sequence and marker function) and on which the role may
+    select, insert, update and delete, not create (``ce_create_table=false``), as a
+    ``kind``; its log in ``log_dir``. The worker, then the table and the role are dropped at
+    the end."""
+    import redis
+
+    suffix = uuid.uuid4().hex[:8]
+    role = table = f"ce_{name}_{suffix}"
+    admin_url = f"{pg_server.url}&ce_table={table}"
+    maker = LockService(admin_url)
+    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    try:
+        maker.provider.set_up()
+        pg_server.admin(f'CREATE ROLE "{role}" LOGIN')
+        pg_server.admin(f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table}", "{table}_done" TO "{role}"')
+        pg_server.admin(f'GRANT USAGE, SELECT ON SEQUENCE "{table}_fence_seq" TO "{role}"')
+        url = (
+            f"postgresql+psycopg://{role}@127.0.0.1:{pg_server.port}/postgres"
+            f"?application_name={role}&ce_table={table}&ce_create_table=false"
+        )
+        log = log_dir / "worker.log"
+        with app_worker(redis_server, url, name, log, concurrency=concurrency, admin_url=admin_url) as base:
+            yield kind(base.queue, base.log, base.app, base.store, admin, role, pg_server, table)
+    finally:
+        admin.close()
+        maker.close()
+        drop_lock_table(pg_server.url, table)
+        pg_server.admin(f'DROP ROLE IF EXISTS "{role}"')
 
 
 @pytest.fixture(scope="session")

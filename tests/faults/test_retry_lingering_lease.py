@@ -25,8 +25,17 @@ import pytest
 from celery.exceptions import TimeoutError
 
 from celery_exclusive.redelivery import COOLING_HEADER
-from tests.faults.conftest import LONG, SLACK, AclWorker, acl_app_worker, shared_worker, wait_until
-from tests.faults.servers import PrivateRedis, TcpProxy
+from tests.faults.conftest import (
+    LONG,
+    SLACK,
+    AclWorker,
+    PgRoleWorker,
+    acl_app_worker,
+    pg_role_app_worker,
+    shared_worker,
+    wait_until,
+)
+from tests.faults.servers import PrivatePostgres, PrivateRedis, TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -36,10 +45,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SETTLED = 6.5 + 4 * SLACK
 #: How long the retry may take to look at its key for the first time (a hang guard).
 FIRST_LOOK = 30.0
-#: How long the store refuses releases in the tests that cannot wait on the retry's look
-#: (an eager retry; a replacement's and a rerun's, tests/faults/test_replace_lingering_lease.py
-#: and test_rerun_retry.py), in seconds: the lease is still in the store when it ends.
-OUTAGE = 2.5
 #: The tasks the short mode retries with a countdown too: records on and off, single lock
 #: and semaphore, each once (the countdown only delays the retry's first look; the store
 #: calls after it are those of the countdown-0 cases). ``CE_LONG=1``: all four.
@@ -64,27 +69,28 @@ class Worker(AclWorker):
     def runs(self, tag: str) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in self.admin.lrange(f"{tag}:runs", 0, -1)]
 
-    def first_look(self, task: str, task_id: str | None, key: str) -> str:
+    def first_look(self, task: str, task_id: str | None, key: str, after: int = 0) -> str:
         """Wait until the retry of ``task`` (``task_id``; None: any id) has looked at ``key``
-        (a semaphore's: at its lease on the task id):
-        deferred behind its attempt's lease ("releasing"), or taken for a copy ("redelivered",
-        the defect). Which of the two; fails if neither is logged within :data:`FIRST_LOOK`."""
+        (a semaphore's: at its lease on the task id), logged past ``after`` (a length of the
+        log): deferred behind its attempt's lease ("releasing"), or taken for a copy
+        ("redelivered", the defect). Which of the two; fails if neither is logged within
+        :data:`FIRST_LOOK`."""
         which = r"[^\]]+" if task_id is None else re.escape(task_id)
         name = rf"tests\.faults\._celery_app\.{task}\[{which}\]"
         pattern = re.compile(rf"(releasing|redelivered): {name} .* lock '{re.escape(key)}['#]")
         deadline = time.monotonic() + FIRST_LOOK
-        while (match := pattern.search(self.text())) is None:
+        while (match := pattern.search(self.text(), after)) is None:
             assert time.monotonic() < deadline, f"the retry never looked:\n{self.text()[-6000:]}"
             time.sleep(0.05)
         return match.group(1)
 
-    def held_at_first_look(self, task: str, task_id: str | None, key: str) -> Any:
+    def held_at_first_look(self, task: str, task_id: str | None, key: str, after: int = 0) -> Any:
         """Wait until the retry ``task_id`` (None: any id) has looked at ``key``
-        (:meth:`first_look`) while the store refuses releases: it must have found its
-        attempt's lease still there and deferred itself, not taken itself for a copy. That
-        lease's info (a single lock's ``key``, or a semaphore's lease on the task id); the
-        caller gives releases back."""
-        looked = self.first_look(task, task_id, key)
+        (:meth:`first_look`, logged past ``after``) while the store refuses releases: it
+        must have found its attempt's lease still there and deferred itself, not taken
+        itself for a copy. That lease's info (a single lock's ``key``, or a semaphore's
+        lease on the task id); the caller gives releases back."""
+        looked = self.first_look(task, task_id, key, after)
         held = self.store.peek(key) or self.store.peek(f"{key}#id:{task_id}")
         assert held is not None, "the store refused the release: the lease is still there"
         assert looked == "releasing", f"the retry was taken for a copy:\n{self.text()[-6000:]}"
@@ -112,19 +118,62 @@ class Worker(AclWorker):
 worker = shared_worker(Worker)
 
 
+@dataclass
+class PgWorker(PgRoleWorker, Worker):
+    """:class:`Worker` whose store is the private PostgreSQL as a role of its own, which
+    the test refuses releases by taking ``DELETE`` away from (:class:`PgRoleWorker`)."""
+
+
+def pg_module_worker(name: str) -> Any:
+    """A module's fixture: a :class:`PgWorker` called ``name`` (two processes), its role,
+    its table and the test's app; stopped and dropped afterwards. Its own, not shared:
+    take it through :func:`on_store`."""
+
+    @pytest.fixture(scope="module")
+    def pg_worker(
+        redis_server: PrivateRedis, pg_server: PrivatePostgres, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[PgWorker]:
+        log_dir = tmp_path_factory.mktemp(f"celery-{name}")
+        with pg_role_app_worker(redis_server, pg_server, name, log_dir, PgWorker, concurrency=2) as worker:
+            yield worker
+
+    return pg_worker
+
+
+pg_worker = pg_module_worker("retrypg")
+
+
+def on_store(request: pytest.FixtureRequest, store: str) -> Worker:
+    """The test's worker of ``store``: the shared ACL worker's view (``"redis"``), or the
+    module's PostgreSQL worker (``"postgres"``), its log read from the test's start as a
+    shared worker's view is (:meth:`~tests.faults.conftest.AppWorker.settled`)."""
+    if store == "redis":
+        redis_worker: Worker = request.getfixturevalue("worker")
+        return redis_worker
+    pg: PgWorker = request.getfixturevalue("pg_worker")
+    pg.since = len(pg.text())  # this test's deliveries are logged after
+    return pg
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
 @pytest.mark.parametrize(
     "task",
     ["retrying", "retrying_unrecorded", "retrying_slot", "retrying_slot_unrecorded"],
 )
 @pytest.mark.parametrize("countdown", [0.0, 1.0])
 def test_a_retry_behind_its_attempts_unreleased_lease_runs_once_that_lease_is_gone(
-    worker: Worker, task: str, countdown: float
+    request: pytest.FixtureRequest, store: str, task: str, countdown: float
 ) -> None:
     """The retry runs, once, after the store answered again, within seconds (with records
     it used to be taken for a copy of a run in progress and deferred until the lease's
-    ttl; without records it was dropped: lost)."""
+    ttl; without records it was dropped: lost). On PostgreSQL (the worker's role may not
+    ``DELETE``) under ``CE_LONG=1`` only, without a countdown: the short mode runs the
+    replacements' PostgreSQL cases (tests/faults/test_replace_lingering_lease.py)."""
     if countdown and not LONG and task not in COUNTED_DOWN:
         pytest.skip("the short mode retries two of the four tasks with a countdown (CE_LONG=1: all)")
+    if store == "postgres" and (countdown or not LONG):
+        pytest.skip("on PostgreSQL under CE_LONG=1 only, without a countdown")
+    worker = on_store(request, store)
     result, tag, answered = worker.retried_behind_a_refused_release(task, countdown)
     assert worker.result(result, countdown + SETTLED) == 1
     worker.settled(tag)  # a second run of the retry has started by now, if any was sent
