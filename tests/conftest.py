@@ -72,6 +72,8 @@ SERIAL = (
 #: test_completion_records.py already runs them in the parallel part on every store); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
 #: (counted in turns, so load lengthens the run instead of failing it), not latencies; the
+#: waiting file's refusals of bad arguments, its outage errors and its lock_many all-or-none
+#: and rollback checks (each an exception or the keys held, never a duration); the
 #: Celery stress (enqueues for a set time, then checks the log for overlaps, fence order and
 #: lost tasks; its 6 s leases are refreshed every 2 s, its drain bounded only by a hang guard).
 UNTIMED = (
@@ -90,6 +92,12 @@ UNTIMED = (
     "scale/test_redis_cluster_records.py",
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
+    "contract/test_waiting.py::test_an_outage_during_a_wait_is_an_error",
+    "contract/test_waiting.py::test_a_bad_wait_is_refused_before_the_store_is_touched",
+    "contract/test_waiting.py::test_bad_arguments_with_wait_are_refused_before_the_store_is_touched",
+    "contract/test_waiting.py::test_a_bad_key_list_is_refused_before_the_store_is_touched",
+    "contract/test_waiting.py::test_lock_many_is_all_or_none",
+    "contract/test_waiting.py::test_lock_many_rolls_back_when_a_later_key_fails",
     "stress/test_fence_order.py",
     "stress/test_stress.py",
 )
@@ -134,6 +142,23 @@ TESTS = Path(__file__).resolve().parent
 def _path(item: pytest.Item) -> str:
     """``item``'s file, relative to tests/ ("" outside it)."""
     return item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m serial`` (scripts/test's serial part) only test files under the
+    :data:`SERIAL` paths, where alone tests are marked ``serial``, are collected: the same
+    tests, without importing and collecting 2,500 others only to deselect them (about 5 s
+    of the serial part on two busy cores)."""
+    if config.getoption("markexpr") != "serial" or not collection_path.is_relative_to(TESTS):
+        return None
+    path = collection_path.relative_to(TESTS).as_posix()
+    if collection_path.is_dir():
+        folder = f"{path}/"
+        inside = path == "." or any(folder.startswith(each) or each.startswith(folder) for each in SERIAL)
+        return None if inside else True
+    if not collection_path.name.startswith("test_") or path.startswith(SERIAL):
+        return None
+    return True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

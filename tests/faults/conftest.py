@@ -11,10 +11,13 @@ events over a pipe and are timed when their line arrives (which is never early).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -96,8 +99,69 @@ class AppWorker:
     #: A service on the worker's store prefix, straight to the private Redis.
     store: LockService
 
+    #: Where in the log :meth:`pending` starts reading: a worker shared by several tests
+    #: (:func:`shared_worker`) starts each test's view at the log's end then, so that a
+    #: delivery of an earlier test that ended unlogged (terminated, say) is not waited for.
+    since = 0  # not annotated: no dataclass field
+
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def pending(self, tag: str) -> set[str]:
+        """The task ids of the deliveries of ``tag`` (a test's tag among the task's
+        arguments) not over: messages the broker holds for the worker's queue (queued, or
+        taken by the worker and not acknowledged: waiting for their eta or a pool
+        process), and deliveries the worker logged as received (since :attr:`since`) and
+        not yet as ended (succeeded, retried, ignored, failed; another test's message
+        waiting for its eta aside)."""
+        import redis
+
+        client = redis.Redis.from_url(self.app.app.conf.broker_url)
+        try:
+            queues = client.scan_iter(match=f"{self.queue}*")  # the queue, and its priority lists
+            queued = [json.loads(each) for key in queues for each in client.lrange(key, 0, -1)]
+            held = [json.loads(each) for each in client.hvals("unacked")]
+        finally:
+            client.close()
+        messages = queued + [message for message, _, queue in held if queue == self.queue]
+        ours, others = set(), set()
+        for message in messages:
+            headers = message.get("headers") or {}
+            (ours if tag in str(headers.get("argsrepr")) else others).add(headers.get("id"))
+        text = self.text()[self.since :]
+        received = collections.Counter(_RECEIVED.findall(text))
+        ended = collections.Counter(_ENDED.findall(text) + _KILLED.findall(text))
+        running = {each for each, count in received.items() if count > ended[each]}
+        return ours | (running - others)
+
+    def settled(self, tag: str) -> None:
+        """Wait until no further run of ``tag`` can start from a message already sent (its
+        retries, copies and reruns: every message naming it among its arguments):
+        :meth:`pending` is empty, and still is :data:`QUIET` s later (a hang guard of
+        :data:`SETTLE_GUARD` s). A run that starts after this was sent after it."""
+        deadline = time.monotonic() + SETTLE_GUARD
+        while True:
+            remaining = deadline - time.monotonic()
+            assert wait_until(lambda: not self.pending(tag), remaining, 0.05), (
+                f"still pending: {self.pending(tag)}\n{self.text()[-6000:]}"
+            )
+            time.sleep(QUIET)
+            if not self.pending(tag):
+                return
+
+
+#: How Celery's worker logs a delivery's arrival, and its end, around the task's id
+#: (celery.app.trace: succeeded, retried, ignored, failed; celery.worker.request: killed
+#: at its hard time limit).
+_RECEIVED = re.compile(r"\[([^\]]+)\] received$", re.MULTILINE)
+_ENDED = re.compile(r"\[([^\]]+)\] (?:succeeded in|retry:|ignored$|raised)", re.MULTILINE)
+_KILLED = re.compile(r"Hard time limit \([^)]*\) exceeded for [\w.]+\[([^\]]+)\]")
+#: The hang guard of :meth:`AppWorker.settled`, in seconds.
+SETTLE_GUARD = 30.0
+#: How long :meth:`AppWorker.settled` watches on once nothing is pending, in seconds: a
+#: message the worker took off the queue just as the broker was read (in neither the queue
+#: nor the unacknowledged set for an instant) has been logged as received by then.
+QUIET = 0.5
 
 
 @contextlib.contextmanager
@@ -184,6 +248,51 @@ def acl_app_worker(
                 yield kind(base.queue, base.log, base.app, base.store, admin, user, *extra)
     finally:
         admin.close()
+
+
+#: The worker :func:`acl_worker` shares, while a module that uses it is running or to come.
+_shared_acl_worker: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def acl_worker(
+    request: pytest.FixtureRequest, redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AclWorker]:
+    """One prefork worker (two processes) whose store is the private Redis as an ACL user of
+    its own (:func:`acl_app_worker`), shared by the modules whose tests take commands away
+    from that user and give them back (in ``finally``) and tell their runs by a tag of
+    their own: ``test_retry_lingering_lease.py``, ``test_replace_lingering_lease.py``,
+    ``test_rerun_retry.py``, ``test_rerun_stale_lease.py`` (each views it as its own kind,
+    :func:`shared_worker`). Started by the first of them (about 3 s), stopped after the
+    last one the session runs, so that no other module meets it on the private Redis
+    (``test_redis_wake_faults.py`` counts that server's subscribers)."""
+    if not _shared_acl_worker:
+        stack = contextlib.ExitStack()
+        log_dir = tmp_path_factory.mktemp("celery-acl")
+        _shared_acl_worker["worker"] = stack.enter_context(
+            acl_app_worker(redis_server, "acl", log_dir, AclWorker, concurrency=2)
+        )
+        _shared_acl_worker["stop"] = stack.close
+        request.config.add_cleanup(stack.close)  # a session that ends early
+    yield _shared_acl_worker["worker"]
+    items = request.session.items
+    last = max(index for index, item in enumerate(items) if getattr(item, "module", None) is request.module)
+    if not any("acl_worker" in getattr(item, "fixturenames", ()) for item in items[last + 1 :]):
+        _shared_acl_worker.pop("stop")()
+        _shared_acl_worker.clear()
+
+
+def shared_worker(kind: type[AclWorker]) -> Any:
+    """A module's ``worker`` fixture: :func:`acl_worker` as a ``kind`` (an
+    :class:`AclWorker` subclass adding methods, no fields)."""
+
+    @pytest.fixture
+    def worker(acl_worker: AclWorker) -> AclWorker:
+        view = kind(**{each.name: getattr(acl_worker, each.name) for each in dataclasses.fields(AclWorker)})
+        view.since = len(acl_worker.text())  # this test's deliveries are logged after
+        return view
+
+    return worker
 
 
 @dataclass

@@ -21,19 +21,13 @@ from typing import Any
 import pytest
 
 from celery_exclusive.redelivery import ATTEMPTS_HEADER
-from tests.faults.conftest import LONG, SLACK, wait_until
-from tests.faults.test_retry_lingering_lease import (
-    OUTAGE,
-    SETTLED,
-    Worker,
-    module_worker,
-    pg_module_worker,
-)
+from tests.faults.conftest import LONG, SLACK, shared_worker, wait_until
+from tests.faults.test_retry_lingering_lease import SETTLED, Worker, on_store, pg_module_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-worker = module_worker("replace")
+worker = shared_worker(Worker)
 pg_worker = pg_module_worker("replacepg")
 
 #: The cases the short mode runs on PostgreSQL: (test, task, how). ``CE_LONG=1``: all, and
@@ -45,26 +39,34 @@ PG_SHORT = {
 
 
 def on(request: pytest.FixtureRequest, store: str, case: tuple[str, str, str]) -> Worker:
-    """The worker of ``store`` ("redis", "postgres") for ``case``; skips a case the short
-    mode leaves out (:data:`PG_SHORT`)."""
+    """The worker of ``store`` ("redis", "postgres") for ``case`` (:func:`on_store`); skips
+    a case the short mode leaves out (:data:`PG_SHORT`)."""
     if store == "postgres" and not LONG and case not in PG_SHORT:
         pytest.skip("the short mode runs two PostgreSQL cases (CE_LONG=1: all)")
-    worker: Worker = request.getfixturevalue("worker" if store == "redis" else "pg_worker")
-    return worker
+    return on_store(request, store)
+
+
+#: The replacements whose task of the replaced run's key has an id of its own: a chain's
+#: first or middle task, a group's (Celery's ``accumulate`` takes the run's id).
+OWN_ID = {"chain-first", "chain-middle", "group"}
 
 
 def replaced_behind_a_refused_release(worker: Worker, task: str, how: str) -> tuple[Any, str, float]:
-    """Stage 0 of ``task`` replaces itself (``how``) while the store refuses its release,
-    which answers again :data:`OUTAGE` seconds later, the lease still in the store. The
-    result, the tag, and when the store answered again."""
+    """Stage 0 of ``task`` (under ``"retried-held"``: its attempt 1) replaces itself
+    (``how``) while the store refuses its release; the store answers again once the
+    replacement of the same key (the one that takes the run's task id, or under
+    :data:`OWN_ID` the one under an id of its own) has looked at the key and found the
+    lease still there (``held_at_first_look``). The result, the tag, and when the store
+    answered again."""
     tag = uuid.uuid4().hex[:8]
     result = getattr(worker.app, task).apply_async((tag, 0, how), queue=worker.queue)
     try:
         assert worker.admin.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-4000:]
         worker.refuse_releases()
+        waited = len(worker.text())  # a look before (a retry's at its attempt's lease) aside
         worker.admin.rpush(f"{tag}:go", 1)
-        time.sleep(OUTAGE)
-        assert worker.store.peek(f"replace:{tag}") is not None, "the lease is still there"
+        looker = None if how in OWN_ID else result.id
+        worker.held_at_first_look(task, looker, f"replace:{tag}", waited)
     finally:
         worker.answer()
     return result, tag, time.time()
@@ -84,8 +86,8 @@ def test_a_replacement_behind_its_runs_unreleased_lease_runs_once_that_lease_is_
     for a copy (deferred to the lease's ttl with records, dropped without)."""
     worker = on(request, store, ("unreleased", task, how))
     result, tag, answered = replaced_behind_a_refused_release(worker, task, how)
-    assert worker.result(result, OUTAGE + SETTLED) == 1
-    time.sleep(1.0)  # a second run of the replacement would have started by now
+    assert worker.result(result, SETTLED) == 1
+    worker.settled(tag)  # a second run of the replacement has started by now, if any was sent
     runs = worker.runs(tag)
     assert [run["stage"] for run in runs] == [0, 1], runs
     assert runs[1]["id"] == result.id
@@ -110,7 +112,7 @@ def test_a_replacement_chains_first_task_behind_its_runs_unreleased_lease_runs(
         pytest.skip("the short mode runs a chain's first task (CE_LONG=1: its middle one too)")
     worker = on(request, store, ("unreleased", "replacing", how))
     result, tag, answered = replaced_behind_a_refused_release(worker, "replacing", how)
-    assert worker.result(result, OUTAGE + SETTLED) is None  # the chain's last task: noted
+    assert worker.result(result, SETTLED) is None  # the chain's last task: noted
     runs = worker.runs(tag)
     assert [run["stage"] for run in runs] == [0, 1], runs
     assert runs[1]["id"] != result.id
@@ -150,8 +152,8 @@ def test_a_replacement_group_or_chord_behind_its_runs_unreleased_lease_runs_once
     if not LONG and (task, how) not in GROUPED_SHORT:
         pytest.skip("the short mode runs two of the four group and chord cases (CE_LONG=1: all)")
     result, tag, answered = replaced_behind_a_refused_release(worker, task, how)
-    assert worker.result(result, OUTAGE + SETTLED) == ([1, None] if how == "group" else 1)
-    time.sleep(1.0)  # a second run of the task would have started by now
+    assert worker.result(result, SETTLED) == ([1, None] if how == "group" else 1)
+    worker.settled(tag)  # a second run of the task has started by now, if any was sent
     runs = worker.runs(tag)
     assert [run["stage"] for run in runs] == [0, 1], runs
     assert (runs[1]["id"] == result.id) is (how == "chord"), runs
@@ -173,8 +175,8 @@ def test_a_replacement_after_a_retry_behind_its_unreleased_lease_runs(
         pytest.skip("the short mode runs this case on PostgreSQL (CE_LONG=1: Redis too)")
     worker = on(request, store, ("retried-unreleased", "replacing", "retried-held"))
     result, tag, answered = replaced_behind_a_refused_release(worker, "replacing", "retried-held")
-    assert worker.result(result, OUTAGE + SETTLED) == 1
-    time.sleep(1.0)  # a second run of the replacement would have started by now
+    assert worker.result(result, SETTLED) == 1
+    worker.settled(tag)  # a second run of the replacement has started by now, if any was sent
     runs = worker.runs(tag)
     assert [(run["stage"], run["attempt"]) for run in runs] == [(0, 0), (0, 1), (1, 0)], runs
     assert runs[2]["start"] >= answered - SLACK, "the replacement ran while the lease was held"

@@ -62,9 +62,10 @@ class Worker(AppWorker):
         self.events.rpush(f"{tag}:go", 1)
 
     def wait_for_rerun(self, tag: str) -> list[dict[str, Any]]:
-        """The runs of ``tag`` once the rerun (run 2) ran, and a while after (a second would have)."""
+        """The runs of ``tag`` once the rerun (run 2) ran, and no second rerun sent for its
+        key can start any more (:meth:`~tests.faults.conftest.AppWorker.settled`)."""
         assert wait_until(lambda: any(run["n"] == 2 for run in self.runs(tag)), 30), self.text()[-6000:]
-        time.sleep(3.0)
+        self.settled(tag)
         return self.runs(tag)
 
 

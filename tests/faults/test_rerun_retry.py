@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from celery_exclusive import is_skipped
-from tests.faults.conftest import SLACK, wait_until
-from tests.faults.test_retry_lingering_lease import OUTAGE, SETTLED, Worker, module_worker
+from tests.faults.conftest import SLACK, shared_worker, wait_until
+from tests.faults.test_retry_lingering_lease import SETTLED, Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-worker = module_worker("rerunretry")
+worker = shared_worker(Worker)
 
 
 def coalesced(worker: Worker, task: str, tag: str) -> None:
@@ -36,11 +36,12 @@ def coalesced(worker: Worker, task: str, tag: str) -> None:
     assert marker["celery_exclusive"] == "coalesced", marker
 
 
-def wait_for_rerun(worker: Worker, tag: str, within: float) -> list[dict[str, Any]]:
-    """The runs of ``tag`` once run 2 (the rerun) ran, and a while after (another would have)."""
+def wait_for_rerun(worker: Worker, first: Any, tag: str, within: float) -> list[dict[str, Any]]:
+    """The runs of ``tag`` once run 2 (the rerun) ran, and no further run of run 1 (``first``)
+    or of a rerun sent for its key can start (:meth:`~tests.faults.conftest.AppWorker.settled`)."""
     ran = wait_until(lambda: any(run["n"] == 2 for run in worker.runs(tag)), within)
     assert ran, f"the rerun never ran: {worker.runs(tag)}\n{worker.text()[-6000:]}"
-    time.sleep(1.0)
+    worker.settled(tag)
     return worker.runs(tag)
 
 
@@ -66,13 +67,14 @@ def test_a_rerun_coalesced_behind_a_run_that_retries_runs_after_the_retry(
     coalesced(worker, task, tag)
     worker.admin.rpush(f"{tag}:go", 1)
     assert worker.result(first, countdown + 30) == 1
-    after_the_retry(wait_for_rerun(worker, tag, 30))
+    after_the_retry(wait_for_rerun(worker, first, tag, 30))
 
 
 def test_a_rerun_coalesced_behind_the_unreleased_lease_of_a_run_that_retried(worker: Worker) -> None:
     """Run 1's release before its retry is refused, so its lease stays a while; request 2,
-    arriving then, is coalesced behind that lease. The retry runs once the lease is gone and
-    hands the rerun on."""
+    arriving then, is coalesced behind that lease. The store answers again once the retry
+    has found that lease still there. The retry runs once the lease is gone and hands the
+    rerun on."""
     tag = uuid.uuid4().hex[:8]
     first = worker.app.rerun_retrying.apply_async((tag, 1), queue=worker.queue)
     assert worker.admin.blpop([f"{tag}:ready"], timeout=60) is not None, worker.text()[-4000:]
@@ -81,13 +83,12 @@ def test_a_rerun_coalesced_behind_the_unreleased_lease_of_a_run_that_retried(wor
         worker.admin.rpush(f"{tag}:go", 1)
         assert wait_until(lambda: worker.runs(tag), 10), worker.text()[-4000:]
         coalesced(worker, "rerun_retrying", tag)
-        time.sleep(OUTAGE)
-        assert worker.store.peek(f"rerun:{tag}") is not None, "the lease is still there"
+        worker.held_at_first_look("rerun_retrying", first.id, f"rerun:{tag}")
     finally:
         worker.answer()
     answered = time.time()
     assert worker.result(first, SETTLED + 30) == 1
-    runs = wait_for_rerun(worker, tag, SETTLED + 30)
+    runs = wait_for_rerun(worker, first, tag, SETTLED + 30)
     after_the_retry(runs)
     assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
     assert json.loads(worker.admin.lindex(f"{tag}:runs", 0))["fence"] != runs[1]["fence"]

@@ -12,9 +12,7 @@ uses it; acquire, refresh, peek and the markers' own release keep working), and 
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +20,7 @@ import pytest
 
 from celery_exclusive import is_skipped
 from celery_exclusive.policies import COALESCED, MARKER_FIELD
-from tests.faults.conftest import SLACK, AclWorker, acl_app_worker, wait_until
-from tests.faults.servers import PrivateRedis
+from tests.faults.conftest import SLACK, AclWorker, shared_worker, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -65,19 +62,13 @@ class Worker(AclWorker):
         return run
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """The worker, its ACL user and the test's app; stopped and deleted afterwards."""
-    with acl_app_worker(
-        redis_server, "stale", tmp_path_factory.mktemp("celery-stale"), Worker, concurrency=2
-    ) as worker:
-        yield worker
+worker = shared_worker(Worker)
 
 
 def _ran_once_after(worker: Worker, tag: str, first: dict[str, Any], within: float) -> None:
     """Run 2 (the rerun) runs within ``within`` seconds, after run 1, once."""
     assert wait_until(lambda: len(worker.runs(tag)) > 1, within), worker.text()[-6000:]
-    time.sleep(2.0)  # a second rerun would have run by now
+    worker.settled(tag)  # a second rerun has run by now, if any was sent
     runs = worker.runs(tag)
     assert [run["n"] for run in runs] == [1, 2], runs
     assert runs[1]["fence"] > first["fence"]

@@ -32,6 +32,7 @@ from tests.faults.conftest import (
     PgRoleWorker,
     acl_app_worker,
     pg_role_app_worker,
+    shared_worker,
     wait_until,
 )
 from tests.faults.servers import PrivatePostgres, PrivateRedis, TcpProxy
@@ -44,10 +45,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SETTLED = 6.5 + 4 * SLACK
 #: How long the retry may take to look at its key for the first time (a hang guard).
 FIRST_LOOK = 30.0
-#: How long the store refuses releases in the tests that cannot wait on the retry's look
-#: (an eager retry; a replacement's and a rerun's, tests/faults/test_replace_lingering_lease.py
-#: and test_rerun_retry.py), in seconds: the lease is still in the store when it ends.
-OUTAGE = 2.5
 #: The tasks the short mode retries with a countdown too: records on and off, single lock
 #: and semaphore, each once (the countdown only delays the retry's first look; the store
 #: calls after it are those of the countdown-0 cases). ``CE_LONG=1``: all four.
@@ -72,24 +69,29 @@ class Worker(AclWorker):
     def runs(self, tag: str) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in self.admin.lrange(f"{tag}:runs", 0, -1)]
 
-    def first_look(self, task: str, task_id: str) -> str:
-        """Wait until the retry of ``task`` (``task_id``) has looked at its key: deferred
-        behind its attempt's lease ("releasing"), or taken for a copy ("redelivered", the
-        defect). Which of the two; fails if neither is logged within :data:`FIRST_LOOK`."""
-        pattern = re.compile(rf"(releasing|redelivered): tests\.faults\._celery_app\.{task}\[{task_id}\]")
+    def first_look(self, task: str, task_id: str | None, key: str, after: int = 0) -> str:
+        """Wait until the retry of ``task`` (``task_id``; None: any id) has looked at ``key``
+        (a semaphore's: at its lease on the task id), logged past ``after`` (a length of the
+        log): deferred behind its attempt's lease ("releasing"), or taken for a copy
+        ("redelivered", the defect). Which of the two; fails if neither is logged within
+        :data:`FIRST_LOOK`."""
+        which = r"[^\]]+" if task_id is None else re.escape(task_id)
+        name = rf"tests\.faults\._celery_app\.{task}\[{which}\]"
+        pattern = re.compile(rf"(releasing|redelivered): {name} .* lock '{re.escape(key)}['#]")
         deadline = time.monotonic() + FIRST_LOOK
-        while (match := pattern.search(self.text())) is None:
+        while (match := pattern.search(self.text(), after)) is None:
             assert time.monotonic() < deadline, f"the retry never looked:\n{self.text()[-6000:]}"
             time.sleep(0.05)
         return match.group(1)
 
-    def held_at_first_look(self, task: str, result: Any, key: str) -> Any:
-        """Wait until the retry of ``result`` has looked at ``key`` (:meth:`first_look`) while
-        the store refuses releases: it must have found its attempt's lease still there and
-        deferred itself, not taken itself for a copy. That lease's info (a single lock's
-        ``key``, or a semaphore's lease on the task id); the caller gives releases back."""
-        looked = self.first_look(task, result.id)
-        held = self.store.peek(key) or self.store.peek(f"{key}#id:{result.id}")
+    def held_at_first_look(self, task: str, task_id: str | None, key: str, after: int = 0) -> Any:
+        """Wait until the retry ``task_id`` (None: any id) has looked at ``key``
+        (:meth:`first_look`, logged past ``after``) while the store refuses releases: it
+        must have found its attempt's lease still there and deferred itself, not taken
+        itself for a copy. That lease's info (a single lock's ``key``, or a semaphore's
+        lease on the task id); the caller gives releases back."""
+        looked = self.first_look(task, task_id, key, after)
+        held = self.store.peek(key) or self.store.peek(f"{key}#id:{task_id}")
         assert held is not None, "the store refused the release: the lease is still there"
         assert looked == "releasing", f"the retry was taken for a copy:\n{self.text()[-6000:]}"
         return held
@@ -107,23 +109,13 @@ class Worker(AclWorker):
             assert self.admin.blpop([f"{tag}:ready"], timeout=60) is not None, self.text()[-4000:]
             self.refuse_releases()
             self.admin.rpush(f"{tag}:go", 1)
-            self.held_at_first_look(task, result, f"retry:{tag}")
+            self.held_at_first_look(task, result.id, f"retry:{tag}")
         finally:
             self.answer()
         return result, tag, time.time()
 
 
-def module_worker(name: str) -> Any:
-    """A module's ``worker`` fixture: a :class:`Worker` called ``name`` (two processes),
-    its ACL user and the test's app; stopped and deleted afterwards."""
-
-    @pytest.fixture(scope="module")
-    def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-        log_dir = tmp_path_factory.mktemp(f"celery-{name}")
-        with acl_app_worker(redis_server, name, log_dir, Worker, concurrency=2) as worker:
-            yield worker
-
-    return worker
+worker = shared_worker(Worker)
 
 
 @dataclass
@@ -134,7 +126,8 @@ class PgWorker(PgRoleWorker, Worker):
 
 def pg_module_worker(name: str) -> Any:
     """A module's fixture: a :class:`PgWorker` called ``name`` (two processes), its role,
-    its table and the test's app; stopped and dropped afterwards."""
+    its table and the test's app; stopped and dropped afterwards. Its own, not shared:
+    take it through :func:`on_store`."""
 
     @pytest.fixture(scope="module")
     def pg_worker(
@@ -147,8 +140,19 @@ def pg_module_worker(name: str) -> Any:
     return pg_worker
 
 
-worker = module_worker("retry")
 pg_worker = pg_module_worker("retrypg")
+
+
+def on_store(request: pytest.FixtureRequest, store: str) -> Worker:
+    """The test's worker of ``store``: the shared ACL worker's view (``"redis"``), or the
+    module's PostgreSQL worker (``"postgres"``), its log read from the test's start as a
+    shared worker's view is (:meth:`~tests.faults.conftest.AppWorker.settled`)."""
+    if store == "redis":
+        redis_worker: Worker = request.getfixturevalue("worker")
+        return redis_worker
+    pg: PgWorker = request.getfixturevalue("pg_worker")
+    pg.since = len(pg.text())  # this test's deliveries are logged after
+    return pg
 
 
 @pytest.mark.parametrize("store", ["redis", "postgres"])
@@ -169,10 +173,10 @@ def test_a_retry_behind_its_attempts_unreleased_lease_runs_once_that_lease_is_go
         pytest.skip("the short mode retries two of the four tasks with a countdown (CE_LONG=1: all)")
     if store == "postgres" and (countdown or not LONG):
         pytest.skip("on PostgreSQL under CE_LONG=1 only, without a countdown")
-    worker: Worker = request.getfixturevalue("worker" if store == "redis" else "pg_worker")
+    worker = on_store(request, store)
     result, tag, answered = worker.retried_behind_a_refused_release(task, countdown)
     assert worker.result(result, countdown + SETTLED) == 1
-    time.sleep(1.0)  # a second run of the retry would have started by now
+    worker.settled(tag)  # a second run of the retry has started by now, if any was sent
     runs = worker.runs(tag)
     assert [run["attempt"] for run in runs] == [0, 1], runs
     assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
@@ -209,7 +213,7 @@ def test_a_copy_of_the_retrys_message_is_still_a_copy(worker: Worker) -> None:
     finally:
         worker.admin.rpush(f"{tag}:go", 1)
     assert worker.result(result, 30) == 1
-    time.sleep(1.0)  # the copy, had it waited behind the retry's lease, would have run by now
+    worker.settled(tag)  # the copy, had it waited behind the retry's lease, has run by now
     assert [run["attempt"] for run in worker.runs(tag)] == [0, 1]
 
 
@@ -250,7 +254,7 @@ def test_a_retry_sent_after_its_release_was_interrupted_runs(proxied: ProxiedWor
         assert wait_until(lambda: worker.admin.llen(f"{tag}:soft"), 10), worker.text()[-6000:]
         worker.refuse_releases()
         worker.proxy.resume()
-        held = worker.held_at_first_look("retrying_past_soft_limit", result, f"retry:{tag}")
+        held = worker.held_at_first_look("retrying_past_soft_limit", result.id, f"retry:{tag}")
     finally:
         worker.proxy.resume()
         worker.answer()
@@ -266,31 +270,34 @@ def test_a_retry_sent_after_its_release_was_interrupted_runs(proxied: ProxiedWor
 EAGER_TTL = 4.0
 
 
-@pytest.mark.parametrize("outage", [OUTAGE, None], ids=["answers", "refuses-past-ttl"])
+@pytest.mark.parametrize("answers", [True, False], ids=["answers", "refuses-past-ttl"])
 def test_an_eager_retry_behind_its_attempts_unreleased_lease_runs_once(
-    redis_server: PrivateRedis, outage: float | None
+    redis_server: PrivateRedis, answers: bool
 ) -> None:
     """``task_always_eager`` (the retry runs inline, in the same call): attempt 0's release
     is refused and it retries. The retry waits inline behind that lease (no message to
     re-publish), never running while it is held and never skipped (``on_locked="skip"``):
-    it runs once, after the store answered again (the heartbeat's background release got
-    through), or, if the store refuses releases for good, once the lease expired (4 s)."""
-    import threading
-
+    it runs once, after the store answered again (as soon as the retry first found that
+    lease: its ``lock_contended``; the heartbeat's background release then gets through),
+    or, if the store refuses releases for good, once the lease expired (4 s)."""
     import redis
     from celery import Celery
 
+    from celery_exclusive import signals
     from celery_exclusive.task import exclusive_task
     from tests.faults.conftest import acl_user
 
     admin = redis.Redis(port=redis_server.port)
     answered: list[float] = []
+    runs: list[tuple[int, int, float]] = []
     try:
         with acl_user(admin, "ce-eager") as (user, password):
 
-            def answer() -> None:
-                admin.execute_command("ACL", "SETUSER", user, "+@all")
-                answered.append(time.time())
+            def answer(sender: Any, key: str, holder: Any, **_: Any) -> None:
+                """The store answers again once the retry found attempt 0's lease held."""
+                if holder is not None and runs and holder.fence == runs[0][1] and not answered:
+                    admin.execute_command("ACL", "SETUSER", user, "+@all")
+                    answered.append(time.time())
 
             app = Celery("eager_retry", broker="memory://", set_as_current=False)
             app.conf.update(
@@ -298,7 +305,6 @@ def test_an_eager_retry_behind_its_attempts_unreleased_lease_runs_once(
                 exclusive_url=f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0",
                 exclusive_prefix=f"e{uuid.uuid4().hex[:10]}:",
             )
-            runs: list[tuple[int, int, float]] = []
 
             @exclusive_task(app=app, key="k", ttl=EAGER_TTL, on_locked="skip", shared=False, bind=True)
             def job(self: Any) -> int:
@@ -306,22 +312,23 @@ def test_an_eager_retry_behind_its_attempts_unreleased_lease_runs_once(
                 runs.append((self.request.retries, self.lock.fence, time.time()))
                 if not self.request.retries:
                     admin.execute_command("ACL", "SETUSER", user, "-hdel")
-                    if outage is not None:
-                        threading.Timer(outage, answer).start()
                     raise self.retry(countdown=0)
                 return int(self.request.retries)
 
+            if answers:
+                signals.lock_contended.connect(answer, weak=False)
             try:
                 assert job.delay().get() == 1
             finally:
+                signals.lock_contended.disconnect(answer)
                 job.lock_service.close()
     finally:
         admin.close()
     assert [attempt for attempt, _, _ in runs] == [0, 1], runs
     (_, first, began), (_, second, retried) = runs
     assert second != first
-    if outage is None:
+    if not answers:
         assert retried >= began + EAGER_TTL - SLACK, "the retry ran while its attempt's lease was held"
     else:
-        assert answered, "the store never answered again"
+        assert answered, "the retry never found its attempt's lease held"
         assert retried >= answered[0] - SLACK, "the retry ran while its attempt's lease was held"
