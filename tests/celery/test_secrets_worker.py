@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_exclusive import BackendError
+from celery_exclusive import ConfigurationError
 from tests.celery.conftest import BROKER_URL, CELERY_BIN, ROOT, SESSION, spawn, stop_all, wait_ready
 from tests.conftest import POSTGRES_URL, drop_lock_table, require_server
 
@@ -104,12 +104,13 @@ def test_celery_shows_no_piece_of_the_lock_store_password(celery_logdir: Path) -
     assert not leaks, leaks[0][-3000:]
 
 
-def test_a_worker_on_a_store_whose_password_the_driver_misreads_logs_no_piece_of_it(
+def test_a_worker_on_a_store_url_with_a_raw_at_in_its_password_logs_no_piece_of_it(
     celery_logdir: Path,
 ) -> None:
-    """A raw ``@`` in the lock store's password: SQLAlchemy and libpq take the rest for the
-    host, and the task fails with a BackendError chained from psycopg's "failed to resolve
-    host". The worker's log at DEBUG (its startup warm-up, the task's failure with the whole
+    """A raw ``@`` in the lock store's password, which SQLAlchemy and libpq would take the
+    rest of for the host: the store is refused when it is built, at the worker's start (its
+    ERROR line) and at the task's run (a ConfigurationError saying to percent-encode it).
+    The worker's log at DEBUG (the start-up check, the task's failure with the whole
     traceback) and the failed result's traceback show no piece of the password."""
     require_server(BROKER_URL)
     require_server(POSTGRES_URL)
@@ -136,7 +137,7 @@ def test_a_worker_on_a_store_whose_password_the_driver_misreads_logs_no_piece_of
             from tests.celery.secrets_app import job
 
             result = job.apply_async(queue=env["CE_CELERY_QUEUE"])
-            with pytest.raises(BackendError):
+            with pytest.raises(ConfigurationError, match="percent-encode"):
                 result.get(timeout=60)
             texts += [str(result.traceback), repr(result.result)]
         finally:
@@ -145,7 +146,8 @@ def test_a_worker_on_a_store_whose_password_the_driver_misreads_logs_no_piece_of
     finally:
         stop_all([worker])
     texts.append(worker.text())
-    assert "failed to resolve host '***@127.0.0.1'" in texts[-1], texts[-1][-3000:]
-    assert "psycopg.OperationalError" in texts[-1], texts[-1][-3000:]  # the chained cause, masked
+    log = texts[-1]
+    assert "will all fail until app.conf.exclusive_url" in log, log[-3000:]  # the start-up ERROR
+    assert log.count("percent-encode an '@' in the password") >= 2, log[-3000:]  # start and run
     leaks = [text for text in texts if any(piece in text for piece in _pieces(pw))]
     assert not leaks, leaks[0][-3000:]
