@@ -371,13 +371,15 @@ def after_cooldown(
     previous attempt's lease on ``key`` (``holder``) may be gone."""
     request = task.request
     deferred = _defer(task, holder, args, kwargs, after=look_again(task, holder))
+    replaced = (request.headers or {}).get(REPLACED_HEADER)
     logger.info(
-        "%s: %s[%s] is a retry, and lock %r is still held by its previous attempt (%s, %s); "
-        "it looks again in %.1f s",
+        "%s: %s[%s] is %s, and lock %r is still held by %s (%s, %s); it looks again in %.1f s",
         "cooling" if "cooldown" in holder.holder else "releasing",
         task.name,
         request.id,
+        "a retry" if replaced is None else f"part of the replacement of run {replaced}",
         key,
+        "its previous attempt" if replaced is None else "that run",
         holder.describe(),
         "cooling down" if "cooldown" in holder.holder else "its release not confirmed yet",
         deferred,

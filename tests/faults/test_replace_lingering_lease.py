@@ -160,6 +160,7 @@ def test_a_replacement_group_or_chord_behind_its_runs_unreleased_lease_runs_once
     assert runs[1]["start"] >= answered - SLACK, "the replacement ran while the lease was held"
     assert worker.admin.llen(f"{tag}:noted") == 1
     assert f"redelivered: tests.faults._celery_app.{task}[{result.id}]" not in worker.text()
+    assert f"is part of the replacement of run {result.id}, and lock 'replace:{tag}'" in worker.text()
 
 
 @STORES
