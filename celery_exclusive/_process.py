@@ -162,9 +162,8 @@ class HolderTemplate:
     def text(self, value: object) -> str | None:
         """The stored JSON of :meth:`holder`'s answer for ``value`` in this process (what
         ``holder_json`` makes of it), without the mapping; None where :meth:`holder` answers
-        a plain dict. The task layer makes it inline once ``_made_for`` is ``this.holder``
-        (``_around`` then is this process's)."""
-        around = self._made()
+        a plain dict."""
+        around = self._around if self._made_for is this.holder else self._made()  # made: the usual
         return (
             None if around is None or type(value) is not str else around[0] + _encode_str(value) + around[1]
         )

@@ -84,8 +84,7 @@ from celery.utils.threads import _LocalStack
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive import worker as _worker
-from celery_exclusive._process import HolderTemplate, _encode_str
-from celery_exclusive._process import this as _this
+from celery_exclusive._process import HolderTemplate
 from celery_exclusive._records import _SETTERS, checked_completion
 from celery_exclusive.dedupe import install_revoke
 from celery_exclusive.errors import AlreadyDone, ExclusiveError, InvalidArgumentError, LockedError, LockLost
@@ -494,14 +493,9 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                     # unchanged (a str of 1-200 ASCII characters without NUL, or None), the
                     # durations are the plan's, and a store without records gets no id.
                     ttl, interval, lifetime = plan.ttls
-                    # The holder as its stored JSON only (HolderTemplate.text, inline once the
-                    # template's text is this process's): the mapping holder() would attach it
+                    # The holder as its stored JSON only: the mapping holder() would attach it
                     # to is never read on this path.
-                    if template is not None and template._made_for is _this.holder and type(task_id) is str:
-                        around = template._around
-                        text = None if around is None else around[0] + _encode_str(task_id) + around[1]
-                    else:
-                        text = plan.template(task, request).text(task_id)
+                    text = (plan.template(task, request) if template is None else template).text(task_id)
                     # A holder mapping only where the template has no text for it.
                     mapping = None if text is not None else plan.holder(task, request)
                     # By position (name_holder, task_id, limit, on_lost, holder_text): no keyword matching.
