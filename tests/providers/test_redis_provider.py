@@ -883,6 +883,34 @@ def test_unreachable_cluster_and_sentinel_are_backend_errors() -> None:
         provider.close()
 
 
+def test_the_prelude_writes_times_as_plain_integers_on_a_32_bit_build_too(
+    provider: RedisLockProvider,
+) -> None:
+    """The prelude's ``int()`` writes ms and µs times as plain integer text with ``'%d'``
+    where a C long holds them (this server), and with ``'%.0f'`` on a 32-bit build, whose
+    ``'%d'`` cannot: the same text either way (the build's test simulated by a copy of the
+    prelude whose test answers 32 bits)."""
+    from celery_exclusive.providers import _redis_scripts
+
+    probe = "string.format('%d', 1099511627776) == '1099511627776'"
+    assert _redis_scripts._PRELUDE.count(probe) == 1
+    narrow = _redis_scripts._PRELUDE.replace(probe, "false")
+    values = [0, 999, 2**31, 2**32 + 1, 1_733_000_000_123, 1_733_000_000_123_456, 2**53 - 1]
+    body = (
+        "local out = {} for i, v in ipairs({%s}) do out[i] = int(v) end "
+        "out[#out + 1] = tostring(long) return out"
+    )
+    body %= ", ".join(str(v) for v in values)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        wide = [x.decode() for x in client.eval(_redis_scripts._PRELUDE + body, 0)]
+        small = [x.decode() for x in client.eval(narrow + body, 0)]
+    finally:
+        client.close()
+    assert wide == [*map(str, values), "true"]
+    assert small == [*map(str, values), "false"]
+
+
 def test_a_script_file_runs_by_hand_with_redis_cli(
     provider: RedisLockProvider, prefix: str, tmp_path: Path
 ) -> None:

@@ -25,11 +25,14 @@ local ttl = math.min(tonumber(ARGV[2]), life)
 local fence = math.max((tonumber(r[2]) or 0) + 1, us)
 if KEYS[2] then
   fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, fence)
-  redis.call('SET', KEYS[2], int(fence))
 end
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'created', int(now),
-           'expires', int(now + ttl), 'deadline', int(now + life), 'holder', ARGV[4])
+-- Each time formatted once (an int() costs the server a few thousand instructions).
+local fenced, expires = int(fence), int(now + ttl)
+if KEYS[2] then redis.call('SET', KEYS[2], fenced) end
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fenced, 'created', int(now),
+           'expires', expires, 'deadline', int(now + life), 'holder', ARGV[4])
 -- Completion records kept longer than the lease keep the hash alive as long. An absolute
 -- time: PEXPIRE would count from the script's start, up to its run time before `now`.
-redis.call('PEXPIREAT', KEYS[1], int(math.max(now + ttl, tonumber(r[7]) or 0)))
+local kept = tonumber(r[7])
+redis.call('PEXPIREAT', KEYS[1], kept and kept > now + ttl and r[7] or expires)
 return {1, fence, (now + ttl) * 1000 - us}

@@ -12,8 +12,9 @@ for i = 1, n do
   if r[1] == ARGV[i] and (tonumber(r[2]) or 0) > now then
     local expires = math.min(now + tonumber(ARGV[n + i]), tonumber(r[3]))
     if expires > now then
-      redis.call('HSET', KEYS[i], 'expires', int(expires))
-      redis.call('PEXPIREAT', KEYS[i], int(math.max(expires, tonumber(r[4]) or 0)))
+      local text, kept = int(expires), tonumber(r[4])
+      redis.call('HSET', KEYS[i], 'expires', text)
+      redis.call('PEXPIREAT', KEYS[i], kept and kept > expires and r[4] or text)
       out[i] = expires * 1000 - us
     end
   end
