@@ -18,7 +18,6 @@ local owned, cleared = 0, false
 if r[1] then
   local live = (tonumber(r[2]) or 0) > now
   if not (live and r[1] ~= ARGV[1]) then
-    redis.call('HDEL', KEYS[1], 'token', 'created', 'expires', 'deadline', 'holder')
     cleared = true
     if live then owned = 1 end
   end
@@ -41,9 +40,14 @@ if field and r[4] then
     field = nil
   end
 end
+-- A cleared lease's hash that records keep loses the lease's fields; one they do not is
+-- deleted whole at the end (an HDEL first would be a call for nothing).
+if cleared and (keep > 0 or field) then
+  redis.call('HDEL', KEYS[1], 'token', 'created', 'expires', 'deadline', 'holder')
+end
 -- The hash's end is absolute (PEXPIREAT): the longest-kept record's expiry, as text already
--- made ('done_max' as stored, or this record's), since each int() costs the server ~5k
--- instructions (string.format of a double).
+-- made ('done_max' as stored, or this record's), since each int() costs the server a few
+-- thousand instructions (prelude.lua).
 local last = keep > 0 and r[3]
 if field then
   local retain = tonumber(ARGV[4])
