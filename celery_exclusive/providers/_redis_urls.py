@@ -8,7 +8,7 @@ contacted: a cluster client is built on first use, a Sentinel one asks on first 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -147,12 +147,11 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     )
     scheme = base.partition("://")[0].lower()
     retry = Retry(NoBackoff(), 0)
+    cluster: dict[str, Any] | None = None  # a cluster's connection options
     try:
         if scheme in _CLUSTER:
-            target.factory, password = _cluster_factory(base, retry)
-            target.secrets = known_secrets([*target.secrets, *([password] if password else [])])
-            return target
-        if scheme in _SENTINEL:
+            target.factory, cluster = _cluster_factory(base, retry)
+        elif scheme in _SENTINEL:
             target.sentinels, target.client = _sentinel_client(base, retry)
         else:
             _check_db_path(base)
@@ -161,8 +160,13 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
         reason = mask_url(str(exc), target.secrets)
         mask_error(exc, target.secrets)  # still the error's __context__
         raise ConfigurationError(f"bad redis URL {target.display!r}: {reason}") from None
+    if cluster is not None:
+        password = cluster.get("password")
+        target.secrets = known_secrets([*target.secrets, *([password] if password else [])])
+        _check_cluster_options(target, cluster)
+        return target
     target.pool = target.client.connection_pool
-    _check_connection_options(target)
+    _check_connection_options(target, lambda: target.pool)
     target.secrets = store_secrets(target.client, url)
     return target
 
@@ -181,18 +185,27 @@ def _check_db_path(url: str) -> None:
         raise ValueError(f"the path must be a database number (/0, /1...), got {path!r}{hint}")
 
 
-def _check_connection_options(target: Target) -> None:
-    """ConfigurationError naming a URL query parameter redis-py's connection refuses.
+def _check_connection_options(
+    target: Target, pool: Callable[[], Any], ignored: Collection[str] = (), client: str = ""
+) -> None:
+    """ConfigurationError naming a URL query parameter redis-py's connection refuses, or
+    one of ``ignored``: the URL's parameters that its ``client`` would drop or read itself.
 
     redis-py passes unknown parameters on to its connection class, which refuses them (and
     a bad ``ssl_cert_reqs``) only when the first call makes a connection; building one
-    here (it connects nothing) asks the same question at once.
+    here from the connection pool ``pool()`` returns (nothing connects) asks the same
+    question at once.
     """
     from redis.exceptions import RedisError
 
-    pool = target.pool
+    for name in ignored:
+        raise ConfigurationError(
+            f"unknown URL option {name!r} in lock store URL {target.display!r}: "
+            f"redis-py's {client} takes no such parameter"
+        )
     try:
-        pool.connection_class(**pool.connection_kwargs)
+        made = pool()
+        made.connection_class(**made.connection_kwargs)
     except (TypeError, ValueError, RedisError) as exc:
         reason = mask_url(str(exc), target.secrets)
         mask_error(exc, target.secrets)  # still the error's __context__
@@ -233,8 +246,24 @@ def _multi_host(url: str, default_port: int) -> tuple[list[tuple[str, int]], str
     return hosts, path, kwargs
 
 
-def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], Any]:
-    """A function building the RedisCluster client for ``url`` (contacts it), and its password."""
+def _check_cluster_options(target: Target, kwargs: dict[str, Any]) -> None:
+    """:func:`_check_connection_options` for a cluster URL's ``kwargs``, before the client
+    is built. redis-py's cluster client keeps only the connection options among them (its
+    ``cleanup_kwargs``) and drops the rest unused; one named as an argument of
+    ``RedisCluster`` itself was passed to it as text (``require_full_coverage=false``:
+    true). Each node's connection pool is made from the kept ones, as here."""
+    import redis
+    from redis import cluster
+
+    cleanup: Callable[..., dict[str, Any]] = cluster.cleanup_kwargs  # untyped in redis-py
+    kept = cleanup(**kwargs)
+    ignored = [name for name in kwargs if name not in kept]
+    _check_connection_options(target, lambda: redis.ConnectionPool(**kept), ignored, "cluster client")
+
+
+def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], dict[str, Any]]:
+    """A function building the RedisCluster client for ``url`` (contacts it), and the
+    connection options (the query's, the password...) it passes."""
     from redis import cluster
     from redis.cluster import RedisCluster
 
@@ -244,7 +273,7 @@ def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], 
     if path.strip("/") not in ("", "0") or db != 0:
         raise ValueError("Redis Cluster has only database 0")
     nodes = [node(host, port) for host, port in hosts]
-    return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs.get("password")
+    return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs
 
 
 def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis]:
