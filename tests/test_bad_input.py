@@ -487,6 +487,16 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("cluster-bad-timeout", f"redis+cluster://:{MARKER}@h:7000?socket_timeout=abc", "'socket_timeout'"),
     ("cluster-bad-cert-reqs", f"rediss+cluster://:{MARKER}@h:7000?ssl_cert_reqs=bogus", "bad redis URL"),
     ("cluster-bad-pool-size", f"redis+cluster://:{MARKER}@h:7000?max_connections=-1", "max_connections"),
+    # redis-py's Sentinel pool reads these itself, any text as true: "ssl=false" meant TLS.
+    ("sentinel-ssl-option", f"redis+sentinel://:{MARKER}@h1,h2/svc?ssl=false", "unknown URL option 'ssl'"),
+    (
+        "sentinel-check-connection",
+        f"redis+sentinel://:{MARKER}@h1/svc?check_connection=no",
+        "unknown URL option 'check_connection'",
+    ),
+    ("sentinel-bad-timeout", f"redis+sentinel://:{MARKER}@h1/svc?socket_timeout=abc", "'socket_timeout'"),
+    # It also meant TLS: the query's connection_class was taken for the one rediss:// sets.
+    ("sentinel-connection-class", f"redis+sentinel://:{MARKER}@h1/svc?connection_class=x", "bad redis URL"),
     ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
     ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
     # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took

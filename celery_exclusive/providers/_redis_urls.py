@@ -7,6 +7,7 @@ contacted: a cluster client is built on first use, a Sentinel one asks on first 
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -148,11 +149,12 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     scheme = base.partition("://")[0].lower()
     retry = Retry(NoBackoff(), 0)
     cluster: dict[str, Any] | None = None  # a cluster's connection options
+    ignored: Collection[str] = ()  # the URL's parameters a Sentinel pool keeps for itself
     try:
         if scheme in _CLUSTER:
             target.factory, cluster = _cluster_factory(base, retry)
         elif scheme in _SENTINEL:
-            target.sentinels, target.client = _sentinel_client(base, retry)
+            target.sentinels, target.client, ignored = _sentinel_client(base, retry)
         else:
             _check_db_path(base)
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
@@ -166,7 +168,7 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
         _check_cluster_options(target, cluster)
         return target
     target.pool = target.client.connection_pool
-    _check_connection_options(target, lambda: target.pool)
+    _check_connection_options(target, lambda: target.pool, ignored, "Sentinel connection pool")
     target.secrets = store_secrets(target.client, url)
     return target
 
@@ -276,16 +278,22 @@ def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], 
     return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs
 
 
-def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis]:
-    """The URL's sentinels (a redis-py ``Sentinel``, see providers/_redis_sentinel.py) and a
-    client of the primary they name ``service`` (nothing is contacted yet)."""
+def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis, list[str]]:
+    """The URL's sentinels (a redis-py ``Sentinel``, see providers/_redis_sentinel.py), a
+    client of the primary they name ``service`` (nothing is contacted yet), and the URL's
+    parameters its pool kept for itself (``ssl``, ``check_connection``: any text is true)."""
+    from redis import ConnectionPool
+
     hosts, path, kwargs = _multi_host(url, 26379)
     service, _, db_text = path.strip("/").partition("/")
     if not service:
         raise ValueError("name the Sentinel service in the path: /<service>[/<db>]")
     db = int(db_text) if db_text else kwargs.pop("db", 0)
     kwargs.pop("db", None)
-    tls = kwargs.pop("connection_class", None) is not None  # rediss: SSLConnection
+    tls = url.lower().startswith("rediss")  # a connection_class in the query is no TLS
+    if tls:
+        kwargs.pop("connection_class", None)  # parse_url's SSLConnection, for the scheme
+    given = list(kwargs)
     if tls:
         kwargs["ssl"] = True  # SentinelConnectionPool then uses its own TLS connection class
     sentinel_kwargs = {
@@ -294,7 +302,10 @@ def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis]:
     sentinel_kwargs["retry"] = retry  # each sentinel is asked once; the next one is the retry
     manager = sentinels(hosts, sentinel_kwargs, **kwargs)
     client: redis.Redis = manager.master_for(service, db=db, retry=retry)
-    return manager, client
+    passed = client.connection_pool.connection_kwargs
+    own = inspect.signature(ConnectionPool).parameters  # max_connections...: the pool uses them
+    kept = [n for n in given if n not in passed and (n not in own or own[n].kind is own[n].VAR_KEYWORD)]
+    return manager, client, kept
 
 
 def _number(text: str | None, kind: Callable[[str], object], default: object) -> object:
