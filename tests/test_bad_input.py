@@ -460,6 +460,43 @@ BAD_URLS: list[tuple[str, str, str]] = [
         f"redis+sentinel://:{MARKER}@h1,h2/svc/0?sockettimeout=2",
         "unknown URL option 'sockettimeout'",
     ),
+    # A cluster client is built on first use, and keeps only the connection options of its
+    # query (redis-py's cleanup_kwargs): an unknown parameter was dropped silently, one that
+    # binds a RedisCluster argument was passed as text ("false" is true), a bad value waited.
+    (
+        "cluster-unknown-option",
+        f"redis+cluster://:{MARKER}@127.0.0.1:7000/?bogus=1",
+        "unknown URL option 'bogus'",
+    ),
+    (
+        "cluster-misspelt-option",
+        f"rediss+cluster://:{MARKER}@h1:7000,h2:7001?sockettimeout=2",
+        "unknown URL option 'sockettimeout'",
+    ),
+    (
+        "cluster-dropped-option",
+        f"redis+cluster://:{MARKER}@h:7000?health_check_interval=5",
+        "unknown URL option 'health_check_interval'",
+    ),
+    (
+        "cluster-client-argument",
+        f"redis+cluster://:{MARKER}@h:7000?require_full_coverage=false",
+        "unknown URL option 'require_full_coverage'",
+    ),
+    ("cluster-tls-option-without-tls", f"redis+cluster://:{MARKER}@h?ssl_cert_reqs=none", "'ssl_cert_reqs'"),
+    ("cluster-bad-timeout", f"redis+cluster://:{MARKER}@h:7000?socket_timeout=abc", "'socket_timeout'"),
+    ("cluster-bad-cert-reqs", f"rediss+cluster://:{MARKER}@h:7000?ssl_cert_reqs=bogus", "bad redis URL"),
+    ("cluster-bad-pool-size", f"redis+cluster://:{MARKER}@h:7000?max_connections=-1", "max_connections"),
+    # redis-py's Sentinel pool reads these itself, any text as true: "ssl=false" meant TLS.
+    ("sentinel-ssl-option", f"redis+sentinel://:{MARKER}@h1,h2/svc?ssl=false", "unknown URL option 'ssl'"),
+    (
+        "sentinel-check-connection",
+        f"redis+sentinel://:{MARKER}@h1/svc?check_connection=no",
+        "unknown URL option 'check_connection'",
+    ),
+    ("sentinel-bad-timeout", f"redis+sentinel://:{MARKER}@h1/svc?socket_timeout=abc", "'socket_timeout'"),
+    # It also meant TLS: the query's connection_class was taken for the one rediss:// sets.
+    ("sentinel-connection-class", f"redis+sentinel://:{MARKER}@h1/svc?connection_class=x", "bad redis URL"),
     ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
     ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
     # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took
@@ -581,6 +618,24 @@ def test_bad_urls_raise_configuration_error(url: str, fragment: str) -> None:
         assert fragment in str(raised.value)
         assert MARKER not in str(raised.value)
         assert MARKER not in repr(raised.value)
+
+
+MULTI_HOST_BAD_URLS = [(name, url) for name, url, _ in BAD_URLS if name.startswith(("cluster-", "sentinel-"))]
+
+
+@pytest.mark.parametrize(
+    "url", [url for _, url in MULTI_HOST_BAD_URLS], ids=[name for name, _ in MULTI_HOST_BAD_URLS]
+)
+def test_bad_cluster_and_sentinel_parameters_show_no_piece_of_the_password(url: str) -> None:
+    """A refused query parameter of a multi-host Redis URL: no 4-character piece of the
+    password in the error, its repr or its traceback (the chained driver error included)."""
+    pieces = {MARKER[i : i + 4] for i in range(len(MARKER) - 3)}
+    for build in (provider_from_url, LockService):
+        with pytest.raises(ConfigurationError) as raised:
+            build(url)
+        texts = _texts_of(raised.value)
+        assert not [text for text in texts if any(piece in text for piece in pieces)], texts[0]
+        assert "***" in str(raised.value)
 
 
 @pytest.mark.parametrize(
@@ -979,6 +1034,7 @@ CLI_URL_CASES: list[tuple[str, str, str]] = [
     ("sqlite-two-slashes", "sqlite://locks.db", "malformed SQL lock store URL"),
     ("redis-unknown-option", f"redis://:{MARKER}@h/0?sockettimeout=2", "unknown URL option 'sockettimeout'"),
     ("redis-db-not-a-number", f"redis://:{MARKER}@h/x", "the path must be a database number"),
+    ("cluster-unknown-option", f"redis+cluster://:{MARKER}@h:7000?bogus=1", "unknown URL option 'bogus'"),
 ]
 
 

@@ -7,8 +7,9 @@ contacted: a cluster client is built on first use, a Sentinel one asks on first 
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -147,13 +148,13 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
     )
     scheme = base.partition("://")[0].lower()
     retry = Retry(NoBackoff(), 0)
+    cluster: dict[str, Any] | None = None  # a cluster's connection options
+    ignored: Collection[str] = ()  # the URL's parameters a Sentinel pool keeps for itself
     try:
         if scheme in _CLUSTER:
-            target.factory, password = _cluster_factory(base, retry)
-            target.secrets = known_secrets([*target.secrets, *([password] if password else [])])
-            return target
-        if scheme in _SENTINEL:
-            target.sentinels, target.client = _sentinel_client(base, retry)
+            target.factory, cluster = _cluster_factory(base, retry)
+        elif scheme in _SENTINEL:
+            target.sentinels, target.client, ignored = _sentinel_client(base, retry)
         else:
             _check_db_path(base)
             target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
@@ -161,8 +162,13 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
         reason = mask_url(str(exc), target.secrets)
         mask_error(exc, target.secrets)  # still the error's __context__
         raise ConfigurationError(f"bad redis URL {target.display!r}: {reason}") from None
+    if cluster is not None:
+        password = cluster.get("password")
+        target.secrets = known_secrets([*target.secrets, *([password] if password else [])])
+        _check_cluster_options(target, cluster)
+        return target
     target.pool = target.client.connection_pool
-    _check_connection_options(target)
+    _check_connection_options(target, lambda: target.pool, ignored, "Sentinel connection pool")
     target.secrets = store_secrets(target.client, url)
     return target
 
@@ -181,18 +187,27 @@ def _check_db_path(url: str) -> None:
         raise ValueError(f"the path must be a database number (/0, /1...), got {path!r}{hint}")
 
 
-def _check_connection_options(target: Target) -> None:
-    """ConfigurationError naming a URL query parameter redis-py's connection refuses.
+def _check_connection_options(
+    target: Target, pool: Callable[[], Any], ignored: Collection[str] = (), client: str = ""
+) -> None:
+    """ConfigurationError naming a URL query parameter redis-py's connection refuses, or
+    one of ``ignored``: the URL's parameters that its ``client`` would drop or read itself.
 
     redis-py passes unknown parameters on to its connection class, which refuses them (and
     a bad ``ssl_cert_reqs``) only when the first call makes a connection; building one
-    here (it connects nothing) asks the same question at once.
+    here from the connection pool ``pool()`` returns (nothing connects) asks the same
+    question at once.
     """
     from redis.exceptions import RedisError
 
-    pool = target.pool
+    for name in ignored:
+        raise ConfigurationError(
+            f"unknown URL option {name!r} in lock store URL {target.display!r}: "
+            f"redis-py's {client} takes no such parameter"
+        )
     try:
-        pool.connection_class(**pool.connection_kwargs)
+        made = pool()
+        made.connection_class(**made.connection_kwargs)
     except (TypeError, ValueError, RedisError) as exc:
         reason = mask_url(str(exc), target.secrets)
         mask_error(exc, target.secrets)  # still the error's __context__
@@ -233,8 +248,24 @@ def _multi_host(url: str, default_port: int) -> tuple[list[tuple[str, int]], str
     return hosts, path, kwargs
 
 
-def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], Any]:
-    """A function building the RedisCluster client for ``url`` (contacts it), and its password."""
+def _check_cluster_options(target: Target, kwargs: dict[str, Any]) -> None:
+    """:func:`_check_connection_options` for a cluster URL's ``kwargs``, before the client
+    is built. redis-py's cluster client keeps only the connection options among them (its
+    ``cleanup_kwargs``) and drops the rest unused; one named as an argument of
+    ``RedisCluster`` itself was passed to it as text (``require_full_coverage=false``:
+    true). Each node's connection pool is made from the kept ones, as here."""
+    import redis
+    from redis import cluster
+
+    cleanup: Callable[..., dict[str, Any]] = cluster.cleanup_kwargs  # untyped in redis-py
+    kept = cleanup(**kwargs)
+    ignored = [name for name in kwargs if name not in kept]
+    _check_connection_options(target, lambda: redis.ConnectionPool(**kept), ignored, "cluster client")
+
+
+def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], dict[str, Any]]:
+    """A function building the RedisCluster client for ``url`` (contacts it), and the
+    connection options (the query's, the password...) it passes."""
     from redis import cluster
     from redis.cluster import RedisCluster
 
@@ -244,19 +275,25 @@ def _cluster_factory(url: str, retry: Any) -> tuple[Callable[[], RedisCluster], 
     if path.strip("/") not in ("", "0") or db != 0:
         raise ValueError("Redis Cluster has only database 0")
     nodes = [node(host, port) for host, port in hosts]
-    return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs.get("password")
+    return (lambda: RedisCluster(startup_nodes=nodes, retry=retry, **kwargs)), kwargs
 
 
-def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis]:
-    """The URL's sentinels (a redis-py ``Sentinel``, see providers/_redis_sentinel.py) and a
-    client of the primary they name ``service`` (nothing is contacted yet)."""
+def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis, list[str]]:
+    """The URL's sentinels (a redis-py ``Sentinel``, see providers/_redis_sentinel.py), a
+    client of the primary they name ``service`` (nothing is contacted yet), and the URL's
+    parameters its pool kept for itself (``ssl``, ``check_connection``: any text is true)."""
+    from redis import ConnectionPool
+
     hosts, path, kwargs = _multi_host(url, 26379)
     service, _, db_text = path.strip("/").partition("/")
     if not service:
         raise ValueError("name the Sentinel service in the path: /<service>[/<db>]")
     db = int(db_text) if db_text else kwargs.pop("db", 0)
     kwargs.pop("db", None)
-    tls = kwargs.pop("connection_class", None) is not None  # rediss: SSLConnection
+    tls = url.lower().startswith("rediss")  # a connection_class in the query is no TLS
+    if tls:
+        kwargs.pop("connection_class", None)  # parse_url's SSLConnection, for the scheme
+    given = list(kwargs)
     if tls:
         kwargs["ssl"] = True  # SentinelConnectionPool then uses its own TLS connection class
     sentinel_kwargs = {
@@ -265,7 +302,10 @@ def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis]:
     sentinel_kwargs["retry"] = retry  # each sentinel is asked once; the next one is the retry
     manager = sentinels(hosts, sentinel_kwargs, **kwargs)
     client: redis.Redis = manager.master_for(service, db=db, retry=retry)
-    return manager, client
+    passed = client.connection_pool.connection_kwargs
+    own = inspect.signature(ConnectionPool).parameters  # max_connections...: the pool uses them
+    kept = [n for n in given if n not in passed and (n not in own or own[n].kind is own[n].VAR_KEYWORD)]
+    return manager, client, kept
 
 
 def _number(text: str | None, kind: Callable[[str], object], default: object) -> object:

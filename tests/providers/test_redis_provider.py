@@ -849,6 +849,33 @@ def test_cluster_and_sentinel_urls_parse_without_connecting() -> None:
     tls.close()
 
 
+def test_parameters_redis_py_takes_still_build_cluster_and_sentinel_stores_offline() -> None:
+    """The query parameters redis-py's cluster client takes from a URL (connection options,
+    typed or not, TLS ones on rediss) and a Sentinel URL's pass the URL checks; nothing is
+    contacted, the cluster client is still to be built."""
+    common = (
+        "socket_timeout=2&socket_connect_timeout=1&socket_keepalive=true&retry_on_timeout=false"
+        "&max_connections=20&client_name=ce-url&socket_read_size=65536&protocol=2&encoding=utf-8"
+    )
+    tls = "ssl_cert_reqs=none&ssl_check_hostname=false&ssl_min_version=3"
+    for url in (
+        f"redis+cluster://ce:s3cret@127.0.0.1:1,127.0.0.1:2/0?{common}&db=0",
+        f"rediss+cluster://127.0.0.1:1?{common}&{tls}&username=ce&password=s3cret",
+    ):
+        cluster = RedisLockProvider(url)
+        assert cluster._server.target.client is None  # built on first use
+        assert "s3cret" not in repr(cluster)
+        cluster.close()
+    for url in (
+        f"redis+sentinel://:s3cret@127.0.0.1:1,127.0.0.1:2/mymaster/1?{common}&health_check_interval=5",
+        f"rediss+sentinel://127.0.0.1:1/mymaster?{common}&{tls}",
+    ):
+        sentinel = RedisLockProvider(url)
+        kw = sentinel._client.connection_pool.connection_kwargs
+        assert (kw["client_name"], kw["socket_timeout"], kw["socket_keepalive"]) == ("ce-url", 2.0, True)
+        sentinel.close()
+
+
 def test_bad_cluster_and_sentinel_urls_are_configuration_errors() -> None:
     """A cluster URL naming a database other than 0, or a Sentinel URL without a service, is refused."""
     for url in (

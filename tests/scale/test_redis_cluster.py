@@ -281,6 +281,29 @@ def test_lock_service_on_the_cluster(redis_cluster: str) -> None:
         rival.close()
 
 
+def test_a_cluster_urls_connection_options_reach_every_node(redis_cluster: str) -> None:
+    """The connection options a cluster URL may carry (checked before the client is built:
+    tests/test_bad_input.py) are used on every primary: each one knows the client by the
+    URL's ``client_name``."""
+    name = f"ce-url-{uuid.uuid4().hex[:8]}"
+    options = "socket_timeout=4&socket_connect_timeout=2&socket_keepalive=true&max_connections=50"
+    service = LockService(f"{redis_cluster}/0?client_name={name}&{options}", prefix=f"o{name}:")
+    seen = RedisCluster.from_url(redis_cluster.replace("redis+cluster://", "redis://").split(",")[0])
+    primaries = _primaries(seen)
+    try:
+        leases = [service.lock(f"job:{i}", ttl=30) for i in range(30)]  # keys on every primary
+        for node, client in primaries.items():
+            names = [c["name"] for c in client.client_list()]
+            assert name in names, (node, names)
+        for lease in leases:
+            assert lease.release() is ReleaseOutcome.RELEASED
+    finally:
+        service.close()
+        for client in primaries.values():
+            client.close()
+        seen.close()
+
+
 def _primaries(cluster: RedisCluster) -> dict[str, redis.Redis]:
     """A plain client per primary, by node name (``host:port``)."""
     return {
