@@ -805,7 +805,8 @@ def _body(x: object = 1) -> object:
 
 
 def _declare(app: Celery, **options: Any) -> Any:
-    return exclusive_task(app=app, name=f"bad_input.t{uuid.uuid4().hex[:8]}", **options)(_body)
+    # shared=False: a shared task (Celery's default) joins every app finalized later, other tests' too
+    return exclusive_task(app=app, name=f"bad_input.t{uuid.uuid4().hex[:8]}", shared=False, **options)(_body)
 
 
 DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
