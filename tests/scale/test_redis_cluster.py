@@ -614,6 +614,49 @@ def test_semaphore_slots_live_in_at_most_two_hash_slots(redis_cluster: str) -> N
             service.close(release=True)
 
 
+@pytest.mark.parametrize("tagged_prefix", [False, True], ids=["prefix", "hash-tagged-prefix"])
+def test_keys_with_braces_lock_refresh_and_fill_a_semaphore_on_the_cluster(
+    redis_cluster: str, tagged_prefix: bool
+) -> None:
+    """Keys whose braces make odd hash tags (two tags, an empty one first, nested, unclosed,
+    a lone closing brace), under a plain prefix and one that tags every key into one slot:
+    each locks, refuses a rival, survives a slot-grouped refresh and is released, and as a
+    semaphore (limit=3: its slot keys ``{key}#i`` hash on another tag than the key's own)
+    takes three holders with their own fences, refuses a fourth and is reclaimed with a
+    greater fence: every script finds its keys, and its slot's fence key, in one slot."""
+    run = uuid.uuid4().hex[:8]
+    prefix = f"{{br{run}}}:" if tagged_prefix else f"br{run}:"
+    keys = ["a{x}b{y}", "{}{z}", "{{n}}", "{open", "close}", "}{t}", "{x}#2y"]
+    services = [LockService(redis_cluster, prefix=prefix) for _ in range(4)]
+    provider = services[0].provider
+    assert isinstance(provider, RedisLockProvider)
+    cluster = provider._client
+    try:
+        slots = {cluster.keyslot(prefix + k) for k in keys}
+        assert len(slots) == 1 if tagged_prefix else len(slots) > 1  # one slot, or spread
+        leases = [services[0].lock(key, ttl=30) for key in keys]
+        for key in keys:
+            assert services[1].try_lock(key) is None
+        services[0].heartbeat.beat()  # the refresh groups these keys by hash slot
+        for lease in leases:
+            lease.check()
+            assert lease.release() is ReleaseOutcome.RELEASED
+        for key in keys:
+            held = [service.lock(key, limit=3, ttl=30) for service in services[:3]]
+            assert [lease.store_key for lease in held] == [prefix + k for k in slot_keys(key, 3)]
+            assert services[3].try_lock(key, limit=3) is None
+            assert held[2].release() is ReleaseOutcome.RELEASED
+            again = services[3].lock(key, limit=3, ttl=30)
+            assert again.store_key == held[2].store_key
+            assert again.fence > held[2].fence
+            for lease in (*held[:2], again):
+                assert lease.release() is ReleaseOutcome.RELEASED
+        assert services[3].locks() == []
+    finally:
+        for service in services:
+            service.close(release=True)
+
+
 def test_any_slots_release_wakes_a_semaphore_waiter_on_the_cluster(redis_cluster: str) -> None:
     """A waiter on a full limit=3 semaphore subscribes to its slot keys (slot 1's on that
     key's shard); the release of slot 1, or of slot 3 (another hash slot), hands over within
