@@ -44,6 +44,19 @@ LONG = os.environ.get("CE_LONG", "").strip().lower() not in ("", "0", "false", "
 #: on a noisy 2-core CI machine; scales with the suite's TIME_SLACK, CE_TIME_SLACK).
 SLACK = 0.375 * TIME_SLACK
 
+#: The commands a Redis lock release needs that nothing else a worker does on lock keys
+#: uses (the release script HDELs a lease's fields where records keep its hash, else DELs
+#: the hash): ``ACL SETUSER <user> -hdel -del`` makes every release fail while acquire,
+#: refresh and peek go on (:func:`refuse_redis_releases`).
+RELEASE_COMMANDS = ("hdel", "del")
+
+
+def refuse_redis_releases(admin: Any, user: str, *, except_keys: str | None = None) -> None:
+    """Take :data:`RELEASE_COMMANDS` away from ``user``: the store refuses its releases from
+    now on, except on the keys matching the pattern ``except_keys`` (an ACL selector)."""
+    allowed = [f"(~{except_keys} {' '.join('+' + c for c in RELEASE_COMMANDS)})"] if except_keys else []
+    admin.execute_command("ACL", "SETUSER", user, *(f"-{c}" for c in RELEASE_COMMANDS), *allowed)
+
 
 def unavailable(reason: str) -> None:
     """Skip (locally) or fail (under CI=true) because a private server cannot run."""

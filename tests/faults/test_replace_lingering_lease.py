@@ -3,7 +3,7 @@ own task id (a single signature; the last task of a chain), must run once, never
 for a copy of the run it replaced.
 
 The run releases its lease before the replacement is sent, but the store refuses that
-release (the worker's Redis ACL user may not ``HDEL``; on PostgreSQL, the worker's role may
+release (the worker's Redis ACL user may not ``HDEL`` or ``DEL``; on PostgreSQL, the worker's role may
 not ``DELETE`` from the lock table: see :mod:`tests.faults.test_retry_lingering_lease`), so
 the lease stays until the heartbeat's background release gets through (or its ttl, 20 s). A
 replacement of the same key and task id delivered meanwhile finds it; and a run that retried

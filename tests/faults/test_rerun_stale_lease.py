@@ -5,8 +5,9 @@ release, so its lease stays until the heartbeat's background release gets throug
 ttl. A request arriving meanwhile finds that lease (a rerun-policy holder), records a rerun
 and is coalesced behind it; the finished run must still send that rerun once the lease is
 gone. A prefork worker (two processes) whose lock store is the suite's private Redis as an
-ACL user of its own; the test takes ``HDEL`` away from it on lock keys (the release script
-uses it; acquire, refresh, peek and the markers' own release keep working), and gives it back.
+ACL user of its own; the test takes ``HDEL`` and ``DEL`` away from it on lock keys (the
+release script's, ``RELEASE_COMMANDS``; acquire, refresh, peek and the markers' own release
+keep working), and gives them back.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from celery_exclusive import is_skipped
 from celery_exclusive.policies import COALESCED, MARKER_FIELD
-from tests.faults.conftest import SLACK, AclWorker, shared_worker, wait_until
+from tests.faults.conftest import SLACK, AclWorker, refuse_redis_releases, shared_worker, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -34,7 +35,7 @@ class Worker(AclWorker):
 
     def refuse_releases(self) -> None:
         """The store refuses the release of every lock from now on, but a rerun marker's."""
-        self.admin.execute_command("ACL", "SETUSER", self.user, "-hdel", "(~*#rerun +hdel)")
+        refuse_redis_releases(self.admin, self.user, except_keys="*#rerun")
 
     def runs(self, tag: str) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in self.admin.lrange(f"{tag}:runs", 0, -1)]

@@ -6,9 +6,9 @@ but the store refused that release, so the lease stays until the heartbeat's bac
 release gets through (or its ttl, 20 s here). The retry, delivered meanwhile, is no copy of
 a run in progress: it must run once that lease is gone, with or without completion
 records, single lock or semaphore. A prefork worker whose lock store is the suite's private
-Redis as an ACL user of its own; the test takes ``HDEL`` away from it (the release script
-uses it; acquire, refresh and peek keep working) until the retry has looked at its key
-once, and gives it back.
+Redis as an ACL user of its own; the test takes ``HDEL`` and ``DEL`` away from it (the
+release script's, ``RELEASE_COMMANDS``; acquire, refresh and peek keep working) until the
+retry has looked at its key once, and gives them back.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.faults.conftest import (
     PgRoleWorker,
     acl_app_worker,
     pg_role_app_worker,
+    refuse_redis_releases,
     shared_worker,
     wait_until,
 )
@@ -57,7 +58,7 @@ class Worker(AclWorker):
 
     def refuse_releases(self) -> None:
         """The store refuses every release of a lock from now on."""
-        self.admin.execute_command("ACL", "SETUSER", self.user, "-hdel")
+        refuse_redis_releases(self.admin, self.user)
 
     def result(self, result: Any, timeout: float) -> Any:
         """``result.get(timeout=timeout)``, failing with the worker's log if it times out."""
@@ -311,7 +312,7 @@ def test_an_eager_retry_behind_its_attempts_unreleased_lease_runs_once(
                 assert self.lock is not None
                 runs.append((self.request.retries, self.lock.fence, time.time()))
                 if not self.request.retries:
-                    admin.execute_command("ACL", "SETUSER", user, "-hdel")
+                    refuse_redis_releases(admin, user)
                     raise self.retry(countdown=0)
                 return int(self.request.retries)
 
