@@ -7,6 +7,11 @@ import threading
 
 import redis
 
+#: The socket timeout of the suite's own Redis clients (records, events, a test's admin),
+#: in seconds: longer than the longest blocking call they make (a BLPOP of 60 s). redis-py
+#: 8 made 5 s the default (none before), which ended such a wait early with TimeoutError.
+SOCKET_TIMEOUT = 90.0
+
 
 class ForkSafeRedis:
     """``get()`` returns this process's client of ``url``, made on first use after a fork."""
@@ -19,5 +24,5 @@ class ForkSafeRedis:
     def get(self) -> redis.Redis:
         with self._mutex:
             if self._client is None or self._client[0] != os.getpid():
-                self._client = (os.getpid(), redis.Redis.from_url(self.url))
+                self._client = (os.getpid(), redis.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT))
             return self._client[1]

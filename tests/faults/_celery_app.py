@@ -16,6 +16,7 @@ from celery import Celery
 
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import close_lock_services
+from tests.fork_safe_redis import SOCKET_TIMEOUT
 
 app = Celery("cefaults", broker=os.environ["CE_FAULT_BROKER"], backend=os.environ["CE_FAULT_BROKER"])
 app.conf.update(
@@ -36,7 +37,7 @@ def _events() -> Any:
     """A client of the broker's Redis (the private server itself, never through a proxy)."""
     import redis
 
-    return redis.Redis.from_url(os.environ["CE_FAULT_BROKER"])
+    return redis.Redis.from_url(os.environ["CE_FAULT_BROKER"], socket_timeout=SOCKET_TIMEOUT)
 
 
 @exclusive_task(app=app, key="rerun:{tag}", on_locked="rerun", ttl=3, time_limit=60, bind=True)

@@ -35,6 +35,7 @@ import pytest
 from celery_exclusive import BackendError, Lease, LockService, signals
 from tests.conftest import POSTGRES_URL, TIME_SLACK, drop_lock_table, require_server
 from tests.faults.servers import PrivatePostgres, PrivateRedis, ServerUnavailable, TcpProxy, postgres_bindir
+from tests.fork_safe_redis import SOCKET_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -253,7 +254,9 @@ def acl_app_worker(
     Everything is stopped and deleted at the end."""
     import redis
 
-    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    admin = redis.Redis(
+        port=redis_server.port, db=3, socket_timeout=SOCKET_TIMEOUT
+    )  # the broker's db (app_worker)
     try:
         with acl_user(admin, f"ce-{name}") as (user, password):
             url = f"redis://{user}:{password}@127.0.0.1:{store_port or redis_server.port}/0"
@@ -353,7 +356,9 @@ def pg_role_app_worker(
     role = table = f"ce_{name}_{suffix}"
     admin_url = f"{pg_server.url}&ce_table={table}"
     maker = LockService(admin_url)
-    admin = redis.Redis(port=redis_server.port, db=3)  # the broker's db (app_worker)
+    admin = redis.Redis(
+        port=redis_server.port, db=3, socket_timeout=SOCKET_TIMEOUT
+    )  # the broker's db (app_worker)
     try:
         maker.provider.set_up()
         pg_server.admin(f'CREATE ROLE "{role}" LOGIN')

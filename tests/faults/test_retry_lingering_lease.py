@@ -37,6 +37,7 @@ from tests.faults.conftest import (
     wait_until,
 )
 from tests.faults.servers import PrivatePostgres, PrivateRedis, TcpProxy
+from tests.fork_safe_redis import SOCKET_TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -288,7 +289,7 @@ def test_an_eager_retry_behind_its_attempts_unreleased_lease_runs_once(
     from celery_exclusive.task import exclusive_task
     from tests.faults.conftest import acl_user
 
-    admin = redis.Redis(port=redis_server.port)
+    admin = redis.Redis(port=redis_server.port, socket_timeout=SOCKET_TIMEOUT)
     answered: list[float] = []
     runs: list[tuple[int, int, float]] = []
     try:
