@@ -52,6 +52,14 @@ SLACK = 0.375 * TIME_SLACK
 RELEASE_COMMANDS = ("hdel", "del")
 
 
+def broker_client(redis_server: PrivateRedis) -> Any:
+    """A client of the private Redis's db 3, the fault workers' broker (:func:`app_worker`),
+    where the tasks record their runs; :data:`SOCKET_TIMEOUT` bounds its blocking reads."""
+    import redis
+
+    return redis.Redis(port=redis_server.port, db=3, socket_timeout=SOCKET_TIMEOUT)
+
+
 def refuse_redis_releases(admin: Any, user: str, *, except_keys: str | None = None) -> None:
     """Take :data:`RELEASE_COMMANDS` away from ``user``: the store refuses its releases from
     now on, except on the keys matching the pattern ``except_keys`` (an ACL selector)."""
@@ -252,11 +260,7 @@ def acl_app_worker(
     (:func:`acl_user`), reached at ``store_port`` (a proxy's; default the server's), as a
     ``kind`` (its fields after :class:`AclWorker`'s: ``extra``); its log in ``log_dir``.
     Everything is stopped and deleted at the end."""
-    import redis
-
-    admin = redis.Redis(
-        port=redis_server.port, db=3, socket_timeout=SOCKET_TIMEOUT
-    )  # the broker's db (app_worker)
+    admin = broker_client(redis_server)
     try:
         with acl_user(admin, f"ce-{name}") as (user, password):
             url = f"redis://{user}:{password}@127.0.0.1:{store_port or redis_server.port}/0"
@@ -350,15 +354,11 @@ def pg_role_app_worker(
     select, insert, update and delete, not create (``ce_create_table=false``), as a
     ``kind``; its log in ``log_dir``. The worker, then the table and the role are dropped at
     the end."""
-    import redis
-
     suffix = uuid.uuid4().hex[:8]
     role = table = f"ce_{name}_{suffix}"
     admin_url = f"{pg_server.url}&ce_table={table}"
     maker = LockService(admin_url)
-    admin = redis.Redis(
-        port=redis_server.port, db=3, socket_timeout=SOCKET_TIMEOUT
-    )  # the broker's db (app_worker)
+    admin = broker_client(redis_server)
     try:
         maker.provider.set_up()
         pg_server.admin(f'CREATE ROLE "{role}" LOGIN')

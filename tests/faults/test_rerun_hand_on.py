@@ -22,9 +22,8 @@ import pytest
 import redis
 
 from celery_exclusive import LockLost, LockService, is_skipped
-from tests.faults.conftest import AppWorker, app_worker, wait_until
+from tests.faults.conftest import AppWorker, app_worker, broker_client, wait_until
 from tests.faults.servers import PrivateRedis, TcpProxy
-from tests.fork_safe_redis import SOCKET_TIMEOUT
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +73,7 @@ class Worker(AppWorker):
 def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """The worker, its proxy and the test's app, stopped afterwards."""
     proxy = TcpProxy(redis_server.port)
-    events = redis.Redis(port=redis_server.port, db=3, socket_timeout=SOCKET_TIMEOUT)  # the broker's db
+    events = broker_client(redis_server)
     log = tmp_path_factory.mktemp("celery-rerun") / "worker.log"
     try:
         with app_worker(

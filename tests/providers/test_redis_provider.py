@@ -910,7 +910,7 @@ def test_unreachable_cluster_and_sentinel_are_backend_errors() -> None:
         provider.close()
 
 
-def test_the_prelude_writes_times_as_plain_integers_on_a_32_bit_build_too(
+def test_int_writes_times_as_plain_integers_on_64_and_32_bit_builds(
     provider: RedisLockProvider,
 ) -> None:
     """The prelude's ``int()`` writes ms and µs times as plain integer text with ``'%d'``
