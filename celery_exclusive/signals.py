@@ -1,9 +1,11 @@
 """Celery-style signals for lock events; connect with ``@lock_acquired.connect``.
 
-Every signal is sent with ``sender`` = the :class:`~celery_exclusive.LockService`.
-Receivers run synchronously in the thread that caused the event (the heartbeat thread
-for ``lock_refreshed`` and usually ``lock_lost``); an exception in a receiver is logged
-and never breaks the lock.
+Every signal but ``task_skipped`` (sender = the task) is sent with ``sender`` = the
+:class:`~celery_exclusive.LockService`. Receivers run synchronously in the thread that
+caused the event (for ``lock_refreshed``, ``refresh_failed`` and usually ``lock_lost``, the
+heartbeat's call thread that sent the refresh, ``celery-exclusive-call``; the threads of
+each signal are in docs/observability.md); an exception in a receiver is logged and never
+breaks the lock.
 
 ============== ==========================================================================
 signal         keyword arguments

@@ -1,4 +1,5 @@
-"""The docs' code examples run as written: the tutorial, README's quickstarts, every import.
+"""The docs' code examples run as written: the tutorial, README's quickstarts, every import;
+and every package name and method their prose names exists.
 
 The tutorial (docs/tutorial/first-task.md) runs in a fresh process in a temporary
 directory: its ``tasks.py`` is written from the page and its ``pycon`` sessions are run by
@@ -235,3 +236,63 @@ def test_the_beat_guides_start_up_job_runs_once_for_workers_starting_one_after_a
         for app in apps:
             get_lock_service(app).close()
     assert runs == [1]
+
+
+#: Dotted names in the docs that are not code: the OpenTelemetry span attributes.
+NOT_CODE = ("celery_exclusive.lock.",)
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module of the package, or an attribute of one."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def test_every_package_name_in_the_prose_exists() -> None:
+    """Each ``celery_exclusive.<module>[.<name>]`` in a code span of README and docs/ is a
+    module or an attribute of one: a renamed or removed name leaves no reference behind."""
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for dotted in sorted(set(re.findall(r"`(celery_exclusive(?:\.\w+)+)", text))):
+            if not dotted.startswith(NOT_CODE) and not resolves(dotted):
+                problems.append(f"{page.relative_to(ROOT)}: {dotted}")
+    assert not problems
+
+
+def test_every_method_and_attribute_named_in_the_prose_exists() -> None:
+    """``LockService.x``, ``service.x``, ``lease.x``, ``self.lock.x``, ``self.locks.x``,
+    ``task.x`` and ``exclusive_store.x`` in the code spans of README and docs/ name real
+    attributes (a file name such as ``lease.py`` aside)."""
+    from celery_exclusive import ExclusiveTask, Lease, LeaseSet
+    from celery_exclusive.testing import ExclusiveStore
+
+    owners: dict[str, type] = {
+        "LockService": LockService,
+        "service": LockService,
+        "Lease": Lease,
+        "lease": Lease,
+        "self.lock": Lease,
+        "self.locks": LeaseSet,
+        "task": ExclusiveTask,
+        "exclusive_store": ExclusiveStore,
+    }
+    owner_names = "|".join(name.replace(".", r"\.") for name in owners)
+    pattern = re.compile(rf"(?<![\w.])({owner_names})\.(\w+)")
+    problems = []
+    for page in PAGES:
+        for span in re.findall(r"`([^`\n]+)`", page.read_text(encoding="utf-8")):
+            for owner, name in pattern.findall(span):
+                if name not in ("py", "md") and not hasattr(owners[owner], name):
+                    problems.append(f"{page.relative_to(ROOT)}: {owner}.{name}")
+    assert not problems

@@ -15,11 +15,17 @@ from pathlib import Path
 import click
 import pytest
 
-from celery_exclusive import LockService
+from celery_exclusive import LockService, signals
 from celery_exclusive._leasing import DEFAULT_SWEEP_INTERVAL
 from celery_exclusive.cli import cli, exclusive
 from celery_exclusive.service import DEFAULT_TTL
-from celery_exclusive.settings import OPTIONS, TASK_OPTIONS, ExclusiveSettings
+from celery_exclusive.settings import (
+    ON_LOCKED_POLICIES,
+    ON_LOST_POLICIES,
+    OPTIONS,
+    TASK_OPTIONS,
+    ExclusiveSettings,
+)
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import STARTUP_CHECK_ENV, STARTUP_CHECK_SETTING, startup_check_mode
 from tests.test_layering import CORE
@@ -184,13 +190,22 @@ def test_the_readme_lists_every_cli_command() -> None:
 UNSKETCHED = {"clock", "thread_factory"}
 
 
+#: What README's sketch writes as ``…`` in a call (its prose says so, naming these four).
+ELIDED = {"ttl", "refresh_interval", "max_lifetime", "holder"}
+
+
 def sketched_calls(block: str) -> dict[str, ast.Call]:
-    """README's API sketch as calls: ``LockService(...)`` and each ``service.<method>(...)``."""
+    """README's API sketch as calls: ``LockService(...)`` and each ``service.<method>(...)``;
+    a ``…`` in a call stands for :data:`ELIDED`, added as keywords without a value."""
     calls: dict[str, ast.Call] = {}
-    text = block.replace("*, ", "").replace("…, ", "").replace("[k1, k2, …]", "keys")
+    text = block.replace("*, ", "").replace("[k1, k2, …]", "keys")
     for found in re.finditer(r"^(LockService|service\.\w+)\((.*?)\)(?= *(?:->|#|$))", text, re.M | re.S):
-        call = ast.parse(f"f({' '.join(found.group(2).split())})", mode="eval").body
+        arguments = " ".join(found.group(2).split())
+        elided = "…, " in arguments
+        call = ast.parse(f"f({arguments.replace('…, ', '')})", mode="eval").body
         assert isinstance(call, ast.Call)
+        if elided:
+            call.keywords += [ast.keyword(arg=name, value=ast.Constant(...)) for name in sorted(ELIDED)]
         calls[found.group(1).removeprefix("service.")] = call
     return calls
 
@@ -209,9 +224,75 @@ def test_the_readme_api_sketch_names_real_parameters_with_their_defaults() -> No
             assert argument.id in parameters, f"{name}({argument.id}): no such parameter"
         for keyword in call.keywords:
             assert keyword.arg in parameters, f"{name}({keyword.arg}=): no such parameter"
+            if isinstance(keyword.value, ast.Constant) and keyword.value.value is ...:
+                continue  # one of the ``…``
             default = parameters[keyword.arg].default
             if keyword.arg == "sweep_interval":
                 default = DEFAULT_SWEEP_INTERVAL  # FROM_ENV: the environment, else this
             assert ast.literal_eval(keyword.value) == default, f"{name}({keyword.arg}=) default"
     shown = {keyword.arg for keyword in calls["LockService"].keywords} | {"store"}
     assert shown | UNSKETCHED == {*inspect.signature(LockService.__init__).parameters} - {"self"}
+
+
+def test_the_readme_api_sketch_shows_every_parameter_of_the_methods_it_sketches() -> None:
+    """Each ``service.<method>(...)`` line of README's lock core API shows all of the method's
+    parameters, ``…`` counted as its four: a parameter added to a method shows up in the sketch.
+    (``lock(task_id=)`` and ``close(release=)`` were missing from it.)"""
+    block = section(read("README.md"), "## The lock core API").split("```python\n", 1)[1].split("```", 1)[0]
+    for name, call in sketched_calls(block).items():
+        if name == "LockService":
+            continue  # its own test above: all but the test knobs
+        shown = {argument.id for argument in call.args if isinstance(argument, ast.Name)}
+        shown |= {keyword.arg for keyword in call.keywords if keyword.arg}
+        parameters = set(inspect.signature(getattr(LockService, name)).parameters) - {"self"}
+        assert parameters <= shown | {"keys", "key"}, f"{name}: {sorted(parameters - shown)} not in README"
+
+
+def test_the_readme_names_every_on_locked_and_on_lost_policy() -> None:
+    """README's ``on_locked`` and ``on_lost`` bullets name every policy the settings accept,
+    as docs/celery.md's table has a row for each (``"wait"`` was missing from README)."""
+    api = section(read("README.md"), "## The Celery API")
+    on_locked = api[api.index("* **`on_locked`**") :].split("\n* ", 1)[0]
+    on_lost = api[api.index("* **`on_lost`**") :].split("\n* ", 1)[0]
+    assert [p for p in ON_LOCKED_POLICIES if f'`"{p}"`' not in on_locked] == []
+    assert [p for p in ON_LOST_POLICIES if f'`"{p}"`' not in on_lost] == []
+    table = table_rows(section(read("docs/celery.md"), "## When the key is held: `on_locked`"))
+    assert {p for row in table for p in re.findall(r'^`"(\w+)"`$', row[0])} == set(ON_LOCKED_POLICIES)
+
+
+def test_every_json_output_of_the_cli_is_described() -> None:
+    """docs/cli.md's "JSON output" names every sub-command that takes ``--json`` (``sweep``'s
+    was missing), or, for ``list --done``, its own section gives the shape."""
+    text = section(read("docs/cli.md"), "## JSON output")
+    with_json = {
+        name for name, command in commands().items() if any("--json" in p.opts for p in command.params)
+    }
+    missing = {name for name in with_json if f"`{name}" not in text}
+    assert not missing, f"--json output not described in docs/cli.md: {sorted(missing)}"
+
+
+def test_every_signal_is_in_the_observability_table_and_the_readme() -> None:
+    """docs/observability.md's signal table has one row per signal of ``celery_exclusive.signals``,
+    and README's Observability paragraph names each."""
+    from celery.utils.dispatch import Signal
+
+    defined = {name for name, value in vars(signals).items() if isinstance(value, Signal)}
+    rows = table_rows(section(read("docs/observability.md"), "## Signals"))
+    assert {code_spans(row[0])[0] for row in rows if row[0].startswith("`")} == defined
+    readme = section(read("README.md"), "## Observability")
+    assert [name for name in sorted(defined) if f"`{name}`" not in readme] == []
+
+
+def test_every_metric_is_in_the_observability_table() -> None:
+    """docs/observability.md's metric table names exactly the metrics ``install()`` registers."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from celery_exclusive.metrics import Metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    Metrics.create(registry)
+    registered = {
+        metric.name + ("_total" if metric.type == "counter" else "") for metric in registry.collect()
+    }
+    rows = table_rows(section(read("docs/observability.md"), "## Prometheus metrics"))
+    documented = {code_spans(row[0])[0] for row in rows if row[0].startswith("`celery_exclusive_")}
+    assert documented == registered
