@@ -876,6 +876,33 @@ def test_parameters_redis_py_takes_still_build_cluster_and_sentinel_stores_offli
         sentinel.close()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        "protocol=2&decode_responses=false&socket_keepalive=off&retry_on_timeout=0",
+        "protocol=3&decode_responses=true&socket_keepalive=yes&retry_on_timeout=on",
+        "health_check_interval=1&max_connections=5&client_name=ce-url&socket_timeout=30&db=0"
+        "&socket_connect_timeout=2.5&socket_read_size=1024&encoding=latin-1&encoding_errors=replace",
+    ],
+    ids=["resp2-bytes", "resp3-text", "numbers"],
+)
+def test_valid_redis_url_options_still_work(options: str) -> None:
+    """The Redis URL checks let every valid value through: RESP2 and RESP3 on the store's
+    own wire, replies as bytes or as text (decode_responses), redis-py's read path
+    (health_check_interval); the store grants, shows and releases a lock."""
+    require_server(REDIS_URL)
+    provider = RedisLockProvider(f"{REDIS_URL}?{options}")
+    key = f"opt:{uuid.uuid4().hex}"
+    try:
+        assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, '{"h": 1}'), Grant)
+        info = provider.peek(key)
+        assert info is not None
+        assert (info.token, info.holder) == ("tok", {"h": 1})
+        assert provider.release(key, "tok") is True
+    finally:
+        provider.close()
+
+
 def test_bad_cluster_and_sentinel_urls_are_configuration_errors() -> None:
     """A cluster URL naming a database other than 0, or a Sentinel URL without a service, is refused."""
     for url in (
