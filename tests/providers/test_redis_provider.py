@@ -28,6 +28,7 @@ import redis
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError
 from celery_exclusive.providers._redis_scripts import SLOTS, fence_key
+from celery_exclusive.providers._redis_urls import _cluster_factory
 from celery_exclusive.providers._redis_wire import POLL_AFTER, SLICE, TOLERANCE
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.redis import FENCES, RedisLockProvider
@@ -857,7 +858,7 @@ def test_parameters_redis_py_takes_still_build_cluster_and_sentinel_stores_offli
         "socket_timeout=2&socket_connect_timeout=1&socket_keepalive=true&retry_on_timeout=false"
         "&max_connections=20&client_name=ce-url&socket_read_size=65536&protocol=2&encoding=utf-8"
     )
-    tls = "ssl_cert_reqs=none&ssl_check_hostname=false&ssl_min_version=3"
+    tls = "ssl_cert_reqs=none&ssl_check_hostname=false&ssl_min_version=771"  # TLSv1_2
     for url in (
         f"redis+cluster://ce:s3cret@127.0.0.1:1,127.0.0.1:2/0?{common}&db=0",
         f"rediss+cluster://127.0.0.1:1?{common}&{tls}&username=ce&password=s3cret",
@@ -901,6 +902,30 @@ def test_valid_redis_url_options_still_work(options: str) -> None:
         assert provider.release(key, "tok") is True
     finally:
         provider.close()
+
+
+def test_truth_values_in_a_url_are_read_as_redis_py_documents() -> None:
+    """``decode_responses=false`` (redis-py passes that parameter on as text, and any text
+    is true) and redis-py's own truth values arrive as bools in every URL form, the false
+    ones (false, 0, no, off) false; nothing is contacted."""
+    query = "decode_responses=false&socket_keepalive=off&retry_on_timeout=yes"
+    want = {"decode_responses": False, "socket_keepalive": False, "retry_on_timeout": True}
+    for url in (
+        f"redis://:s3cret@127.0.0.1:1/0?{query}",
+        f"rediss://127.0.0.1:1/0?{query}&ssl_check_hostname=no",
+        "unix:///tmp/ce-no-such.sock?decode_responses=false&retry_on_timeout=yes",  # no keepalive
+        f"redis+sentinel://:s3cret@127.0.0.1:1/mymaster?{query}",
+    ):
+        provider = RedisLockProvider(url)
+        kw = provider._client.connection_pool.connection_kwargs
+        assert {name: kw.get(name, False) for name in want} == want, url
+        provider.close()
+    for value, truth in (("0", False), ("NO", False), ("Off", False), ("1", True), ("true", True)):
+        provider = RedisLockProvider(f"redis://127.0.0.1:1/0?decode_responses={value}")
+        assert provider._client.connection_pool.connection_kwargs["decode_responses"] is truth
+        provider.close()
+    _, cluster = _cluster_factory(f"redis+cluster://127.0.0.1:1?{query}", None)
+    assert {name: cluster[name] for name in want} == want
 
 
 def test_bad_cluster_and_sentinel_urls_are_configuration_errors() -> None:
