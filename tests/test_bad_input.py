@@ -546,6 +546,7 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ("redis-db-path-and-query", f"redis://:{MARKER}@h/0?db=1", "URL option 'db'"),
     ("sentinel-db-path-and-query", f"redis+sentinel://:{MARKER}@h1/svc/1?db=2", "URL option 'db'"),
     ("cluster-option-twice", f"redis+cluster://:{MARKER}@h?socket_timeout=1&socket_timeout=2", "given twice"),
+    ("ce-option-twice", f"redis://:{MARKER}@h/0?ce_wait_timeout=1&ce_wait_timeout=2", "given twice"),
     ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
     ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
     # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took
