@@ -34,6 +34,7 @@ from celery_exclusive.providers.base import Completion, Grant, Held, LockProvide
 from celery_exclusive.providers.redis import FENCES, RedisLockProvider
 from celery_exclusive.urls import scheme_family
 from tests.conftest import IN_CI, REDIS_URL, TIME_SLACK, require_server
+from tests.faults.servers import free_port
 
 
 def unavailable(reason: str) -> None:
@@ -73,31 +74,17 @@ def provider(prefix: str) -> Iterator[RedisLockProvider]:
     p.close()
 
 
-@pytest.fixture(scope="module")
-def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A redis-server of our own on a unix socket (no TCP port); its URL."""
+@contextlib.contextmanager
+def _own_redis_server(args: list[str], client: redis.Redis) -> Iterator[None]:
+    """redis-server run with ``args`` (no persistence) from when ``client`` gets an answer
+    until the block ends; the client is closed."""
     exe = shutil.which("redis-server")
     if exe is None:
         unavailable("redis-server is not on PATH")
         raise AssertionError  # unreachable: unavailable() skips or fails
-    folder = tmp_path_factory.mktemp("redis")
-    sock = folder / "r.sock"
-    args = [
-        exe,
-        "--port",
-        "0",
-        "--unixsocket",
-        str(sock),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(folder),
-    ]
+    args = [exe, *args, "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = redis.Redis(unix_socket_path=str(sock))
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -108,10 +95,41 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     unavailable("private redis-server did not start")
                 time.sleep(0.05)
         client.close()
-        yield f"unix://{sock}?db=0"
+        yield
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of our own on a unix socket (no TCP port); its URL."""
+    folder = tmp_path_factory.mktemp("redis")
+    sock = folder / "r.sock"
+    args = ["--port", "0", "--unixsocket", str(sock), "--dir", str(folder)]
+    with _own_redis_server(args, redis.Redis(unix_socket_path=str(sock))):
+        yield f"unix://{sock}?db=0"
+
+
+@pytest.fixture(scope="module")
+def private_tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of our own taking TLS only, with a self-signed certificate for
+    127.0.0.1 (made by ``openssl``); its ``rediss://`` URL, trusting that certificate."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        unavailable("openssl is not on PATH")
+        raise AssertionError  # unreachable: unavailable() skips or fails
+    folder = tmp_path_factory.mktemp("redis-tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    made = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert]
+    made += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(made, check=True, capture_output=True)
+    port = free_port()
+    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert, "--tls-key-file", key]
+    args += ["--tls-auth-clients", "no", "--dir", str(folder)]
+    client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=cert, socket_timeout=5)
+    with _own_redis_server(args, client):
+        yield f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
 
 
 def test_is_a_lock_provider() -> None:
@@ -494,6 +512,22 @@ def test_unix_socket_url(private_redis: str) -> None:
         assert info is not None
         assert info.token == "tok"
         assert provider.release("u:key", "tok") is True
+    finally:
+        provider.close()
+
+
+def test_a_rediss_url_serves_locks(private_tls_redis: str) -> None:
+    """A rediss:// URL's store grants, shows and releases a lock. Its TLS
+    connections read replies through redis-py, to which the packed acquire and release
+    were handed as bytes it sent one int at a time: a bare TypeError on every acquire."""
+    provider = RedisLockProvider(f"{private_tls_redis}&protocol=2&decode_responses=false")
+    try:
+        assert isinstance(provider.acquire("tls:key", "tok", 10.0, 60.0, '{"h": 1}'), Grant)
+        info = provider.peek("tls:key")
+        assert info is not None
+        assert (info.token, info.holder) == ("tok", {"h": 1})
+        assert provider.release("tls:key", "tok") is True
+        assert provider.peek("tls:key") is None
     finally:
         provider.close()
 
