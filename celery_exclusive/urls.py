@@ -558,6 +558,8 @@ def split_options(
                 f"unknown option {name!r} in lock store URL {mask_url(url)!r}; "
                 f"known: {', '.join('ce_' + a for a in allowed) or 'none'}"
             )
+        if option in options:
+            raise ConfigurationError(f"option {name!r} is given twice in lock store URL {mask_url(url)!r}")
         options[option] = value
     base = head + tail.split("?", 1)[0].split("#", 1)[0]
     return (f"{base}?{'&'.join(kept)}" if kept else base), options

@@ -496,7 +496,57 @@ BAD_URLS: list[tuple[str, str, str]] = [
     ),
     ("sentinel-bad-timeout", f"redis+sentinel://:{MARKER}@h1/svc?socket_timeout=abc", "'socket_timeout'"),
     # It also meant TLS: the query's connection_class was taken for the one rediss:// sets.
-    ("sentinel-connection-class", f"redis+sentinel://:{MARKER}@h1/svc?connection_class=x", "bad redis URL"),
+    (
+        "sentinel-connection-class",
+        f"redis+sentinel://:{MARKER}@h1/svc?connection_class=x",
+        "URL option 'connection_class'",
+    ),
+    # Parameters that take a Python object (a class, a cache, a callback): redis-py passed
+    # the URL's text on, to fail as a bare AttributeError or TypeError (at once, or on the
+    # first call), a message naming no parameter, or not at all (cache_factory: unused).
+    ("redis-cache-config", f"redis://:{MARKER}@h/0?cache_config=x", "URL option 'cache_config'"),
+    ("redis-cache", f"redis://:{MARKER}@h/0?cache=true&protocol=3", "URL option 'cache'"),
+    ("redis-cache-factory", f"redis://:{MARKER}@h/0?cache_factory=x", "URL option 'cache_factory'"),
+    ("redis-connection-class", f"redis://:{MARKER}@h/0?connection_class=x", "URL option 'connection_class'"),
+    ("redis-retry-object", f"redis://:{MARKER}@h/0?retry=x", "URL option 'retry'"),
+    ("redis-credential-provider", f"redis://h/0?credential_provider={MARKER}", "'credential_provider'"),
+    ("redis-socket-type", f"redis://:{MARKER}@h/0?socket_type=1", "URL option 'socket_type'"),
+    ("unix-parser-class", "unix:///tmp/ce.sock?parser_class=x", "URL option 'parser_class'"),
+    (
+        "sentinel-cache-config",
+        f"redis+sentinel://:{MARKER}@h1/svc?cache_config=x",
+        "URL option 'cache_config'",
+    ),
+    ("cluster-cache-config", f"redis+cluster://:{MARKER}@h:7000?cache_config=x", "URL option 'cache_config'"),
+    # Truth values: redis-py read any text but its false ones as true (decode_responses:
+    # any text at all, "false" too).
+    ("redis-truth-value", f"redis://:{MARKER}@h/0?decode_responses=maybe", "URL option 'decode_responses'"),
+    ("rediss-truth-value", f"rediss://:{MARKER}@h/0?ssl_check_hostname=2", "URL option 'ssl_check_hostname'"),
+    ("sentinel-truth-value", f"redis+sentinel://:{MARKER}@h1/svc?socket_keepalive=x", "'socket_keepalive'"),
+    ("cluster-truth-value", f"redis+cluster://:{MARKER}@h?retry_on_timeout=maybe", "'retry_on_timeout'"),
+    # Numbers out of range: a bare ValueError or an error from the server on the first
+    # call, or read as something else (max_connections=0 is 100, socket_timeout=0 no wait).
+    ("redis-negative-timeout", f"redis://:{MARKER}@h/0?socket_timeout=-1", "URL option 'socket_timeout'"),
+    ("redis-zero-timeout", f"redis://:{MARKER}@h/0?socket_timeout=0", "URL option 'socket_timeout'"),
+    ("redis-nan-timeout", f"redis://:{MARKER}@h/0?socket_connect_timeout=nan", "'socket_connect_timeout'"),
+    ("redis-infinite-timeout", f"redis://:{MARKER}@h/0?socket_timeout=inf", "URL option 'socket_timeout'"),
+    ("sentinel-negative-timeout", f"redis+sentinel://:{MARKER}@h1/svc?socket_timeout=-1", "'socket_timeout'"),
+    ("cluster-negative-timeout", f"redis+cluster://:{MARKER}@h?socket_connect_timeout=-1", "'socket_connect"),
+    ("redis-negative-db", f"redis://:{MARKER}@h?db=-1", "URL option 'db'"),
+    ("redis-health-check", f"redis://:{MARKER}@h/0?health_check_interval=-1", "'health_check_interval'"),
+    ("redis-pool-size-zero", f"redis://:{MARKER}@h/0?max_connections=0", "URL option 'max_connections'"),
+    ("redis-read-size-zero", f"redis://:{MARKER}@h/0?socket_read_size=0", "URL option 'socket_read_size'"),
+    ("rediss-tls-version", f"rediss://:{MARKER}@h/0?ssl_min_version=99", "URL option 'ssl_min_version'"),
+    ("redis-client-name", f"redis://:{MARKER}@h/0?client_name=a%20b", "URL option 'client_name'"),
+    ("redis-encoding", f"redis://:{MARKER}@h/0?encoding=bogus", "URL option 'encoding'"),
+    ("redis-encoding-errors", f"redis://:{MARKER}@h/0?encoding_errors=bogus", "URL option 'encoding_errors'"),
+    # Given twice: redis-py took the first value, the ce_ options the last; the database
+    # in the path and the query, redis-py the query's, a Sentinel URL the path's.
+    ("redis-db-twice", f"redis://:{MARKER}@h?db=1&db=2", "URL option 'db' is given twice"),
+    ("redis-db-path-and-query", f"redis://:{MARKER}@h/0?db=1", "URL option 'db'"),
+    ("sentinel-db-path-and-query", f"redis+sentinel://:{MARKER}@h1/svc/1?db=2", "URL option 'db'"),
+    ("cluster-option-twice", f"redis+cluster://:{MARKER}@h?socket_timeout=1&socket_timeout=2", "given twice"),
+    ("ce-option-twice", f"redis://:{MARKER}@h/0?ce_wait_timeout=1&ce_wait_timeout=2", "given twice"),
     ("rediss-bad-cert-reqs", f"rediss://:{MARKER}@h/0?ssl_cert_reqs=bogus", "bad redis URL"),
     ("redis-raw-slash-in-password", f"redis://:ab/{MARKER}@h/0", "percent-encode a '/' in the password"),
     # A raw "@" in an SQL password: SQLAlchemy ends the password at the first one and took

@@ -12,9 +12,10 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from celery_exclusive.errors import ConfigurationError
+from celery_exclusive.providers._redis_query import checked_query, without
 from celery_exclusive.providers._redis_sentinel import sentinels
 from celery_exclusive.urls import (
     SECRET_NAME,
@@ -156,8 +157,9 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
         elif scheme in _SENTINEL:
             target.sentinels, target.client, ignored = _sentinel_client(base, retry)
         else:
+            typed = checked_query(base)  # passed typed, not as the query's text
             _check_db_path(base)
-            target.client = redis.Redis.from_url(base, retry=retry, **_TIMEOUTS)
+            target.client = redis.Redis.from_url(without(base, typed), retry=retry, **_TIMEOUTS, **typed)
     except (ValueError, TypeError) as exc:  # redis-py may name a piece of a raw password
         reason = mask_url(str(exc), target.secrets)
         mask_error(exc, target.secrets)  # still the error's __context__
@@ -174,17 +176,32 @@ def target_of_url(url: str, wait: tuple[object, object]) -> Target:
 
 
 def _check_db_path(url: str) -> None:
-    """ValueError unless the path of a ``redis://`` URL is a database number (or empty).
+    """ValueError unless the path of a ``redis://`` URL is a database number (or empty),
+    and the same as the query's ``db`` if both give one.
 
     redis-py reads a path that is no number as database 0 (``/x``, ``/O``) and joins the
-    digits of a longer one (``/1/2`` is 12): a typo would put the locks elsewhere, silently.
+    digits of a longer one (``/1/2`` is 12): a typo would put the locks elsewhere, silently;
+    so would a ``?db=`` other than the path's (redis-py takes the query's).
     """
     if url.lower().startswith("unix://"):
         return  # the path is the socket's; the database is ``?db=``
-    path = urlsplit(url).path
-    if not _DB_PATH.fullmatch(path):
-        hint = "; percent-encode a '/' in the password (%2F)" if "@" in path else ""
-        raise ValueError(f"the path must be a database number (/0, /1...), got {path!r}{hint}")
+    parts = urlsplit(url)
+    if not _DB_PATH.fullmatch(parts.path):
+        hint = "; percent-encode a '/' in the password (%2F)" if "@" in parts.path else ""
+        raise ValueError(f"the path must be a database number (/0, /1...), got {parts.path!r}{hint}")
+    _same_db(parts.path.strip("/"), dict(parse_qsl(parts.query)).get("db"))
+
+
+def _same_db(path_db: str, query_db: object) -> None:
+    """ValueError if a URL's path and its ``?db=`` give different databases."""
+    try:
+        differ = bool(path_db) and query_db is not None and int(str(query_db)) != int(path_db)
+    except ValueError:
+        return  # not a number: refused as such (checked_query, or the path's own check)
+    if differ:
+        raise ValueError(
+            f"URL option 'db' ({query_db}) and the path's database (/{path_db}) differ; give it once"
+        )
 
 
 def _check_connection_options(
@@ -241,6 +258,7 @@ def _multi_host(url: str, default_port: int) -> tuple[list[tuple[str, int]], str
         hosts.append((parts.hostname, parts.port or default_port))  # .port raises on a bad port
     single = "rediss" if scheme.lower().startswith("rediss") else "redis"
     kwargs = parse_url(f"{single}://{userinfo}{at}{hostlist.split(',')[0]}" + (f"?{query}" if query else ""))
+    kwargs.update(checked_query(url))  # what parse_url passes on as text, typed
     kwargs.pop("host", None)
     kwargs.pop("port", None)
     for name, value in _TIMEOUTS.items():
@@ -288,6 +306,7 @@ def _sentinel_client(url: str, retry: Any) -> tuple[Any, redis.Redis, list[str]]
     service, _, db_text = path.strip("/").partition("/")
     if not service:
         raise ValueError("name the Sentinel service in the path: /<service>[/<db>]")
+    _same_db(db_text, kwargs.get("db"))
     db = int(db_text) if db_text else kwargs.pop("db", 0)
     kwargs.pop("db", None)
     tls = url.lower().startswith("rediss")  # a connection_class in the query is no TLS

@@ -333,8 +333,8 @@ class Wire:
             if line is None or now - used > POLL_AFTER or line.sock is not conn._sock:
                 line = self._ready(conn, now - used, deadline)
                 if line is None:
-                    if isinstance(commands, bytes):
-                        conn.send_packed_command(commands)
+                    if isinstance(commands, bytes):  # one item: redis-py sends a list's items
+                        conn.send_packed_command([commands])
                     else:
                         self._send(conn, commands)
                     if one:

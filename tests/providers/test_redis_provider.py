@@ -28,11 +28,13 @@ import redis
 
 from celery_exclusive.errors import BackendError, ConfigurationError, InvalidArgumentError
 from celery_exclusive.providers._redis_scripts import SLOTS, fence_key
+from celery_exclusive.providers._redis_urls import _cluster_factory
 from celery_exclusive.providers._redis_wire import POLL_AFTER, SLICE, TOLERANCE
 from celery_exclusive.providers.base import Completion, Grant, Held, LockProvider, RefreshRequest
 from celery_exclusive.providers.redis import FENCES, RedisLockProvider
 from celery_exclusive.urls import scheme_family
 from tests.conftest import IN_CI, REDIS_URL, TIME_SLACK, require_server
+from tests.faults.servers import free_port
 
 
 def unavailable(reason: str) -> None:
@@ -72,31 +74,17 @@ def provider(prefix: str) -> Iterator[RedisLockProvider]:
     p.close()
 
 
-@pytest.fixture(scope="module")
-def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A redis-server of our own on a unix socket (no TCP port); its URL."""
+@contextlib.contextmanager
+def _own_redis_server(args: list[str], client: redis.Redis) -> Iterator[None]:
+    """redis-server run with ``args`` (no persistence) from when ``client`` gets an answer
+    until the block ends; the client is closed."""
     exe = shutil.which("redis-server")
     if exe is None:
         unavailable("redis-server is not on PATH")
         raise AssertionError  # unreachable: unavailable() skips or fails
-    folder = tmp_path_factory.mktemp("redis")
-    sock = folder / "r.sock"
-    args = [
-        exe,
-        "--port",
-        "0",
-        "--unixsocket",
-        str(sock),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(folder),
-    ]
+    args = [exe, *args, "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = redis.Redis(unix_socket_path=str(sock))
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -107,10 +95,41 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     unavailable("private redis-server did not start")
                 time.sleep(0.05)
         client.close()
-        yield f"unix://{sock}?db=0"
+        yield
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of our own on a unix socket (no TCP port); its URL."""
+    folder = tmp_path_factory.mktemp("redis")
+    sock = folder / "r.sock"
+    args = ["--port", "0", "--unixsocket", str(sock), "--dir", str(folder)]
+    with _own_redis_server(args, redis.Redis(unix_socket_path=str(sock))):
+        yield f"unix://{sock}?db=0"
+
+
+@pytest.fixture(scope="module")
+def private_tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of our own taking TLS only, with a self-signed certificate for
+    127.0.0.1 (made by ``openssl``); its ``rediss://`` URL, trusting that certificate."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        unavailable("openssl is not on PATH")
+        raise AssertionError  # unreachable: unavailable() skips or fails
+    folder = tmp_path_factory.mktemp("redis-tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    made = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert]
+    made += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(made, check=True, capture_output=True)
+    port = free_port()
+    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert, "--tls-key-file", key]
+    args += ["--tls-auth-clients", "no", "--dir", str(folder)]
+    client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=cert, socket_timeout=5)
+    with _own_redis_server(args, client):
+        yield f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
 
 
 def test_is_a_lock_provider() -> None:
@@ -497,6 +516,22 @@ def test_unix_socket_url(private_redis: str) -> None:
         provider.close()
 
 
+def test_a_rediss_url_serves_locks(private_tls_redis: str) -> None:
+    """A rediss:// URL's store grants, shows and releases a lock. Its TLS
+    connections read replies through redis-py, to which the packed acquire and release
+    were handed as bytes it sent one int at a time: a bare TypeError on every acquire."""
+    provider = RedisLockProvider(f"{private_tls_redis}&protocol=2&decode_responses=false")
+    try:
+        assert isinstance(provider.acquire("tls:key", "tok", 10.0, 60.0, '{"h": 1}'), Grant)
+        info = provider.peek("tls:key")
+        assert info is not None
+        assert (info.token, info.holder) == ("tok", {"h": 1})
+        assert provider.release("tls:key", "tok") is True
+        assert provider.peek("tls:key") is None
+    finally:
+        provider.close()
+
+
 def test_scripts_are_reloaded_after_script_flush(private_redis: str) -> None:
     """Every operation survives SCRIPT FLUSH by resending the script source."""
     provider = RedisLockProvider(private_redis)
@@ -857,7 +892,7 @@ def test_parameters_redis_py_takes_still_build_cluster_and_sentinel_stores_offli
         "socket_timeout=2&socket_connect_timeout=1&socket_keepalive=true&retry_on_timeout=false"
         "&max_connections=20&client_name=ce-url&socket_read_size=65536&protocol=2&encoding=utf-8"
     )
-    tls = "ssl_cert_reqs=none&ssl_check_hostname=false&ssl_min_version=3"
+    tls = "ssl_cert_reqs=none&ssl_check_hostname=false&ssl_min_version=771"  # TLSv1_2
     for url in (
         f"redis+cluster://ce:s3cret@127.0.0.1:1,127.0.0.1:2/0?{common}&db=0",
         f"rediss+cluster://127.0.0.1:1?{common}&{tls}&username=ce&password=s3cret",
@@ -874,6 +909,57 @@ def test_parameters_redis_py_takes_still_build_cluster_and_sentinel_stores_offli
         kw = sentinel._client.connection_pool.connection_kwargs
         assert (kw["client_name"], kw["socket_timeout"], kw["socket_keepalive"]) == ("ce-url", 2.0, True)
         sentinel.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        "protocol=2&decode_responses=false&socket_keepalive=off&retry_on_timeout=0",
+        "protocol=3&decode_responses=true&socket_keepalive=yes&retry_on_timeout=on",
+        "health_check_interval=1&max_connections=5&client_name=ce-url&socket_timeout=30&db=0"
+        "&socket_connect_timeout=2.5&socket_read_size=1024&encoding=latin-1&encoding_errors=replace",
+    ],
+    ids=["resp2-bytes", "resp3-text", "numbers"],
+)
+def test_valid_redis_url_options_still_work(options: str) -> None:
+    """The Redis URL checks let every valid value through: RESP2 and RESP3 on the store's
+    own wire, replies as bytes or as text (decode_responses), redis-py's read path
+    (health_check_interval); the store grants, shows and releases a lock."""
+    require_server(REDIS_URL)
+    provider = RedisLockProvider(f"{REDIS_URL}?{options}")
+    key = f"opt:{uuid.uuid4().hex}"
+    try:
+        assert isinstance(provider.acquire(key, "tok", 10.0, 60.0, '{"h": 1}'), Grant)
+        info = provider.peek(key)
+        assert info is not None
+        assert (info.token, info.holder) == ("tok", {"h": 1})
+        assert provider.release(key, "tok") is True
+    finally:
+        provider.close()
+
+
+def test_truth_values_in_a_url_are_read_as_redis_py_documents() -> None:
+    """``decode_responses=false`` (redis-py passes that parameter on as text, and any text
+    is true) and redis-py's own truth values arrive as bools in every URL form, the false
+    ones (false, 0, no, off) false; nothing is contacted."""
+    query = "decode_responses=false&socket_keepalive=off&retry_on_timeout=yes"
+    want = {"decode_responses": False, "socket_keepalive": False, "retry_on_timeout": True}
+    for url in (
+        f"redis://:s3cret@127.0.0.1:1/0?{query}",
+        f"rediss://127.0.0.1:1/0?{query}&ssl_check_hostname=no",
+        "unix:///tmp/ce-no-such.sock?decode_responses=false&retry_on_timeout=yes",  # no keepalive
+        f"redis+sentinel://:s3cret@127.0.0.1:1/mymaster?{query}",
+    ):
+        provider = RedisLockProvider(url)
+        kw = provider._client.connection_pool.connection_kwargs
+        assert {name: kw.get(name, False) for name in want} == want, url
+        provider.close()
+    for value, truth in (("0", False), ("NO", False), ("Off", False), ("1", True), ("true", True)):
+        provider = RedisLockProvider(f"redis://127.0.0.1:1/0?decode_responses={value}")
+        assert provider._client.connection_pool.connection_kwargs["decode_responses"] is truth
+        provider.close()
+    _, cluster = _cluster_factory(f"redis+cluster://127.0.0.1:1?{query}", None)
+    assert {name: cluster[name] for name in want} == want
 
 
 def test_bad_cluster_and_sentinel_urls_are_configuration_errors() -> None:
