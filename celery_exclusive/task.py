@@ -359,9 +359,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's retry, but the lock is released first so the retry cannot find it held.
 
         Code after ``retry(throw=False)`` runs without the lock. The lock-retry counter
-        starts again from zero for the retried run.
+        starts again from zero for the retried run. A retry Celery will not send (past
+        ``max_retries``, or a direct call: it raises the failure instead) keeps the lock
+        until the run ends, whose release records the ``failure``, not ``retried``.
         """
-        _before_retry(self, options)
+        if _will_retry(self, max_retries):
+            _before_retry(self, options)
         args, kwargs = None if args is None else tuple(args), None if kwargs is None else dict(kwargs)
         # celery-types says exc is an Exception; Celery takes any.
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)  # type: ignore[arg-type]
@@ -919,6 +922,17 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
     except ExclusiveError:  # a misconfigured app fails elsewhere, loudly; not while logging
         raising = False
     return (*own, LockedError) if raising and LockedError not in own else own
+
+
+def _will_retry(task: ExclusiveTask[..., Any], max_retries: int | None) -> bool:
+    """Whether Celery's ``Task.retry`` sends (or, eager, runs) a retry of the current request:
+    not for a direct call, nor past ``max_retries`` (its own tests, in its order: it raises
+    the exception, or MaxRetriesExceededError, and the run ends in that failure)."""
+    request = task.request
+    if request.called_directly:
+        return False
+    limit = task.max_retries if max_retries is None else max_retries
+    return limit is None or (request.retries or 0) + 1 <= limit
 
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:

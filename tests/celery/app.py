@@ -297,6 +297,50 @@ def replacing_cooled(self: Any, key_id: str, tag: str, page: int, grouped: bool 
     return {"pages": page}
 
 
+def _attempt(task: Any, tag: str, fail_until: int) -> dict[str, Any]:
+    """Record the attempt (its ``retries`` and fence); raise KeyError below ``fail_until``."""
+    attempt, fence = task.request.retries, task.lock.fence
+    headers = task.request.headers or {}
+    lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+    record("attempt", tag, attempt=attempt, fence=fence, lock_retries=lock_retries, task_id=task.request.id)
+    if attempt < fail_until:
+        raise KeyError(tag)
+    return {"attempt": attempt, "fence": fence, "lock_retries": lock_retries}
+
+
+@exclusive_task(
+    app=app,
+    key="autoretry:{key_id}",
+    autoretry_for=(KeyError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=2,
+    lock_max_retries=100,
+    bind=True,
+    **_HOLD_RETRY,
+)
+def autoretrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict[str, Any]:
+    """Raises KeyError on its attempts below ``fail_until``: ``autoretry_for`` retries it after
+    ``retry_backoff`` (1, then 2 s), at most twice; waits for its key by lock retries."""
+    return _attempt(self, tag, fail_until)
+
+
+@exclusive_task(app=app, key="selfretry:{key_id}", max_retries=1, bind=True)
+def self_retrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict[str, Any]:
+    """Retries itself (``self.retry(countdown=0.2)``) on its attempts below ``fail_until``,
+    at most once: then Celery raises MaxRetriesExceededError."""
+    try:
+        return _attempt(self, tag, fail_until)
+    except KeyError:
+        raise self.retry(countdown=0.2) from None
+
+
+@app.task
+def collect(results: list[Any]) -> list[Any]:
+    """A chord body: returns its header's results."""
+    return results
+
+
 @exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)
 def soft_limited(self: Any, key_id: str, tag: str, duration: float = 0.0) -> dict[str, Any]:
     """Runs into its soft time limit (SoftTimeLimitExceeded in the body)."""
