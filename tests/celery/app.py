@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded
 from celery.signals import after_task_publish, worker_ready
 
 from celery_exclusive.signals import task_skipped
@@ -326,13 +326,24 @@ def autoretrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict
 
 
 @exclusive_task(app=app, key="selfretry:{key_id}", max_retries=1, bind=True)
-def self_retrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict[str, Any]:
+def self_retrying(
+    self: Any, key_id: str, tag: str, fail_until: int = 99, fallback: bool = False
+) -> dict[str, Any]:
     """Retries itself (``self.retry(countdown=0.2)``) on its attempts below ``fail_until``,
-    at most once: then Celery raises MaxRetriesExceededError."""
+    at most once: then Celery raises MaxRetriesExceededError, which ``fallback`` catches
+    (records ``fallback``: whether its lease is still held, in the store too, and returns)."""
     try:
         return _attempt(self, tag, fail_until)
     except KeyError:
-        raise self.retry(countdown=0.2) from None
+        try:
+            raise self.retry(countdown=0.2) from None
+        except MaxRetriesExceededError:
+            if not fallback:
+                raise
+    lease = self.lock
+    stored = get_lock_service(app).peek(lease.key)
+    record("fallback", tag, held=lease.held, stored=stored is not None and stored.token == lease.token)
+    return {"fallback": True}
 
 
 @app.task

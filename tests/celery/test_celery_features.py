@@ -77,6 +77,22 @@ def test_self_retry_past_max_retries_records_the_final_failure(group: WorkerGrou
     assert (done.outcome, done.attempt) == ("failure", 1)
 
 
+def test_code_after_a_retry_refused_past_max_retries_still_holds_the_lock(group: WorkerGroup) -> None:
+    """A body that catches the MaxRetriesExceededError of ``self.retry()`` and goes on (a
+    fallback) still holds its lease, in the store too, and its success is recorded; the
+    lease used to be released (``retried`` recorded) before Celery refused the retry, so
+    the fallback ran unprotected (``self.lock.check()`` raised LockLost)."""
+    tag = uid()
+    result = group.send(tasks.self_retrying, tag, tag, fallback=True)
+    assert result.get(timeout=RESULT_TIMEOUT) == {"fallback": True}
+    assert [each["attempt"] for each in attempts(tag)] == [0, 1]
+    [fallback] = [event for event in records(tag) if event["kind"] == "fallback"]
+    assert (fallback["held"], fallback["stored"]) == (True, True)
+    done = group.service.completion(f"selfretry:{tag}", result.id)
+    assert done is not None
+    assert (done.outcome, done.attempt) == ("success", 1)
+
+
 def test_an_autoretry_that_finds_its_key_held_lock_retries_then_runs(group: WorkerGroup) -> None:
     """The retry ``autoretry_for`` sends meets ``on_locked`` like any run: attempt 0 fails
     and releases its key, the test takes the key before the retry is due (2 s later) and
