@@ -28,6 +28,7 @@ from celery import Celery, Task
 from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded
 from celery.signals import after_task_publish, worker_ready
 
+from celery_exclusive.errors import LockedError
 from celery_exclusive.signals import task_skipped
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
 from celery_exclusive.worker import get_lock_service
@@ -323,6 +324,21 @@ def autoretrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict
     """Raises KeyError on its attempts below ``fail_until``: ``autoretry_for`` retries it after
     ``retry_backoff`` (1, then 2 s), at most twice; waits for its key by lock retries."""
     return _attempt(self, tag, fail_until)
+
+
+@exclusive_task(
+    app=app,
+    key="autolocked:{key_id}",
+    on_locked="raise",
+    autoretry_for=(LockedError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=5,
+    bind=True,
+)
+def autoretry_locked(self: Any, key_id: str, tag: str) -> dict[str, Any]:
+    """``on_locked="raise"`` whose LockedError ``autoretry_for`` retries (after 1, 2, 4... s)."""
+    return _attempt(self, tag, 0)
 
 
 @exclusive_task(app=app, key="selfretry:{key_id}", max_retries=1, bind=True)

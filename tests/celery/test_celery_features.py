@@ -120,6 +120,32 @@ def test_an_autoretry_that_finds_its_key_held_lock_retries_then_runs(group: Work
     assert (done.outcome, done.attempt) == ("success", 1)
 
 
+def test_autoretry_for_retries_a_locked_error_of_the_raise_policy(group: WorkerGroup) -> None:
+    """``on_locked="raise"`` with ``autoretry_for=(LockedError,)``: a run that finds its key
+    held is retried by Celery (``retry_backoff``, counted in ``retries``), and runs once the
+    key is free. The LockedError is raised before the body, outside the ``run`` that
+    Celery's autoretry wraps, so it used to fail the task at once."""
+    tag = uid()
+    key = f"autolocked:{tag}"
+    lease = group.service.lock(key, ttl=30)
+    try:
+        result = group.send(tasks.autoretry_locked, tag, tag)
+        wait_for(
+            lambda: (
+                result.ready()
+                or any(f"{result.id}] retry: Retry in" in worker.text() for worker in group.workers)
+            ),
+            RESULT_TIMEOUT,
+            what="the locked run's end or retry",
+        )
+    finally:
+        lease.release()
+    value = result.get(timeout=RESULT_TIMEOUT)
+    assert value["attempt"] >= 1
+    assert value["fence"] > lease.fence
+    assert [each["attempt"] for each in attempts(tag)] == [value["attempt"]]
+
+
 def test_a_chain_of_one_key_runs_every_link(group: WorkerGroup) -> None:
     """A chain whose links lock the same key (``on_locked="skip"``): each link releases its
     key before Celery sends the next, so no link is skipped by the one before it."""
