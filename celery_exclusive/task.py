@@ -76,11 +76,12 @@ from typing import (
 )
 
 from celery import Signature, Task, shared_task
-from celery.exceptions import Retry
+from celery.exceptions import Retry, TaskPredicate
 from celery.utils.imports import symbol_by_name
 from celery.utils.log import get_task_logger
 from celery.utils.threads import Local as _Local
 from celery.utils.threads import _LocalStack
+from celery.utils.time import get_exponential_backoff_interval
 
 from celery_exclusive import _interrupt, _runs, dedupe, observe, policies, redelivery
 from celery_exclusive import worker as _worker
@@ -359,9 +360,12 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         """Celery's retry, but the lock is released first so the retry cannot find it held.
 
         Code after ``retry(throw=False)`` runs without the lock. The lock-retry counter
-        starts again from zero for the retried run.
+        starts again from zero for the retried run. A retry Celery will not send (past
+        ``max_retries``, or a direct call: it raises the failure instead) keeps the lock
+        until the run ends, whose release records the ``failure``, not ``retried``.
         """
-        _before_retry(self, options)
+        if _will_retry(self, max_retries):
+            _before_retry(self, options)
         args, kwargs = None if args is None else tuple(args), None if kwargs is None else dict(kwargs)
         # celery-types says exc is an Exception; Celery takes any.
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)  # type: ignore[arg-type]
@@ -531,11 +535,18 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                 continue
             if call is None:
                 call = policies.Call(args, kwargs, inline=inline)
-            result = policies.held(task, locked.key, locked.holder, call)
+            try:
+                result = policies.held(task, locked.key, locked.holder, call)
+            except Exception as refused:  # LockedError, LockRetriesExceeded: autoretry_for's too
+                _autoretry(task, refused)
+                raise
             if result is policies.AGAIN:
                 plan = _plan_of(task)  # after an inline wait: the service may have been replaced
                 continue
             return result
+        except Exception as failed:  # the acquire's (a BackendError): autoretry_for's too
+            _autoretry(task, failed)
+            raise
         return _hold(
             task, plan, lease, args, kwargs, request, record, marked, span, watched
         )  # by position: no keyword matching
@@ -684,6 +695,33 @@ def _finish(
     finally:
         first = _runs.first(lease)
         plan.policy.finished(task, first, retry_in=retry_in)
+
+
+def _autoretry(task: ExclusiveTask[..., Any], exc: Exception) -> None:
+    """Retry as Celery's ``autoretry_for`` would (raising what ``task.retry`` raises) if it
+    covers ``exc``, raised before the body: by the acquire (a BackendError) or by the
+    ``on_locked`` policy (LockedError, LockRetriesExceeded). Celery's autoretry wraps
+    ``run``, the body, which the lock is taken outside of; its options are the task's."""
+    if not hasattr(task, "_orig_run") or isinstance(exc, TaskPredicate):  # Retry, Ignore, Reject
+        return
+    covered = tuple(getattr(task, "autoretry_for", ()) or ())
+    if not covered or not isinstance(exc, covered):
+        return
+    excluded = tuple(getattr(task, "dont_autoretry_for", ()) or ())
+    if excluded and isinstance(exc, excluded):
+        return
+    options = dict(getattr(task, "retry_kwargs", None) or {})
+    backoff = float(getattr(task, "retry_backoff", False))
+    if backoff:
+        options["countdown"] = get_exponential_backoff_interval(
+            factor=int(max(1.0, backoff)),
+            retries=task.request.retries,
+            maximum=int(getattr(task, "retry_backoff_max", 600)),
+            full_jitter=getattr(task, "retry_jitter", True),
+        )
+    if hasattr(task, "override_max_retries"):
+        options["max_retries"] = getattr(task, "override_max_retries", task.max_retries)
+    raise task.retry(exc=exc, **options)
 
 
 def _retry_in(exc: BaseException) -> float | None:
@@ -919,6 +957,17 @@ def _throws(task: ExclusiveTask[..., Any]) -> tuple[type[Exception], ...]:
     except ExclusiveError:  # a misconfigured app fails elsewhere, loudly; not while logging
         raising = False
     return (*own, LockedError) if raising and LockedError not in own else own
+
+
+def _will_retry(task: ExclusiveTask[..., Any], max_retries: int | None) -> bool:
+    """Whether Celery's ``Task.retry`` sends (or, eager, runs) a retry of the current request:
+    not for a direct call, nor past ``max_retries`` (its own tests, in its order: it raises
+    the exception, or MaxRetriesExceededError, and the run ends in that failure)."""
+    request = task.request
+    if request.called_directly:
+        return False
+    limit = task.max_retries if max_retries is None else max_retries
+    return limit is None or (request.retries or 0) + 1 <= limit
 
 
 def _before_retry(task: ExclusiveTask[..., Any], options: dict[str, Any]) -> None:

@@ -25,9 +25,10 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded
 from celery.signals import after_task_publish, worker_ready
 
+from celery_exclusive.errors import LockedError
 from celery_exclusive.signals import task_skipped
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
 from celery_exclusive.worker import get_lock_service
@@ -295,6 +296,76 @@ def replacing_cooled(self: Any, key_id: str, tag: str, page: int, grouped: bool 
         follow = replacing_cooled.si(key_id, tag, page + 1)
         raise self.replace(group(follow) if grouped else follow)
     return {"pages": page}
+
+
+def _attempt(task: Any, tag: str, fail_until: int) -> dict[str, Any]:
+    """Record the attempt (its ``retries`` and fence); raise KeyError below ``fail_until``."""
+    attempt, fence = task.request.retries, task.lock.fence
+    headers = task.request.headers or {}
+    lock_retries = int(headers.get(LOCK_RETRIES_HEADER) or 0)
+    record("attempt", tag, attempt=attempt, fence=fence, lock_retries=lock_retries, task_id=task.request.id)
+    if attempt < fail_until:
+        raise KeyError(tag)
+    return {"attempt": attempt, "fence": fence, "lock_retries": lock_retries}
+
+
+@exclusive_task(
+    app=app,
+    key="autoretry:{key_id}",
+    autoretry_for=(KeyError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=2,
+    lock_max_retries=100,
+    bind=True,
+    **_HOLD_RETRY,
+)
+def autoretrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict[str, Any]:
+    """Raises KeyError on its attempts below ``fail_until``: ``autoretry_for`` retries it after
+    ``retry_backoff`` (1, then 2 s), at most twice; waits for its key by lock retries."""
+    return _attempt(self, tag, fail_until)
+
+
+@exclusive_task(
+    app=app,
+    key="autolocked:{key_id}",
+    on_locked="raise",
+    autoretry_for=(LockedError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=5,
+    bind=True,
+)
+def autoretry_locked(self: Any, key_id: str, tag: str) -> dict[str, Any]:
+    """``on_locked="raise"`` whose LockedError ``autoretry_for`` retries (after 1, 2, 4... s)."""
+    return _attempt(self, tag, 0)
+
+
+@exclusive_task(app=app, key="selfretry:{key_id}", max_retries=1, bind=True)
+def self_retrying(
+    self: Any, key_id: str, tag: str, fail_until: int = 99, fallback: bool = False
+) -> dict[str, Any]:
+    """Retries itself (``self.retry(countdown=0.2)``) on its attempts below ``fail_until``,
+    at most once: then Celery raises MaxRetriesExceededError, which ``fallback`` catches
+    (records ``fallback``: whether its lease is still held, in the store too, and returns)."""
+    try:
+        return _attempt(self, tag, fail_until)
+    except KeyError:
+        try:
+            raise self.retry(countdown=0.2) from None
+        except MaxRetriesExceededError:
+            if not fallback:
+                raise
+    lease = self.lock
+    stored = get_lock_service(app).peek(lease.key)
+    record("fallback", tag, held=lease.held, stored=stored is not None and stored.token == lease.token)
+    return {"fallback": True}
+
+
+@app.task
+def collect(results: list[Any]) -> list[Any]:
+    """A chord body: returns its header's results."""
+    return results
 
 
 @exclusive_task(app=app, key="soft:{key_id}", soft_time_limit=0.5, time_limit=10, acks_late=True, bind=True)

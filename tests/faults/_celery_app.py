@@ -14,6 +14,7 @@ from typing import Any
 
 from celery import Celery
 
+from celery_exclusive.errors import BackendError
 from celery_exclusive.task import exclusive_task
 from celery_exclusive.worker import close_lock_services
 from tests.fork_safe_redis import SOCKET_TIMEOUT
@@ -200,6 +201,25 @@ def autoretrying(self: Any, tag: str, countdown: float) -> int:
     """:func:`_retrying_run` whose attempt 0 raises KeyError: ``autoretry_for`` retries it
     after ``retry_backoff`` (1 s), without completion records (``countdown`` unused)."""
     return _retrying_run(self, tag, countdown, auto=True)
+
+
+@exclusive_task(
+    app=app,
+    key="outage:{tag}",
+    time_limit=60,
+    autoretry_for=(BackendError,),
+    retry_backoff=1,
+    retry_jitter=False,
+    max_retries=10,
+    bind=True,
+)
+def outage_autoretrying(self: Any, tag: str) -> int:
+    """``autoretry_for=(BackendError,)``: an acquire the store refuses is retried after
+    ``retry_backoff`` (1, 2, 4... s); records its run (attempt, fence) in ``<tag>:runs``
+    and returns its attempt."""
+    attempt = int(self.request.retries or 0)
+    _events().rpush(f"{tag}:runs", json.dumps({"attempt": attempt, "fence": self.lock.fence}))
+    return attempt
 
 
 @exclusive_task(

@@ -8,7 +8,9 @@ a run in progress: it must run once that lease is gone, with or without completi
 records, single lock or semaphore. A prefork worker whose lock store is the suite's private
 Redis as an ACL user of its own; the test takes ``HDEL`` and ``DEL`` away from it (the
 release script's, ``RELEASE_COMMANDS``; acquire, refresh and peek keep working) until the
-retry has looked at its key once, and gives them back.
+retry has looked at its key once, and gives them back. One test takes ``SET`` away instead
+(acquire.lua's alone): the store refuses the acquire, which ``autoretry_for=(BackendError,)``
+retries until the store answers again.
 """
 
 from __future__ import annotations
@@ -193,6 +195,26 @@ def test_an_autoretry_behind_its_attempts_unreleased_lease_runs(worker: Worker) 
     runs = worker.runs(tag)
     assert [run["attempt"] for run in runs] == [0, 1], runs
     assert runs[1]["start"] >= answered - SLACK, "the retry ran while its attempt's lease was held"
+
+
+def test_autoretry_for_a_backend_error_rides_out_an_acquire_the_store_refuses(worker: Worker) -> None:
+    """``autoretry_for=(BackendError,)``: while the store refuses the worker's acquires (its
+    user may not ``SET``, which only acquire.lua calls), the run's BackendError is retried
+    by Celery (``retry_backoff``), and a retry after the store answers again takes the key
+    and runs the body once. The acquire is made outside the ``run`` that Celery's
+    autoretry wraps, so the BackendError used to fail the task at once."""
+    tag = uuid.uuid4().hex[:8]
+    worker.admin.execute_command("ACL", "SETUSER", worker.user, "-set")
+    try:
+        result = worker.app.outage_autoretrying.apply_async((tag,), queue=worker.queue)
+        retried = f"outage_autoretrying[{result.id}] retry: Retry in"
+        looked = wait_until(lambda: result.ready() or retried in worker.text(), FIRST_LOOK)
+        assert looked, worker.text()[-6000:]
+    finally:
+        worker.answer()
+    attempt = worker.result(result, 60.0)
+    assert attempt >= 1
+    assert [run["attempt"] for run in worker.runs(tag)] == [attempt]
 
 
 def test_a_copy_of_the_retrys_message_is_still_a_copy(worker: Worker) -> None:
