@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sqlite3
 import time
 import traceback
@@ -1003,6 +1004,47 @@ def test_bad_environment_ttl_raises_configuration_error(raw: str, monkeypatch: p
     task = _declare(_app())
     with pytest.raises(ConfigurationError, match="CELERY_EXCLUSIVE_DEFAULT_TTL"):
         task()
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "fragment"),
+    [
+        ({"exclusive_ttl": 300}, {}, "app.conf.exclusive_ttl; did you mean exclusive_default_ttl?"),
+        ({"exclusive_tll": "abc"}, {}, "unknown setting app.conf.exclusive_tll"),
+        ({"exclusive_on_lock": "raise"}, {}, "did you mean exclusive_on_locked?"),
+        ({}, {"CELERY_EXCLUSIVE_TTL": "300"}, "unknown environment variable CELERY_EXCLUSIVE_TTL"),
+        ({}, {"CELERY_EXCLUSIVE_ON_LOCK": "raise"}, "did you mean CELERY_EXCLUSIVE_ON_LOCKED?"),
+    ],
+)
+def test_unknown_exclusive_settings_are_refused_by_name(
+    conf: dict[str, Any], env: dict[str, str], fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt ``exclusive_*`` setting or ``CELERY_EXCLUSIVE_*`` variable fails the first
+    call with ConfigurationError naming it and the setting meant. Both were ignored without
+    a word: ``exclusive_ttl = 300`` left every lease at the default ttl."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    task = _declare(_app(**conf))
+    with pytest.raises(ConfigurationError) as raised:
+        task()
+    assert fragment in str(raised.value)
+
+
+def test_every_documented_exclusive_setting_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check for unknown settings lets every real one through: each ``exclusive_*``
+    setting and ``CELERY_EXCLUSIVE_*`` variable of docs/celery.md's table (and
+    ``CELERY_EXCLUSIVE_TABLE``, the Django setting Celery's ``CELERY`` namespace reads as
+    ``exclusive_table``) is taken."""
+    table = (Path(__file__).parent.parent / "docs" / "celery.md").read_text()
+    conf_names = set(re.findall(r"^\| `(exclusive_[a-z_]+)`", table, re.MULTILINE)) | {"exclusive_table"}
+    row = r"^\| `exclusive_[a-z_]+` \| `(CELERY_EXCLUSIVE_[A-Z_]+)`"
+    env_names = set(re.findall(row, table, re.MULTILINE))
+    assert len(conf_names) > 20
+    assert len(env_names) == len(conf_names) - 1
+    for name in (*env_names, "CELERY_EXCLUSIVE_TABLE"):
+        monkeypatch.setenv(name, "")  # set, but empty: not configured
+    settings = ExclusiveSettings.from_conf(dict.fromkeys(conf_names))
+    assert settings.url is None
 
 
 def _close_app_service(app: Celery) -> None:
