@@ -12,6 +12,7 @@ work everywhere and drop nothing. Credentials must never appear in errors or log
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -831,6 +832,13 @@ DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
     ],
     ({"on_locked": "bogus"}, "on_locked must be one of"),
     ({"on_locked": 5}, "on_locked must be one of"),
+    # A callable taking other than (task, key, holder) failed only once the key was held:
+    # a TypeError from the worker, naming neither the option nor the task.
+    ({"on_locked": lambda: None}, "on_locked callable must take (task, key, holder)"),
+    ({"on_locked": lambda task: None}, "on_locked callable must take (task, key, holder)"),
+    ({"on_locked": lambda task, key, holder, extra: None}, "on_locked callable must take"),
+    ({"on_locked": lambda *, task, key, holder: None}, "on_locked callable must take"),
+    ({"on_duplicate": lambda task, key: None}, "on_duplicate callable must take (task, key, existing"),
     ({"on_lost": "bogus"}, "on_lost must be one of"),
     ({"on_lost": 1}, "on_lost must be one of"),
     ({"lock_max_retries": -1}, "lock_max_retries must be an int >= 0"),
@@ -850,6 +858,33 @@ def test_exclusive_task_rejects_bad_options_when_declared(options: dict[str, Any
     with pytest.raises(InvalidArgumentError) as raised:
         _declare(_app(), **options)
     assert fragment in str(raised.value)
+
+
+class _Policy:
+    def __call__(self, task: object, key: str, holder: object) -> str:
+        return "instance"
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        lambda task, key, holder: "plain",
+        lambda *args: "varargs",
+        lambda task, key, holder, extra="x": "default",
+        lambda task, /, key, holder: "positional-only",
+        _Policy(),
+        functools.partial(lambda tag, task, key, holder: tag, "partial"),
+    ],
+    ids=["plain", "varargs", "default", "positional-only", "instance", "partial"],
+)
+def test_an_on_locked_callable_of_any_fitting_signature_is_taken(policy: Callable[..., str]) -> None:
+    """The signature check refuses no callable that takes (task, key, holder): each answers
+    for a run whose key is held."""
+    app = _app("memory://")
+    task = _declare(app, on_locked=policy)
+    with get_lock_service(app).lock(task.name, ttl=30):
+        assert task() == policy(None, "k", None)
+    _close_app_service(app)
 
 
 @pytest.mark.parametrize(
@@ -978,6 +1013,7 @@ def test_task_call_with_an_unusable_key_fails_before_the_store(
         ({"exclusive_prefix": "bad prefix"}, "app.conf.exclusive_prefix"),
         ({"exclusive_on_locked": "bogus"}, "app.conf.exclusive_on_locked"),
         ({"exclusive_on_lost": "bogus"}, "app.conf.exclusive_on_lost"),
+        ({"exclusive_on_locked": lambda task: None}, "app.conf.exclusive_on_locked: on_locked callable"),
         ({"exclusive_lock_max_retries": -1}, "app.conf.exclusive_lock_max_retries"),
         ({"exclusive_url": 5}, "app.conf.exclusive_url"),
         ({"exclusive_url": f"foo://u:{MARKER}@h/x"}, "unknown lock store scheme"),
