@@ -4,9 +4,11 @@ A template such as ``"community-pr:{work_id}"`` is filled from the arguments bou
 task's signature with defaults applied, so ``t.delay(1)`` and ``t.delay(work_id=1)`` give
 the same key; ``{task_name}`` is the task's name (unless the task has a parameter of that
 name). Attribute and index lookups (``{pr.id}``, ``{ids[0]}``) and format specs work.
-A template naming a parameter the task does not have is rejected when the task is
+A template naming a parameter the task does not have, holding a NUL or a lone surrogate,
+or using a conversion other than ``!r``/``!s``/``!a``, is rejected when the task is
 declared. A callable key receives the same arguments as the task (defaults applied) and
-returns the key. No key spec means one global lock named after the task.
+returns the key; one that cannot take them is rejected when the task is declared too.
+No key spec means one global lock named after the task.
 
 Several keys: a list or tuple of templates (``["tenant:{a}", "resource:{b}"]``, each
 checked when the task is declared), or a callable returning a list or tuple of keys. The
@@ -36,6 +38,7 @@ from typing import Any
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.many import MAX_KEYS, check_keys
+from celery_exclusive.validation import check_key
 
 TASK_NAME_FIELD = "task_name"
 KeySpec = str | Sequence[str] | Callable[..., str | Sequence[str]] | None
@@ -119,9 +122,14 @@ def template_fields(template: str) -> list[str]:
         parsed = list(_FORMATTER.parse(template))
     except ValueError as exc:
         raise InvalidArgumentError(f"lock key template {template!r} is malformed: {exc}") from None
-    for _, field, spec, _ in parsed:
+    for _, field, spec, conversion in parsed:
         if field is None:
             continue
+        if conversion not in (None, "r", "s", "a"):
+            raise InvalidArgumentError(
+                f"lock key template {template!r} uses the conversion !{conversion} in {{{field}}}; "
+                "a conversion is !r, !s or !a"
+            )
         root = _FIELD_ROOT.match(field).group(0)  # type: ignore[union-attr]  # always matches
         if root == "" or root.isdigit():
             raise InvalidArgumentError(
@@ -152,6 +160,8 @@ class KeyBuilder:
         #: (:meth:`_Plain.positional`), or None where that takes :meth:`build`; None for any
         #: other spec. The caller passes ``args`` when there are no keyword arguments.
         self.positional: Callable[[Sequence[Any]], str | None] | None = None
+        if callable(spec):
+            _check_callable(spec, signature)
         if spec is None or callable(spec):
             return
         if isinstance(spec, (list, tuple)):
@@ -185,6 +195,10 @@ class KeyBuilder:
             )
         if not spec:
             raise InvalidArgumentError("lock key template must not be empty")
+        try:
+            check_key(spec)  # its text is in every key: a NUL or lone surrogate in it would be
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"lock key template {spec!r}: {exc}") from None
         signature = self.signature
         params = signature.parameters
         takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -386,6 +400,28 @@ class _Plain:
                 return None
             values = (*values, task_name)
         return self.pattern if self.pick is None else self.pattern % self.pick(values)
+
+
+def _check_callable(spec: Callable[..., Any], task: inspect.Signature) -> None:
+    """InvalidArgumentError if the key callable ``spec`` cannot be called as
+    :meth:`KeyBuilder.build` calls it: with the task's parameters, those before ``*`` by
+    position, keyword-only ones by name (no extra ``*args``/``**kwargs``). A callable whose
+    signature Python cannot read is taken on trust."""
+    try:
+        own = inspect.signature(spec)
+    except (TypeError, ValueError):
+        return
+    params = task.parameters.values()
+    by_position = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    try:
+        own.bind(*by_position, **dict.fromkeys(by_name))
+    except TypeError as exc:
+        shown = ", ".join([*by_position, *(f"{name}=" for name in by_name)]) or "none"
+        raise InvalidArgumentError(
+            f"the lock key callable must take the task's arguments ({shown}), as the task "
+            f"does; {getattr(spec, '__qualname__', repr(spec))}{own} cannot ({exc})"
+        ) from None
 
 
 def _one(index: int) -> Callable[[Sequence[Any]], tuple[Any]]:

@@ -820,6 +820,16 @@ DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
     ({"key": "{}"}, "positional field"),
     ({"key": "{"}, "malformed"),
     ({"key": "}"}, "malformed"),
+    # Knowable from the template alone, yet refused only at every call.
+    ({"key": "a\x00{x}"}, "NUL"),
+    ({"key": ["a:{x}", "b\x00"]}, "NUL"),
+    ({"key": "a\udc80{x}"}, "lone surrogates"),
+    ({"key": "a:{x!z}"}, "conversion"),
+    # A key callable is called with the task's arguments: one that cannot take them raised
+    # a bare TypeError at every call.
+    ({"key": lambda: "k"}, "lock key callable must take the task's arguments (x)"),
+    ({"key": lambda x, y: "k"}, "lock key callable must take the task's arguments"),
+    ({"key": lambda *, x: "k"}, "lock key callable must take the task's arguments"),
     *[
         ({name: v}, f"lock_{name} must")
         for name in ("ttl", "max_lifetime", "refresh_interval")
