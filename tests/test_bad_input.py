@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import sqlite3
+import sys
 import time
 import traceback
 import uuid
@@ -751,6 +752,41 @@ def test_missing_driver_is_a_configuration_error_naming_the_extra() -> None:
     """An unknown driver raises MissingDriverError, a ConfigurationError naming the pip line."""
     with pytest.raises(MissingDriverError, match=r"celery-exclusive\[postgres\]"):
         provider_from_url("postgresql+nosuchdriver://h/x")
+
+
+@pytest.mark.parametrize(
+    ("url", "hidden", "fragment"),
+    [
+        ("postgresql+nosuchdriver://h/x", None, "or use postgresql+psycopg:// (pip install"),
+        ("mysql+nosuchdriver://h/x", None, "or use mysql+pymysql:// (pip install 'celery-exclusive[mysql]')"),
+        ("postgresql://h/x", "psycopg", "pip install 'celery-exclusive[postgres]'"),
+        ("mariadb://h/x", "pymysql", "pip install 'celery-exclusive[mysql]'"),
+        # These advised "sqlite+sqlite3://", which SQLAlchemy does not know, and an extra
+        # celery-exclusive[sqlite] that does not exist.
+        ("sqlite+nosuchdriver:///x.db", None, "or use sqlite:/// (Python's own sqlite3 module"),
+        ("sqlite:///x.db", "sqlite3", "a Python built with its sqlite3 module"),
+    ],
+)
+def test_a_missing_driver_names_an_install_that_exists(
+    url: str, hidden: str | None, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing driver's error names a pip extra the package has and a URL form SQLAlchemy
+    knows, for every SQL backend (a driver not importable is simulated by hiding it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    if hidden is not None:
+        for name in [m for m in sys.modules if m == hidden or m.startswith(f"{hidden}.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, hidden, None)
+    with pytest.raises(MissingDriverError) as raised:
+        provider_from_url(url)
+    message = str(raised.value)
+    assert fragment in message
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    for named in re.findall(r"celery-exclusive\[(\w+)\]", message):
+        assert named in extras, message
+    for scheme in re.findall(r"use ([\w+]+)://", message):
+        sa.make_url(f"{scheme}://").get_dialect()  # a URL form SQLAlchemy knows
 
 
 @pytest.mark.parametrize("url", ["", None])
