@@ -183,6 +183,18 @@ class KeyBuilder:
             self.positional = plain.positional()
 
     @property
+    def source(self) -> str:
+        """Where the keys come from, for error messages: the template(s), the callable, or
+        the task name."""
+        if self.spec is None:
+            return "name (no key given)"
+        if callable(self.spec):
+            return "key callable"
+        if self.templates is not None:
+            return f"key templates {list(self.templates)!r}"
+        return f"key template {self.spec!r}"
+
+    @property
     def several(self) -> bool:
         """Whether the spec is a list of templates (a callable may also give several keys)."""
         return self.templates is not None and len(self.templates) > 1
@@ -245,7 +257,8 @@ class KeyBuilder:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise InvalidArgumentError(
-                f"cannot build the lock key of {task_name}: its arguments do not match its signature: {exc}"
+                f"cannot build the lock key of {task_name} (from its {self.source}): its arguments "
+                f"do not match its signature: {exc}"
             ) from None
         bound.apply_defaults()
         if callable(self.spec):

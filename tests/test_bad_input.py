@@ -1031,12 +1031,17 @@ def _key_callable_returning(value: object) -> Callable[..., object]:
         (_key_callable_returning(""), (), "must return a non-empty str"),
         (_key_callable_returning(5), (), "must return a non-empty str"),
         (_key_callable_returning("a\x00"), (), "NUL"),
+        (_key_callable_returning("x" * 10240), (), "this store accepts at most"),
+        (_key_callable_returning(["a", "b\ud800"]), (), "lone surrogates"),
+        (["a:{x}", "b:{x}"], ("x" * 10240,), "this store accepts at most"),
     ],
 )
 def test_task_call_with_an_unusable_key_fails_before_the_store(
     key: Any, args: tuple[object, ...], fragment: str | None
 ) -> None:
-    """A call whose lock key cannot be built or is invalid raises InvalidArgumentError, not BackendError."""
+    """A call whose lock key cannot be built or is invalid raises InvalidArgumentError, not
+    BackendError, naming the task and where its key came from (a key too long, or with a
+    NUL, used to be told as for LockService.lock: no task, no template)."""
     app = _app()
     task = _declare(app, key=key)
     if fragment is None:
@@ -1046,6 +1051,9 @@ def test_task_call_with_an_unusable_key_fails_before_the_store(
         with pytest.raises(InvalidArgumentError) as raised:
             task(*args)
         assert fragment in str(raised.value)
+        assert task.name in str(raised.value)
+        source = repr(key) if isinstance(key, str) else repr(key) if isinstance(key, list) else "callable"
+        assert source in str(raised.value)
     _close_app_service(app)
 
 
@@ -1321,6 +1329,10 @@ def test_rejected_input_writes_nothing(real_store: RealStore) -> None:
                 task(bad)
         with pytest.raises(InvalidArgumentError):
             _declare(app, ttl=10, refresh_interval=10)(1)
+        # A task of several keys took its first key before its second was checked.
+        for bad in ("\x00", "\ud800", "x" * 10240):
+            with pytest.raises(InvalidArgumentError):
+                _declare(app, key=lambda x=1, bad=bad: ["a", f"b{bad}"])()
         _close_app_service(app)
     assert real_store.written() == []
 
