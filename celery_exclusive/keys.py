@@ -3,7 +3,9 @@
 A template such as ``"community-pr:{work_id}"`` is filled from the arguments bound to the
 task's signature with defaults applied, so ``t.delay(1)`` and ``t.delay(work_id=1)`` give
 the same key; ``{task_name}`` is the task's name (unless the task has a parameter of that
-name). Attribute and index lookups (``{pr.id}``, ``{ids[0]}``) and format specs work.
+name); the names of ``*args`` and ``**kwargs`` parameters are all of those arguments (a
+tuple, a dict with its items sorted). Attribute and index lookups (``{pr.id}``,
+``{ids[0]}``) and format specs work.
 A template naming a parameter the task does not have, holding a NUL or a lone surrogate,
 or using a conversion other than ``!r``/``!s``/``!a``, is rejected when the task is
 declared. A callable key receives the same arguments as the task (defaults applied) and
@@ -274,6 +276,7 @@ class KeyBuilder:
         values: dict[str, Any] = {TASK_NAME_FIELD: task_name}
         for name, value in bound.arguments.items():
             if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                values.setdefault(name, value)  # {kwargs}: all of them (a kwarg of that name wins)
                 values.update(value)
             else:
                 values[name] = value
