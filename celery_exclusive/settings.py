@@ -371,7 +371,10 @@ def check_done_retention(value: object) -> float | bool:
         raise InvalidArgumentError(
             "done_retention must be a positive duration, or False to keep no completion records, got True"
         )
-    result = seconds("done_retention", value)
+    try:
+        result = seconds("done_retention", value)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{exc}; or False to keep no completion records") from None
     if result > MAX_RETAIN:  # else every release of the task would refuse its record
         raise InvalidArgumentError(f"done_retention is {result:g} s; at most {MAX_RETAIN:g} s (10 years)")
     return result

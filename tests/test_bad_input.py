@@ -886,6 +886,8 @@ DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
     ({"on_locked": lambda *, task, key, holder: None}, "on_locked callable must take"),
     ({"on_duplicate": lambda task, key: None}, "on_duplicate callable must take (task, key, existing"),
     ({"on_lost": "bogus"}, "on_lost must be one of"),
+    # 0 (or a negative) for "no records" was told only to be positive: False is the way.
+    *[({"done_retention": v}, "or False to keep no completion records") for v in (0, -1, "0")],
     ({"on_lost": 1}, "on_lost must be one of"),
     ({"lock_max_retries": -1}, "lock_max_retries must be an int >= 0"),
     ({"lock_max_retries": True}, "lock_max_retries must be an int >= 0"),
