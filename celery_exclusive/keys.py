@@ -264,7 +264,12 @@ class KeyBuilder:
             ) from None
         bound.apply_defaults()
         if callable(self.spec):
-            key = self.spec(*bound.args, **bound.kwargs)
+            try:
+                key = self.spec(*bound.args, **bound.kwargs)
+            except Exception as exc:  # the caller's own error, kept; the note says whose key
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"while building the lock key of {task_name} with its key callable")
+                raise
             if isinstance(key, (list, tuple)):
                 return _several(task_name, key)
             if not isinstance(key, str) or not key:

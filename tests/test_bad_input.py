@@ -1059,6 +1059,22 @@ def test_task_call_with_an_unusable_key_fails_before_the_store(
     _close_app_service(app)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_an_error_raised_by_a_key_callable_says_which_task_it_was_building_for() -> None:
+    """An exception a key callable raises is the caller's own (its type kept) with a note
+    naming the task whose key it was building: the traceback showed only the callable."""
+
+    def key(x: object = 1) -> str:
+        raise LookupError("no such tenant")
+
+    app = _app()
+    task = _declare(app, key=key)
+    with pytest.raises(LookupError) as raised:
+        task()
+    assert raised.value.__notes__ == [f"while building the lock key of {task.name} with its key callable"]
+    _close_app_service(app)
+
+
 @pytest.mark.parametrize(
     ("conf", "fragment"),
     [
