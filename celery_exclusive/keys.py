@@ -40,7 +40,7 @@ from typing import Any
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.many import MAX_KEYS, check_keys
-from celery_exclusive.validation import check_key
+from celery_exclusive.validation import check_key, refused_call
 
 TASK_NAME_FIELD = "task_name"
 KeySpec = str | Sequence[str] | Callable[..., str | Sequence[str]] | None
@@ -426,23 +426,16 @@ class _Plain:
 def _check_callable(spec: Callable[..., Any], task: inspect.Signature) -> None:
     """InvalidArgumentError if the key callable ``spec`` cannot be called as
     :meth:`KeyBuilder.build` calls it: with the task's parameters, those before ``*`` by
-    position, keyword-only ones by name (no extra ``*args``/``**kwargs``). A callable whose
-    signature Python cannot read is taken on trust."""
-    try:
-        own = inspect.signature(spec)
-    except (TypeError, ValueError):
-        return
+    position, keyword-only ones by name (no extra ``*args``/``**kwargs``)."""
     params = task.parameters.values()
     by_position = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_name = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-    try:
-        own.bind(*by_position, **dict.fromkeys(by_name))
-    except TypeError as exc:
+    refused = refused_call(spec, *by_position, **dict.fromkeys(by_name))
+    if refused is not None:
         shown = ", ".join([*by_position, *(f"{name}=" for name in by_name)]) or "none"
         raise InvalidArgumentError(
-            f"the lock key callable must take the task's arguments ({shown}), as the task "
-            f"does; {getattr(spec, '__qualname__', repr(spec))}{own} cannot ({exc})"
-        ) from None
+            f"the lock key callable must take the task's arguments ({shown}), as the task does; {refused}"
+        )
 
 
 def _one(index: int) -> Callable[[Sequence[Any]], tuple[Any]]:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -61,7 +60,7 @@ from celery_exclusive.semaphore import check_limit
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import check_durations, check_prefix, lease_durations, seconds
+from celery_exclusive.validation import check_durations, check_prefix, lease_durations, refused_call, seconds
 from celery_exclusive.waiting import MAX_WAIT
 
 #: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
@@ -321,30 +320,16 @@ def check_choice(field: str, value: object) -> None:
     one of its ``choices``, nor a callable where the row allows one."""
     option = _BY_FIELD[field]
     if option.callable_form is not None and callable(value):
-        _check_arity(field, value, option.callable_form)
+        refused = refused_call(value, None, None, None)
+        if refused is not None:
+            form = option.callable_form.partition(" ->")[0]
+            raise InvalidArgumentError(f"{field} callable must take {form} by position; {refused}")
         return
     if value not in option.choices:
         also = "" if option.callable_form is None else f" or a callable {option.callable_form}"
         raise InvalidArgumentError(
             f"{field} must be one of {', '.join(map(repr, option.choices))}{also}, got {value!r}"
         )
-
-
-def _check_arity(field: str, function: Callable[..., Any], form: str) -> None:
-    """InvalidArgumentError if ``function`` cannot be called with the three positional
-    arguments ``form`` names (it would fail only when first called: the key held, a
-    duplicate sent); a callable whose signature Python cannot read is taken on trust."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(None, None, None)
-    except TypeError as exc:
-        raise InvalidArgumentError(
-            f"{field} callable must take {form.partition(' ->')[0]} by position; "
-            f"{getattr(function, '__qualname__', repr(function))}{signature} cannot ({exc})"
-        ) from None
 
 
 def check_on_locked(value: object) -> None:

@@ -193,6 +193,20 @@ SERVICE_CASES += [
         )
     ],
     Case("fn-not-callable", lambda s: s.run_exclusive("k", 5), InvalidArgumentError, "fn must be callable"),
+    # fn and on_locked are called with no arguments: one that needs some raised a bare
+    # TypeError after the lease was taken (fn), or only once the key was found held.
+    Case(
+        "fn-needs-arguments",
+        lambda s: s.run_exclusive("k", lambda x: x),
+        InvalidArgumentError,
+        "fn must be callable with no arguments",
+    ),
+    Case(
+        "on-locked-needs-arguments",
+        lambda s: s.run_exclusive("k", _never, on_locked=lambda holder: None),
+        InvalidArgumentError,
+        "on_locked must be callable with no arguments",
+    ),
     Case(
         "on-locked-not-callable",
         lambda s: s.run_exclusive("k", _never, on_locked="skip"),
