@@ -327,7 +327,8 @@ class LockService(PrefixedStore):
     ) -> ExclusiveResult[T]:
         """Run ``fn`` holding ``key``; if it is held, call ``on_locked()`` and don't run ``fn``.
 
-        The lease is released in ``finally``, whether ``fn`` returned or raised.
+        The lease is released in ``finally``, whether ``fn`` returned or raised. Both are
+        called without arguments: one that cannot be is refused before the store is asked.
         """
         for name, function in (("fn", fn), ("on_locked", on_locked)):
             if function is None and name == "on_locked":
