@@ -3,10 +3,14 @@
 A template such as ``"community-pr:{work_id}"`` is filled from the arguments bound to the
 task's signature with defaults applied, so ``t.delay(1)`` and ``t.delay(work_id=1)`` give
 the same key; ``{task_name}`` is the task's name (unless the task has a parameter of that
-name). Attribute and index lookups (``{pr.id}``, ``{ids[0]}``) and format specs work.
-A template naming a parameter the task does not have is rejected when the task is
+name); the names of ``*args`` and ``**kwargs`` parameters are all of those arguments (a
+tuple, a dict with its items sorted). Attribute and index lookups (``{pr.id}``,
+``{ids[0]}``) and format specs work.
+A template naming a parameter the task does not have, holding a NUL or a lone surrogate,
+or using a conversion other than ``!r``/``!s``/``!a``, is rejected when the task is
 declared. A callable key receives the same arguments as the task (defaults applied) and
-returns the key. No key spec means one global lock named after the task.
+returns the key; one that cannot take them is rejected when the task is declared too.
+No key spec means one global lock named after the task.
 
 Several keys: a list or tuple of templates (``["tenant:{a}", "resource:{b}"]``, each
 checked when the task is declared), or a callable returning a list or tuple of keys. The
@@ -36,6 +40,7 @@ from typing import Any
 
 from celery_exclusive.errors import InvalidArgumentError
 from celery_exclusive.many import MAX_KEYS, check_keys
+from celery_exclusive.validation import check_key, refused_call
 
 TASK_NAME_FIELD = "task_name"
 KeySpec = str | Sequence[str] | Callable[..., str | Sequence[str]] | None
@@ -119,9 +124,14 @@ def template_fields(template: str) -> list[str]:
         parsed = list(_FORMATTER.parse(template))
     except ValueError as exc:
         raise InvalidArgumentError(f"lock key template {template!r} is malformed: {exc}") from None
-    for _, field, spec, _ in parsed:
+    for _, field, spec, conversion in parsed:
         if field is None:
             continue
+        if conversion not in (None, "r", "s", "a"):
+            raise InvalidArgumentError(
+                f"lock key template {template!r} uses the conversion !{conversion} in {{{field}}}; "
+                "a conversion is !r, !s or !a"
+            )
         root = _FIELD_ROOT.match(field).group(0)  # type: ignore[union-attr]  # always matches
         if root == "" or root.isdigit():
             raise InvalidArgumentError(
@@ -152,6 +162,8 @@ class KeyBuilder:
         #: (:meth:`_Plain.positional`), or None where that takes :meth:`build`; None for any
         #: other spec. The caller passes ``args`` when there are no keyword arguments.
         self.positional: Callable[[Sequence[Any]], str | None] | None = None
+        if callable(spec):
+            _check_callable(spec, signature)
         if spec is None or callable(spec):
             return
         if isinstance(spec, (list, tuple)):
@@ -173,6 +185,18 @@ class KeyBuilder:
             self.positional = plain.positional()
 
     @property
+    def source(self) -> str:
+        """Where the keys come from, for error messages: the template(s), the callable, or
+        the task name."""
+        if self.spec is None:
+            return "name (no key given)"
+        if callable(self.spec):
+            return "key callable"
+        if self.templates is not None:
+            return f"key templates {list(self.templates)!r}"
+        return f"key template {self.spec!r}"
+
+    @property
     def several(self) -> bool:
         """Whether the spec is a list of templates (a callable may also give several keys)."""
         return self.templates is not None and len(self.templates) > 1
@@ -185,6 +209,10 @@ class KeyBuilder:
             )
         if not spec:
             raise InvalidArgumentError("lock key template must not be empty")
+        try:
+            check_key(spec)  # its text is in every key: a NUL or lone surrogate in it would be
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"lock key template {spec!r}: {exc}") from None
         signature = self.signature
         params = signature.parameters
         takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -231,11 +259,17 @@ class KeyBuilder:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise InvalidArgumentError(
-                f"cannot build the lock key of {task_name}: its arguments do not match its signature: {exc}"
+                f"cannot build the lock key of {task_name} (from its {self.source}): its arguments "
+                f"do not match its signature: {exc}"
             ) from None
         bound.apply_defaults()
         if callable(self.spec):
-            key = self.spec(*bound.args, **bound.kwargs)
+            try:
+                key = self.spec(*bound.args, **bound.kwargs)
+            except Exception as exc:  # the caller's own error, kept; the note says whose key
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"while building the lock key of {task_name} with its key callable")
+                raise
             if isinstance(key, (list, tuple)):
                 return _several(task_name, key)
             if not isinstance(key, str) or not key:
@@ -247,6 +281,7 @@ class KeyBuilder:
         values: dict[str, Any] = {TASK_NAME_FIELD: task_name}
         for name, value in bound.arguments.items():
             if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                values.setdefault(name, value)  # {kwargs}: all of them (a kwarg of that name wins)
                 values.update(value)
             else:
                 values[name] = value
@@ -386,6 +421,21 @@ class _Plain:
                 return None
             values = (*values, task_name)
         return self.pattern if self.pick is None else self.pattern % self.pick(values)
+
+
+def _check_callable(spec: Callable[..., Any], task: inspect.Signature) -> None:
+    """InvalidArgumentError if the key callable ``spec`` cannot be called as
+    :meth:`KeyBuilder.build` calls it: with the task's parameters, those before ``*`` by
+    position, keyword-only ones by name (no extra ``*args``/``**kwargs``)."""
+    params = task.parameters.values()
+    by_position = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    refused = refused_call(spec, *by_position, **dict.fromkeys(by_name))
+    if refused is not None:
+        shown = ", ".join([*by_position, *(f"{name}=" for name in by_name)]) or "none"
+        raise InvalidArgumentError(
+            f"the lock key callable must take the task's arguments ({shown}), as the task does; {refused}"
+        )
 
 
 def _one(index: int) -> Callable[[Sequence[Any]], tuple[Any]]:

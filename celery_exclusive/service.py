@@ -49,7 +49,7 @@ from celery_exclusive.providers.base import (
 )
 from celery_exclusive.semaphore import MAX_LIMIT
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_task_id
+from celery_exclusive.validation import MAX_LIFETIME_CAP, check_key, check_task_id, refused_call
 
 T = TypeVar("T")
 _logger = logging.getLogger("celery_exclusive")
@@ -327,12 +327,17 @@ class LockService(PrefixedStore):
     ) -> ExclusiveResult[T]:
         """Run ``fn`` holding ``key``; if it is held, call ``on_locked()`` and don't run ``fn``.
 
-        The lease is released in ``finally``, whether ``fn`` returned or raised.
+        The lease is released in ``finally``, whether ``fn`` returned or raised. Both are
+        called without arguments: one that cannot be is refused before the store is asked.
         """
-        if on_locked is not None and not callable(on_locked):
-            raise InvalidArgumentError("on_locked must be callable")
-        if not callable(fn):
-            raise InvalidArgumentError("fn must be callable")
+        for name, function in (("fn", fn), ("on_locked", on_locked)):
+            if function is None and name == "on_locked":
+                continue
+            if not callable(function):
+                raise InvalidArgumentError(f"{name} must be callable")
+            refused = refused_call(function)
+            if refused is not None:
+                raise InvalidArgumentError(f"{name} must be callable with no arguments; {refused}")
         lease = self._acquiring.take(key, ttl, refresh_interval, max_lifetime, holder)
         if isinstance(lease, Held):
             if on_locked is not None:

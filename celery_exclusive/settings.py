@@ -47,6 +47,7 @@ Durations are seconds (int/float) or ``timedelta``; in the environment, seconds.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -59,7 +60,7 @@ from celery_exclusive.semaphore import check_limit
 from celery_exclusive.service import DEFAULT_MAX_LIFETIME, DEFAULT_PREFIX, DEFAULT_TTL
 from celery_exclusive.urls import ENV_VAR as URL_ENV_VAR
 from celery_exclusive.urls import mask_url
-from celery_exclusive.validation import check_durations, check_prefix, lease_durations, seconds
+from celery_exclusive.validation import check_durations, check_prefix, lease_durations, refused_call, seconds
 from celery_exclusive.waiting import MAX_WAIT
 
 #: What a task does when its key is held; a callable ``(task, key, holder) -> result`` also works.
@@ -257,6 +258,7 @@ class ExclusiveSettings:
         """Settings from a Celery ``app.conf`` (or any mapping), then the environment, then defaults."""
         conf = conf if conf is not None else {}
         environ = environ if environ is not None else os.environ
+        _check_names(conf, environ)
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             name = field.name
@@ -281,11 +283,47 @@ class ExclusiveSettings:
             raise ConfigurationError(f"celery-exclusive settings: {exc}") from None
 
 
+#: ``app.conf`` names read elsewhere than :data:`OPTIONS`: the worker's start-up check, and
+#: the Django lock table (``CELERY_EXCLUSIVE_TABLE``, which ``config_from_object(...,
+#: namespace="CELERY")`` brings in as ``exclusive_table``).
+_OTHER_CONF = ("startup_check", "table")
+
+
+def _check_names(conf: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+    """ConfigurationError for an ``exclusive_*`` setting or a ``CELERY_EXCLUSIVE_*``
+    variable that is none of ours (a misspelt one would be ignored), naming the closest
+    (found among the settings' names and their per-task names: ``ttl`` is ``default_ttl``)."""
+    meant = {name: name for name in _OTHER_CONF}
+    for option in OPTIONS:
+        meant.update({option.field: option.conf, option.conf: option.conf})
+    for prefix, names in ((CONF_PREFIX, conf), (ENV_PREFIX, environ)):
+        for name in names:
+            if not isinstance(name, str) or not name.startswith(prefix):
+                continue
+            given = name[len(prefix) :]
+            own = given.lower() if prefix == ENV_PREFIX else given
+            if own in meant.values() and (prefix == CONF_PREFIX or given == own.upper()):
+                continue
+            close = difflib.get_close_matches(own, sorted(meant), n=1, cutoff=0.6)
+            where = "setting app.conf." if prefix == CONF_PREFIX else "environment variable "
+            spell = (lambda conf_name: CONF_PREFIX + conf_name) if prefix == CONF_PREFIX else _env_of
+            hint = f"did you mean {spell(meant[close[0]])}?" if close else "see docs/celery.md, Configuration"
+            raise ConfigurationError(f"unknown {where}{name}; {hint}")
+
+
+def _env_of(conf_name: str) -> str:
+    return URL_ENV_VAR if conf_name == "url" else ENV_PREFIX + conf_name.upper()
+
+
 def check_choice(field: str, value: object) -> None:
     """Reject a value of the choice option ``field`` (its :data:`OPTIONS` row) that is not
     one of its ``choices``, nor a callable where the row allows one."""
     option = _BY_FIELD[field]
     if option.callable_form is not None and callable(value):
+        refused = refused_call(value, None, None, None)
+        if refused is not None:
+            form = option.callable_form.partition(" ->")[0]
+            raise InvalidArgumentError(f"{field} callable must take {form} by position; {refused}")
         return
     if value not in option.choices:
         also = "" if option.callable_form is None else f" or a callable {option.callable_form}"
@@ -318,7 +356,10 @@ def check_done_retention(value: object) -> float | bool:
         raise InvalidArgumentError(
             "done_retention must be a positive duration, or False to keep no completion records, got True"
         )
-    result = seconds("done_retention", value)
+    try:
+        result = seconds("done_retention", value)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{exc}; or False to keep no completion records") from None
     if result > MAX_RETAIN:  # else every release of the task would refuse its record
         raise InvalidArgumentError(f"done_retention is {result:g} s; at most {MAX_RETAIN:g} s (10 years)")
     return result

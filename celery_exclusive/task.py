@@ -111,7 +111,7 @@ from celery_exclusive.settings import (
     check_task_options,
     keyword_attributes,
 )
-from celery_exclusive.validation import RERUN_SUFFIX, lease_durations
+from celery_exclusive.validation import RERUN_SUFFIX, check_key, lease_durations
 from celery_exclusive.worker import app_settings, lock_service_of
 
 if TYPE_CHECKING:
@@ -523,6 +523,8 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
                     lease = plan.service.lock(key, task_id=once, holder=holder, on_lost=lost, **plan.options)
             else:
                 lease = _lock(task, plan, key, once, request)
+        except InvalidArgumentError as refused:
+            raise _unusable_key(task, plan.service, key) or refused from None
         except AlreadyDone as done:
             redelivery.settle(task, done.key, done.record, args, kwargs)  # ends a copy of a finished run
             once, plan = None, _plan_of(task)  # a retry's own attempt: take the key as usual
@@ -550,6 +552,21 @@ def _run(  # noqa: PLR0912, PLR0915 - the usual run inline: its calls cost each 
         return _hold(
             task, plan, lease, args, kwargs, request, record, marked, span, watched
         )  # by position: no keyword matching
+
+
+def _unusable_key(
+    task: ExclusiveTask[..., Any], service: LockService, key: str | list[str]
+) -> Exception | None:
+    """The error naming the task and its key's source if the store refused ``key`` (too
+    long for it, a NUL or lone surrogate from an argument), else None (another refusal)."""
+    for each in [key] if isinstance(key, str) else key:
+        try:
+            check_key(each, prefix=service.prefix, max_length=service.provider.max_key_length)
+        except InvalidArgumentError as refused:
+            return InvalidArgumentError(
+                f"the lock key of {task.name} (from its {_key_builder_of(task).source}): {refused}"
+            )
+    return None
 
 
 def _acquire(
@@ -755,6 +772,8 @@ def _lock(
     if settings.limit > 1:
         raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
     keys = key
+    for each in keys:  # all checked before the first is taken (lock_many checks only the rest)
+        check_key(each, prefix=service.prefix, max_length=service.provider.max_key_length)
     first = service.lock(keys[0], task_id=once, **options)
     try:
         rest = service.lock_many(keys[1:], **options)

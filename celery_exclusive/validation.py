@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import operator
 import re
@@ -43,6 +44,22 @@ def seconds(name: str, value: object) -> float:
     if not math.isfinite(result) or result <= 0:
         raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {shown(value)}")
     return result
+
+
+def refused_call(function: Callable[..., object], *args: object, **kwargs: object) -> str | None:
+    """Why ``function`` cannot be called with ``args`` and ``kwargs`` (its signature and
+    the binding error), or None if it can or Python cannot read its signature (taken on
+    trust): a callback that cannot take what it will be given is refused when it is given,
+    not when it is first called (a key found held, a duplicate sent)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"{getattr(function, '__qualname__', repr(function))}{signature} cannot ({exc})"
+    return None
 
 
 def check_key(key: object, *, prefix: str = "", max_length: int | None = None) -> str:

@@ -12,9 +12,12 @@ work everywhere and drop nothing. Credentials must never appear in errors or log
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import re
 import sqlite3
+import sys
 import time
 import traceback
 import uuid
@@ -190,6 +193,20 @@ SERVICE_CASES += [
         )
     ],
     Case("fn-not-callable", lambda s: s.run_exclusive("k", 5), InvalidArgumentError, "fn must be callable"),
+    # fn and on_locked are called with no arguments: one that needs some raised a bare
+    # TypeError after the lease was taken (fn), or only once the key was found held.
+    Case(
+        "fn-needs-arguments",
+        lambda s: s.run_exclusive("k", lambda x: x),
+        InvalidArgumentError,
+        "fn must be callable with no arguments",
+    ),
+    Case(
+        "on-locked-needs-arguments",
+        lambda s: s.run_exclusive("k", _never, on_locked=lambda holder: None),
+        InvalidArgumentError,
+        "on_locked must be callable with no arguments",
+    ),
     Case(
         "on-locked-not-callable",
         lambda s: s.run_exclusive("k", _never, on_locked="skip"),
@@ -801,6 +818,41 @@ def test_missing_driver_is_a_configuration_error_naming_the_extra() -> None:
         provider_from_url("postgresql+nosuchdriver://h/x")
 
 
+@pytest.mark.parametrize(
+    ("url", "hidden", "fragment"),
+    [
+        ("postgresql+nosuchdriver://h/x", None, "or use postgresql+psycopg:// (pip install"),
+        ("mysql+nosuchdriver://h/x", None, "or use mysql+pymysql:// (pip install 'celery-exclusive[mysql]')"),
+        ("postgresql://h/x", "psycopg", "pip install 'celery-exclusive[postgres]'"),
+        ("mariadb://h/x", "pymysql", "pip install 'celery-exclusive[mysql]'"),
+        # These advised "sqlite+sqlite3://", which SQLAlchemy does not know, and an extra
+        # celery-exclusive[sqlite] that does not exist.
+        ("sqlite+nosuchdriver:///x.db", None, "or use sqlite:/// (Python's own sqlite3 module"),
+        ("sqlite:///x.db", "sqlite3", "a Python built with its sqlite3 module"),
+    ],
+)
+def test_a_missing_driver_names_an_install_that_exists(
+    url: str, hidden: str | None, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing driver's error names a pip extra the package has and a URL form SQLAlchemy
+    knows, for every SQL backend (a driver not importable is simulated by hiding it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    if hidden is not None:
+        for name in [m for m in sys.modules if m == hidden or m.startswith(f"{hidden}.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, hidden, None)
+    with pytest.raises(MissingDriverError) as raised:
+        provider_from_url(url)
+    message = str(raised.value)
+    assert fragment in message
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    for named in re.findall(r"celery-exclusive\[(\w+)\]", message):
+        assert named in extras, message
+    for scheme in re.findall(r"use ([\w+]+)://", message):
+        sa.make_url(f"{scheme}://").get_dialect()  # a URL form SQLAlchemy knows
+
+
 @pytest.mark.parametrize("url", ["", None])
 def test_no_url_at_all_names_every_place_to_set_one(url: str | None) -> None:
     """No URL anywhere is a ConfigurationError naming the argument and the environment variable."""
@@ -868,6 +920,16 @@ DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
     ({"key": "{}"}, "positional field"),
     ({"key": "{"}, "malformed"),
     ({"key": "}"}, "malformed"),
+    # Knowable from the template alone, yet refused only at every call.
+    ({"key": "a\x00{x}"}, "NUL"),
+    ({"key": ["a:{x}", "b\x00"]}, "NUL"),
+    ({"key": "a\udc80{x}"}, "lone surrogates"),
+    ({"key": "a:{x!z}"}, "conversion"),
+    # A key callable is called with the task's arguments: one that cannot take them raised
+    # a bare TypeError at every call.
+    ({"key": lambda: "k"}, "lock key callable must take the task's arguments (x)"),
+    ({"key": lambda x, y: "k"}, "lock key callable must take the task's arguments"),
+    ({"key": lambda *, x: "k"}, "lock key callable must take the task's arguments"),
     *[
         ({name: v}, f"lock_{name} must")
         for name in ("ttl", "max_lifetime", "refresh_interval")
@@ -880,7 +942,16 @@ DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
     ],
     ({"on_locked": "bogus"}, "on_locked must be one of"),
     ({"on_locked": 5}, "on_locked must be one of"),
+    # A callable taking other than (task, key, holder) failed only once the key was held:
+    # a TypeError from the worker, naming neither the option nor the task.
+    ({"on_locked": lambda: None}, "on_locked callable must take (task, key, holder)"),
+    ({"on_locked": lambda task: None}, "on_locked callable must take (task, key, holder)"),
+    ({"on_locked": lambda task, key, holder, extra: None}, "on_locked callable must take"),
+    ({"on_locked": lambda *, task, key, holder: None}, "on_locked callable must take"),
+    ({"on_duplicate": lambda task, key: None}, "on_duplicate callable must take (task, key, existing"),
     ({"on_lost": "bogus"}, "on_lost must be one of"),
+    # 0 (or a negative) for "no records" was told only to be positive: False is the way.
+    *[({"done_retention": v}, "or False to keep no completion records") for v in (0, -1, "0")],
     ({"on_lost": 1}, "on_lost must be one of"),
     ({"lock_max_retries": -1}, "lock_max_retries must be an int >= 0"),
     ({"lock_max_retries": True}, "lock_max_retries must be an int >= 0"),
@@ -899,6 +970,33 @@ def test_exclusive_task_rejects_bad_options_when_declared(options: dict[str, Any
     with pytest.raises(InvalidArgumentError) as raised:
         _declare(_app(), **options)
     assert fragment in str(raised.value)
+
+
+class _Policy:
+    def __call__(self, task: object, key: str, holder: object) -> str:
+        return "instance"
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        lambda task, key, holder: "plain",
+        lambda *args: "varargs",
+        lambda task, key, holder, extra="x": "default",
+        lambda task, /, key, holder: "positional-only",
+        _Policy(),
+        functools.partial(lambda tag, task, key, holder: tag, "partial"),
+    ],
+    ids=["plain", "varargs", "default", "positional-only", "instance", "partial"],
+)
+def test_an_on_locked_callable_of_any_fitting_signature_is_taken(policy: Callable[..., str]) -> None:
+    """The signature check refuses no callable that takes (task, key, holder): each answers
+    for a run whose key is held."""
+    app = _app("memory://")
+    task = _declare(app, on_locked=policy)
+    with get_lock_service(app).lock(task.name, ttl=30):
+        assert task() == policy(None, "k", None)
+    _close_app_service(app)
 
 
 @pytest.mark.parametrize(
@@ -999,12 +1097,17 @@ def _key_callable_returning(value: object) -> Callable[..., object]:
         (_key_callable_returning(""), (), "must return a non-empty str"),
         (_key_callable_returning(5), (), "must return a non-empty str"),
         (_key_callable_returning("a\x00"), (), "NUL"),
+        (_key_callable_returning("x" * 10240), (), "this store accepts at most"),
+        (_key_callable_returning(["a", "b\ud800"]), (), "lone surrogates"),
+        (["a:{x}", "b:{x}"], ("x" * 10240,), "this store accepts at most"),
     ],
 )
 def test_task_call_with_an_unusable_key_fails_before_the_store(
     key: Any, args: tuple[object, ...], fragment: str | None
 ) -> None:
-    """A call whose lock key cannot be built or is invalid raises InvalidArgumentError, not BackendError."""
+    """A call whose lock key cannot be built or is invalid raises InvalidArgumentError, not
+    BackendError, naming the task and where its key came from (a key too long, or with a
+    NUL, used to be told as for LockService.lock: no task, no template)."""
     app = _app()
     task = _declare(app, key=key)
     if fragment is None:
@@ -1014,6 +1117,25 @@ def test_task_call_with_an_unusable_key_fails_before_the_store(
         with pytest.raises(InvalidArgumentError) as raised:
             task(*args)
         assert fragment in str(raised.value)
+        assert task.name in str(raised.value)
+        source = repr(key) if isinstance(key, str) else repr(key) if isinstance(key, list) else "callable"
+        assert source in str(raised.value)
+    _close_app_service(app)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_an_error_raised_by_a_key_callable_says_which_task_it_was_building_for() -> None:
+    """An exception a key callable raises is the caller's own (its type kept) with a note
+    naming the task whose key it was building: the traceback showed only the callable."""
+
+    def key(x: object = 1) -> str:
+        raise LookupError("no such tenant")
+
+    app = _app()
+    task = _declare(app, key=key)
+    with pytest.raises(LookupError) as raised:
+        task()
+    assert raised.value.__notes__ == [f"while building the lock key of {task.name} with its key callable"]
     _close_app_service(app)
 
 
@@ -1027,6 +1149,7 @@ def test_task_call_with_an_unusable_key_fails_before_the_store(
         ({"exclusive_prefix": "bad prefix"}, "app.conf.exclusive_prefix"),
         ({"exclusive_on_locked": "bogus"}, "app.conf.exclusive_on_locked"),
         ({"exclusive_on_lost": "bogus"}, "app.conf.exclusive_on_lost"),
+        ({"exclusive_on_locked": lambda task: None}, "app.conf.exclusive_on_locked: on_locked callable"),
         ({"exclusive_lock_max_retries": -1}, "app.conf.exclusive_lock_max_retries"),
         ({"exclusive_url": 5}, "app.conf.exclusive_url"),
         ({"exclusive_url": f"foo://u:{MARKER}@h/x"}, "unknown lock store scheme"),
@@ -1053,6 +1176,47 @@ def test_bad_environment_ttl_raises_configuration_error(raw: str, monkeypatch: p
     task = _declare(_app())
     with pytest.raises(ConfigurationError, match="CELERY_EXCLUSIVE_DEFAULT_TTL"):
         task()
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "fragment"),
+    [
+        ({"exclusive_ttl": 300}, {}, "app.conf.exclusive_ttl; did you mean exclusive_default_ttl?"),
+        ({"exclusive_tll": "abc"}, {}, "unknown setting app.conf.exclusive_tll"),
+        ({"exclusive_on_lock": "raise"}, {}, "did you mean exclusive_on_locked?"),
+        ({}, {"CELERY_EXCLUSIVE_TTL": "300"}, "unknown environment variable CELERY_EXCLUSIVE_TTL"),
+        ({}, {"CELERY_EXCLUSIVE_ON_LOCK": "raise"}, "did you mean CELERY_EXCLUSIVE_ON_LOCKED?"),
+    ],
+)
+def test_unknown_exclusive_settings_are_refused_by_name(
+    conf: dict[str, Any], env: dict[str, str], fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt ``exclusive_*`` setting or ``CELERY_EXCLUSIVE_*`` variable fails the first
+    call with ConfigurationError naming it and the setting meant. Both were ignored without
+    a word: ``exclusive_ttl = 300`` left every lease at the default ttl."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    task = _declare(_app(**conf))
+    with pytest.raises(ConfigurationError) as raised:
+        task()
+    assert fragment in str(raised.value)
+
+
+def test_every_documented_exclusive_setting_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check for unknown settings lets every real one through: each ``exclusive_*``
+    setting and ``CELERY_EXCLUSIVE_*`` variable of docs/celery.md's table (and
+    ``CELERY_EXCLUSIVE_TABLE``, the Django setting Celery's ``CELERY`` namespace reads as
+    ``exclusive_table``) is taken."""
+    table = (Path(__file__).parent.parent / "docs" / "celery.md").read_text()
+    conf_names = set(re.findall(r"^\| `(exclusive_[a-z_]+)`", table, re.MULTILINE)) | {"exclusive_table"}
+    row = r"^\| `exclusive_[a-z_]+` \| `(CELERY_EXCLUSIVE_[A-Z_]+)`"
+    env_names = set(re.findall(row, table, re.MULTILINE))
+    assert len(conf_names) > 20
+    assert len(env_names) == len(conf_names) - 1
+    for name in (*env_names, "CELERY_EXCLUSIVE_TABLE"):
+        monkeypatch.setenv(name, "")  # set, but empty: not configured
+    settings = ExclusiveSettings.from_conf(dict.fromkeys(conf_names))
+    assert settings.url is None
 
 
 def _close_app_service(app: Celery) -> None:
@@ -1247,6 +1411,10 @@ def test_rejected_input_writes_nothing(real_store: RealStore) -> None:
                 task(bad)
         with pytest.raises(InvalidArgumentError):
             _declare(app, ttl=10, refresh_interval=10)(1)
+        # A task of several keys took its first key before its second was checked.
+        for bad in ("\x00", "\ud800", "x" * 10240):
+            with pytest.raises(InvalidArgumentError):
+                _declare(app, key=lambda x=1, bad=bad: ["a", f"b{bad}"])()
         _close_app_service(app)
     assert real_store.written() == []
 

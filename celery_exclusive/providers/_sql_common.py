@@ -47,7 +47,7 @@ _MAX_NAME = 63 - len("_fence_seq")  # derived names must fit PostgreSQL's and My
 #: backends the SQL stores serve (``postgres`` is read as ``postgresql``).
 DRIVERS = {
     "postgresql": ("psycopg", "postgres"),
-    "sqlite": ("sqlite3", "sqlite"),
+    "sqlite": ("sqlite3", "sqlite"),  # in Python itself: no such extra (see _missing_driver)
     "mysql": ("pymysql", "mysql"),
     "mariadb": ("pymysql", "mysql"),
 }
@@ -480,6 +480,15 @@ def engine_from_url(raw: str, *, prepare: bool = True) -> Engine:
 
 def _missing_driver(backend: str, driver: str) -> MissingDriverError:
     module, extra = DRIVERS[backend]
+    if backend == "sqlite":  # Python's own module, which no extra installs
+        if not driver or driver == "pysqlite":
+            return MissingDriverError(
+                extra, module, "a Python built with its sqlite3 module (no pip package provides it)"
+            )
+        package = _PIP_NAMES.get(driver, driver)
+        return MissingDriverError(
+            extra, driver, f"pip install {package}, or use sqlite:/// (Python's own sqlite3 module)"
+        )
     if not driver or driver == module:
         return MissingDriverError(extra, module)
     # The URL names a driver the extra does not install: the extra would not help.

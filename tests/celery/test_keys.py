@@ -157,6 +157,20 @@ def test_var_keyword_tasks_accept_any_name_and_fail_clearly_when_missing() -> No
         builder.build("t", (), {})
 
 
+def test_the_var_keyword_parameter_itself_is_its_arguments() -> None:
+    """``{kwargs}`` on ``run(**kwargs)`` is every keyword argument, items sorted, as
+    ``{args}`` on ``run(*args)`` is the positional ones: it was accepted when declared and
+    then failed every call ("no argument named 'kwargs' was passed"). A keyword argument
+    passed under that very name still wins."""
+
+    def run(*args: Any, **kwargs: Any) -> None: ...
+
+    builder = KeyBuilder.for_function("k:{args}:{kwargs}", run, bound=False)
+    assert builder.build("t", (1,), {"b": 2, "a": "x"}) == "k:(1,):{'a': 'x', 'b': 2}"
+    assert builder.build("t", (), {}) == "k:():{}"
+    assert builder.build("t", (), {"kwargs": 5}) == "k:():5"
+
+
 def test_bad_option_is_rejected_at_decoration(app: Celery) -> None:
     """An unknown on_locked policy is rejected when the decorator runs."""
     with pytest.raises(InvalidArgumentError, match="on_locked must be one of"):

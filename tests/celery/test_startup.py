@@ -292,6 +292,8 @@ def test_a_task_option_at_odds_with_the_app_settings_is_an_error_line_at_start(
     [
         ({"exclusive_default_ttl": "300"}, "app.conf.exclusive_default_ttl: ttl must be seconds"),
         ({"exclusive_on_lost": "die"}, "app.conf.exclusive_on_lost: on_lost must be one of"),
+        # A misspelt setting was ignored, here as at every run: nothing was logged.
+        ({"exclusive_ttl": 300}, "app.conf.exclusive_ttl; did you mean exclusive_default_ttl?"),
     ],
 )
 def test_a_bad_setting_other_than_the_url_is_not_blamed_on_the_url(
