@@ -139,6 +139,11 @@ def release_all(lease: Lease | LeaseSet, done: Completion | None) -> list[Lease]
     return [] if lease.release(done) is ReleaseOutcome.RELEASED else [lease]
 
 
+def carrier(lease: Lease | LeaseSet) -> Lease:
+    """The run's lease that carries its completion record (:func:`finish` records it there)."""
+    return _carrier(lease)[0] if isinstance(lease, LeaseSet) else lease
+
+
 def first(lease: Lease | LeaseSet) -> Lease:
     """The run's first lease in canonical order (the one the policy hooks see)."""
     return lease.leases[0] if isinstance(lease, LeaseSet) else lease

@@ -42,8 +42,9 @@ Inside the body, ``self.lock`` (``bind=True``) is the current :class:`Lease`: re
 ``lock_on_lost="log"`` logs a WARNING; ``"raise"`` makes ``check()`` raise and fails the
 run with :class:`LockLost` instead of returning its result; ``"terminate"`` interrupts the
 running body as soon as the loss is known (at its next Python bytecode; a blocking C call
-finishes first) and fails the run with :class:`LockLost`. ``self.retry()`` releases the
-lock before the retry is sent. Every run (including an ``acks_late`` redelivery with the
+finishes first) and fails the run with :class:`LockLost`. Under both, ``autoretry_for``
+covering LockLost retries the run (its record says ``retried``). ``self.retry()`` releases
+the lock before the retry is sent. Every run (including an ``acks_late`` redelivery with the
 same task id) acquires with a fresh token: a dead run's lock never lets a new run in.
 
 A message delivered again with the same task id (visibility timeout, ``acks_late``
@@ -69,6 +70,7 @@ from typing import (
     Concatenate,
     Generic,
     Literal,
+    NoReturn,
     ParamSpec,
     TypeVar,
     cast,
@@ -629,12 +631,22 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
     traced = outermost and plan.traceable and not request.called_directly
     try:
         try:
-            result = (
-                task.run(*args, **kwargs) if traced else super(ExclusiveTask, task).__call__(*args, **kwargs)
-            )
-        finally:
-            if interrupter is not None:
-                interrupter.disarm()
+            try:
+                result = (
+                    task.run(*args, **kwargs)
+                    if traced
+                    else super(ExclusiveTask, task).__call__(*args, **kwargs)
+                )
+            finally:
+                if interrupter is not None:
+                    interrupter.disarm()
+        except _interrupt.LeaseLostInterrupt:
+            # autoretry_for covering LockLost: its retry (the lease released before it is
+            # sent, recording ``retried``), or past max_retries the LockLost, ends the run
+            # as the body's own would (below); else the interrupted run's own end.
+            which = _runs.first_lost(leases)
+            _autoretry(task, LockLost(which.key, which.fence, _INTERRUPTED))
+            raise
     except _interrupt.LeaseLostInterrupt as exc:
         done = redelivery.completion(task, exc, interrupted=True, task_id=record, request=request)
         lost = _finish(task, plan, lease, retry_in=None, done=done)
@@ -688,8 +700,41 @@ def _hold(  # noqa: PLR0912, PLR0915, PLR0917 - the usual run's release inline, 
         if report is not None:
             report.finished(lost, True)
         if plan.settings.on_lost == "raise":
-            raise LockLost(lost.key, lost.fence, _DISCARDED)
+            _discard(
+                task, plan, lease, LockLost(lost.key, lost.fence, _DISCARDED), done=done, request=request
+            )
     return result
+
+
+def _discard(
+    task: ExclusiveTask[..., Any],
+    plan: _Plan,
+    lease: Lease | LeaseSet,
+    failure: LockLost,
+    *,
+    done: Completion | None,
+    request: Any,
+) -> NoReturn:
+    """End a run whose release found its lease lost (``on_lost="raise"``) with ``failure``,
+    or with what ``autoretry_for`` covering it makes of it: the retry it sends, or past
+    ``max_retries`` ``failure`` all the same. The release recorded ``done`` (``success``)
+    already; that record is then written again for the same attempt, which replaces it,
+    before the retry is sent: ``retried``, or ``failure``, as the run's end would have
+    recorded (:func:`redelivery.completion`). Only when a loss is found at the release."""
+    options = _autoretry_options(task, failure)
+    if options is None:
+        raise failure
+    if done is not None and plan.records:
+        ended = Retry() if _will_retry(task, options.get("max_retries")) else failure
+        again = redelivery.completion(task, ended, task_id=done.task_id, request=request)
+        carrier = _runs.carrier(lease)
+        try:
+            plan.service.force_release(carrier.key, carrier.token, completion=again)
+        except ExclusiveError as exc:  # the record stays ``success``, which lets the retry run all the same
+            logger.warning(
+                "%s[%s]: its completion record could not be written again: %s", task.name, request.id, exc
+            )
+    raise task.retry(exc=failure, **options)
 
 
 def _finish(
@@ -716,17 +761,26 @@ def _finish(
 
 def _autoretry(task: ExclusiveTask[..., Any], exc: Exception) -> None:
     """Retry as Celery's ``autoretry_for`` would (raising what ``task.retry`` raises) if it
-    covers ``exc``, raised before the body: by the acquire (a BackendError) or by the
-    ``on_locked`` policy (LockedError, LockRetriesExceeded). Celery's autoretry wraps
-    ``run``, the body, which the lock is taken outside of; its options are the task's."""
+    covers ``exc``, raised outside the body: by the acquire (a BackendError), by the
+    ``on_locked`` policy (LockedError, LockRetriesExceeded), or for a lost lease under
+    ``on_lost="terminate"`` or ``"raise"`` (LockLost). Celery's autoretry wraps ``run``,
+    the body, which the lock is taken and released outside of; its options are the task's."""
+    options = _autoretry_options(task, exc)
+    if options is not None:
+        raise task.retry(exc=exc, **options)
+
+
+def _autoretry_options(task: ExclusiveTask[..., Any], exc: Exception) -> dict[str, Any] | None:
+    """The options of the ``task.retry`` that Celery's ``autoretry_for`` makes for ``exc``
+    (its ``retry_kwargs``, ``retry_backoff``, ``max_retries``), or None if it does not cover it."""
     if not hasattr(task, "_orig_run") or isinstance(exc, TaskPredicate):  # Retry, Ignore, Reject
-        return
+        return None
     covered = tuple(getattr(task, "autoretry_for", ()) or ())
     if not covered or not isinstance(exc, covered):
-        return
+        return None
     excluded = tuple(getattr(task, "dont_autoretry_for", ()) or ())
     if excluded and isinstance(exc, excluded):
-        return
+        return None
     options = dict(getattr(task, "retry_kwargs", None) or {})
     backoff = float(getattr(task, "retry_backoff", False))
     if backoff:
@@ -738,7 +792,7 @@ def _autoretry(task: ExclusiveTask[..., Any], exc: Exception) -> None:
         )
     if hasattr(task, "override_max_retries"):
         options["max_retries"] = getattr(task, "override_max_retries", task.max_retries)
-    raise task.retry(exc=exc, **options)
+    return options
 
 
 def _retry_in(exc: BaseException) -> float | None:

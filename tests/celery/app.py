@@ -28,7 +28,7 @@ from celery import Celery, Task
 from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded
 from celery.signals import after_task_publish, worker_ready
 
-from celery_exclusive.errors import LockedError
+from celery_exclusive.errors import LockedError, LockLost
 from celery_exclusive.signals import task_skipped
 from celery_exclusive.task import LOCK_RETRIES_HEADER, exclusive_task
 from celery_exclusive.worker import get_lock_service
@@ -339,6 +339,53 @@ def autoretrying(self: Any, key_id: str, tag: str, fail_until: int = 99) -> dict
 def autoretry_locked(self: Any, key_id: str, tag: str) -> dict[str, Any]:
     """``on_locked="raise"`` whose LockedError ``autoretry_for`` retries (after 1, 2, 4... s)."""
     return _attempt(self, tag, 0)
+
+
+def _losing(task: Any, tag: str, lose_until: int, *, wait_for_loss: bool) -> dict[str, Any]:
+    """Record the attempt (as ``_attempt``) and the completion record of its task id it finds
+    (``before``: the previous attempt's). Below ``lose_until``, wait for the test to take the
+    lease away: ``wait_for_loss``, until the store no longer holds it, then return (the
+    release finds it gone); else sleep in short sleeps, which ``on_lost="terminate"``
+    interrupts, for at most 30 s."""
+    lease = task.lock
+    found = get_lock_service(app).completion(lease.key, task.request.id)
+    before = None if found is None else [found.outcome, found.attempt]
+    value = {**_attempt(task, tag, 0), "before": before}
+    if value["attempt"] >= lose_until:
+        return value
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if wait_for_loss:
+            stored = get_lock_service(app).peek(lease.key)
+            if stored is None or stored.token != lease.token:
+                break
+        time.sleep(0.05)
+    return value
+
+
+_LOST_RETRY: dict[str, Any] = {
+    "key": "lostretry:{key_id}",
+    "ttl": 3,
+    "autoretry_for": (LockLost,),
+    "retry_backoff": 1,
+    "retry_jitter": False,
+    "max_retries": 1,
+    "bind": True,
+}
+
+
+@exclusive_task(app=app, on_lost="terminate", **_LOST_RETRY)
+def lost_terminate_retrying(self: Any, key_id: str, tag: str, lose_until: int = 99) -> dict[str, Any]:
+    """``on_lost="terminate"`` with ``autoretry_for=(LockLost,)`` (``max_retries=1``): its
+    attempts below ``lose_until`` run until their lease is taken away (interrupted)."""
+    return _losing(self, tag, lose_until, wait_for_loss=False)
+
+
+@exclusive_task(app=app, on_lost="raise", **_LOST_RETRY)
+def lost_raise_retrying(self: Any, key_id: str, tag: str, lose_until: int = 99) -> dict[str, Any]:
+    """``on_lost="raise"`` with ``autoretry_for=(LockLost,)`` (``max_retries=1``): its
+    attempts below ``lose_until`` return once their lease is taken away, without ``check()``."""
+    return _losing(self, tag, lose_until, wait_for_loss=True)
 
 
 @exclusive_task(app=app, key="selfretry:{key_id}", max_retries=1, bind=True)

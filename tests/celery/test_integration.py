@@ -28,7 +28,7 @@ from celery.exceptions import (
     TimeLimitExceeded,
 )
 
-from celery_exclusive import LockedError
+from celery_exclusive import LockedError, LockLost
 from celery_exclusive.task import is_skipped
 from tests.celery import app as tasks
 from tests.celery.conftest import (
@@ -571,6 +571,63 @@ def test_autoretry_for_retries_a_locked_error_of_the_raise_policy(group: WorkerG
     assert value["attempt"] >= 1
     assert value["fence"] > lease.fence
     assert [each["attempt"] for each in attempts(tag)] == [value["attempt"]]
+
+
+def _take_away(group: WorkerGroup, key: str, tag: str, attempt: int) -> None:
+    """Once attempt ``attempt`` of ``tag`` runs, delete its lease from the store (as an
+    operator's ``force_release`` would): its heartbeat, or its release, finds it lost."""
+    [seen] = wait_for(
+        lambda: [each for each in attempts(tag) if each["attempt"] == attempt],
+        RESULT_TIMEOUT,
+        what=f"attempt {attempt}",
+    )
+    held = group.service.peek(key)
+    assert held is not None
+    assert held.fence == seen["fence"]
+    assert group.service.force_release(key, held.token)
+
+
+@pytest.mark.parametrize(
+    "task", [tasks.lost_terminate_retrying, tasks.lost_raise_retrying], ids=["terminate", "raise"]
+)
+def test_autoretry_for_lock_lost_retries_a_run_that_lost_its_lock(group: WorkerGroup, task: Any) -> None:
+    """``autoretry_for=(LockLost,)`` under ``on_lost="terminate"`` (the body interrupted) or
+    ``"raise"`` (the body returns, its release finds the lease gone): attempt 0, whose lease
+    is taken away, is retried, the retry finds attempt 0's record saying ``retried`` and
+    runs to success, recorded ``success`` of attempt 1. LockLost is raised after the body,
+    outside the ``run`` that Celery's autoretry wraps, so the run used to fail at once."""
+    tag = uid()
+    key = task.lock_key_for((tag, tag))
+    result = group.send(task, tag, tag, 1)
+    _take_away(group, key, tag, 0)
+    value = result.get(timeout=RESULT_TIMEOUT)
+    assert value["attempt"] == 1
+    assert value["before"] == ["retried", 0]
+    assert [each["attempt"] for each in attempts(tag)] == [0, 1]
+    done = group.service.completion(key, result.id)
+    assert done is not None
+    assert (done.outcome, done.attempt) == ("success", 1)
+
+
+@pytest.mark.parametrize(
+    "task", [tasks.lost_terminate_retrying, tasks.lost_raise_retrying], ids=["terminate", "raise"]
+)
+def test_autoretry_for_lock_lost_past_max_retries_fails_with_lock_lost(group: WorkerGroup, task: Any) -> None:
+    """``autoretry_for=(LockLost,)`` with ``max_retries=1``, each attempt's lease taken away:
+    attempt 1, past ``max_retries``, fails the task with LockLost and its record says
+    ``failure`` of attempt 1 (under ``"raise"`` the release had written ``success``)."""
+    tag = uid()
+    key = task.lock_key_for((tag, tag))
+    result = group.send(task, tag, tag)
+    _take_away(group, key, tag, 0)
+    _take_away(group, key, tag, 1)
+    with pytest.raises(LockLost):
+        result.get(timeout=RESULT_TIMEOUT)
+    assert [each["attempt"] for each in attempts(tag)] == [0, 1]
+    assert group.service.peek(key) is None
+    done = group.service.completion(key, result.id)
+    assert done is not None
+    assert (done.outcome, done.attempt) == ("failure", 1)
 
 
 def test_a_chain_of_one_key_runs_every_link(group: WorkerGroup) -> None:
