@@ -718,22 +718,24 @@ def _discard(
     """End a run whose release found its lease lost (``on_lost="raise"``) with ``failure``,
     or with what ``autoretry_for`` covering it makes of it: the retry it sends, or past
     ``max_retries`` ``failure`` all the same. The release recorded ``done`` (``success``)
-    already; that record is then written again for the same attempt, which replaces it,
-    before the retry is sent: ``retried``, or ``failure``, as the run's end would have
+    already; that record is then written again for the same attempt, which replaces it:
+    ``failure``, or before the retry is sent ``retried``, as the run's end would have
     recorded (:func:`redelivery.completion`). Only when a loss is found at the release."""
     options = _autoretry_options(task, failure)
-    if options is None:
-        raise failure
+    retrying = options is not None and _will_retry(task, options.get("max_retries"))
     if done is not None and plan.records:
-        ended = Retry() if _will_retry(task, options.get("max_retries")) else failure
-        again = redelivery.completion(task, ended, task_id=done.task_id, request=request)
+        again = redelivery.completion(
+            task, Retry() if retrying else failure, task_id=done.task_id, request=request
+        )
         carrier = _runs.carrier(lease)
         try:
             plan.service.force_release(carrier.key, carrier.token, completion=again)
-        except ExclusiveError as exc:  # the record stays ``success``, which lets the retry run all the same
+        except ExclusiveError as exc:  # the record stays ``success`` (a retry runs all the same)
             logger.warning(
                 "%s[%s]: its completion record could not be written again: %s", task.name, request.id, exc
             )
+    if options is None:
+        raise failure
     raise task.retry(exc=failure, **options)
 
 

@@ -388,6 +388,21 @@ def lost_raise_retrying(self: Any, key_id: str, tag: str, lose_until: int = 99) 
     return _losing(self, tag, lose_until, wait_for_loss=True)
 
 
+_LOST: dict[str, Any] = {key: value for key, value in _LOST_RETRY.items() if key != "autoretry_for"}
+
+
+@exclusive_task(app=app, on_lost="terminate", **_LOST)
+def lost_terminate(self: Any, key_id: str, tag: str, lose_until: int = 99) -> dict[str, Any]:
+    """``on_lost="terminate"`` without ``autoretry_for``: runs until its lease is taken away."""
+    return _losing(self, tag, lose_until, wait_for_loss=False)
+
+
+@exclusive_task(app=app, on_lost="raise", **_LOST)
+def lost_raise(self: Any, key_id: str, tag: str, lose_until: int = 99) -> dict[str, Any]:
+    """``on_lost="raise"`` without ``autoretry_for``: returns once its lease is taken away."""
+    return _losing(self, tag, lose_until, wait_for_loss=True)
+
+
 @exclusive_task(app=app, key="selfretry:{key_id}", max_retries=1, bind=True)
 def self_retrying(
     self: Any, key_id: str, tag: str, fail_until: int = 99, fallback: bool = False

@@ -630,6 +630,23 @@ def test_autoretry_for_lock_lost_past_max_retries_fails_with_lock_lost(group: Wo
     assert (done.outcome, done.attempt) == ("failure", 1)
 
 
+@pytest.mark.parametrize("task", [tasks.lost_terminate, tasks.lost_raise], ids=["terminate", "raise"])
+def test_a_run_failed_by_its_lost_lock_is_recorded_as_a_failure(group: WorkerGroup, task: Any) -> None:
+    """Without ``autoretry_for``, a run whose lease is taken away fails with LockLost under
+    ``on_lost="terminate"`` and ``"raise"``, and its completion record says ``failure``, as
+    the task's state does: under ``"raise"`` the body returned and its release (which finds
+    the lease gone) had written ``success``."""
+    tag = uid()
+    key = task.lock_key_for((tag, tag))
+    result = group.send(task, tag, tag)
+    _take_away(group, key, tag, 0)
+    with pytest.raises(LockLost):
+        result.get(timeout=RESULT_TIMEOUT)
+    done = group.service.completion(key, result.id)
+    assert done is not None
+    assert (done.outcome, done.attempt) == ("failure", 0)
+
+
 def test_a_chain_of_one_key_runs_every_link(group: WorkerGroup) -> None:
     """A chain whose links lock the same key (``on_locked="skip"``): each link releases its
     key before Celery sends the next, so no link is skipped by the one before it."""
