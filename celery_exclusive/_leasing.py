@@ -43,7 +43,7 @@ class Leasing:
         key: str,
         durations: Durations,
         holder: Mapping[str, Any] | None,
-        wait: float | None,
+        wait: float | timedelta | None,
         hold_at_least: float | timedelta | None,
         *,
         limit: int,
@@ -114,7 +114,7 @@ class Leasing:
         durations: Durations,
         *,
         holder: Mapping[str, Any] | None,
-        wait: float | None,
+        wait: float | timedelta | None,
         hold_at_least: float | timedelta | None,
         limit: int,
         on_lost: LostCallback | None,
@@ -133,7 +133,7 @@ class Leasing:
         *,
         holder: Mapping[str, Any] | None,
         task_id: str | None,
-        wait: float | None,
+        wait: float | timedelta | None,
         hold_at_least: float | timedelta | None,
         limit: int,
         on_lost: LostCallback | None,
@@ -167,7 +167,11 @@ class Leasing:
         return taken
 
     def lock_many(
-        self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
+        self,
+        keys: object,
+        durations: Durations,
+        holder: Mapping[str, Any] | None,
+        wait: float | timedelta | None,
     ) -> many.LeaseSet:
         """See :meth:`LockService.lock_many <celery_exclusive.service.LockService.lock_many>`."""
         taken = self._take_many(keys, durations, holder, wait)
@@ -176,14 +180,22 @@ class Leasing:
         return taken
 
     def try_lock_many(
-        self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
+        self,
+        keys: object,
+        durations: Durations,
+        holder: Mapping[str, Any] | None,
+        wait: float | timedelta | None,
     ) -> many.LeaseSet | None:
         """See :meth:`LockService.try_lock_many <celery_exclusive.service.LockService.try_lock_many>`."""
         taken = self._take_many(keys, durations, holder, wait)
         return None if isinstance(taken, tuple) else taken
 
     def _take_many(
-        self, keys: object, durations: Durations, holder: Mapping[str, Any] | None, wait: float | None
+        self,
+        keys: object,
+        durations: Durations,
+        holder: Mapping[str, Any] | None,
+        wait: float | timedelta | None,
     ) -> many.LeaseSet | tuple[str, Held]:
         """All of ``keys`` as a LeaseSet, or the first refused key and its Held."""
         service = self._service

@@ -146,7 +146,7 @@ class LockService(PrefixedStore):
         refresh_interval: float | timedelta | None = None,
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
-        wait: float | None = None,
+        wait: float | timedelta | None = None,
         hold_at_least: float | timedelta | None = None,
         limit: int = 1,
         on_lost: LostCallback | None = None,
@@ -154,7 +154,7 @@ class LockService(PrefixedStore):
         """Acquire ``key`` and keep it alive; None if someone else holds it (with ``limit``,
         if ``limit`` others do).
 
-        With ``wait`` (seconds), retry until it is free or the time is up (see
+        With ``wait`` (seconds or a timedelta), retry until it is free or the time is up (see
         :mod:`celery_exclusive.waiting`); None only then. ``hold_at_least``, ``limit``,
         ``on_lost``: see :meth:`lock`."""
         if on_lost is not None and not _callable(on_lost):  # check_lost_callback's test, inline
@@ -198,14 +198,14 @@ class LockService(PrefixedStore):
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
         task_id: str | None = None,
-        wait: float | None = None,
+        wait: float | timedelta | None = None,
         hold_at_least: float | timedelta | None = None,
         limit: int = 1,
         on_lost: LostCallback | None = None,
     ) -> Lease:
         """Acquire ``key`` and keep it alive, or raise :class:`LockedError` naming the holder.
 
-        With ``wait`` (seconds, finite, >= 0), retry until it is free or the time is up,
+        With ``wait`` (seconds or a timedelta, finite, >= 0), retry until it is free or the time is up,
         woken early by the holder's release where the store signals it (see
         :mod:`celery_exclusive.waiting`); LockedError only then.
 
@@ -294,7 +294,7 @@ class LockService(PrefixedStore):
         refresh_interval: float | timedelta | None = None,
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
-        wait: float | None = None,
+        wait: float | timedelta | None = None,
     ) -> many.LeaseSet:
         """Acquire every key or none (see :mod:`celery_exclusive.many`): a LeaseSet, or
         :class:`LockedError` naming the first refused key. Keys are taken in a canonical
@@ -309,7 +309,7 @@ class LockService(PrefixedStore):
         refresh_interval: float | timedelta | None = None,
         max_lifetime: float | timedelta | None = None,
         holder: Mapping[str, Any] | None = None,
-        wait: float | None = None,
+        wait: float | timedelta | None = None,
     ) -> many.LeaseSet | None:
         """:meth:`lock_many`, answering None instead of raising LockedError."""
         return self._leasing.try_lock_many(keys, (ttl, refresh_interval, max_lifetime), holder, wait)

@@ -95,6 +95,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import TypeVar, cast
 
 from celery_exclusive.errors import InvalidArgumentError
@@ -132,16 +133,22 @@ MAX_WAIT = 24 * 60 * 60.0
 
 
 def check_wait(wait: object) -> float:
-    """``wait`` as finite seconds ``0 <= wait <= MAX_WAIT``; InvalidArgumentError otherwise.
+    """``wait`` (seconds, or a timedelta, as every other duration) as finite seconds
+    ``0 <= wait <= MAX_WAIT``; InvalidArgumentError otherwise.
 
     Infinity is refused: a wait must end, so a caller stuck behind a leaked lock learns it.
     """
-    if not isinstance(wait, (int, float)) or isinstance(wait, bool):
-        raise InvalidArgumentError(f"wait must be seconds as an int or float, got {type(wait).__name__}")
-    try:
-        value = float(wait)
-    except OverflowError:  # an int beyond any float (10**400)
-        value = math.inf
+    if isinstance(wait, timedelta):
+        value = wait.total_seconds()
+    elif not isinstance(wait, (int, float)) or isinstance(wait, bool):
+        raise InvalidArgumentError(
+            f"wait must be seconds (int or float) or a timedelta, got {type(wait).__name__}"
+        )
+    else:
+        try:
+            value = float(wait)
+        except OverflowError:  # an int beyond any float (10**400)
+            value = math.inf
     if not math.isfinite(value) or value < 0 or value > MAX_WAIT:
         raise InvalidArgumentError(
             f"wait must be finite seconds between 0 and {MAX_WAIT:g}, got {shown(wait)}"

@@ -14,6 +14,7 @@ import signal
 import statistics
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,11 @@ def test_wait_ends_at_its_timeout_and_answers_as_without_wait(store: Store) -> N
         elapsed = time.monotonic() - started
         assert wait <= elapsed <= wait + slack, (wait, elapsed, slack)
     slack = OVERSHOOT + round_trip(waiter, "stays")
+    started = time.monotonic()  # a timedelta, as every other duration takes
+    assert waiter.try_lock("stays", wait=timedelta(milliseconds=300)) is None
+    elapsed = time.monotonic() - started
+    assert 0.3 <= elapsed <= 0.3 + slack, (elapsed, slack)
+    slack = OVERSHOOT + round_trip(waiter, "stays")
     started = time.monotonic()
     with pytest.raises(LockedError) as refused:
         waiter.lock("stays", wait=0.4)
@@ -280,7 +286,9 @@ def test_an_outage_during_a_wait_is_an_error(store: Store) -> None:
         service.close()
 
 
-@pytest.mark.parametrize("wait", [-0.1, math.nan, math.inf, -math.inf, "1", True, [1]])
+@pytest.mark.parametrize(
+    "wait", [-0.1, math.nan, math.inf, -math.inf, "1", True, [1], timedelta(seconds=-1), timedelta(days=2)]
+)
 def test_a_bad_wait_is_refused_before_the_store_is_touched(store: Store, wait: object) -> None:
     """On an unreachable store too: InvalidArgumentError, not BackendError."""
     service = store.outage() if store.outage is not None else store.service()
