@@ -12,12 +12,9 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
-import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,21 +25,8 @@ from celery_exclusive.providers.sql import SqlLockProvider
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
 from tests.faults.servers import PrivatePostgres, ServerUnavailable, postgres_bindir
-from tests.scale._servers import unavailable
+from tests.scale._servers import self_signed, unavailable
 from tests.scale.conftest import contract_store
-
-
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made by ``openssl`` in ``folder``."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        unavailable("openssl is not on PATH")
-        raise AssertionError  # unreachable: unavailable() skips or fails
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    made = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
-    made += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
-    subprocess.run(made, check=True, capture_output=True)
-    return cert, key
 
 
 @pytest.fixture(scope="module")
