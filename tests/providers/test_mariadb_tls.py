@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +19,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_exclusive import LeaseState, LockService
 from celery_exclusive.providers.sql import SqlLockProvider
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
+from tests.contract.test_waiting import handovers
 
 # Replies of every size over TLS, on this module's `url`.
 from tests.providers.test_pg_tls import (  # noqa: F401
@@ -106,21 +105,7 @@ def test_the_stores_connections_are_encrypted(url: str) -> None:
 def test_a_waiter_gets_the_key_its_holder_releases_over_tls(url: str) -> None:
     """A ``lock(wait=10)`` blocked on a held key gets it when the holder releases, five times
     (the waiter polls the store over TLS: MariaDB has no release signal)."""
-    holder, waiter = LockService(url), LockService(url)
-    try:
-        for _ in range(5):
-            lease = holder.lock("woken", ttl=30)
-            timer = threading.Timer(0.3, lease.release)
-            timer.start()
-            try:
-                with waiter.lock("woken", ttl=30, wait=10) as got:
-                    assert got.token != lease.token
-            finally:
-                timer.join()
-            assert lease.state is LeaseState.RELEASED
-    finally:
-        holder.close(release=True)
-        waiter.close(release=True)
+    assert len(handovers(url)) == 5
 
 
 @pytest.fixture

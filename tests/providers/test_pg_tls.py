@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from celery_exclusive import LeaseState, LockService, waiting
+from celery_exclusive import LockService
 from celery_exclusive._process import MAX_HOLDER_LENGTH
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
+from tests.contract.test_waiting import assert_woken_handovers
 from tests.faults.servers import PrivatePostgres, ServerUnavailable, postgres_bindir
 from tests.scale._servers import self_signed, unavailable
 from tests.scale.conftest import contract_store
@@ -146,26 +146,10 @@ def test_a_thousand_leases_are_listed_and_refreshed_in_one_reply_over_tls(url: s
 
 
 def test_a_waiter_is_woken_through_listen_over_tls(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``lock(wait=10)`` blocked on a held key gets it when the holder releases, five times:
-    with its polling slowed to pauses of 60 s, only the release's NOTIFY, read on the
-    listener's own TLS connection, can wake it before its wait ends (LockedError)."""
-    monkeypatch.setattr(waiting, "POLL_MIN", 60.0)
-    monkeypatch.setattr(waiting, "POLL_MAX", 60.0)
-    holder, waiter = LockService(url), LockService(url)
-    try:
-        for _ in range(5):
-            lease = holder.lock("woken", ttl=30)
-            timer = threading.Timer(0.3, lease.release)
-            timer.start()
-            try:
-                with waiter.lock("woken", ttl=30, wait=10) as got:
-                    assert got.token != lease.token
-            finally:
-                timer.join()
-            assert lease.state is LeaseState.RELEASED
-    finally:
-        holder.close(release=True)
-        waiter.close(release=True)
+    """A ``lock(wait=10)`` blocked on a held key is woken by its holder's release, five
+    times (:func:`assert_woken_handovers`: polling slowed to 60 s): the release's NOTIFY, read on the
+    listener's own TLS connection."""
+    assert_woken_handovers(url, monkeypatch)
 
 
 @pytest.fixture

@@ -10,16 +10,16 @@ once more (acquire, release, refresh, the heartbeat, expiry, fences, processes).
 from __future__ import annotations
 
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from celery_exclusive import LeaseState, LockService, waiting
+from celery_exclusive import LeaseState, LockService
 from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
+from tests.contract.test_waiting import assert_woken_handovers
 from tests.scale._servers import (
     binary,
     cluster_ports,
@@ -94,26 +94,10 @@ def test_the_tls_url_serves_locks(tls_url: str) -> None:
 
 
 def test_a_waiter_is_woken_by_the_release_over_tls(tls_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``lock(wait=10)`` blocked on a held key gets it when the holder releases, five times:
-    with its polling slowed to pauses of 60 s, only the release's message, read on the
-    waiter's own TLS subscription, can wake it before its wait ends (LockedError)."""
-    monkeypatch.setattr(waiting, "POLL_MIN", 60.0)
-    monkeypatch.setattr(waiting, "POLL_MAX", 60.0)
-    holder, waiter = LockService(tls_url), LockService(tls_url)
-    try:
-        for _ in range(5):
-            lease = holder.lock("woken", ttl=30)
-            timer = threading.Timer(0.3, lease.release)
-            timer.start()
-            try:
-                with waiter.lock("woken", ttl=30, wait=10) as got:
-                    assert got.token != lease.token
-            finally:
-                timer.join()
-            assert lease.state is LeaseState.RELEASED
-    finally:
-        holder.close(release=True)
-        waiter.close(release=True)
+    """A ``lock(wait=10)`` blocked on a held key is woken by its holder's release, five
+    times (:func:`assert_woken_handovers`: polling slowed to 60 s): the release's message, read on the
+    waiter's own TLS subscription."""
+    assert_woken_handovers(tls_url, monkeypatch)
 
 
 @pytest.fixture
