@@ -48,15 +48,17 @@ def mariadb_tls() -> Iterator[str]:
     folder = Path(tempfile.mkdtemp(prefix="ce-mariadb-tls-"))
     try:
         cert, key = self_signed(folder)
+        user = []  # as root, the server and its files are the mysql user's (it refuses root)
         if os.geteuid() == 0:
+            user = ["--user=mysql"]
             for item in (folder, *folder.iterdir()):
                 shutil.chown(item, "mysql", "mysql")
         data = folder / "data"
-        made = [install, "--no-defaults", f"--datadir={data}", "--user=mysql", "--skip-test-db"]
+        made = [install, "--no-defaults", f"--datadir={data}", *user, "--skip-test-db"]
         made += ["--auth-root-authentication-method=normal"]
         subprocess.run(made, check=True, capture_output=True, timeout=120)
         port = free_port()
-        args = [server, "--no-defaults", f"--datadir={data}", "--user=mysql", "--bind-address=127.0.0.1"]
+        args = [server, "--no-defaults", f"--datadir={data}", *user, "--bind-address=127.0.0.1"]
         args += [f"--port={port}", f"--socket={folder / 'sock'}", f"--pid-file={folder / 'pid'}"]
         args += ["--skip-log-bin", "--innodb-buffer-pool-size=16M", "--innodb-log-file-size=8M"]
         args += [f"--ssl-cert={cert}", f"--ssl-key={key}"]
