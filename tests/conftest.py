@@ -69,7 +69,9 @@ SERIAL = (
 #: durations); the sockets a failed connect leaves and the statement timeouts a MariaDB
 #: connection keeps (counted and compared; the silent server is the test's own); the
 #: completion records on the Cluster (tests/contract/
-#: test_completion_records.py already runs them in the parallel part on every store); the two
+#: test_completion_records.py already runs them in the parallel part on every store); the
+#: Cluster and Sentinel over TLS (a lock taken, and waiters woken by releases within a 10 s
+#: wait whose polling is slowed to 60 s: bounded only by that hang guard); the two
 #: 8-process waiting tests, which check no overlap, no deadlock and a turn for every process
 #: (counted in turns, so load lengthens the run instead of failing it), not latencies; the
 #: waiting file's refusals of bad arguments, its outage errors and its lock_many all-or-none
@@ -90,6 +92,7 @@ UNTIMED = (
     "faults/test_rerun_hand_on.py::test_a_hand_on_the_store_does_not_answer_is_retried_in_the_background",
     "faults/test_rerun_hand_on.py::test_a_run_interrupted_by_the_loss_of_its_lease_hands_on_the_rerun",
     "scale/test_redis_cluster_records.py",
+    "scale/test_redis_tls.py",
     "contract/test_waiting.py::test_overlapping_random_key_sets_never_deadlock_or_overlap",
     "contract/test_waiting.py::test_no_waiting_process_is_starved",
     "contract/test_waiting.py::test_an_outage_during_a_wait_is_an_error",

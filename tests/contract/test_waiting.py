@@ -104,6 +104,29 @@ def handover_latencies(holder: LockService, waiter: LockService, holds: tuple[fl
     return latencies
 
 
+def handovers(url: str, rounds: int = 5) -> list[float]:
+    """:func:`handover_latencies` of ``rounds`` handovers between two services of ``url``
+    (each release 0.3 s after the grant): a waiter in ``lock(wait=10)`` gets the key each
+    time its holder releases it, woken or polling, at the latest by its last attempt at the
+    end of the wait."""
+    holder, waiter = LockService(url), LockService(url)
+    try:
+        return handover_latencies(holder, waiter, (0.3,) * rounds)
+    finally:
+        holder.close(release=True)
+        waiter.close(release=True)
+
+
+def assert_woken_handovers(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five :func:`handovers` on ``url`` with polling slowed to pauses of 60 s, so that a
+    waiter nobody wakes gets the key only by its last attempt, at the end of its 10 s wait
+    (measured: 9.7 s); each is taken within half of it, so the release's signal woke it."""
+    monkeypatch.setattr(waiting, "POLL_MIN", 60.0)
+    monkeypatch.setattr(waiting, "POLL_MAX", 60.0)
+    latencies = handovers(url)
+    assert max(latencies) < 5.0, latencies
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 

@@ -35,6 +35,7 @@ from celery_exclusive.providers.redis import FENCES, RedisLockProvider
 from celery_exclusive.urls import scheme_family
 from tests.conftest import IN_CI, REDIS_URL, TIME_SLACK, require_server
 from tests.faults.servers import free_port
+from tests.scale._servers import redis_tls_args, self_signed
 
 
 def unavailable(reason: str) -> None:
@@ -115,19 +116,11 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def private_tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server of our own taking TLS only, with a self-signed certificate for
     127.0.0.1 (made by ``openssl``); its ``rediss://`` URL, trusting that certificate."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        unavailable("openssl is not on PATH")
-        raise AssertionError  # unreachable: unavailable() skips or fails
     folder = tmp_path_factory.mktemp("redis-tls")
-    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
-    made = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert]
-    made += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
-    subprocess.run(made, check=True, capture_output=True)
+    cert, key = self_signed(folder)
     port = free_port()
-    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert, "--tls-key-file", key]
-    args += ["--tls-auth-clients", "no", "--dir", str(folder)]
-    client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=cert, socket_timeout=5)
+    args = [*redis_tls_args(cert, key), "--tls-port", str(port), "--dir", str(folder)]
+    client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert), socket_timeout=5)
     with _own_redis_server(args, client):
         yield f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
 

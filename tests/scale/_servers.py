@@ -167,13 +167,39 @@ def cluster_ports(count: int) -> list[int]:
     return ports
 
 
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by ``openssl`` in ``folder``
+    (skip, or fail under CI=true, without it): (certificate, key)."""
+    openssl = binary("openssl")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    made = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+    made += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(made, check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def redis_tls_args(cert: Path, key: Path) -> list[str]:
+    """redis-server arguments for TLS only (no plain port; clients are not asked for a
+    certificate) with ``cert``, its own CA, for its replication and cluster links too."""
+    args = ["--port", "0", "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    args += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no", "--tls-replication", "yes"]
+    return args
+
+
 def start_cluster_node(
-    started: list[subprocess.Popen[bytes]], folder: Path, port: int, node_timeout_ms: int
+    started: list[subprocess.Popen[bytes]],
+    folder: Path,
+    port: int,
+    node_timeout_ms: int,
+    tls: tuple[Path, Path] | None = None,
 ) -> redis.Redis:
-    """Start an empty cluster-enabled Redis (no persistence) on ``port``; a client of it."""
+    """Start an empty cluster-enabled Redis (no persistence) on ``port``; a client of it.
+    ``tls``: (certificate, key) to take TLS only, on ``port`` and the cluster bus."""
     node = folder / str(port)
     node.mkdir()
     args = [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
+    if tls is not None:
+        args += [*redis_tls_args(*tls), "--tls-port", str(port), "--tls-cluster", "yes"]
     args += [
         "--cluster-config-file",
         str(node / "nodes.conf"),
@@ -182,7 +208,8 @@ def start_cluster_node(
     ]
     args += ["--save", "", "--appendonly", "no", "--dir", str(node)]
     proc = start(started, args, node / "redis.log")
-    client = redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+    secure: dict[str, Any] = {} if tls is None else {"ssl": True, "ssl_ca_certs": str(tls[0])}
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, decode_responses=True, **secure)
     wait_for(client.ping, f"cluster node on port {port}", proc)
     return client
 

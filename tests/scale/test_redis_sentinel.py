@@ -75,6 +75,7 @@ from tests.scale._servers import (
     free_port,
     frozen,
     processes,
+    redis_tls_args,
     start,
     wait_for,
 )
@@ -98,9 +99,12 @@ def test_overlapping_random_key_sets_never_deadlock_or_overlap(store: Store, tmp
     _waiting.test_overlapping_random_key_sets_never_deadlock_or_overlap(store, tmp_path)
 
 
-def _start_sentinel(started: list[Any], folder: Path, primary_port: int) -> int:
+def _start_sentinel(
+    started: list[Any], folder: Path, primary_port: int, tls: tuple[Path, Path] | None = None
+) -> int:
     """Start a sentinel monitoring the primary on ``primary_port`` as ``mymaster`` (never
-    failing it over: down after 60 s); its port once it names the primary."""
+    failing it over: down after 60 s); its port once it names the primary. ``tls``:
+    (certificate, key) to take TLS only and reach the primary over TLS."""
     sentinel_port = free_port()
     while sentinel_port == primary_port:
         sentinel_port = free_port()
@@ -110,10 +114,13 @@ def _start_sentinel(started: list[Any], folder: Path, primary_port: int) -> int:
         f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
         "sentinel down-after-milliseconds mymaster 60000\n"
     )
-    proc = start(
-        started, [binary("redis-server"), str(config), "--sentinel"], folder / f"{sentinel_port}.log"
-    )
-    watcher = redis.Redis(port=sentinel_port, socket_timeout=5)
+    args = [binary("redis-server"), str(config), "--sentinel"]
+    secure: dict[str, Any] = {}
+    if tls is not None:
+        args += [*redis_tls_args(*tls), "--tls-port", str(sentinel_port)]
+        secure = {"ssl": True, "ssl_ca_certs": str(tls[0])}
+    proc = start(started, args, folder / f"{sentinel_port}.log")
+    watcher = redis.Redis(host="127.0.0.1", port=sentinel_port, socket_timeout=5, **secure)
     found = [b"127.0.0.1", str(primary_port).encode()]
     wait_for(
         lambda: watcher.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster") == found,
