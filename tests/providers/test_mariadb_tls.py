@@ -20,7 +20,6 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exclusive.providers.sql import SqlLockProvider
-from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
 from tests.contract.test_waiting import handovers
 
@@ -30,7 +29,7 @@ from tests.providers.test_pg_tls import (  # noqa: F401
     test_replies_of_every_size_arrive_over_tls,
 )
 from tests.scale._servers import binary, free_port, processes, self_signed, start, wait_for
-from tests.scale.conftest import contract_store
+from tests.scale.conftest import contract_store, contract_tests
 
 #: The user the stores connect as: TLS required by the server (``REQUIRE SSL``).
 USER = "tls_locks"
@@ -118,10 +117,4 @@ def store(mariadb_tls: str) -> Iterator[Store]:
 
 # The lock contract over TLS, its heartbeat tests among them (the outage test needs an
 # unreachable server, not this one; the guard test a PostgreSQL store).
-globals().update(
-    {
-        name: getattr(_contract, name)
-        for name in dir(_contract)
-        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
-    }
-)
+globals().update(contract_tests())

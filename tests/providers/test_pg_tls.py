@@ -21,12 +21,11 @@ from celery_exclusive import LockService
 from celery_exclusive._process import MAX_HOLDER_LENGTH
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
-from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
 from tests.contract.test_waiting import assert_woken_handovers
 from tests.faults.servers import PrivatePostgres, ServerUnavailable, postgres_bindir
 from tests.scale._servers import self_signed, unavailable
-from tests.scale.conftest import contract_store
+from tests.scale.conftest import contract_store, contract_tests
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +160,4 @@ def store(pg_tls: PrivatePostgres) -> Iterator[Store]:
 # The lock contract over TLS, its heartbeat tests among them (the outage test needs an
 # unreachable server, not this one; the guard test a SQLAlchemy engine the contract store
 # does not give).
-globals().update(
-    {
-        name: getattr(_contract, name)
-        for name in dir(_contract)
-        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
-    }
-)
+globals().update(contract_tests())

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from celery_exclusive import LockService
+from celery_exclusive.testing import contract as _contract
 from tests.conftest import CONTRACT_CYCLES, POSTGRES_URL, Store, drop_lock_table, require_server
 from tests.contract._processes import process_context
 from tests.scale._servers import (
@@ -53,6 +54,18 @@ def contract_store(name: str, url: str) -> Iterator[Store]:
     )
     for service in services:
         service.close(release=True)
+
+
+def contract_tests(leave_out: tuple[str, ...] = ("test_outage", "test_guard")) -> dict[str, Any]:
+    """The lock contract suite's tests, for a module to collect once more against its own
+    ``store`` fixture: ``globals().update(contract_tests())``. ``leave_out``: name prefixes
+    of the tests its store cannot serve (by default the outage tests, which need an
+    unreachable server, and the guard tests, which need a SQL store)."""
+    return {
+        name: getattr(_contract, name)
+        for name in dir(_contract)
+        if name.startswith("test_") and not name.startswith(leave_out)
+    }
 
 
 @pytest.fixture(scope="session")

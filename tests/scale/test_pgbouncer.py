@@ -21,7 +21,6 @@ from celery_exclusive import BackendError, Lease, LockService
 from celery_exclusive.providers._pg_listen import SignalsLost
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.sql import SqlLockProvider
-from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
 
 # Waiting through PgBouncer in transaction mode (no session to LISTEN on: the waiters poll,
@@ -34,7 +33,7 @@ from tests.contract.test_waiting import (  # noqa: F401
     test_wait_ends_at_its_timeout_and_answers_as_without_wait,
 )
 from tests.scale._servers import binary
-from tests.scale.conftest import contract_store, drop_table
+from tests.scale.conftest import contract_store, contract_tests, drop_table
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +208,4 @@ def test_waiters_poll_through_pgbouncer(store: Store) -> None:
 
 # The shared contract suite, collected here once more against the store above. The outage
 # and guard tests are left out (this store declares neither capability).
-globals().update(
-    {
-        name: getattr(_contract, name)
-        for name in dir(_contract)
-        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
-    }
-)
+globals().update(contract_tests())

@@ -31,7 +31,6 @@ from celery_exclusive.providers._redis_scripts import fence_key
 from celery_exclusive.providers.base import Grant, Held, RefreshRequest
 from celery_exclusive.providers.redis import RedisLockProvider
 from celery_exclusive.semaphore import slot_key, slot_keys, slot_of
-from celery_exclusive.testing import contract as _contract
 from celery_exclusive.testing.contract import wait_until
 from celery_exclusive.waiting import POLL_MAX
 from tests.conftest import Store
@@ -80,7 +79,7 @@ from tests.contract.test_waiting import (  # noqa: F401
     test_wait_ends_at_its_timeout_and_answers_as_without_wait,
 )
 from tests.scale._servers import cluster_ports, processes, start_cluster_node, wait_for
-from tests.scale.conftest import contract_store
+from tests.scale.conftest import contract_store, contract_tests
 
 
 @pytest.mark.skipif(os.environ.get("CE_LONG") != "1", reason="8 processes on one key: CE_LONG=1 only here")
@@ -470,13 +469,7 @@ def store(redis_cluster: str) -> Iterator[Store]:
 
 # The shared contract suite, collected here once more against the store above. The outage
 # and guard tests are left out (this store declares neither capability).
-globals().update(
-    {
-        name: getattr(_contract, name)
-        for name in dir(_contract)
-        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
-    }
-)
+globals().update(contract_tests())
 
 
 def test_a_release_wakes_its_waiters_on_every_primary(provider: RedisLockProvider) -> None:

@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from celery_exclusive import LeaseState, LockService
-from celery_exclusive.testing import contract as _contract
 from tests.conftest import Store
 from tests.contract.test_waiting import assert_woken_handovers
 from tests.scale._servers import (
@@ -32,7 +31,7 @@ from tests.scale._servers import (
     unavailable,
     wait_for,
 )
-from tests.scale.conftest import contract_store
+from tests.scale.conftest import contract_store, contract_tests
 from tests.scale.test_redis_sentinel import _start_sentinel
 
 
@@ -108,10 +107,4 @@ def store(tls_url: str) -> Iterator[Store]:
 
 # The lock contract over TLS, its heartbeat tests among them (the outage test needs an
 # unreachable server, not these; the guard test a SQL store).
-globals().update(
-    {
-        name: getattr(_contract, name)
-        for name in dir(_contract)
-        if name.startswith("test_") and not name.startswith(("test_outage", "test_guard"))
-    }
-)
+globals().update(contract_tests())
