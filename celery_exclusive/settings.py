@@ -409,6 +409,29 @@ def check_task_options(**options: Any) -> None:
     durations = check_durations({name: options.get(name) for name in _DURATIONS}, labels=TASK_OPTIONS)
     if "lock_wait" in durations:
         check_wait_seconds(durations["lock_wait"])
+    if options.get("on_locked") is not None:
+        check_policy_options(options["on_locked"], options)
+
+
+#: Per-task options that one ``on_locked`` policy alone reads, and that policy: given to a
+#: task whose policy is another, they would be ignored without a word.
+POLICY_OPTIONS = {"lock_wait": "wait", "lock_wait_fallback": "wait", "rerun_args": "rerun"}
+
+
+def check_policy_options(on_locked: object, options: Mapping[str, Any], whose: str = "") -> None:
+    """InvalidArgumentError if ``options`` (per-task, None: unset) sets one of
+    :data:`POLICY_OPTIONS` that ``on_locked`` (the task's own, or the app's where the task
+    sets none) does not read; a callable policy may read any. ``whose``: what to call the
+    policy in the message (its source)."""
+    if callable(on_locked):
+        return
+    for name, policy in POLICY_OPTIONS.items():
+        if options.get(name) is not None and on_locked != policy:
+            attribute = TASK_OPTIONS[name]
+            raise InvalidArgumentError(
+                f"{attribute} applies only under on_locked={policy!r}, and this task's on_locked is "
+                f"{on_locked!r}{whose}: set on_locked={policy!r} with it, or leave {attribute} out"
+            )
 
 
 def check_max_retries(name: str, value: object) -> None:

@@ -110,6 +110,7 @@ from celery_exclusive.settings import (
     TASK_OPTIONS,
     ExclusiveSettings,
     check_lock_attributes,
+    check_policy_options,
     check_task_options,
     keyword_attributes,
 )
@@ -272,6 +273,11 @@ class ExclusiveTask(Task[_P, _R], Generic[_P, _R]):  # type: ignore[misc, unused
         if cached is None:
             options = {name: _raw_attribute(self, attr) for name, attr in TASK_OPTIONS.items()}
             cached = app_settings(self.app).with_overrides(**options)
+            if options["on_locked"] is None:  # its own was checked with them when declared
+                try:
+                    check_policy_options(cached.on_locked, options, " (the app's)")
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"{self.name}: {exc}") from None
             self.__dict__["_lock_settings_cache"] = cached
         return cached
 

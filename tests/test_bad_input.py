@@ -950,6 +950,10 @@ DECLARATION_CASES: list[tuple[dict[str, Any], str]] = [
     ({"on_locked": lambda *, task, key, holder: None}, "on_locked callable must take"),
     ({"on_duplicate": lambda task, key: None}, "on_duplicate callable must take (task, key, existing"),
     ({"on_lost": "bogus"}, "on_lost must be one of"),
+    # Options one policy alone reads, given beside another policy, were ignored without a word.
+    ({"on_locked": "skip", "lock_wait": 5}, "lock_wait applies only under on_locked='wait'"),
+    ({"on_locked": "retry", "lock_wait_fallback": "raise"}, "lock_wait_fallback applies only under"),
+    ({"on_locked": "wait", "rerun_args": "latest"}, "lock_rerun_args applies only under on_locked='rerun'"),
     # 0 (or a negative) for "no records" was told only to be positive: False is the way.
     *[({"done_retention": v}, "or False to keep no completion records") for v in (0, -1, "0")],
     ({"on_lost": 1}, "on_lost must be one of"),
@@ -1167,6 +1171,47 @@ def test_bad_app_settings_raise_configuration_error_before_the_store(
         task()
     assert fragment in str(raised.value)
     assert MARKER not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("conf", "options"),
+    [
+        ({}, {"lock_wait": 5}),  # the default on_locked, "skip"
+        ({"exclusive_on_locked": "retry"}, {"lock_wait_fallback": "raise"}),
+        ({"exclusive_on_locked": "wait"}, {"rerun_args": "latest"}),
+    ],
+)
+def test_a_policy_option_the_apps_policy_does_not_read_fails_the_call_before_the_store(
+    conf: dict[str, Any], options: dict[str, Any]
+) -> None:
+    """A task that sets ``lock_wait`` (or another option one ``on_locked`` policy alone
+    reads) but leaves ``on_locked`` to the app, whose policy is another, fails each call
+    with InvalidArgumentError naming the task, the option and the app's policy (the
+    worker's start-up check reports it: ``check_lock_settings``). It ran with the option
+    ignored: a task given ``lock_wait=5`` and no ``on_locked`` skipped at once."""
+    task = _declare(_app(**conf), **options)
+    for call in (task, task.check_lock_settings):
+        with pytest.raises(InvalidArgumentError) as raised:
+            call()
+        assert task.name in str(raised.value)
+        assert "applies only under on_locked=" in str(raised.value)
+        assert "(the app's)" in str(raised.value)
+
+
+def test_a_policy_option_under_its_policy_is_taken() -> None:
+    """The same options under the policy that reads them, the task's own or the app's."""
+    assert _declare(_app(), on_locked="wait", lock_wait=5).lock_settings.lock_wait == 5
+    wait_app = _app(exclusive_on_locked="wait")
+    assert (
+        _declare(wait_app, lock_wait=5, lock_wait_fallback="raise").lock_settings.lock_wait_fallback
+        == "raise"
+    )
+    assert (
+        _declare(_app(exclusive_on_locked="rerun"), rerun_args="latest").lock_settings.rerun_args == "latest"
+    )
+    assert (
+        _declare(_app(), on_locked=lambda task, key, holder: None, lock_wait=5).lock_settings.lock_wait == 5
+    )
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "abc", "-1", "0"])
