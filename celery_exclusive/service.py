@@ -330,9 +330,9 @@ class LockService(PrefixedStore):
         The lease is released in ``finally``, whether ``fn`` returned or raised. Both are
         called without arguments: one that cannot be is refused before the store is asked.
         """
-        for name, function in (("fn", fn), ("on_locked", on_locked)):
-            if function is None and name == "on_locked":
-                continue
+        for name, function in (
+            (("fn", fn), ("on_locked", on_locked)) if on_locked is not None else (("fn", fn),)
+        ):
             if not callable(function):
                 raise InvalidArgumentError(f"{name} must be callable")
             refused = refused_call(function)

@@ -567,14 +567,19 @@ def _unusable_key(
 ) -> Exception | None:
     """The error naming the task and its key's source if the store refused ``key`` (too
     long for it, a NUL or lone surrogate from an argument), else None (another refusal)."""
-    for each in [key] if isinstance(key, str) else key:
-        try:
-            check_key(each, prefix=service.prefix, max_length=service.provider.max_key_length)
-        except InvalidArgumentError as refused:
-            return InvalidArgumentError(
-                f"the lock key of {task.name} (from its {_key_builder_of(task).source}): {refused}"
-            )
+    try:
+        _check_keys(service, [key] if isinstance(key, str) else key)
+    except InvalidArgumentError as refused:
+        return InvalidArgumentError(
+            f"the lock key of {task.name} (from its {_key_builder_of(task).source}): {refused}"
+        )
     return None
+
+
+def _check_keys(service: LockService, keys: list[str]) -> None:
+    """InvalidArgumentError for the first of ``keys`` the service's store would refuse."""
+    for each in keys:
+        check_key(each, prefix=service.prefix, max_length=service.provider.max_key_length)
 
 
 def _acquire(
@@ -834,8 +839,7 @@ def _lock(
     if settings.limit > 1:
         raise InvalidArgumentError(f"several lock keys do not support limit={settings.limit} (a semaphore)")
     keys = key
-    for each in keys:  # all checked before the first is taken (lock_many checks only the rest)
-        check_key(each, prefix=service.prefix, max_length=service.provider.max_key_length)
+    _check_keys(service, keys)  # all before the first is taken (lock_many checks only the rest)
     first = service.lock(keys[0], task_id=once, **options)
     try:
         rest = service.lock_many(keys[1:], **options)

@@ -28,19 +28,24 @@ def shown(value: object) -> str:
     return repr(value)
 
 
+def as_seconds(name: str, value: object) -> float:
+    """``value`` (seconds as int/float, or a timedelta) as float seconds, unbounded (an int
+    beyond any float is infinity); InvalidArgumentError naming ``name`` for another type."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float (10**400): the caller refuses it
+            return math.inf
+    raise InvalidArgumentError(
+        f"{name} must be seconds (int or float) or a timedelta, got {type(value).__name__}"
+    )
+
+
 def seconds(name: str, value: object) -> float:
     """``value`` (seconds as int/float, or a timedelta) as positive finite float seconds."""
-    if isinstance(value, timedelta):
-        result = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            result = float(value)
-        except OverflowError:  # an int beyond any float (10**400): refused below
-            result = math.inf
-    else:
-        raise InvalidArgumentError(
-            f"{name} must be seconds (int or float) or a timedelta, got {type(value).__name__}"
-        )
+    result = as_seconds(name, value)
     if not math.isfinite(result) or result <= 0:
         raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {shown(value)}")
     return result

@@ -95,7 +95,6 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import TypeVar, cast
 
 from celery_exclusive.errors import InvalidArgumentError
@@ -107,7 +106,7 @@ from celery_exclusive.providers.base import (
     WakesOnAny,
     WakesWaiters,
 )
-from celery_exclusive.validation import shown
+from celery_exclusive.validation import as_seconds, shown
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -138,17 +137,7 @@ def check_wait(wait: object) -> float:
 
     Infinity is refused: a wait must end, so a caller stuck behind a leaked lock learns it.
     """
-    if isinstance(wait, timedelta):
-        value = wait.total_seconds()
-    elif not isinstance(wait, (int, float)) or isinstance(wait, bool):
-        raise InvalidArgumentError(
-            f"wait must be seconds (int or float) or a timedelta, got {type(wait).__name__}"
-        )
-    else:
-        try:
-            value = float(wait)
-        except OverflowError:  # an int beyond any float (10**400)
-            value = math.inf
+    value = as_seconds("wait", wait)
     if not math.isfinite(value) or value < 0 or value > MAX_WAIT:
         raise InvalidArgumentError(
             f"wait must be finite seconds between 0 and {MAX_WAIT:g}, got {shown(wait)}"
